@@ -1,0 +1,135 @@
+"""The daemon: wires store, pool, scheduler, socket server and HTTP endpoint together.
+
+Start order: store opened (index read into memory), workers spawned (they import the
+toolchain in the background), socket listening (hits are served at once), the start-up
+scan and the HTTP endpoint. The daemon never touches a GPU: device facts come from
+requests, and compilation is cross-compilation for the requested arch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from . import families, sizing, toolchain
+from .httpapp import make_app
+from .log import event
+from .pool import Pool
+from .scheduler import Scheduler, Stats
+from .server import Server
+from .store import Store
+
+log = logging.getLogger("cached.daemon")
+
+FLUSH_INTERVAL_S = 2.0
+
+
+@dataclass
+class Settings:
+    store: Path
+    socket: str
+    http_host: str = "127.0.0.1"
+    http_port: int = 8377
+    workers: int | None = None
+    job_timeout: float = 300.0
+    socket_mode: int = 0o660
+
+
+class Daemon:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.started = time.time()
+        self.store = Store(settings.store)
+        self.stats = Stats()
+        preload = [n for n in families.names() if not n.startswith("cached.test")]
+        self.pool = Pool(sizing.worker_count(settings.workers), settings.job_timeout, preload)
+        self.scheduler = Scheduler(self.store, self.pool, self.stats)
+        self.server = Server(self.scheduler, self.snapshot)
+        self.http_address = ""
+        self._http: uvicorn.Server | None = None
+        self._stop = asyncio.Event()
+
+    def snapshot(self) -> dict:
+        """The statistics ``cached stats --json`` and ``GET /stats`` report."""
+        entries, size = self.store.totals()
+        c = self.stats.counters
+        return {
+            "entries": entries, "bytes": size, "hits": c["hits"], "misses": c["misses"],
+            "compiles": c["compiles"], "failures": c["failures"],
+            "compile_seconds": round(c["compile_seconds"], 3),
+            "in_flight": len(self.scheduler.inflight), "queued": self.scheduler.queued,
+            "running": self.scheduler.running, "workers": self.pool.size,
+            "workers_alive": self.pool.alive, "workers_idle": self.pool.idle,
+            "worker_restarts": self.pool.restarts, "connections": self.server.connections,
+            "errors": {k.split(".", 1)[1]: v for k, v in c.items() if k.startswith("errors.")},
+            "families": {f: dict(v) for f, v in self.stats.by_family.items()},
+            "last_failures": list(self.stats.failures)[-5:],
+            "uptime_s": round(time.time() - self.started, 1),
+            "toolchain": toolchain.fingerprint_digest(), "store": str(self.settings.store),
+            "socket": self.settings.socket, "http": self.http_address,
+        }
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        await self.pool.start()
+        await self.scheduler.start()
+        await self.server.start(self.settings.socket, mode=self.settings.socket_mode)
+        event(log, logging.INFO, "daemon.listening", socket=self.settings.socket,
+              workers=self.pool.size, entries=self.store.totals()[0],
+              toolchain=toolchain.fingerprint_digest())
+        threading.Thread(target=self.store.scan, name="store-scan", daemon=True).start()
+        self._start_http()
+        flusher = loop.create_task(self._flush_loop())
+        await self._stop.wait()
+        event(log, logging.INFO, "daemon.stopping", in_flight=len(self.scheduler.inflight))
+        flusher.cancel()
+        await self.server.stop()
+        await self.scheduler.stop()
+        await self.pool.stop()
+        if self._http is not None:
+            self._http.should_exit = True
+        self.store.close()
+        try:
+            os.unlink(self.settings.socket)
+        except FileNotFoundError:
+            pass
+        event(log, logging.INFO, "daemon.stopped")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_INTERVAL_S)
+            await asyncio.get_running_loop().run_in_executor(None, self.store.flush)
+
+    def _start_http(self) -> None:
+        if self.settings.http_port < 0:
+            return
+        sock = socket.socket(socket.AF_INET6 if ":" in self.settings.http_host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.settings.http_host, self.settings.http_port))
+        sock.listen(64)
+        host, port = sock.getsockname()[:2]
+        self.http_address = f"{host}:{port}"
+        app = make_app(self.snapshot, lambda: self.pool.alive > 0)
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
+        self._http = uvicorn.Server(config)
+        threading.Thread(target=self._http.run, kwargs={"sockets": [sock]}, name="http",
+                         daemon=True).start()
+        event(log, logging.INFO, "http.listening", address=self.http_address)
+
+
+def serve(settings: Settings) -> None:
+    asyncio.run(Daemon(settings).run())

@@ -1,0 +1,36 @@
+"""The registry of kernel families: name -> module-level singleton.
+
+A family module is imported only when its name is first asked for, so the daemon's main
+process imports none of the heavy toolchains through this registry.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from cached_client.errors import UnknownFamily
+
+from .base import Family
+
+_MODULES = {
+    "flashinfer.mm_fp4": ("cached.families.flashinfer_mm_fp4", "FlashInferMmFp4"),
+}
+if os.environ.get("CACHED_TEST_FAMILIES") == "1":
+    _MODULES["cached.test.fault"] = ("cached.families.testing", "FaultFamily")
+_instances: dict[str, Family] = {}
+
+
+def names() -> list[str]:
+    return sorted(_MODULES)
+
+
+def get(name: str) -> Family:
+    """The family called ``name``; UnknownFamily lists the known ones."""
+    family = _instances.get(name)
+    if family is None:
+        if name not in _MODULES:
+            raise UnknownFamily(f"unknown family {name!r}; known: {', '.join(names())}")
+        module, cls = _MODULES[name]
+        family = _instances[name] = getattr(importlib.import_module(module), cls)()
+    return family

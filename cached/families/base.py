@@ -1,0 +1,96 @@
+"""What a kernel family is: the small interface every family module implements.
+
+Two halves run in two places. ``canonical_params`` and ``source_sha256`` run in the
+daemon's main process and must not import the compiler, torch or FlashInfer. ``plan``
+and ``build`` run in a pool worker (or a client's fallback), where the toolchain is
+imported once; ``build`` sets nothing global but ``CUTE_DSL_ARCH``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cached_client.errors import InvalidTactic
+from cached_client.keys import KernelRequest
+
+DEFAULT_SM_COUNT = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148, "sm_107a": 148}
+
+
+@dataclass(frozen=True)
+class BuiltObject:
+    """A compiled kernel exported as an object file; ``symbol`` is its TVM-FFI function."""
+
+    kernel_name: str
+    symbol: str
+    object_path: Path
+    meta: Mapping[str, Any]
+
+
+class Family(abc.ABC):
+    """A kernel family: its tactic space, its identity rules and its compile recipe."""
+
+    name: str
+    arches: tuple[str, ...]
+    reduction_order_m_independent: bool = False
+
+    def check_arch(self, arch: str) -> None:
+        if arch not in self.arches:
+            raise InvalidTactic(
+                f"family {self.name} builds for {', '.join(self.arches)}, not {arch}"
+            )
+
+    @abc.abstractmethod
+    def canonical_params(self, params: Mapping[str, Any], arch: str) -> dict:
+        """Validated parameters with defaults filled in; raises InvalidTactic."""
+
+    @abc.abstractmethod
+    def source_sha256(self) -> str:
+        """Hash of the kernel source files whose content decides the artifact."""
+
+    @abc.abstractmethod
+    def plan(
+        self, shape: tuple[int, int, int], arch: str, sm_count: int, options: Mapping[str, Any]
+    ) -> list[KernelRequest]:
+        """The tactic space for one (M, N, K) shape, in a stable order (best first)."""
+
+    @abc.abstractmethod
+    def build(self, request: KernelRequest, workdir: Path) -> BuiltObject:
+        """Compile ``request`` and export its object file into ``workdir``."""
+
+    def preload(self) -> None:
+        """Import the toolchain this family compiles with (a worker calls it once)."""
+        return None
+
+    def canonical_request(self, request: KernelRequest) -> KernelRequest:
+        self.check_arch(request.arch)
+        params = self.canonical_params(request.params, request.arch)
+        return KernelRequest(
+            family=request.family,
+            params=params,
+            arch=request.arch,
+            sm_count=request.sm_count,
+            max_active_clusters=request.max_active_clusters,
+        )
+
+
+def _tuplify(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_tuplify(v) for v in value)
+    return value
+
+
+def require(params: Mapping[str, Any], name: str, allowed: Any, default: Any = ...) -> Any:
+    """``params[name]`` if it equals one of ``allowed`` with the same type (lists as tuples)."""
+    if name not in params:
+        if default is ...:
+            raise InvalidTactic(f"parameter {name!r} is required")
+        return default
+    value = _tuplify(params[name])
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        choices = ", ".join(repr(a) for a in allowed)
+        raise InvalidTactic(f"parameter {name}={params[name]!r} is not one of: {choices}")
+    return value

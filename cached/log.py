@@ -1,0 +1,62 @@
+"""Structured logging: one line per event, JSON when stderr is not a terminal.
+
+Use ``event(log, logging.INFO, "compile.done", key=..., seconds=...)``: the event name
+is stable and greppable, the fields are data. Levels mean: DEBUG per-request detail,
+INFO state changes and finished work, WARNING something was repaired or degraded,
+ERROR a request or job failed for a reason an operator should see.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+
+class _Formatter(logging.Formatter):
+    def __init__(self, as_json: bool) -> None:
+        super().__init__()
+        self.as_json = as_json
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = getattr(record, "fields", {})
+        if self.as_json:
+            doc = {
+                "ts": round(record.created, 3),
+                "level": record.levelname.lower(),
+                "logger": record.name,
+                "event": record.getMessage(),
+                **fields,
+            }
+            if record.exc_info:
+                doc["exc"] = self.formatException(record.exc_info)
+            return json.dumps(doc, default=str)
+        stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
+        kv = " ".join(f"{k}={_short(v)}" for k, v in fields.items())
+        line = f"{stamp} {record.levelname:<7} {record.getMessage()} {kv}".rstrip()
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if " " not in text else json.dumps(text)
+
+
+def setup(level: str = "info", as_json: bool | None = None) -> None:
+    """Configure the root logger once for a daemon or CLI process."""
+    if as_json is None:
+        as_json = not sys.stderr.isatty()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter(as_json))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def event(log: logging.Logger, level: int, name: str, **fields: Any) -> None:
+    if log.isEnabledFor(level):
+        log.log(level, name, extra={"fields": fields})

@@ -1,0 +1,265 @@
+"""The scheduler: from a request to a stored artifact, compiling each key at most once.
+
+Invariants:
+- single-flight: at most one job per key is queued or running, whatever the number of
+  waiters or processes; every waiter gets that job's result or its error;
+- priority: a job some client waits on (interactive) runs before pre-warm work, and a
+  queued pre-warm job is promoted when a client starts waiting on it;
+- a waiter's deadline bounds only its own wait; the job goes on and is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import json
+import logging
+import shutil
+import time
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cached_client.errors import (
+    CompileFailed,
+    DeadlineExceeded,
+    InvalidTactic,
+    Overloaded,
+    ToolchainMismatch,
+)
+from cached_client.keys import KernelRequest, artifact_key
+
+from . import families, toolchain
+from .families.base import DEFAULT_SM_COUNT, Family
+from .log import event
+from .pool import JobError, Pool, WorkerFailed
+from .store import Entry, Store
+
+log = logging.getLogger("cached.scheduler")
+
+INTERACTIVE, PREWARM = 0, 1
+PRIORITIES = {"interactive": INTERACTIVE, "prewarm": PREWARM}
+
+
+@dataclass
+class Job:
+    key: str
+    family: Family
+    request: KernelRequest
+    priority: int
+    future: asyncio.Future
+    state: str = "queued"
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+class Stats:
+    """Counters the daemon reports; per-family counters under ``families``."""
+
+    def __init__(self) -> None:
+        self.counters: Counter[str] = Counter()
+        self.by_family: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self.failures: deque[dict] = deque(maxlen=20)
+
+    def count(self, name: str, family: str | None = None, n: int = 1) -> None:
+        self.counters[name] += n
+        if family:
+            self.by_family[family][name] += n
+
+
+class Scheduler:
+    def __init__(self, store: Store, pool: Pool, stats: Stats, max_queue: int = 100_000) -> None:
+        self.store = store
+        self.pool = pool
+        self.stats = stats
+        self.max_queue = max_queue
+        self.inflight: dict[str, Job] = {}
+        self.running = 0
+        self._heap: list[tuple[int, int, Job]] = []
+        self._seq = itertools.count()
+        self._has_work = asyncio.Event()
+        self._dispatcher: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for j in self.inflight.values() if j.state == "queued")
+
+    async def start(self) -> None:
+        self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch())
+
+    async def stop(self) -> None:
+        if self._dispatcher:
+            self._dispatcher.cancel()
+        for job in self.inflight.values():
+            if not job.future.done():
+                job.future.set_exception(CompileFailed("the daemon is shutting down"))
+                job.future.exception()
+
+    # -- requests ----------------------------------------------------------------------
+
+    def resolve(self, wire: Any, expected_toolchain: str | None = None
+                ) -> tuple[Family, KernelRequest, str]:
+        """Validate a wire request; returns its family, canonical request and store key."""
+        request = KernelRequest.from_wire(wire)
+        family = families.get(request.family)
+        request = family.canonical_request(request)
+        if expected_toolchain is not None and expected_toolchain != toolchain.fingerprint():
+            raise ToolchainMismatch(
+                f"the client expects toolchain {expected_toolchain[:80]!r} but this daemon "
+                f"builds with {toolchain.fingerprint()[:80]!r}; align the nvidia-cutlass-dsl, "
+                "apache-tvm-ffi and torch versions or run a daemon from the client's environment"
+            )
+        key = artifact_key(request, toolchain.fingerprint(), family.source_sha256())
+        return family, request, key
+
+    async def get(self, wire: Any, priority: int = INTERACTIVE, timeout: float = 60.0,
+                  expected_toolchain: str | None = None) -> tuple[Entry, str]:
+        """The stored entry for a request and whether it was a ``hit`` or ``compiled``."""
+        family, request, key = self.resolve(wire, expected_toolchain)
+        entry = self.store.lookup(key)
+        if entry is not None:
+            self.stats.count("hits", family.name)
+            return entry, "hit"
+        self.stats.count("misses", family.name)
+        job = self._submit(key, family, request, priority)
+        try:
+            return await asyncio.wait_for(asyncio.shield(job.future), timeout), "compiled"
+        except TimeoutError:
+            self.stats.count("deadline_exceeded", family.name)
+            raise DeadlineExceeded(
+                f"kernel {key[:16]} was not ready within {timeout:.1f}s (job {job.state}); "
+                "it keeps compiling and a later request will find it"
+            ) from None
+
+    def prefetch(self, wires: list[Any]) -> dict:
+        """Queue every request not stored or in flight as pre-warm work; answers at once."""
+        report: dict[str, Any] = {"queued": 0, "cached": 0, "in_flight": 0, "rejected": []}
+        for index, wire in enumerate(wires):
+            try:
+                family, request, key = self.resolve(wire)
+            except Exception as exc:  # noqa: BLE001 -- reported per request
+                report["rejected"].append({"index": index, "error": _wire_error(exc)})
+                continue
+            if self.store.contains(key):
+                report["cached"] += 1
+            elif key in self.inflight:
+                report["in_flight"] += 1
+            else:
+                self._submit(key, family, request, PREWARM)
+                report["queued"] += 1
+        return report
+
+    async def plan(self, family_name: str, shape: Any, arch: str, sm_count: int | None,
+                   options: dict) -> list[dict]:
+        """The family's tactic space, computed in a worker (it may need the toolchain)."""
+        family = families.get(family_name)
+        family.check_arch(arch)
+        if (not isinstance(shape, list) or len(shape) != 3
+                or not all(isinstance(v, int) and v > 0 for v in shape)):
+            raise InvalidTactic(f"shape must be three positive integers M,N,K, got {shape!r}")
+        payload = {"family": family_name, "shape": shape, "arch": arch,
+                   "sm_count": sm_count or DEFAULT_SM_COUNT[arch], "options": options}
+        w = await self.pool.acquire()
+        try:
+            return await self.pool.run_on(w, "plan", payload)
+        except JobError as exc:
+            raise InvalidTactic(f"planning {family_name} failed: {exc.message}") from None
+
+    # -- jobs --------------------------------------------------------------------------
+
+    def _submit(self, key: str, family: Family, request: KernelRequest, priority: int) -> Job:
+        job = self.inflight.get(key)
+        if job is not None:
+            if priority < job.priority and job.state == "queued":
+                job.priority = priority
+                self._push(job)
+            return job
+        if len(self.inflight) >= self.max_queue:
+            raise Overloaded(f"{len(self.inflight)} compilations are already queued; retry later")
+        future = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        job = Job(key, family, request, priority, future)
+        self.inflight[key] = job
+        self._push(job)
+        return job
+
+    def _push(self, job: Job) -> None:
+        heapq.heappush(self._heap, (job.priority, next(self._seq), job))
+        self._has_work.set()
+
+    async def _next_job(self) -> Job:
+        while True:
+            while self._heap:
+                priority, _, job = heapq.heappop(self._heap)
+                if job.state == "queued" and job.priority == priority:
+                    return job
+            self._has_work.clear()
+            await self._has_work.wait()
+
+    async def _dispatch(self) -> None:
+        while True:
+            worker = await self.pool.acquire()
+            job = await self._next_job()
+            job.state = "running"
+            task = asyncio.get_running_loop().create_task(self._run(worker, job))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, worker: Any, job: Job) -> None:
+        loop = asyncio.get_running_loop()
+        name = job.family.name
+        workdir = self.store.workdir()
+        self.running += 1
+        started = time.monotonic()
+        try:
+            result = await self.pool.run_on(
+                worker, "build", {"request": job.request.to_wire(), "workdir": str(workdir)}
+            )
+            entry = await loop.run_in_executor(None, self._publish, job, result)
+        except (JobError, WorkerFailed, OSError) as exc:
+            message = exc.message if isinstance(exc, JobError) else str(exc)
+            self.stats.count("failures", name)
+            self.stats.failures.append({"time": time.time(), "family": name, "key": job.key,
+                                        "params": dict(job.request.params), "message": message})
+            event(log, logging.ERROR, "compile.failed", family=name, key=job.key[:16],
+                  error=message[:500])
+            job.future.set_exception(CompileFailed(f"{name} {_describe(job.request)}: {message}"))
+        else:
+            self.stats.count("compiles", name)
+            self.stats.count("compile_seconds", name, result["compile_seconds"])
+            event(log, logging.INFO, "compile.done", family=name, key=job.key[:16],
+                  kernel=result["kernel_name"], compile_s=result["compile_seconds"],
+                  wall_s=round(time.monotonic() - started, 3),
+                  waited_s=round(started - job.enqueued, 3))
+            job.future.set_result(entry)
+        finally:
+            job.state = "done"
+            self.running -= 1
+            self.inflight.pop(job.key, None)
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def _publish(self, job: Job, result: dict) -> Entry:
+        request = job.request
+        row = {
+            "key": job.key, "family": request.family, "kernel_name": result["kernel_name"],
+            "symbol": result["symbol"], "params": json.dumps(dict(request.params), sort_keys=True),
+            "arch": request.arch, "sm_count": request.sm_count,
+            "max_active_clusters": request.max_active_clusters,
+            "toolchain": toolchain.fingerprint(), "source_sha256": job.family.source_sha256(),
+            "compile_seconds": result["compile_seconds"],
+            "meta": {**result["meta"], "runtime_library": toolchain.RUNTIME_LIBRARY_NAME},
+        }
+        return self.store.publish(row, Path(result["object_path"]), Path(result["library_path"]))
+
+
+def _describe(request: KernelRequest) -> str:
+    return f"{request.arch} {json.dumps(dict(request.params), sort_keys=True)}"
+
+
+def _wire_error(exc: Exception) -> dict:
+    to_wire = getattr(exc, "to_wire", None)
+    if to_wire:
+        return to_wire()
+    return {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}

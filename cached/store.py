@@ -1,0 +1,250 @@
+"""Content-addressed artifact store: blobs named by sha256 plus an SQLite index.
+
+Layout under the store root::
+
+    blobs/ab/abcdef....so  read-only files named by their sha256 (and kind's suffix)
+    tmp/                 work directories of compilations in progress
+    index.sqlite         one row per key (sqlite-utils, WAL)
+
+Invariants: a blob is written to ``tmp/``, fsynced, made read-only and renamed into
+``blobs/`` before any index row names it, so a crash at any instant leaves either no
+entry or a whole one. Every read recomputes the blob's sha256; a row whose blob is
+missing or wrong is dropped (and the blob removed), never served. Store paths derive
+only from digests, never from client input. Hit counts and last-use times are kept in
+memory and written back in batches (:meth:`Store.flush`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sqlite3
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+from .log import event
+
+log = logging.getLogger("cached.store")
+
+COLUMNS = {
+    "key": str, "family": str, "kernel_name": str, "symbol": str, "params": str, "arch": str,
+    "sm_count": int, "max_active_clusters": int, "toolchain": str, "source_sha256": str,
+    "object_sha256": str, "object_size": int, "library_sha256": str, "library_size": int,
+    "size": int, "compile_seconds": float, "created": float, "last_used": float, "hits": int,
+    "meta": str,
+}
+
+SUFFIXES = {"object": ".o", "library": ".so"}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One index row, with paths to its verified blobs."""
+
+    row: dict
+    object_path: Path
+    library_path: Path
+
+    @property
+    def key(self) -> str:
+        return self.row["key"]
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class Store:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.blob_dir = self.root / "blobs"
+        self.tmp_dir = self.root / "tmp"
+        for d in (self.root, self.blob_dir, self.tmp_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        conn = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False,
+                               isolation_level=None, timeout=30)
+        self.db = sqlite_utils.Database(conn)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.entries = self.db.table("entries")
+        if not self.entries.exists():
+            self.entries.create(COLUMNS, pk="key")
+        self._rows: dict[str, dict] = {r["key"]: r for r in self.entries.rows}
+        self._touched: set[str] = set()
+        self._opened = time.time()
+
+    # -- reading -----------------------------------------------------------------------
+
+    def blob_path(self, sha256: str, kind: str) -> Path:
+        """Where the blob of ``kind`` (object or library) with this digest lives."""
+        return self.blob_dir / sha256[:2] / f"{sha256}{SUFFIXES[kind]}"
+
+    def lookup(self, key: str) -> Entry | None:
+        """The entry for ``key`` after checking both blobs' digests; None if absent or bad."""
+        row = self._rows.get(key)
+        if row is None:
+            return None
+        entry = self._verified(row)
+        if entry is None:
+            return None
+        with self._lock:
+            row["hits"] += 1
+            row["last_used"] = time.time()
+            self._touched.add(key)
+        return entry
+
+    def _verified(self, row: dict) -> Entry | None:
+        paths = {}
+        for kind in ("object", "library"):
+            sha = row[f"{kind}_sha256"]
+            path = self.blob_path(sha, kind)
+            try:
+                actual = sha256_file(path)
+            except FileNotFoundError:
+                self.drop(row["key"], f"{kind} blob {sha[:12]} is missing")
+                return None
+            if actual != sha:
+                self.drop(row["key"], f"{kind} blob {sha[:12]} has digest {actual[:12]}")
+                self._remove_blob(path)
+                return None
+            paths[kind] = path
+        return Entry(dict(row), paths["object"], paths["library"])
+
+    def read_library(self, entry: Entry) -> bytes:
+        """The library blob's bytes, checked against its digest once more as read."""
+        data = entry.library_path.read_bytes()
+        if hashlib.sha256(data).hexdigest() != entry.row["library_sha256"]:
+            self.drop(entry.key, "library blob changed while being read")
+            raise OSError(f"library blob of {entry.key[:12]} failed its digest check")
+        return data
+
+    def contains(self, key: str) -> bool:
+        """Whether an index row exists (not verified; use :meth:`lookup` to serve)."""
+        return key in self._rows
+
+    def rows(self) -> list[dict]:
+        with self._lock:
+            return [dict(r) for r in self._rows.values()]
+
+    def totals(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._rows), sum(r["size"] for r in self._rows.values())
+
+    # -- writing -----------------------------------------------------------------------
+
+    def workdir(self) -> Path:
+        """A fresh directory under tmp/ for one compilation (same filesystem as blobs/)."""
+        return Path(tempfile.mkdtemp(prefix="job-", dir=self.tmp_dir))
+
+    def publish(self, row: dict, object_file: Path, library_file: Path) -> Entry:
+        """Move two built files into blobs/ and commit their index row; atomic per step."""
+        row = dict(row)
+        for kind, path in (("object", object_file), ("library", library_file)):
+            sha, size = self._commit_blob(Path(path), kind)
+            row[f"{kind}_sha256"], row[f"{kind}_size"] = sha, size
+        now = time.time()
+        row.update(size=row["object_size"] + row["library_size"], created=now, last_used=now,
+                   hits=0)
+        for name in ("params", "meta"):
+            if not isinstance(row.get(name), str):
+                row[name] = json.dumps(row.get(name, {}), sort_keys=True)
+        with self._lock:
+            self.entries.insert(row, pk="key", replace=True)
+            self._rows[row["key"]] = row
+        return Entry(dict(row), self.blob_path(row["object_sha256"], "object"),
+                     self.blob_path(row["library_sha256"], "library"))
+
+    def _commit_blob(self, path: Path, kind: str) -> tuple[str, int]:
+        with open(path, "rb+") as f:
+            data = f.read()
+            os.fsync(f.fileno())
+        sha = hashlib.sha256(data).hexdigest()
+        dest = self.blob_path(sha, kind)
+        if dest.exists() and sha256_file(dest) == sha:
+            path.unlink()
+            return sha, len(data)
+        dest.parent.mkdir(exist_ok=True)
+        os.chmod(path, 0o444)
+        os.replace(path, dest)
+        _fsync_dir(dest.parent)
+        return sha, len(data)
+
+    def drop(self, key: str, reason: str) -> None:
+        with self._lock:
+            if self._rows.pop(key, None) is None:
+                return
+            self._touched.discard(key)
+            self.entries.delete_where("key = ?", [key])
+        event(log, logging.WARNING, "store.entry_dropped", key=key[:16], reason=reason)
+
+    def _remove_blob(self, path: Path) -> None:
+        try:
+            os.chmod(path, 0o644)
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+    def flush(self) -> int:
+        """Write batched hit counts and last-use times to the index; returns rows written."""
+        with self._lock:
+            touched = [(r["hits"], r["last_used"], k) for k in self._touched
+                       if (r := self._rows.get(k)) is not None]
+            self._touched.clear()
+            if touched:
+                self.db.conn.executemany(
+                    "UPDATE entries SET hits = ?, last_used = ? WHERE key = ?", touched
+                )
+        return len(touched)
+
+    def close(self) -> None:
+        self.flush()
+        self.db.conn.close()
+
+    # -- start-up scan -----------------------------------------------------------------
+
+    def scan(self) -> dict[str, Any]:
+        """Drop rows whose blobs are missing or wrong, delete stray temporaries and
+        unreferenced blobs older than this store's opening. Safe to run while serving."""
+        started = time.monotonic()
+        report = {"checked": 0, "dropped": 0, "tmp_removed": 0, "orphans_removed": 0}
+        for row in self.rows():
+            report["checked"] += 1
+            if self._rows.get(row["key"]) is not None and self._verified(row) is None:
+                report["dropped"] += 1
+        for child in self.tmp_dir.iterdir():
+            if child.stat().st_mtime < self._opened:
+                shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink()
+                report["tmp_removed"] += 1
+        with self._lock:
+            referenced = {self.blob_path(r[f"{k}_sha256"], k).name
+                          for r in self._rows.values() for k in SUFFIXES}
+        for path in self.blob_dir.glob("*/*"):
+            if path.name not in referenced and path.stat().st_mtime < self._opened:
+                self._remove_blob(path)
+                report["orphans_removed"] += 1
+        report["seconds"] = round(time.monotonic() - started, 3)
+        level = logging.WARNING if report["dropped"] or report["orphans_removed"] else logging.INFO
+        event(log, level, "store.scan_done", **report)
+        return report
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,43 @@
+"""Thin client of the cached daemon.
+
+Importing this package is cheap: it pulls in none of FastAPI, the CuTe-DSL compiler,
+FlashInfer, TVM-FFI or torch. Loading a kernel imports TVM-FFI on first use.
+"""
+
+from .client import Artifact, Client
+from .errors import (
+    CachedError,
+    CompileFailed,
+    DaemonUnavailable,
+    DeadlineExceeded,
+    IntegrityError,
+    InvalidTactic,
+    MalformedFrame,
+    NotAllowed,
+    Overloaded,
+    ToolchainMismatch,
+    UnknownFamily,
+    UnsupportedVersion,
+)
+from .keys import KernelRequest, artifact_key
+from .paths import default_socket_path
+
+__all__ = [
+    "Artifact",
+    "CachedError",
+    "Client",
+    "CompileFailed",
+    "DaemonUnavailable",
+    "DeadlineExceeded",
+    "IntegrityError",
+    "InvalidTactic",
+    "KernelRequest",
+    "MalformedFrame",
+    "NotAllowed",
+    "Overloaded",
+    "ToolchainMismatch",
+    "UnknownFamily",
+    "UnsupportedVersion",
+    "artifact_key",
+    "default_socket_path",
+]

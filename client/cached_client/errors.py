@@ -1,0 +1,97 @@
+"""Typed errors shared by the daemon and the client.
+
+Every error the daemon sends has a ``code`` from :data:`ERROR_CODES`; the client turns
+it back into the matching exception class, so callers can catch what they can act on.
+"""
+
+from __future__ import annotations
+
+
+class CachedError(Exception):
+    """Base of every error this project raises on purpose."""
+
+    code = "internal"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def to_wire(self) -> dict:
+        return {"code": self.code, "message": self.message}
+
+
+class MalformedFrame(CachedError):
+    code = "malformed_frame"
+
+
+class UnsupportedVersion(CachedError):
+    code = "unsupported_version"
+
+
+class UnknownFamily(CachedError):
+    code = "unknown_family"
+
+
+class InvalidTactic(CachedError):
+    code = "invalid_tactic"
+
+
+class ToolchainMismatch(CachedError):
+    code = "toolchain_mismatch"
+
+
+class CompileFailed(CachedError):
+    code = "compile_failed"
+
+
+class DeadlineExceeded(CachedError):
+    code = "deadline_exceeded"
+
+
+class Overloaded(CachedError):
+    code = "overloaded"
+
+
+class NotAllowed(CachedError):
+    code = "not_allowed"
+
+
+class IntegrityError(CachedError):
+    """An artifact's bytes do not match their recorded sha256."""
+
+    code = "integrity"
+
+
+class DaemonUnavailable(CachedError):
+    """The daemon could not be reached, or went away mid-request."""
+
+    code = "unavailable"
+
+
+class InternalError(CachedError):
+    code = "internal"
+
+
+ERROR_CODES: dict[str, type[CachedError]] = {
+    cls.code: cls
+    for cls in (
+        MalformedFrame,
+        UnsupportedVersion,
+        UnknownFamily,
+        InvalidTactic,
+        ToolchainMismatch,
+        CompileFailed,
+        DeadlineExceeded,
+        Overloaded,
+        NotAllowed,
+        IntegrityError,
+        DaemonUnavailable,
+        InternalError,
+    )
+}
+
+
+def error_from_wire(error: dict) -> CachedError:
+    """The exception for an ``{"code", "message"}`` object received on the wire."""
+    cls = ERROR_CODES.get(str(error.get("code")), InternalError)
+    return cls(str(error.get("message", "")))

@@ -1,0 +1,83 @@
+"""Turn a verified shared library into a callable TVM-FFI function.
+
+Needs only TVM-FFI and the CuTe-DSL runtime library (``libcute_dsl_runtime.so``), not the
+compiler and not FlashInfer. Both are imported or opened on first use, never at import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from .errors import IntegrityError
+
+RUNTIME_LIBRARY_ENV = "CACHED_DSL_RUNTIME"
+_opened_runtimes: dict[str, ctypes.CDLL] = {}
+_lock = threading.Lock()
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def find_runtime_library(name: str, hint: str | None = None) -> str:
+    """Locate ``name``: $CACHED_DSL_RUNTIME, the daemon's hint, then the installed DSL."""
+    candidates = [os.environ.get(RUNTIME_LIBRARY_ENV), hint]
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    if spec and spec.submodule_search_locations:
+        for root in spec.submodule_search_locations:
+            candidates += [str(p) for p in sorted(Path(root).glob(f"cu*/lib/{name}"))]
+    for candidate in candidates:
+        if candidate and os.path.isfile(candidate):
+            return candidate
+    raise FileNotFoundError(
+        f"cannot find {name}: set {RUNTIME_LIBRARY_ENV} to its path, or install "
+        "nvidia-cutlass-dsl in this environment"
+    )
+
+
+def open_runtime(name: str, hint: str | None = None) -> None:
+    """dlopen the DSL runtime globally, once per process, so kernels can resolve it."""
+    with _lock:
+        if name in _opened_runtimes:
+            return
+        path = find_runtime_library(name, hint)
+        _opened_runtimes[name] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+
+
+def load_library(path: str, symbol: str, sha256: str, runtime: dict) -> Any:
+    """The function ``symbol`` of the shared library at ``path``, after checking its digest.
+
+    ``runtime`` is the artifact's ``runtime_library`` object: ``{"name", "path"}``.
+    """
+    actual = sha256_file(path)
+    if actual != sha256:
+        raise IntegrityError(f"{path} has sha256 {actual}, expected {sha256}; not loading it")
+    open_runtime(runtime["name"], runtime.get("path"))
+    import tvm_ffi
+
+    return tvm_ffi.load_module(path)[symbol]
+
+
+def load_bytes(data: bytes, symbol: str, sha256: str, runtime: dict, directory: str) -> Any:
+    """Write verified library bytes to a private file under ``directory`` and load it."""
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != sha256:
+        raise IntegrityError(f"received library has sha256 {actual}, expected {sha256}")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    path = os.path.join(directory, f"{sha256}.so")
+    if not os.path.exists(path):
+        tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    return load_library(path, symbol, sha256, runtime)
