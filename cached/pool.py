@@ -100,6 +100,7 @@ class Pool:
         self._ctx = multiprocessing.get_context("spawn")
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._all: set[_Worker] = set()
+        self._ready: set[_Worker] = set()
         self._threads = ThreadPoolExecutor(max_workers=size + 2, thread_name_prefix="pool-io")
         self._closing = False
         self._tasks: set[asyncio.Task] = set()
@@ -107,6 +108,11 @@ class Pool:
     @property
     def alive(self) -> int:
         return sum(1 for w in self._all if w.process.is_alive())
+
+    @property
+    def ready(self) -> int:
+        """Workers that finished importing the toolchain and are still alive."""
+        return sum(1 for w in self._ready if w.process.is_alive())
 
     @property
     def idle(self) -> int:
@@ -140,6 +146,7 @@ class Pool:
             return
         event(log, logging.INFO, "worker.ready", pid=w.pid,
               seconds=round(time.monotonic() - started, 2))
+        self._ready.add(w)
         self._idle.put_nowait(w)
 
     async def acquire(self) -> _Worker:
@@ -157,6 +164,7 @@ class Pool:
         except WorkerFailed as exc:
             w.kill()
             self._all.discard(w)
+            self._ready.discard(w)
             self.restarts += 1
             event(log, logging.ERROR, "worker.lost", pid=w.pid, reason=str(exc))
             self._spawn()
@@ -179,4 +187,5 @@ class Pool:
         for w in list(self._all):
             w.kill()
         self._all.clear()
+        self._ready.clear()
         self._threads.shutdown(wait=False, cancel_futures=True)

@@ -98,14 +98,11 @@ class Store:
         row = self._rows.get(key)
         if row is None:
             return None
-        entry = self._verified(row)
-        if entry is None:
-            return None
         with self._lock:
             row["hits"] += 1
             row["last_used"] = time.time()
             self._touched.add(key)
-        return entry
+        return self._verified(row)
 
     def _verified(self, row: dict) -> Entry | None:
         paths = {}

@@ -1,0 +1,166 @@
+"""End to end: real daemon process, real socket, real compiles, real store."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import struct
+import time
+
+import pytest
+
+from cached.store import Store
+from cached_client import (
+    Client,
+    CompileFailed,
+    InvalidTactic,
+    KernelRequest,
+    UnknownFamily,
+    UnsupportedVersion,
+)
+from conftest import SHAPE, DaemonProcess, fault, run_cli
+
+
+def warm_json(daemon: DaemonProcess, limit: int) -> dict:
+    out = run_cli("warm", "--socket", daemon.socket, "--family", "flashinfer.mm_fp4",
+                  "--arch", "sm_100a", "--shape", ",".join(map(str, SHAPE)),
+                  "--limit", str(limit), "--json").stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_cold_then_warm_warm_up_compiles_nothing_the_second_time(daemon):
+    cold = warm_json(daemon, 4)
+    assert (cold["compiled"], cold["cached"], cold["failed"]) == (4, 0, 0)
+    warm = warm_json(daemon, 4)
+    assert (warm["compiled"], warm["cached"], warm["failed"]) == (0, 4, 0)
+    stats = daemon.stats()
+    assert stats["compiles"] == 4 and stats["entries"] == 4 and stats["hits"] == 4
+    listed = run_cli("ls", "--socket", daemon.socket, "--json").stdout
+    assert {e["family"] for e in json.loads(listed)} == {"flashinfer.mm_fp4"}
+
+
+def _get_all(socket_path: str, wires: list[dict], barrier) -> list[str]:
+    client = Client(socket_path, timeout=300)
+    barrier.wait()
+    return [client.get(KernelRequest.from_wire(w)).library_sha256 for w in wires]
+
+
+def test_eight_processes_asking_at_once_cause_one_compile_per_kernel(daemon, mm_fp4_requests):
+    wires = [r.to_wire() for r in mm_fp4_requests[10:16]]
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Manager().Barrier(8)
+    with ctx.Pool(8) as pool:
+        results = pool.starmap(_get_all, [(daemon.socket, wires[i:] + wires[:i], barrier)
+                                          for i in range(8)])
+    assert len({frozenset(r) for r in results}) == 1
+    stats = daemon.stats()
+    assert stats["compiles"] == 6
+    assert stats["hits"] + stats["misses"] == 48
+
+
+def test_restarted_daemon_serves_what_it_had(tmp_path, mm_fp4_requests):
+    first = DaemonProcess(tmp_path)
+    try:
+        art = first.client().get(mm_fp4_requests[0])
+        assert art.origin == "compiled"
+    finally:
+        first.stop()
+    second = DaemonProcess(tmp_path)
+    try:
+        again = second.client().get(mm_fp4_requests[0])
+        assert again.origin == "hit" and again.library_sha256 == art.library_sha256
+        assert second.stats()["compiles"] == 0
+    finally:
+        second.stop()
+
+
+def test_kill9_during_compilation_leaves_a_store_that_verifies_and_no_orphans(
+        tmp_path, mm_fp4_requests):
+    d = DaemonProcess(tmp_path)
+    client = d.client()
+    client.prefetch(mm_fp4_requests[20:30])
+    deadline = time.monotonic() + 60
+    while d.stats()["compiles"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    workers = d.worker_pids()
+    assert workers
+    d.kill9()
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in workers if os.path.exists(f"/proc/{p}")], "orphaned workers"
+    store = Store(tmp_path / "store")
+    store.scan()
+    rows = store.rows()
+    assert len(rows) >= 2
+    assert all(store.lookup(r["key"]) is not None for r in rows)
+    assert not list((tmp_path / "store" / "tmp").iterdir())
+    store.close()
+    restarted = DaemonProcess(tmp_path)
+    try:
+        assert restarted.client().get(mm_fp4_requests[20]).origin in ("hit", "compiled")
+    finally:
+        restarted.stop()
+
+
+def test_corrupted_blob_is_detected_and_recompiled_never_served(daemon, mm_fp4_requests):
+    client = daemon.client()
+    art = client.get(mm_fp4_requests[1])
+    os.chmod(art.library_path, 0o644)
+    with open(art.library_path, "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\xff\x00\xff")
+    again = client.get(mm_fp4_requests[1])
+    assert again.origin == "compiled"
+    assert again.library_sha256 == art.library_sha256
+    with open(again.library_path, "rb") as f:
+        import hashlib
+        assert hashlib.sha256(f.read()).hexdigest() == art.library_sha256
+    assert daemon.stats()["compiles"] == 2
+
+
+def _raw(sock_path: str, data: bytes) -> tuple[dict | None, bool]:
+    """Send raw bytes; the first reply and whether the daemon then closed the connection."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(sock_path)
+    s.sendall(data)
+    header = s.recv(4, socket.MSG_WAITALL)
+    reply = None
+    if len(header) == 4:
+        (n,) = struct.unpack(">I", header)
+        reply = json.loads(s.recv(n, socket.MSG_WAITALL))
+    closed = s.recv(1) == b""
+    s.close()
+    return reply, closed
+
+
+def test_bad_input_gets_typed_errors_and_the_daemon_keeps_serving(daemon, mm_fp4_requests):
+    reply, closed = _raw(daemon.socket, struct.pack(">I", 5) + b"nope!")
+    assert reply["error"]["code"] == "malformed_frame" and closed
+    reply, closed = _raw(daemon.socket, struct.pack(">I", 50 << 20))
+    assert reply["error"]["code"] == "malformed_frame" and "limit" in reply["error"]["message"]
+    assert closed
+    reply, _ = _raw(daemon.socket, struct.pack(">I", 2) + b"[]")
+    assert reply["error"]["code"] == "malformed_frame"
+
+    client = daemon.client()
+    with pytest.raises(UnsupportedVersion, match="speaks 1"):
+        client.call({"op": "hello", "v": 99})
+    good = mm_fp4_requests[2].to_wire()
+    with pytest.raises(UnknownFamily, match="flashinfer.mm_fp4"):
+        client.get(KernelRequest.from_wire({**good, "family": "no.such"}))
+    bad_params = {**good["params"], "mma_tiler_mn": [256, 64], "cluster_shape_mn": [1, 1]}
+    with pytest.raises(InvalidTactic, match="even cluster M"):
+        client.get(KernelRequest.from_wire({**good, "params": bad_params}))
+    with pytest.raises(CompileFailed, match="injected failure"):
+        client.get(fault("fail", tag="typed"))
+    with pytest.raises(InvalidTactic, match="shape"):
+        client.call({"op": "plan", "family": "flashinfer.mm_fp4", "shape": [1, 2],
+                     "arch": "sm_100a"})
+    assert client.get(mm_fp4_requests[2]).origin == "compiled"
+    stats = daemon.stats()
+    assert stats["errors"]["malformed_frame"] == 3 and stats["failures"] == 1
+    assert stats["workers_alive"] == 2

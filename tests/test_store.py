@@ -1,0 +1,83 @@
+"""The store: atomic publish, digest on every read, repair at start-up."""
+
+from __future__ import annotations
+
+import os
+
+from cached.store import Store
+
+
+def publish(store: Store, key: str, payload: bytes = b"x"):
+    work = store.workdir()
+    (work / "k.o").write_bytes(b"object" + payload)
+    (work / "k.so").write_bytes(b"library" + payload)
+    row = {"key": key, "family": "f", "kernel_name": "k", "symbol": "s", "params": {"a": 1},
+           "arch": "sm_100a", "sm_count": 148, "max_active_clusters": 148, "toolchain": "t",
+           "source_sha256": "s", "compile_seconds": 1.0, "meta": {}}
+    entry = store.publish(row, work / "k.o", work / "k.so")
+    work.rmdir()
+    return entry
+
+
+def test_publish_then_lookup_survives_reopen(tmp_path):
+    store = Store(tmp_path)
+    entry = publish(store, "k1")
+    assert entry.library_path.read_bytes() == b"libraryx"
+    assert oct(entry.library_path.stat().st_mode & 0o777) == "0o444"
+    assert store.lookup("k1").row["hits"] == 1
+    store.close()
+    again = Store(tmp_path)
+    assert again.lookup("k1").row["hits"] == 2
+    assert again.rows()[0]["params"] == '{"a": 1}'
+
+
+def test_flipped_byte_is_detected_dropped_and_never_served(tmp_path):
+    store = Store(tmp_path)
+    entry = publish(store, "k1")
+    os.chmod(entry.library_path, 0o644)
+    data = bytearray(entry.library_path.read_bytes())
+    data[0] ^= 0xFF
+    entry.library_path.write_bytes(bytes(data))
+    assert store.lookup("k1") is None
+    assert not store.contains("k1")
+    assert not entry.library_path.exists()
+    assert Store(tmp_path).lookup("k1") is None
+
+
+def test_missing_blob_drops_the_row(tmp_path):
+    store = Store(tmp_path)
+    entry = publish(store, "k1")
+    os.chmod(entry.object_path, 0o644)
+    entry.object_path.unlink()
+    assert store.lookup("k1") is None
+    assert store.totals() == (0, 0)
+
+
+def test_scan_repairs_rows_and_removes_temporaries_and_orphans(tmp_path):
+    store = Store(tmp_path)
+    good = publish(store, "good", b"1")
+    bad = publish(store, "bad", b"2")
+    os.chmod(bad.library_path, 0o644)
+    bad.library_path.write_bytes(b"corrupt")
+    stray = store.workdir()
+    (stray / "half.o").write_bytes(b"half")
+    orphan = store.blob_dir / "ab" / ("ab" + "0" * 62 + ".so")
+    orphan.parent.mkdir(exist_ok=True)
+    orphan.write_bytes(b"orphan")
+    old = os.path.getmtime(stray) - 3600
+    for path in (stray, orphan):
+        os.utime(path, (old, old))
+    store.close()
+    reopened = Store(tmp_path)
+    report = reopened.scan()
+    assert report["dropped"] == 1 and report["tmp_removed"] == 1
+    assert report["orphans_removed"] >= 1
+    assert not stray.exists() and not orphan.exists()
+    assert reopened.lookup("good").library_path == good.library_path
+
+
+def test_identical_bytes_are_stored_once(tmp_path):
+    store = Store(tmp_path)
+    a, b = publish(store, "k1"), publish(store, "k2")
+    assert a.library_path == b.library_path
+    assert len(list(store.blob_dir.glob("*/*"))) == 2
