@@ -73,7 +73,7 @@ class Daemon:
             "worker_restarts": self.pool.restarts, "connections": self.server.connections,
             "errors": {k.split(".", 1)[1]: v for k, v in c.items() if k.startswith("errors.")},
             "families": {f: dict(v) for f, v in self.stats.by_family.items()},
-            "last_failures": list(self.stats.failures)[-5:],
+            "last_failures": list(self.stats.failures),
             "uptime_s": round(time.time() - self.started, 1),
             "toolchain": toolchain.fingerprint_digest(), "store": str(self.settings.store),
             "socket": self.settings.socket, "http": self.http_address,

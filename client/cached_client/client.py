@@ -151,12 +151,16 @@ class Client:
     def get(
         self, request: KernelRequest, timeout: float | None = None, priority: str = "interactive"
     ) -> Artifact:
-        """The artifact for ``request``, compiled by the daemon if it has none yet."""
+        """The artifact for ``request``, compiled by the daemon if it has none yet.
+
+        The daemon is given a slightly shorter deadline than the socket, so that a
+        kernel still compiling comes back as its typed DeadlineExceeded answer.
+        """
         timeout = self.timeout if timeout is None else timeout
         message = {
             "op": "get",
             "request": request.to_wire(),
-            "deadline_ms": int(timeout * 1000),
+            "deadline_ms": max(1, int(timeout * 1000 * 0.95) - 20),
             "transfer": self.transfer,
             "priority": priority,
         }

@@ -1,0 +1,121 @@
+"""The thin client: cheap import, deadlines against bad daemons, loading, fallback."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from cached_client import Client, DaemonUnavailable, DeadlineExceeded, IntegrityError
+from cached_client.loader import load_library
+from conftest import run_cli
+
+
+def test_import_pulls_in_no_heavy_module():
+    code = ("import sys, cached_client; heavy = [m for m in ('fastapi', 'cutlass', 'flashinfer',"
+            " 'torch', 'tvm_ffi', 'cached') if m in sys.modules]; print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
+
+
+class BadDaemon:
+    """A Unix-socket server that misbehaves in one chosen way."""
+
+    def __init__(self, path: str, mode: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.bind(path)
+        self.sock.listen(8)
+        self.mode = mode
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            try:
+                if self.mode == "slow":
+                    time.sleep(3)
+                    body = b'{"ok": true, "stats": {}}'
+                    conn.sendall(struct.pack(">I", len(body)) + body)
+                elif self.mode == "cut":
+                    conn.recv(65536)
+                    conn.sendall(struct.pack(">I", 1000) + b'{"ok": tr')
+                    conn.close()
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.mark.parametrize("mode, error", [("silent", DeadlineExceeded),
+                                         ("slow", DeadlineExceeded),
+                                         ("cut", DaemonUnavailable)])
+def test_deadline_holds_against_a_misbehaving_daemon(tmp_path, mode, error):
+    bad = BadDaemon(str(tmp_path / "bad.sock"), mode)
+    try:
+        started = time.monotonic()
+        with pytest.raises(error):
+            Client(str(tmp_path / "bad.sock"), timeout=1.0).stats()
+        assert time.monotonic() - started < 2.0
+    finally:
+        bad.close()
+
+
+def test_unreachable_daemon_falls_back_to_compiling_here_and_says_so_once(
+        tmp_path, mm_fp4_requests, caplog):
+    client = Client(str(tmp_path / "absent.sock"), timeout=2)
+    with caplog.at_level(logging.WARNING, logger="cached_client"):
+        fn = client.load(mm_fp4_requests[5])
+        fn2 = client.load(mm_fp4_requests[6])
+    assert callable(fn) and callable(fn2)
+    warnings = [r for r in caplog.records if "compiling in this process" in r.getMessage()]
+    assert len(warnings) == 1
+    with pytest.raises(DaemonUnavailable, match="cannot connect"):
+        Client(str(tmp_path / "absent.sock"), fallback=False).load(mm_fp4_requests[5])
+
+
+def test_path_and_bytes_transfer_load_the_same_kernel(daemon, mm_fp4_requests):
+    by_path = daemon.client().load(mm_fp4_requests[7])
+    by_bytes = daemon.client(transfer="bytes").load(mm_fp4_requests[7])
+    assert callable(by_path) and callable(by_bytes)
+    art = daemon.client(transfer="bytes").get(mm_fp4_requests[7])
+    assert art.library_bytes is not None and art.origin == "hit"
+
+
+def test_client_refuses_a_library_whose_digest_changed(daemon, mm_fp4_requests, tmp_path):
+    art = daemon.client().get(mm_fp4_requests[8])
+    copy = tmp_path / "copy.so"
+    copy.write_bytes(open(art.library_path, "rb").read() + b"\0")
+    with pytest.raises(IntegrityError, match="not loading"):
+        load_library(str(copy), art.symbol, art.library_sha256, art.runtime_library)
+
+
+def test_http_stats_equal_the_cli_and_health(daemon):
+    hello = daemon.client().hello()
+    assert hello["v"] == 1 and "flashinfer.mm_fp4" in hello["families"]
+    address = daemon.stats()["http"]
+    assert address.startswith("127.0.0.1:")
+    health = httpx.get(f"http://{address}/healthz", timeout=5).json()
+    assert health == {"ok": True}
+    over_http = httpx.get(f"http://{address}/stats", timeout=5).json()
+    over_cli = __import__("json").loads(run_cli("stats", "--socket", daemon.socket,
+                                                "--json").stdout)
+    for key in ("entries", "bytes", "hits", "misses", "compiles", "failures", "in_flight"):
+        assert over_http[key] == over_cli[key]
+    assert os.path.exists(daemon.socket)
