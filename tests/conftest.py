@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from cached_client import Client, KernelRequest
 
 ROOT = Path(__file__).resolve().parents[1]

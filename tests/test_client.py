@@ -13,7 +13,6 @@ import time
 
 import httpx
 import pytest
-
 from cached_client import Client, DaemonUnavailable, DeadlineExceeded, IntegrityError
 from cached_client.loader import load_library
 from conftest import run_cli

@@ -10,8 +10,6 @@ import struct
 import time
 
 import pytest
-
-from cached.store import Store
 from cached_client import (
     Client,
     CompileFailed,
@@ -21,6 +19,8 @@ from cached_client import (
     UnsupportedVersion,
 )
 from conftest import SHAPE, DaemonProcess, fault, run_cli
+
+from cached.store import Store
 
 
 def warm_json(daemon: DaemonProcess, limit: int) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from cached_client import CompileFailed, DeadlineExceeded
 from conftest import DaemonProcess, fault
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from cached_client import InvalidTactic, KernelRequest, artifact_key
 
 

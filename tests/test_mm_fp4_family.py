@@ -11,10 +11,11 @@ import pytest
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
 torch = pytest.importorskip("torch")
 
+from cached_client import InvalidTactic, UnknownFamily  # noqa: E402
+
 from cached import toolchain  # noqa: E402
 from cached.families import flashinfer_mm_fp4 as fam  # noqa: E402
 from cached.families import get  # noqa: E402
-from cached_client import InvalidTactic, UnknownFamily  # noqa: E402
 
 
 def flashinfer_valid_tactics(monkeypatch, m, n, k, use_nvfp4, sm_count=148):
