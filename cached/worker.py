@@ -42,6 +42,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def main(conn: Connection, parent_pid: int, family_names: list[str]) -> None:
     _die_with_parent(parent_pid)
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from cached_client.keys import KernelRequest
 

@@ -9,6 +9,7 @@ imported once; ``build`` sets nothing global but ``CUTE_DSL_ARCH``.
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,22 @@ class Family(abc.ABC):
             sm_count=request.sm_count,
             max_active_clusters=request.max_active_clusters,
         )
+
+
+def set_compile_arch(arch: str) -> None:
+    """Make the next ``cute.compile`` in this process target ``arch`` (e.g. ``sm_100a``).
+
+    The DSL reads ``CUTE_DSL_ARCH`` once, when it is imported; a worker serves several
+    arches, so the value is also set on every live DSL singleton's environment.
+    """
+    import sys
+
+    os.environ["CUTE_DSL_ARCH"] = arch
+    if "cutlass" in sys.modules:
+        from cutlass.base_dsl.dsl import DSLSingletonMeta
+
+        for dsl in list(DSLSingletonMeta._instances.values()):
+            dsl.envar.arch = arch
 
 
 def _tuplify(value: Any) -> Any:

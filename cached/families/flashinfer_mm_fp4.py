@@ -15,7 +15,6 @@ kernel's tactic space, as FlashInfer's runner does there.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from cached_client.errors import InvalidTactic
 from cached_client.keys import KernelRequest
 
 from .. import toolchain
-from .base import BuiltObject, Family, require
+from .base import BuiltObject, Family, require, set_compile_arch
 
 MMA_TILERS = ((128, 8), (128, 16), (128, 32), (128, 64), (256, 64), (128, 128), (256, 128),
               (128, 192), (256, 192), (128, 256), (256, 256))
@@ -127,7 +126,7 @@ class FlashInferMmFp4(Family):
         return requests
 
     def build(self, request: KernelRequest, workdir: Path) -> BuiltObject:
-        os.environ["CUTE_DSL_ARCH"] = request.arch
+        set_compile_arch(request.arch)
         p = request.params
         import cutlass
         import torch

@@ -1,0 +1,79 @@
+"""(b) Warm: get+load latency per kernel through the client, against FlashInfer's disk hit.
+
+Both caches are filled first (the daemon's by a warm-up, FlashInfer's by its serial
+path). Then, in a fresh process each, every kernel is loaded once: through
+``Client.load`` (socket round trip, digest check, ``tvm_ffi.load_module``), and through
+``JitSpecCuteDsl.try_load`` (FlashInfer's disk cache). Module imports are done before
+timing in both. Usage: python bench/warm.py [--limit N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import ROOT, Daemon, percentile, plan, save
+
+CLIENT_SCRIPT = """
+import json, sys, time
+import tvm_ffi  # imported before timing, as FlashInfer's side imports cutlass first
+from cached_client import Client, KernelRequest
+requests = [KernelRequest.from_wire(w) for w in json.load(open(sys.argv[2]))]
+client = Client(sys.argv[1], transfer=sys.argv[3])
+client.hello()
+latencies = []
+for r in requests:
+    t = time.perf_counter()
+    fn = client.load(r)
+    latencies.append(time.perf_counter() - t)
+    assert callable(fn)
+print(json.dumps({"latencies_s": latencies}))
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--limit", type=int, default=48)
+    args = parser.parse_args()
+    wires = [r.to_wire() for r in plan(args.limit)]
+    result: dict = {"kernels": len(wires)}
+    with tempfile.TemporaryDirectory() as workdir:
+        path = Path(workdir) / "wires.json"
+        path.write_text(json.dumps(wires))
+        d = Daemon(Path(workdir))
+        try:
+            code = ("import json,sys; from cached.cli import warm; "
+                    "from cached_client import KernelRequest; "
+                    "print(warm(sys.argv[1], [KernelRequest.from_wire(w) for w in "
+                    "json.load(open(sys.argv[2]))], 3600))")
+            subprocess.run([sys.executable, "-c", code, d.socket, str(path)], check=True,
+                           capture_output=True)
+            for transfer in ("path", "bytes"):
+                out = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, d.socket, str(path),
+                                      transfer], capture_output=True, text=True, check=True)
+                result[f"client_{transfer}"] = json.loads(out.stdout)
+        finally:
+            d.stop()
+        workspace = Path(workdir) / "fi"
+        workspace.mkdir()
+        env = {"FLASHINFER_WORKSPACE_BASE": str(workspace)}
+        subprocess.run([sys.executable, str(ROOT / "bench" / "flashinfer_paths.py"), "serial",
+                        str(path)], env={**os.environ, **env}, check=True, capture_output=True)
+        out = subprocess.run([sys.executable, str(ROOT / "bench" / "flashinfer_paths.py"),
+                              "try_load", str(path)], env={**os.environ, **env},
+                             capture_output=True, text=True, check=True)
+        result["flashinfer_try_load"] = json.loads(out.stdout.strip().splitlines()[-1])
+    for name in ("client_path", "client_bytes", "flashinfer_try_load"):
+        lat = [v * 1000 for v in result[name]["latencies_s"]]
+        result[name].update(p50_ms=percentile(lat, 50), p99_ms=percentile(lat, 99),
+                            first_ms=lat[0])
+    save("warm", result)
+
+
+if __name__ == "__main__":
+    main()

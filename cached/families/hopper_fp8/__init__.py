@@ -1,0 +1,30 @@
+"""Hopper (sm_90a) FP8 GEMM family written in CuTe-DSL.
+
+Only the tactic space is re-exported here: it imports neither cutlass nor torch, so the
+daemon's main process can use it. kernel.py / compile.py (cutlass) and launch.py (torch)
+are imported explicitly by the workers and clients that need them.
+"""
+
+from .tactics import (
+    FAMILY,
+    REDUCTION_ORDER,
+    REDUCTION_ORDER_M_INDEPENDENT,
+    TARGET_ARCH,
+    TILE_K,
+    HopperFp8Tactic,
+    enumerate_tactics,
+    smem_bytes,
+    tactic_from_params,
+)
+
+__all__ = [
+    "FAMILY",
+    "REDUCTION_ORDER",
+    "REDUCTION_ORDER_M_INDEPENDENT",
+    "TARGET_ARCH",
+    "TILE_K",
+    "HopperFp8Tactic",
+    "enumerate_tactics",
+    "smem_bytes",
+    "tactic_from_params",
+]

@@ -1,0 +1,411 @@
+"""Hopper (sm_90a) FP8 GEMM in CuTe-DSL: C = cvt((A @ B^T) * (a_scale * b_scale)).
+
+A (M, K), B (N, K): float8 (e4m3fn or e5m2), K-major. C (M, N): bf16/fp16, row-major.
+a_scale, b_scale: fp32 tensors of one element, read on the device (no host sync, so
+CUDA-graph safe).
+
+Structure (one CTA = 1 producer warpgroup + 1 or 2 consumer warpgroups):
+  * producer warp 0: walks the persistent tile schedule and, per K tile, TMA-loads the
+    A and B tiles into a ring of `stages` shared-memory buffers guarded by full/empty
+    mbarriers (PipelineTmaAsync). With a cluster, A is multicast to the CTAs of the
+    same cluster row and B to those of the same cluster column.
+  * consumer warpgroups: wait for a stage, issue the K tile's wgmma (4 x k32) into the
+    fp32 register accumulator, release the previous stage once its wgmma retired
+    (one wgmma batch in flight), and after the last K tile run the epilogue: multiply
+    once by a_scale*b_scale, convert, stage through shared memory (stmatrix) and TMA-store.
+  * persistent static tile scheduler: grid = min(#tiles, max_active_clusters * cluster
+    size) CTAs, each looping over tiles; raster order and swizzle set the tile walk.
+M, N, K are symbolic: out-of-range rows/columns are zero-filled by TMA loads and
+clipped by TMA stores, so one compiled kernel serves every shape (N, K multiples of 16).
+
+The reduction order is that of tactics.REDUCTION_ORDER, for every tactic.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from .tactics import (
+    CONSUMER_MAX_REGS,
+    EPI_STAGES,
+    TILE_K,
+    HopperFp8Tactic,
+    epilogue_tile,
+    num_consumer_warpgroups,
+)
+
+_AB_DTYPES = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
+_OUT_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+
+PRODUCER_REGS = 40
+
+
+def cutlass_dtypes(t: HopperFp8Tactic):
+    return _AB_DTYPES[t.ab_dtype], _OUT_DTYPES[t.out_dtype]
+
+
+class HopperFp8GemmKernel:
+    """Warp-specialized persistent FP8 GEMM for sm_90a. See the module docstring."""
+
+    def __init__(self, tactic: HopperFp8Tactic):
+        tactic.validate()
+        self.tactic = tactic
+        self.acc_dtype = cutlass.Float32
+        self.cluster_shape_mn = (tactic.cluster_m, tactic.cluster_n)
+        self.swizzle = tactic.swizzle
+        self.raster_along_m = tactic.raster == "m"
+        self.stages = tactic.stages
+        self.tile_shape_mnk = (tactic.tile_m, tactic.tile_n, TILE_K)
+        self.num_mma_wg = num_consumer_warpgroups(tactic.tile_m)
+        self.atom_layout_mnk = (self.num_mma_wg, 1, 1)
+        self.threads_per_wg = 128
+        self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
+        self.threads_per_cta = (1 + self.num_mma_wg) * self.threads_per_wg
+        self.producer_warp = 0
+        self.epi_store_warp = 4  # first warp of the first consumer warpgroup
+        self.epi_tile = epilogue_tile(tactic.tile_m, tactic.tile_n)
+        self.epi_stages = EPI_STAGES
+        self.num_mcast_a = self.cluster_shape_mn[1]
+        self.num_mcast_b = self.cluster_shape_mn[0]
+        self.buffer_align = 1024
+        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+
+    # ---------------------------------------------------------------- host-side setup
+    def _setup(self, a_dtype, b_dtype, c_dtype, a_layout, b_layout, c_layout):
+        tm, tn, tk = self.tile_shape_mnk
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            a_dtype,
+            b_dtype,
+            a_layout.sm90_mma_major_mode(),
+            b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            self.atom_layout_mnk,
+            tiler_mn=(64, tn),
+        )
+        inst_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])
+        assert inst_k * 4 == tk, f"wgmma k {inst_k} x 4 != tile_k {tk}"
+        self.cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
+
+        def staged(dtype, layout, rows, cols, stages):
+            atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(layout, dtype, cols), dtype
+            )
+            return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+        self.a_smem_staged = staged(a_dtype, a_layout, tm, tk, self.stages)
+        self.b_smem_staged = staged(b_dtype, b_layout, tn, tk, self.stages)
+        em, en = self.epi_tile
+        self.epi_smem_staged = staged(c_dtype, c_layout, em, en, self.epi_stages)
+
+    @staticmethod
+    def _tma_load(tensor, smem_staged, tile, mcast):
+        op = (
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+            if mcast == 1
+            else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+        )
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(
+            op, tensor, cute.slice_(smem_staged, (None, None, 0)), tile, num_multicast=mcast
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,
+        b: cute.Tensor,
+        c: cute.Tensor,
+        a_scale: cute.Tensor,
+        b_scale: cute.Tensor,
+        max_active_clusters: cutlass.Constexpr,
+        stream,
+    ):
+        self.a_dtype = a.element_type
+        self.b_dtype = b.element_type
+        self.c_dtype = c.element_type
+        a_layout = utils.LayoutEnum.from_tensor(a)
+        b_layout = utils.LayoutEnum.from_tensor(b)
+        self.c_layout = utils.LayoutEnum.from_tensor(c)
+        self._setup(self.a_dtype, self.b_dtype, self.c_dtype, a_layout, b_layout, self.c_layout)
+
+        tm, tn, tk = self.tile_shape_mnk
+        tma_a, tA = self._tma_load(a, self.a_smem_staged, (tm, tk), self.num_mcast_a)
+        tma_b, tB = self._tma_load(b, self.b_smem_staged, (tn, tk), self.num_mcast_b)
+        tma_c, tC = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+            c,
+            cute.slice_(self.epi_smem_staged, (None, None, 0)),
+            self.epi_tile,
+        )
+
+        # persistent schedule over (M tiles, N tiles, 1)
+        gc = cute.zipped_divide(c, tiler=(tm, tn))
+        num_ctas_mnl = (*gc[(0, (None, None))].shape, 1)
+        sched_params = utils.PersistentTileSchedulerParams(
+            num_ctas_mnl, (*self.cluster_shape_mn, 1), self.swizzle, self.raster_along_m
+        )
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(
+            sched_params, max_active_clusters
+        )
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_staged)],
+                self.buffer_align,
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_staged)],
+                self.buffer_align,
+            ]
+            sC: cute.struct.Align[
+                cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_staged)],
+                self.buffer_align,
+            ]
+
+        self.shared_storage = SharedStorage
+        # checked against tactics.smem_bytes() by compile.compile_to_object
+        self.smem_dynamic_bytes = SharedStorage.size_in_bytes()
+
+        self.kernel(
+            tma_a, tA, tma_b, tB, tma_c, tC,
+            a_scale, b_scale,
+            self.tiled_mma, self.cta_layout_mnk,
+            self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
+            sched_params,
+        ).launch(
+            grid=grid,
+            block=[self.threads_per_cta, 1, 1],
+            cluster=(*self.cluster_shape_mn, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device kernel
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        mC: cute.Tensor,
+        mAScale: cute.Tensor,
+        mBScale: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        cta_layout_mnk: cute.Layout,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+        epi_smem_staged: cute.ComposedLayout,
+        sched_params: utils.PersistentTileSchedulerParams,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+
+        if warp_idx == self.producer_warp:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
+
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
+        a_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1)
+        b_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+        a_mcast_mask = a_mcast_mask if self.num_mcast_a > 1 else 0
+        b_mcast_mask = b_mcast_mask if self.num_mcast_b > 1 else 0
+
+        tx_bytes = cute.size_in_bytes(
+            self.a_dtype, cute.slice_(a_smem_staged, (None, None, 0))
+        ) + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        # every consumer warp of every CTA that reads a multicast tile releases it
+        mcast_size = self.num_mcast_a + self.num_mcast_b - 1
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, mcast_size * self.num_mma_wg * 4
+            ),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
+            defer_sync=True,
+        )
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+
+        tm, tn, tk = self.tile_shape_mnk
+        # (bM, bK, RestM, RestK), (bN, bK, RestN, RestK), (bM, bN, RestM, RestN)
+        gA = cute.local_tile(mA, (tm, tk), (None, None))
+        gB = cute.local_tile(mB, (tn, tk), (None, None))
+        gC = cute.local_tile(mC, (tm, tn), (None, None))
+
+        a_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape)
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a, cluster_coord[1], a_cta_layout,
+            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
+        )
+        b_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape)
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b, cluster_coord[0], b_cta_layout,
+            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
+        )
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+        mma_wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
+        thr_mma = tiled_mma.get_slice(mma_wg_layout(wg_idx - 1))
+        tCsA = thr_mma.partition_A(sA)
+        tCsB = thr_mma.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA)
+        tCrB = tiled_mma.make_fragment_B(tCsB)
+        tCgC = thr_mma.partition_C(gC)
+        acc = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
+
+        k_tiles = cute.size(gA, mode=[3])
+
+        pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
+
+        if wg_idx == 0:
+            # ---------------------------------------------------------- producer
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == self.producer_warp:
+                sched = utils.StaticPersistentTileScheduler.create(
+                    sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+                )
+                work = sched.initial_work_tile_info()
+                prod_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.stages
+                )
+                while work.is_valid_tile:
+                    crd = work.tile_idx
+                    tAgA_t = tAgA[(None, crd[0], None)]
+                    tBgB_t = tBgB[(None, crd[1], None)]
+                    for kt in range(k_tiles):
+                        ab_pipe.producer_acquire(prod_state)
+                        bar = ab_pipe.producer_get_barrier(prod_state)
+                        cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[(None, prod_state.index)],
+                                  tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
+                        cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, prod_state.index)],
+                                  tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+                        ab_pipe.producer_commit(prod_state)
+                        prod_state.advance()
+                    sched.advance_to_next_work()
+                    work = sched.get_current_work()
+                ab_pipe.producer_tail(prod_state)
+        else:
+            # ---------------------------------------------------------- consumers
+            cute.arch.setmaxregister_increase(CONSUMER_MAX_REGS)
+            sched = utils.StaticPersistentTileScheduler.create(
+                sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+            )
+            work = sched.initial_work_tile_info()
+            read_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.stages
+            )
+            release_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.stages
+            )
+            num_k_blocks = cute.size(tCrA, mode=[2])
+
+            # scale, read once on the device; applied once per element after the K loop
+            scale = mAScale[0] * mBScale[0]
+
+            # epilogue partitions: registers -> smem (stmatrix) -> gmem (TMA)
+            copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
+                self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
+            )
+            copy_atom_c = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4),
+                self.c_dtype,
+            )
+            tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
+            tiled_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
+            thr_r2s = tiled_r2s.get_slice(tidx - self.threads_per_wg)
+            tRS_sC = thr_r2s.partition_D(sC)
+            tRS_acc = tiled_r2s.retile(acc)
+            rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+            tRS_rF = cute.make_rmem_tensor(rC_shape, self.acc_dtype)
+            tRS_rC = cute.make_rmem_tensor(rC_shape, self.c_dtype)
+            frag_size = cute.size(tRS_rF)
+
+            store_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stages,
+                producer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.num_mma_threads
+                ),
+            )
+
+            while work.is_valid_tile:
+                crd = work.tile_idx
+                gC_t = gC[(None, None, crd[0], crd[1])]
+
+                acc.fill(0.0)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.fence()
+
+                # first K tile: nothing to release yet
+                ab_pipe.consumer_wait(read_state)
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    kc = (None, None, kb, read_state.index)
+                    cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
+                cute.nvgpu.warpgroup.commit_group()
+                read_state.advance()
+
+                for _kt in range(1, k_tiles):
+                    ab_pipe.consumer_wait(read_state)
+                    for kb in cutlass.range_constexpr(num_k_blocks):
+                        kc = (None, None, kb, read_state.index)
+                        cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                    # the previous K tile's wgmma has retired: give its stage back
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    ab_pipe.consumer_release(release_state)
+                    release_state.advance()
+                    read_state.advance()
+
+                cute.nvgpu.warpgroup.wait_group(0)
+                ab_pipe.consumer_release(release_state)
+                release_state.advance()
+
+                # ------------------------------------------------------ epilogue
+                gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
+                bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+                    tma_c, 0, cute.make_layout(1),
+                    cute.group_modes(sC, 0, 2), gC_epi,
+                )
+                epi_num = cute.size(gC_epi, mode=[1])
+                epi_shape = gC_epi.shape[1]
+                epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+                prev_epi = sched.num_tiles_executed * epi_num
+                for e in cutlass.range_constexpr(epi_num):
+                    for v in cutlass.range_constexpr(frag_size):
+                        tRS_rF[v] = tRS_acc[e * frag_size + v]
+                    vals = tRS_rF.load() * scale
+                    tRS_rC.store(vals.to(self.c_dtype))
+                    buf = (prev_epi + e) % self.epi_stages
+                    cute.copy(tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    self.epi_barrier.arrive_and_wait()
+                    if warp_idx == self.epi_store_warp:
+                        cute.copy(tma_c, bSG_sC[(None, buf)],
+                                  bSG_gC[(None, epi_layout.get_hier_coord(e))])
+                        store_pipe.producer_commit()
+                        store_pipe.producer_acquire()
+                    self.epi_barrier.arrive_and_wait()
+
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+
+            store_pipe.producer_tail()
