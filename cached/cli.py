@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="compile workers (default: from cores and memory)")
     serve.add_argument("--job-timeout", type=float, default=300.0, help="seconds per compile")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--socket-mode", type=lambda v: int(v, 8), default=0o660,
+                       help="file mode of the socket (octal, default 660)")
+    for flag, text in (("allow-uid", "uid allowed to connect (repeatable; default: any)"),
+                       ("allow-gid", "gid allowed to connect (repeatable; default: any)"),
+                       ("publish-uid", "uid allowed to publish (default: root, own uid)"),
+                       ("publish-gid", "gid allowed to publish (repeatable)")):
+        serve.add_argument(f"--{flag}", type=int, action="append", default=[], help=text)
 
     warm = sub.add_parser("warm", parents=[common], help="compile a family's tactic space")
     warm.add_argument("--family", required=True)
@@ -101,12 +108,16 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from . import log
     from .daemon import Settings, serve
+    from .server import Access
 
     log.setup(args.log_level)
     host, port = args.http
+    access = Access(allow_uids=frozenset(args.allow_uid), allow_gids=frozenset(args.allow_gid),
+                    publish_uids=frozenset(args.publish_uid or {0, os.getuid()}),
+                    publish_gids=frozenset(args.publish_gid))
     serve(Settings(store=args.store, socket=args.socket, http_host=host,
                    http_port=-1 if args.no_http else port, workers=args.workers,
-                   job_timeout=args.job_timeout))
+                   job_timeout=args.job_timeout, socket_mode=args.socket_mode, access=access))
     return 0
 
 

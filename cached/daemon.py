@@ -15,7 +15,7 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -25,7 +25,7 @@ from .httpapp import make_app
 from .log import event
 from .pool import Pool
 from .scheduler import Scheduler, Stats
-from .server import Server
+from .server import Access, Server
 from .store import Store
 
 log = logging.getLogger("cached.daemon")
@@ -42,6 +42,7 @@ class Settings:
     workers: int | None = None
     job_timeout: float = 300.0
     socket_mode: int = 0o660
+    access: Access = field(default_factory=Access)
 
 
 class Daemon:
@@ -53,7 +54,7 @@ class Daemon:
         preload = [n for n in families.names() if not n.startswith("cached.test")]
         self.pool = Pool(sizing.worker_count(settings.workers), settings.job_timeout, preload)
         self.scheduler = Scheduler(self.store, self.pool, self.stats)
-        self.server = Server(self.scheduler, self.snapshot)
+        self.server = Server(self.scheduler, self.snapshot, settings.access)
         self.http_address = ""
         self._http: uvicorn.Server | None = None
         self._stop = asyncio.Event()

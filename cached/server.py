@@ -12,9 +12,18 @@ import asyncio
 import logging
 import os
 import socket
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from cached_client.errors import CachedError, InvalidTactic, MalformedFrame, UnsupportedVersion
+from cached_client.errors import (
+    CachedError,
+    InvalidTactic,
+    MalformedFrame,
+    NotAllowed,
+    UnsupportedVersion,
+)
 from cached_client.protocol import (
     CAPABILITIES,
     HEADER,
@@ -37,12 +46,49 @@ MAX_PENDING_PER_CONNECTION = 4096
 MAX_DEADLINE_S = 3600.0
 
 
+@dataclass(frozen=True)
+class Peer:
+    """The connecting process, from SO_PEERCRED."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may connect and who may publish. Empty ``allow_*`` sets admit every peer the
+    socket's file mode admits; ``publish_*`` default to root and the daemon's own uid."""
+
+    allow_uids: frozenset[int] = frozenset()
+    allow_gids: frozenset[int] = frozenset()
+    publish_uids: frozenset[int] = frozenset({0, os.getuid()})
+    publish_gids: frozenset[int] = frozenset()
+
+    def may_connect(self, peer: Peer) -> bool:
+        if not self.allow_uids and not self.allow_gids:
+            return True
+        return peer.uid in self.allow_uids or peer.gid in self.allow_gids
+
+    def may_publish(self, peer: Peer) -> bool:
+        return peer.uid in self.publish_uids or peer.gid in self.publish_gids
+
+
+Handler = Callable[[dict, Peer], Awaitable[tuple[dict, "bytes | None"]]]
+
+
 class Server:
-    def __init__(self, scheduler: Scheduler, stats_fn: Any) -> None:
+    def __init__(self, scheduler: Scheduler, stats_fn: Any, access: Access | None = None) -> None:
         self.scheduler = scheduler
         self.stats_fn = stats_fn
+        self.access = access or Access()
         self.connections = 0
         self._server: asyncio.AbstractServer | None = None
+        self.ops: dict[str, tuple[Handler, bool]] = {}
+        for op, handler in (("hello", self._hello), ("get", self._get),
+                            ("prefetch", self._prefetch), ("stats", self._stats),
+                            ("list", self._list), ("plan", self._plan)):
+            self.register(op, handler)
 
     async def start(self, path: str | None = None, sock: socket.socket | None = None,
                     mode: int = 0o660) -> None:
@@ -66,7 +112,16 @@ class Server:
         self.connections += 1
         write_lock = asyncio.Lock()
         pending: set[asyncio.Task] = set()
+        peer = _peer(writer)
         try:
+            if not self.access.may_connect(peer):
+                self.scheduler.stats.count("errors.not_allowed")
+                event(log, logging.WARNING, "connection.refused", uid=peer.uid, gid=peer.gid,
+                      pid=peer.pid)
+                await _send(writer, {"ok": False, "error": NotAllowed(
+                    f"uid {peer.uid} gid {peer.gid} is not allowed to use this daemon"
+                ).to_wire()})
+                return
             while True:
                 try:
                     header = await reader.readexactly(HEADER.size)
@@ -81,11 +136,11 @@ class Server:
                     break
                 if len(pending) >= MAX_PENDING_PER_CONNECTION:
                     async with write_lock:
-                        await _send(writer, _error(message, CachedError(
+                        await _send(writer, _error(CachedError(
                             "too many requests pending on this connection")))
                     break
                 task = asyncio.get_running_loop().create_task(
-                    self._answer(message, writer, write_lock))
+                    self._answer(message, peer, writer, write_lock))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
         except (ConnectionError, OSError):
@@ -96,19 +151,19 @@ class Server:
             self.connections -= 1
             writer.close()
 
-    async def _answer(self, message: dict, writer: asyncio.StreamWriter,
+    async def _answer(self, message: dict, peer: Peer, writer: asyncio.StreamWriter,
                       write_lock: asyncio.Lock) -> None:
         payload = None
         try:
-            reply, payload = await self._handle(message)
+            reply, payload = await self._handle(message, peer)
         except CachedError as exc:
             self.scheduler.stats.count(f"errors.{exc.code}")
-            reply = _error(message, exc)
+            reply = _error(exc)
         except Exception as exc:  # noqa: BLE001 -- a bug answers, it does not kill the daemon
             event(log, logging.ERROR, "request.crashed", op=str(message.get("op"))[:32],
                   error=f"{type(exc).__name__}: {exc}")
             self.scheduler.stats.count("errors.internal")
-            reply = _error(message, CachedError(f"internal error: {type(exc).__name__}: {exc}"))
+            reply = _error(CachedError(f"internal error: {type(exc).__name__}: {exc}"))
         if "id" in message:
             reply["id"] = message["id"]
         if payload is not None:
@@ -119,7 +174,11 @@ class Server:
         except (ConnectionError, OSError):
             pass
 
-    async def _handle(self, m: dict) -> tuple[dict, bytes | None]:
+    def register(self, op: str, handler: Handler, publish: bool = False) -> None:
+        """Serve ``op`` with ``handler``; ``publish`` ops need a peer allowed to publish."""
+        self.ops[op] = (handler, publish)
+
+    async def _handle(self, m: dict, peer: Peer) -> tuple[dict, bytes | None]:
         version = m.get("v", PROTOCOL_VERSION)
         if version not in SUPPORTED_VERSIONS:
             raise UnsupportedVersion(
@@ -127,32 +186,42 @@ class Server:
                 f"{', '.join(map(str, SUPPORTED_VERSIONS))}"
             )
         op = m.get("op")
-        if op == "hello":
-            return {"ok": True, "v": PROTOCOL_VERSION, "capabilities": list(CAPABILITIES),
-                    "families": families.names(), "toolchain": toolchain.fingerprint(),
-                    "versions": toolchain.versions(),
-                    "runtime_library": toolchain.runtime_library()}, None
-        if op == "get":
-            return await self._get(m)
-        if op == "prefetch":
-            requests = m.get("requests")
-            if not isinstance(requests, list):
-                raise InvalidTactic("prefetch needs 'requests': a list of requests")
-            return {"ok": True, **self.scheduler.prefetch(requests)}, None
-        if op == "stats":
-            return {"ok": True, "stats": self.stats_fn()}, None
-        if op == "list":
-            return {"ok": True, "entries": [_public_row(r) for r in
-                                            self.scheduler.store.rows()]}, None
-        if op == "plan":
-            requests = await self.scheduler.plan(
-                str(m.get("family")), m.get("shape"), str(m.get("arch")),
-                _positive_int(m.get("sm_count")), _options(m.get("options")))
-            return {"ok": True, "requests": requests}, None
-        raise MalformedFrame(f"unknown op {op!r}; expected one of hello, get, prefetch, stats, "
-                             "list, plan")
+        entry = self.ops.get(op) if isinstance(op, str) else None
+        if entry is None:
+            raise MalformedFrame(f"unknown op {op!r}; expected one of {', '.join(self.ops)}")
+        handler, publish = entry
+        if publish and not self.access.may_publish(peer):
+            raise NotAllowed(f"uid {peer.uid} gid {peer.gid} may not use {op!r}; the daemon's "
+                             "--publish-uid/--publish-gid lists who may")
+        return await handler(m, peer)
 
-    async def _get(self, m: dict) -> tuple[dict, bytes | None]:
+    async def _hello(self, m: dict, peer: Peer) -> tuple[dict, bytes | None]:
+        return {"ok": True, "v": PROTOCOL_VERSION, "capabilities": list(CAPABILITIES),
+                "ops": sorted(self.ops), "families": families.names(),
+                "toolchain": toolchain.fingerprint(), "versions": toolchain.versions(),
+                "runtime_library": toolchain.runtime_library(),
+                "may_publish": self.access.may_publish(peer)}, None
+
+    async def _prefetch(self, m: dict, peer: Peer) -> tuple[dict, bytes | None]:
+        requests = m.get("requests")
+        if not isinstance(requests, list):
+            raise InvalidTactic("prefetch needs 'requests': a list of requests")
+        return {"ok": True, **self.scheduler.prefetch(requests)}, None
+
+    async def _stats(self, m: dict, peer: Peer) -> tuple[dict, bytes | None]:
+        return {"ok": True, "stats": self.stats_fn()}, None
+
+    async def _list(self, m: dict, peer: Peer) -> tuple[dict, bytes | None]:
+        rows = [_public_row(r) for r in self.scheduler.store.rows()]
+        return {"ok": True, "entries": rows}, None
+
+    async def _plan(self, m: dict, peer: Peer) -> tuple[dict, bytes | None]:
+        requests = await self.scheduler.plan(
+            str(m.get("family")), m.get("shape"), str(m.get("arch")),
+            _positive_int(m.get("sm_count")), _options(m.get("options")))
+        return {"ok": True, "requests": requests}, None
+
+    async def _get(self, m: dict, peer: Peer) -> tuple[dict, bytes | None]:
         priority = PRIORITIES.get(m.get("priority", "interactive"))
         if priority is None:
             raise InvalidTactic("priority must be 'interactive' or 'prewarm'")
@@ -192,7 +261,13 @@ def _public_row(row: dict) -> dict:
                                 "created", "last_used", "hits")}
 
 
-def _error(message: Any, exc: CachedError) -> dict:
+def _peer(writer: asyncio.StreamWriter) -> Peer:
+    sock = writer.get_extra_info("socket")
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return Peer(*struct.unpack("3i", creds))
+
+
+def _error(exc: CachedError) -> dict:
     return {"ok": False, "error": exc.to_wire()}
 
 
