@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=int, default=None,
                        help="compile workers (default: from cores and memory)")
     serve.add_argument("--job-timeout", type=float, default=300.0, help="seconds per compile")
+    serve.add_argument("--serve-only", action="store_true",
+                       help="no compiler: serve a store built elsewhere (keys pinned in it)")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--socket-mode", type=lambda v: int(v, 8), default=0o660,
                        help="file mode of the socket (octal, default 660)")
@@ -117,7 +119,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     publish_gids=frozenset(args.publish_gid))
     serve(Settings(store=args.store, socket=args.socket, http_host=host,
                    http_port=-1 if args.no_http else port, workers=args.workers,
-                   job_timeout=args.job_timeout, socket_mode=args.socket_mode, access=access))
+                   job_timeout=args.job_timeout, socket_mode=args.socket_mode, access=access,
+                   serve_only=args.serve_only))
     return 0
 
 

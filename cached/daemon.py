@@ -17,11 +17,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import uvicorn
+from typing import Any
 
 from . import families, sizing, toolchain
-from .httpapp import make_app
+from .identity import Identity
 from .log import event
 from .pool import Pool
 from .scheduler import Scheduler, Stats
@@ -43,6 +42,7 @@ class Settings:
     job_timeout: float = 300.0
     socket_mode: int = 0o660
     access: Access = field(default_factory=Access)
+    serve_only: bool = False
 
 
 class Daemon:
@@ -51,12 +51,19 @@ class Daemon:
         self.started = time.time()
         self.store = Store(settings.store)
         self.stats = Stats()
+        if settings.serve_only:
+            self.identity = Identity.pinned(settings.store)
+            workers = 0
+        else:
+            self.identity = Identity.compute()
+            self.identity.save(settings.store)
+            workers = sizing.worker_count(settings.workers)
         preload = [n for n in families.names() if not n.startswith("cached.test")]
-        self.pool = Pool(sizing.worker_count(settings.workers), settings.job_timeout, preload)
-        self.scheduler = Scheduler(self.store, self.pool, self.stats)
+        self.pool = Pool(workers, settings.job_timeout, preload)
+        self.scheduler = Scheduler(self.store, self.pool, self.stats, self.identity)
         self.server = Server(self.scheduler, self.snapshot, settings.access)
         self.http_address = ""
-        self._http: uvicorn.Server | None = None
+        self._http: Any = None
         self._stop = asyncio.Event()
 
     def snapshot(self) -> dict:
@@ -76,7 +83,9 @@ class Daemon:
             "families": {f: dict(v) for f, v in self.stats.by_family.items()},
             "last_failures": list(self.stats.failures),
             "uptime_s": round(time.time() - self.started, 1),
-            "toolchain": toolchain.fingerprint_digest(), "store": str(self.settings.store),
+            "toolchain": toolchain.fingerprint_digest(self.identity.toolchain),
+            "serve_only": self.settings.serve_only,
+            "store": str(self.settings.store),
             "socket": self.settings.socket, "http": self.http_address,
         }
 
@@ -89,7 +98,7 @@ class Daemon:
         await self.server.start(self.settings.socket, mode=self.settings.socket_mode)
         event(log, logging.INFO, "daemon.listening", socket=self.settings.socket,
               workers=self.pool.size, entries=self.store.totals()[0],
-              toolchain=toolchain.fingerprint_digest())
+              toolchain=toolchain.fingerprint_digest(self.identity.toolchain))
         threading.Thread(target=self.store.scan, name="store-scan", daemon=True).start()
         self._start_http()
         flusher = loop.create_task(self._flush_loop())
@@ -125,6 +134,10 @@ class Daemon:
         sock.listen(64)
         host, port = sock.getsockname()[:2]
         self.http_address = f"{host}:{port}"
+        import uvicorn
+
+        from .httpapp import make_app
+
         app = make_app(self.snapshot, lambda: self.pool.alive > 0)
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
         self._http = uvicorn.Server(config)

@@ -33,6 +33,7 @@ from cached_client.keys import KernelRequest, artifact_key
 
 from . import families, toolchain
 from .families.base import DEFAULT_SM_COUNT, Family
+from .identity import Identity
 from .log import event
 from .pool import JobError, Pool, WorkerFailed
 from .store import Entry, Store
@@ -69,9 +70,11 @@ class Stats:
 
 
 class Scheduler:
-    def __init__(self, store: Store, pool: Pool, stats: Stats, max_queue: int = 100_000) -> None:
+    def __init__(self, store: Store, pool: Pool, stats: Stats, identity: Identity,
+                 max_queue: int = 100_000) -> None:
         self.store = store
         self.pool = pool
+        self.identity = identity
         self.stats = stats
         self.max_queue = max_queue
         self.inflight: dict[str, Job] = {}
@@ -105,13 +108,13 @@ class Scheduler:
         request = KernelRequest.from_wire(wire)
         family = families.get(request.family)
         request = family.canonical_request(request)
-        if expected_toolchain is not None and expected_toolchain != toolchain.fingerprint():
+        if expected_toolchain is not None and expected_toolchain != self.identity.toolchain:
             raise ToolchainMismatch(
                 f"the client expects toolchain {expected_toolchain[:80]!r} but this daemon "
-                f"builds with {toolchain.fingerprint()[:80]!r}; align the nvidia-cutlass-dsl, "
+                f"builds with {self.identity.toolchain[:80]!r}; align the nvidia-cutlass-dsl, "
                 "apache-tvm-ffi and torch versions or run a daemon from the client's environment"
             )
-        key = artifact_key(request, toolchain.fingerprint(), family.source_sha256())
+        key = artifact_key(request, self.identity.toolchain, self.identity.source(family))
         return family, request, key
 
     async def get(self, wire: Any, priority: int = INTERACTIVE, timeout: float = 60.0,
@@ -147,7 +150,11 @@ class Scheduler:
             elif key in self.inflight:
                 report["in_flight"] += 1
             else:
-                self._submit(key, family, request, PREWARM)
+                try:
+                    self._submit(key, family, request, PREWARM)
+                except Exception as exc:  # noqa: BLE001 -- reported per request
+                    report["rejected"].append({"index": index, "error": _wire_error(exc)})
+                    continue
                 report["queued"] += 1
         return report
 
@@ -161,6 +168,9 @@ class Scheduler:
             raise InvalidTactic(f"shape must be three positive integers M,N,K, got {shape!r}")
         payload = {"family": family_name, "shape": shape, "arch": arch,
                    "sm_count": sm_count or DEFAULT_SM_COUNT[arch], "options": options}
+        if self.pool.size == 0:
+            return await asyncio.get_running_loop().run_in_executor(
+                None, _plan_here, family, payload)
         w = await self.pool.acquire()
         try:
             return await self.pool.run_on(w, "plan", payload)
@@ -176,6 +186,10 @@ class Scheduler:
                 job.priority = priority
                 self._push(job)
             return job
+        if self.pool.size == 0:
+            raise CompileFailed(f"{family.name} {_describe(request)} is not in the store and "
+                                "this daemon is serve-only (no compiler); warm it on a build "
+                                "node")
         if len(self.inflight) >= self.max_queue:
             raise Overloaded(f"{len(self.inflight)} compilations are already queued; retry later")
         future = asyncio.get_running_loop().create_future()
@@ -247,11 +261,22 @@ class Scheduler:
             "symbol": result["symbol"], "params": json.dumps(dict(request.params), sort_keys=True),
             "arch": request.arch, "sm_count": request.sm_count,
             "max_active_clusters": request.max_active_clusters,
-            "toolchain": toolchain.fingerprint(), "source_sha256": job.family.source_sha256(),
+            "toolchain": self.identity.toolchain,
+            "source_sha256": self.identity.source(job.family),
             "compile_seconds": result["compile_seconds"],
             "meta": {**result["meta"], "runtime_library": toolchain.RUNTIME_LIBRARY_NAME},
         }
         return self.store.publish(row, Path(result["object_path"]), Path(result["library_path"]))
+
+
+def _plan_here(family: Family, payload: dict) -> list[dict]:
+    """Plan in this process (serve-only daemons have no workers; pure-Python families)."""
+    try:
+        requests = family.plan(tuple(payload["shape"]), payload["arch"], payload["sm_count"],
+                               payload["options"])
+    except ImportError as exc:
+        raise InvalidTactic(f"planning {family.name} needs its toolchain here: {exc}") from None
+    return [r.to_wire() for r in requests]
 
 
 def _describe(request: KernelRequest) -> str:

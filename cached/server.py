@@ -198,7 +198,8 @@ class Server:
     async def _hello(self, m: dict, peer: Peer) -> tuple[dict, bytes | None]:
         return {"ok": True, "v": PROTOCOL_VERSION, "capabilities": list(CAPABILITIES),
                 "ops": sorted(self.ops), "families": families.names(),
-                "toolchain": toolchain.fingerprint(), "versions": toolchain.versions(),
+                "toolchain": self.scheduler.identity.toolchain,
+                "versions": toolchain.versions(), "serve_only": self.scheduler.pool.size == 0,
                 "runtime_library": toolchain.runtime_library(),
                 "may_publish": self.access.may_publish(peer)}, None
 

@@ -42,10 +42,9 @@ def fingerprint() -> str:
     )
 
 
-@functools.cache
-def fingerprint_digest() -> str:
-    """A short stable name for :func:`fingerprint` (its sha256, first 16 hex digits)."""
-    return hashlib.sha256(fingerprint().encode()).hexdigest()[:16]
+def fingerprint_digest(value: str | None = None) -> str:
+    """A short stable name for a fingerprint (default: :func:`fingerprint`): 16 hex digits."""
+    return hashlib.sha256((value or fingerprint()).encode()).hexdigest()[:16]
 
 
 def versions() -> dict[str, str]:
@@ -77,7 +76,13 @@ def runtime_library_path() -> str:
 
 
 def runtime_library() -> dict:
-    return {"name": RUNTIME_LIBRARY_NAME, "path": runtime_library_path()}
+    """The runtime library kernels need; ``path`` is None where the DSL is not installed
+    (a serve-only node: clients then find it through $CACHED_DSL_RUNTIME)."""
+    try:
+        path: str | None = runtime_library_path()
+    except FileNotFoundError:
+        path = None
+    return {"name": RUNTIME_LIBRARY_NAME, "path": path}
 
 
 def link_shared_library(object_path: Path, library_path: Path) -> None:

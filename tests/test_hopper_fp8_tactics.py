@@ -144,7 +144,7 @@ def test_tactics_module_imports_no_toolchain():
 
 def test_launcher_rejects_before_launch():
     torch = pytest.importorskip("torch")
-    from cached.families.hopper_fp8.launch import gemm
+    from cached_client.hopper_fp8 import gemm
 
     calls = []
 

@@ -1,8 +1,8 @@
 """Hopper (sm_90a) FP8 GEMM family written in CuTe-DSL.
 
 Only the tactic space is re-exported here: it imports neither cutlass nor torch, so the
-daemon's main process can use it. kernel.py / compile.py (cutlass) and launch.py (torch)
-are imported explicitly by the workers and clients that need them.
+daemon's main process can use it. kernel.py / compile.py (cutlass) are imported by the
+workers, and the launcher lives in the client (cached_client.hopper_fp8, torch).
 """
 
 from .tactics import (

@@ -49,7 +49,7 @@ def compile_to_object(
       b_scale  (1,) float32 on the same device
     computing c = cvt((a @ b.T) * (a_scale * b_scale)). M, N, K are runtime values; all
     data pointers must be 16-byte aligned, N and K multiples of 16, M >= 1 (the launcher
-    in launch.py checks these). The stream is TVM-FFI's environment stream, i.e. the
+    in cached_client.hopper_fp8 checks these). The stream is TVM-FFI's environment stream, i.e. the
     caller's current torch stream, so the call is CUDA-graph capturable.
 
     `max_active_clusters` (e.g. 132 // cluster_size on an H200) is baked into the grid

@@ -1,8 +1,8 @@
-"""Host-side launcher for a loaded Hopper FP8 GEMM function.
+"""Host-side launcher for a loaded ``cached.hopper_fp8`` kernel.
 
-`fn` is the TVM-FFI function exported by compile.compile_to_object (for instance
-``tvm_ffi.load_module("k.so")[symbol]``, or ``cutlass.cute.runtime.load_module`` where the
-DSL is installed). torch is imported lazily so that importing this module is cheap.
+``fn`` is the TVM-FFI function ``Client.load`` returns for a ``cached.hopper_fp8``
+request (or ``tvm_ffi.load_module(path)[symbol]``). torch is imported lazily, so
+importing this module is cheap.
 """
 
 from __future__ import annotations
