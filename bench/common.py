@@ -30,9 +30,10 @@ def plan(limit: int | None = None, shape: tuple[int, int, int] = SHAPE) -> list[
 
 
 class Daemon:
-    def __init__(self, workdir: Path, workers: int | None = None) -> None:
+    def __init__(self, workdir: Path, workers: int | None = None,
+                 store: Path | None = None) -> None:
         self.socket = str(workdir / "cached.sock")
-        args = [sys.executable, "-m", "cached", "serve", "--store", str(workdir / "store"),
+        args = [sys.executable, "-m", "cached", "serve", "--store", str(store or workdir / "store"),
                 "--socket", self.socket, "--no-http"]
         if workers:
             args += ["--workers", str(workers)]

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import families, sizing, toolchain
+from . import certifications, families, sizing, toolchain, writeback
 from .identity import Identity
+from .lifecycle import Lifecycle
 from .log import event
+from .metrics import DaemonStats, make_metrics
 from .pool import Pool
-from .scheduler import Scheduler, Stats
+from .scheduler import Scheduler
 from .server import Access, Server
 from .store import Store
 
@@ -43,6 +45,16 @@ class Settings:
     socket_mode: int = 0o660
     access: Access = field(default_factory=Access)
     serve_only: bool = False
+    remote_url: str | None = None  # the fleet tier: redis://HOST:PORT/DB, redis+cluster://...
+    remote_signing_key: Path | None = None  # fleet HMAC keys, one a line; the first signs
+    remote_read_only: bool = False  # fetch from the tier, never publish (GPU nodes)
+    remote_timeout: float = 2.0  # seconds per Redis operation before the tier counts as down
+    max_bytes: int = 0  # store budget (0: none); LRU eviction, see Store.evict
+    max_files: int = 0  # store budget in blob files, two per entry (0: none)
+    evict_grace: float = 30.0  # an entry used this recently is never evicted
+    drain_timeout: float = 30.0  # SIGTERM: seconds running compilations get to finish
+    config: dict | None = None  # the effective configuration (cached/config.py)
+    reload: Any = None  # SIGHUP: returns a fresh config.Effective
 
 
 class Daemon:
@@ -50,7 +62,7 @@ class Daemon:
         self.settings = settings
         self.started = time.time()
         self.store = Store(settings.store)
-        self.stats = Stats()
+        self.stats = DaemonStats()
         if settings.serve_only:
             self.identity = Identity.pinned(settings.store)
             workers = 0
@@ -60,8 +72,13 @@ class Daemon:
             workers = sizing.worker_count(settings.workers)
         preload = [n for n in families.names() if not n.startswith("cached.test")]
         self.pool = Pool(workers, settings.job_timeout, preload)
-        self.scheduler = Scheduler(self.store, self.pool, self.stats, self.identity)
+        self.remote = _make_remote(settings)
+        self.scheduler = Scheduler(self.store, self.pool, self.stats, self.identity,
+                                   remote=self.remote)
         self.server = Server(self.scheduler, self.snapshot, settings.access)
+        certifications.register(self.server, self.store)
+        writeback.register(self.server, self.scheduler, self.store)  # leases, publish
+        self.lifecycle = Lifecycle(self)  # budget, report/gc/verify ops, systemd, drain
         self.http_address = ""
         self._http: Any = None
         self._stop = asyncio.Event()
@@ -73,6 +90,8 @@ class Daemon:
         return {
             "entries": entries, "bytes": size, "hits": c["hits"], "misses": c["misses"],
             "compiles": c["compiles"], "failures": c["failures"],
+            "remote_hits": c["remote_hits"],
+            "remote": self.remote.snapshot() if self.remote else {"state": "disabled"},
             "compile_seconds": round(c["compile_seconds"], 3),
             "in_flight": len(self.scheduler.inflight), "queued": self.scheduler.queued,
             "running": self.scheduler.running, "workers": self.pool.size,
@@ -87,32 +106,41 @@ class Daemon:
             "serve_only": self.settings.serve_only,
             "store": str(self.settings.store),
             "socket": self.settings.socket, "http": self.http_address,
+            **self.lifecycle.snapshot(),
         }
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self.lifecycle.reload)
         await self.pool.start()
         await self.scheduler.start()
-        await self.server.start(self.settings.socket, mode=self.settings.socket_mode)
+        if self.remote is not None:
+            self.remote.start()
+        await self.lifecycle.listen()  # a socket passed by systemd, else settings.socket
         event(log, logging.INFO, "daemon.listening", socket=self.settings.socket,
               workers=self.pool.size, entries=self.store.totals()[0],
               toolchain=toolchain.fingerprint_digest(self.identity.toolchain))
         threading.Thread(target=self.store.scan, name="store-scan", daemon=True).start()
         self._start_http()
         flusher = loop.create_task(self._flush_loop())
+        self.lifecycle.started()
         await self._stop.wait()
         event(log, logging.INFO, "daemon.stopping", in_flight=len(self.scheduler.inflight))
         flusher.cancel()
         await self.server.stop()
+        await self.lifecycle.drain()
         await self.scheduler.stop()
         await self.pool.stop()
+        if self.remote is not None:  # queued publishes get a few seconds to go out
+            await loop.run_in_executor(None, self.remote.close)
         if self._http is not None:
             self._http.should_exit = True
         self.store.close()
         try:
-            os.unlink(self.settings.socket)
+            if not self.lifecycle.inherited:  # systemd owns a socket it passed
+                os.unlink(self.settings.socket)
         except FileNotFoundError:
             pass
         event(log, logging.INFO, "daemon.stopped")
@@ -138,12 +166,25 @@ class Daemon:
 
         from .httpapp import make_app
 
-        app = make_app(self.snapshot, lambda: self.pool.alive > 0)
+        app = make_app(self.snapshot, lambda: self.pool.alive > 0, make_metrics(self))
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
         self._http = uvicorn.Server(config)
         threading.Thread(target=self._http.run, kwargs={"sockets": [sock]}, name="http",
                          daemon=True).start()
         event(log, logging.INFO, "http.listening", address=self.http_address)
+
+
+def _make_remote(settings: Settings) -> Any:
+    """The fleet tier, or None; refuses an unsigned tier (it would push native code)."""
+    if not settings.remote_url:
+        return None
+    from .remote import Remote, SigningKeys
+
+    if settings.remote_signing_key is None:
+        raise ValueError("a remote tier needs --remote-signing-key FILE: entries are signed "
+                         "and verified with the fleet's HMAC key")
+    return Remote(settings.remote_url, SigningKeys.from_file(settings.remote_signing_key),
+                  read_only=settings.remote_read_only, timeout=settings.remote_timeout)
 
 
 def serve(settings: Settings) -> None:

@@ -48,11 +48,13 @@ PRIORITIES = {"interactive": INTERACTIVE, "prewarm": PREWARM}
 class Job:
     key: str
     family: Family
-    request: KernelRequest
+    request: KernelRequest | None
     priority: int
     future: asyncio.Future
     state: str = "queued"
+    plan: dict | None = None  # a planning job (no key, no store) when set
     enqueued: float = field(default_factory=time.monotonic)
+    origin: str = "compiled"  # or "remote": fetched from the fleet tier, not compiled
 
 
 class Stats:
@@ -71,9 +73,10 @@ class Stats:
 
 class Scheduler:
     def __init__(self, store: Store, pool: Pool, stats: Stats, identity: Identity,
-                 max_queue: int = 100_000) -> None:
+                 max_queue: int = 100_000, remote: Any = None) -> None:
         self.store = store
         self.pool = pool
+        self.remote = remote  # cached.remote.Remote or None: the fleet tier
         self.identity = identity
         self.stats = stats
         self.max_queue = max_queue
@@ -128,7 +131,8 @@ class Scheduler:
         self.stats.count("misses", family.name)
         job = self._submit(key, family, request, priority)
         try:
-            return await asyncio.wait_for(asyncio.shield(job.future), timeout), "compiled"
+            entry = await asyncio.wait_for(asyncio.shield(job.future), timeout)
+            return entry, job.origin
         except TimeoutError:
             self.stats.count("deadline_exceeded", family.name)
             raise DeadlineExceeded(
@@ -171,9 +175,11 @@ class Scheduler:
         if self.pool.size == 0:
             return await asyncio.get_running_loop().run_in_executor(
                 None, _plan_here, family, payload)
-        w = await self.pool.acquire()
+        job = Job(f"plan:{next(self._seq)}", family, None, INTERACTIVE,
+                  asyncio.get_running_loop().create_future(), plan=payload)
+        self._push(job)
         try:
-            return await self.pool.run_on(w, "plan", payload)
+            return await job.future
         except JobError as exc:
             raise InvalidTactic(f"planning {family_name} failed: {exc.message}") from None
 
@@ -182,11 +188,13 @@ class Scheduler:
     def _submit(self, key: str, family: Family, request: KernelRequest, priority: int) -> Job:
         job = self.inflight.get(key)
         if job is not None:
-            if priority < job.priority and job.state == "queued":
+            if priority < job.priority and job.state == "fetching":
+                job.priority = priority  # pushed at this priority if the tier misses
+            elif priority < job.priority and job.state == "queued":
                 job.priority = priority
                 self._push(job)
             return job
-        if self.pool.size == 0:
+        if self.pool.size == 0 and self.remote is None:
             raise CompileFailed(f"{family.name} {_describe(request)} is not in the store and "
                                 "this daemon is serve-only (no compiler); warm it on a build "
                                 "node")
@@ -196,8 +204,76 @@ class Scheduler:
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         job = Job(key, family, request, priority, future)
         self.inflight[key] = job
-        self._push(job)
+        if self.remote is not None:
+            job.state = "fetching"
+            task = asyncio.get_running_loop().create_task(self._fetch_remote(job))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            self._push(job)
         return job
+
+    async def _fetch_remote(self, job: Job) -> None:
+        """Ask the fleet tier before compiling: one fetch per job, shared by its waiters. A
+        verified entry is stored and answered as ``remote`` (not compiled); anything else
+        (absent, rejected, tier down) queues the compilation."""
+        started = time.monotonic()
+        try:
+            entry = await asyncio.get_running_loop().run_in_executor(
+                self.remote.executor, self._adopt, job)
+        except Exception as exc:  # noqa: BLE001 -- the tier must never fail a request
+            event(log, logging.WARNING, "remote.adopt_failed", key=job.key[:16],
+                  error=f"{type(exc).__name__}: {exc}"[:300])
+            entry = None
+        if job.future.done():  # the daemon is stopping
+            return
+        if entry is not None:
+            job.state, job.origin = "done", "remote"
+            self.inflight.pop(job.key, None)
+            self.stats.count("remote_hits", job.family.name)
+            event(log, logging.INFO, "remote.hit", family=job.family.name, key=job.key[:16],
+                  kernel=entry.row["kernel_name"], fetch_s=round(time.monotonic() - started, 4))
+            job.future.set_result(entry)
+        elif self.pool.size == 0:
+            job.state = "done"
+            self.inflight.pop(job.key, None)
+            job.future.set_exception(CompileFailed(
+                f"{job.family.name} {_describe(job.request)} is neither in the store nor in the "
+                "fleet tier, and this daemon is serve-only (no compiler); warm it on a build node"))
+        else:
+            job.state = "queued"
+            self._push(job)
+
+    def _adopt(self, job: Job) -> Entry | None:
+        """Fetch ``job``'s key from the tier (verified there) and store it; None on a miss.
+        The row is this node's own (request, identity); the tier supplies only the blobs,
+        the kernel's name and symbol, its compile time and meta."""
+        request = job.request
+        fetched = self.remote.fetch(job.key, {
+            "family": request.family, "arch": request.arch,
+            "toolchain": self.identity.toolchain,
+            "source_sha256": self.identity.source(job.family)})
+        if fetched is None:
+            return None
+        signed, object_bytes, library_bytes = fetched
+        workdir = self.store.workdir()
+        try:
+            (workdir / "remote.o").write_bytes(object_bytes)
+            (workdir / "remote.so").write_bytes(library_bytes)
+            row = {
+                "key": job.key, "family": request.family,
+                "kernel_name": str(signed["kernel_name"]), "symbol": str(signed["symbol"]),
+                "params": json.dumps(dict(request.params), sort_keys=True),
+                "arch": request.arch, "sm_count": request.sm_count,
+                "max_active_clusters": request.max_active_clusters,
+                "toolchain": self.identity.toolchain,
+                "source_sha256": self.identity.source(job.family),
+                "compile_seconds": float(signed["compile_seconds"]),
+                "meta": signed["meta"],
+            }
+            return self.store.publish(row, workdir / "remote.o", workdir / "remote.so")
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
 
     def _push(self, job: Job) -> None:
         heapq.heappush(self._heap, (job.priority, next(self._seq), job))
@@ -217,9 +293,18 @@ class Scheduler:
             worker = await self.pool.acquire()
             job = await self._next_job()
             job.state = "running"
-            task = asyncio.get_running_loop().create_task(self._run(worker, job))
+            run = self._run_plan if job.plan is not None else self._run
+            task = asyncio.get_running_loop().create_task(run(worker, job))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    async def _run_plan(self, worker: Any, job: Job) -> None:
+        try:
+            job.future.set_result(await self.pool.run_on(worker, "plan", job.plan or {}))
+        except Exception as exc:  # noqa: BLE001 -- the planner hears why
+            job.future.set_exception(exc)
+        finally:
+            job.state = "done"
 
     async def _run(self, worker: Any, job: Job) -> None:
         loop = asyncio.get_running_loop()
@@ -232,8 +317,13 @@ class Scheduler:
                 worker, "build", {"request": job.request.to_wire(), "workdir": str(workdir)}
             )
             entry = await loop.run_in_executor(None, self._publish, job, result)
-        except (JobError, WorkerFailed, OSError) as exc:
-            message = exc.message if isinstance(exc, JobError) else str(exc)
+        except Exception as exc:  # noqa: BLE001 -- every waiter must hear why, whatever broke
+            if isinstance(exc, JobError):
+                message = exc.message
+            elif isinstance(exc, (WorkerFailed, OSError)):
+                message = str(exc)
+            else:
+                message = f"internal error while publishing: {type(exc).__name__}: {exc}"
             self.stats.count("failures", name)
             self.stats.failures.append({"time": time.time(), "family": name, "key": job.key,
                                         "params": dict(job.request.params), "message": message})
@@ -248,6 +338,8 @@ class Scheduler:
                   wall_s=round(time.monotonic() - started, 3),
                   waited_s=round(started - job.enqueued, 3))
             job.future.set_result(entry)
+            if self.remote is not None:  # background; never blocks this request
+                self.remote.publish(job.key, entry.row, entry.object_path, entry.library_path)
         finally:
             job.state = "done"
             self.running -= 1

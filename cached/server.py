@@ -9,6 +9,7 @@ connection only; any other failure of a request becomes a typed error reply.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -118,9 +119,15 @@ class Server:
                 self.scheduler.stats.count("errors.not_allowed")
                 event(log, logging.WARNING, "connection.refused", uid=peer.uid, gid=peer.gid,
                       pid=peer.pid)
-                await _send(writer, {"ok": False, "error": NotAllowed(
+                reply = {"ok": False, "error": NotAllowed(
                     f"uid {peer.uid} gid {peer.gid} is not allowed to use this daemon"
-                ).to_wire()})
+                ).to_wire()}
+                with contextlib.suppress(Exception):
+                    header = await asyncio.wait_for(reader.readexactly(HEADER.size), 5)
+                    body = await asyncio.wait_for(
+                        reader.readexactly(frame_length(header, MAX_REQUEST_FRAME)), 5)
+                    reply["id"] = decode_body(body).get("id")
+                await _send(writer, reply)
                 return
             while True:
                 try:

@@ -16,6 +16,7 @@ memory and written back in batches (:meth:`Store.flush`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -25,6 +26,7 @@ import sqlite3
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,15 @@ def sha256_file(path: Path) -> str:
 
 
 class Store:
+    # Budget (0: unlimited) and eviction state; the daemon sets these (see evict()).
+    max_bytes: int = 0
+    max_files: int = 0
+    evict_grace: float = 30.0
+    protected: Any = None  # a callable returning keys never to evict (being compiled)
+    evictions: int = 0
+    evicted_bytes: int = 0
+    over_budget: bool = False
+
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.blob_dir = self.root / "blobs"
@@ -85,6 +96,7 @@ class Store:
             self.entries.create(COLUMNS, pk="key")
         self._rows: dict[str, dict] = {r["key"]: r for r in self.entries.rows}
         self._touched: set[str] = set()
+        self._db_lock = threading.RLock()
         self._opened = time.time()
 
     # -- reading -----------------------------------------------------------------------
@@ -99,6 +111,8 @@ class Store:
         if row is None:
             return None
         with self._lock:
+            if self._rows.get(key) is not row:  # evicted or dropped since the read above
+                return None
             row["hits"] += 1
             row["last_used"] = time.time()
             self._touched.add(key)
@@ -159,11 +173,31 @@ class Store:
         for name in ("params", "meta"):
             if not isinstance(row.get(name), str):
                 row[name] = json.dumps(row.get(name, {}), sort_keys=True)
-        with self._lock:
+        with self._write(), self._lock:
+            self.evict(incoming=row)  # room first, under the same lock
             self.entries.insert(row, pk="key", replace=True)
             self._rows[row["key"]] = row
         return Entry(dict(row), self.blob_path(row["object_sha256"], "object"),
                      self.blob_path(row["library_sha256"], "library"))
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[None]:
+        """One write transaction that takes SQLite's write lock up front (BEGIN IMMEDIATE),
+        so another process holding the index makes us wait (busy timeout), not fail."""
+        conn = self.db.conn
+        with self._db_lock:
+            if conn.in_transaction:
+                yield
+                return
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            if conn.in_transaction:
+                conn.execute("COMMIT")
 
     def _commit_blob(self, path: Path, kind: str) -> tuple[str, int]:
         with open(path, "rb+") as f:
@@ -185,6 +219,7 @@ class Store:
             if self._rows.pop(key, None) is None:
                 return
             self._touched.discard(key)
+        with self._write():
             self.entries.delete_where("key = ?", [key])
         event(log, logging.WARNING, "store.entry_dropped", key=key[:16], reason=reason)
 
@@ -201,7 +236,8 @@ class Store:
             touched = [(r["hits"], r["last_used"], k) for k in self._touched
                        if (r := self._rows.get(k)) is not None]
             self._touched.clear()
-            if touched:
+        if touched:
+            with self._write():
                 self.db.conn.executemany(
                     "UPDATE entries SET hits = ?, last_used = ? WHERE key = ?", touched
                 )
@@ -210,6 +246,30 @@ class Store:
     def close(self) -> None:
         self.flush()
         self.db.conn.close()
+
+    # -- certifications ----------------------------------------------------------------
+
+    def record_certification(self, record: dict) -> int:
+        """Append one batch-invariance certification (see cached/certifications.py)."""
+        row = {k: json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
+               for k, v in record.items()}
+        with self._write():
+            table = self.db.table("certifications")
+            table.insert(row, alter=True)
+            return table.last_pk
+
+    def certifications(self, family: str | None = None) -> list[dict]:
+        with self._lock:
+            if not self.db.table("certifications").exists():
+                return []
+            where, args = ("family = ?", [family]) if family else (None, None)
+            rows = list(self.db.table("certifications").rows_where(where, args,
+                                                                    order_by="rowid"))
+        for row in rows:
+            for name in ("tactics", "rows_differing", "ms"):
+                if isinstance(row.get(name), str):
+                    row[name] = json.loads(row[name])
+        return rows
 
     # -- start-up scan -----------------------------------------------------------------
 
@@ -236,6 +296,120 @@ class Store:
         report["seconds"] = round(time.monotonic() - started, 3)
         level = logging.WARNING if report["dropped"] or report["orphans_removed"] else logging.INFO
         event(log, level, "store.scan_done", **report)
+        return report
+
+    # -- budget and verification --------------------------------------------------------
+
+    def evict(self, incoming: dict | None = None, max_bytes: int | None = None,
+              max_files: int | None = None, grace: float | None = None) -> dict[str, Any]:
+        """Remove least recently used entries until the index, plus the ``incoming`` row
+        about to be published, fits ``max_bytes`` and ``max_files`` (two blob files per
+        entry); a blob another entry (or the incoming one) shares stays. Never removes
+        the incoming key, a key :attr:`protected` names (being
+        compiled), or an entry used within ``grace`` seconds: :meth:`lookup` stamps
+        ``last_used`` before it verifies, so an entry just handed out by path (a client
+        may be about to open it) stays. Rows leave the index under the lock before their
+        blobs go, so a concurrent lookup either sees a fresh row or none."""
+        configured = max_bytes is None and max_files is None  # not a one-off gc budget
+        max_bytes = self.max_bytes if max_bytes is None else max_bytes
+        max_files = self.max_files if max_files is None else max_files
+        grace = self.evict_grace if grace is None else grace
+        report: dict[str, Any] = {"evicted": 0, "freed_bytes": 0, "blocked": 0}
+        if not max_bytes and not max_files:
+            return report
+        keep = incoming["key"] if incoming else None
+        incoming_bytes = incoming["size"] if incoming else 0
+        incoming_files = 2 if incoming else 0
+        protected = set(self.protected() if self.protected else ()) | {keep}
+        now = time.time()
+        with self._lock:
+            size = sum(r["size"] for r in self._rows.values() if r["key"] != keep)
+            files = 2 * sum(1 for k in self._rows if k != keep)
+
+            def over() -> bool:
+                return bool((max_bytes and size + incoming_bytes > max_bytes)
+                            or (max_files and files + incoming_files > max_files))
+
+            victims = []
+            if over():
+                for row in sorted(self._rows.values(), key=lambda r: r["last_used"]):
+                    if not over():
+                        break
+                    if row["key"] in protected or now - row["last_used"] < grace:
+                        report["blocked"] += 1
+                        continue
+                    victims.append(row)
+                    size -= row["size"]
+                    files -= 2
+            for row in victims:
+                self._rows.pop(row["key"], None)
+                self._touched.discard(row["key"])
+            if victims:
+                self.db.conn.executemany("DELETE FROM entries WHERE key = ?",
+                                         [(r["key"],) for r in victims])
+                referenced = {self.blob_path(r[f"{k}_sha256"], k)
+                              for r in [*self._rows.values(), *([incoming] if incoming else [])]
+                              for k in SUFFIXES}
+                for row in victims:
+                    for kind in SUFFIXES:
+                        path = self.blob_path(row[f"{kind}_sha256"], kind)
+                        if path not in referenced:
+                            self._remove_blob(path)
+            still_over = over()
+            if configured:
+                self.over_budget = still_over
+        report["evicted"] = len(victims)
+        report["freed_bytes"] = sum(r["size"] for r in victims)
+        self.evictions += report["evicted"]
+        self.evicted_bytes += report["freed_bytes"]
+        if victims:
+            event(log, logging.INFO, "store.evicted", entries=report["evicted"],
+                  bytes=report["freed_bytes"], max_bytes=max_bytes, max_files=max_files)
+        if still_over:
+            event(log, logging.WARNING, "store.over_budget", bytes=size + incoming_bytes,
+                  files=files + incoming_files, max_bytes=max_bytes, max_files=max_files,
+                  blocked=report["blocked"], reason="every remaining entry is in use or "
+                  "within the eviction grace period")
+        return report
+
+    def verify(self) -> dict[str, Any]:
+        """Recheck every entry's blobs against their digests; drop the bad ones (and
+        their blobs). Also counts unreferenced blobs and leftover temporaries."""
+        started = time.monotonic()
+        report: dict[str, Any] = {"checked": 0, "verified": 0, "bad": [], "bytes": 0,
+                                  "orphan_blobs": 0, "tmp_entries": 0}
+        for row in self.rows():
+            if self._rows.get(row["key"]) is None:
+                continue  # evicted meanwhile
+            report["checked"] += 1
+            reason = None
+            for kind in SUFFIXES:
+                sha = row[f"{kind}_sha256"]
+                try:
+                    actual = sha256_file(self.blob_path(sha, kind))
+                except FileNotFoundError:
+                    reason = f"{kind} blob {sha[:12]} is missing"
+                    break
+                if actual != sha:
+                    reason = f"{kind} blob {sha[:12]} has digest {actual[:12]}"
+                    break
+            if reason is None:
+                report["verified"] += 1
+                report["bytes"] += row["size"]
+            elif self._rows.get(row["key"]) is not None:
+                report["bad"].append({"key": row["key"], "family": row["family"],
+                                      "reason": reason})
+                self._verified(row)  # drops the row and removes a wrong blob
+        with self._lock:
+            referenced = {self.blob_path(r[f"{k}_sha256"], k).name
+                          for r in self._rows.values() for k in SUFFIXES}
+        report["orphan_blobs"] = sum(1 for p in self.blob_dir.glob("*/*")
+                                     if p.name not in referenced)
+        report["tmp_entries"] = sum(1 for _ in self.tmp_dir.iterdir())
+        report["seconds"] = round(time.monotonic() - started, 3)
+        event(log, logging.WARNING if report["bad"] else logging.INFO, "store.verify_done",
+              checked=report["checked"], verified=report["verified"], bad=len(report["bad"]),
+              orphan_blobs=report["orphan_blobs"])
         return report
 
 

@@ -21,7 +21,8 @@ class DaemonProcess:
     """``cached serve`` in a subprocess; ``client()`` talks to it over its socket."""
 
     def __init__(self, tmp: Path, workers: int = 2, job_timeout: float = 120.0,
-                 store: Path | None = None, extra_env: dict | None = None) -> None:
+                 store: Path | None = None, extra_env: dict | None = None,
+                 extra_args: list[str] | None = None) -> None:
         self.tmp = tmp
         self.store = store or tmp / "store"
         self.socket = str(tmp / "cached.sock")
@@ -31,7 +32,7 @@ class DaemonProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cached", "serve", "--store", str(self.store),
              "--socket", self.socket, "--http", "127.0.0.1:0", "--workers", str(workers),
-             "--job-timeout", str(job_timeout)],
+             "--job-timeout", str(job_timeout), *(extra_args or [])],
             env=env, stdout=self._log, stderr=subprocess.STDOUT,
         )
         self.wait_ready(workers)

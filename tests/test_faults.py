@@ -18,7 +18,7 @@ def wait_for(predicate, timeout: float = 60.0) -> None:
 
 @pytest.fixture
 def short_timeout_daemon(tmp_path):
-    d = DaemonProcess(tmp_path, workers=2, job_timeout=4)
+    d = DaemonProcess(tmp_path, workers=2, job_timeout=8)
     yield d
     d.stop()
 

@@ -90,6 +90,7 @@ class Client:
         self._lock = threading.Lock()
         self._next_id = 0
         self._loaded: dict[KernelRequest, Any] = {}
+        self._fallbacks: dict[str, int] = {}  # in-process compiles not yet reported
         self._scratch = os.path.join(tempfile.gettempdir(), f"cached-client-{os.getuid()}")
 
     def close(self) -> None:
@@ -178,6 +179,9 @@ class Client:
             if not self.fallback:
                 raise
             artifact = self._fallback_build(request, exc)
+        else:
+            if self._fallbacks:
+                self._report_fallbacks()
         fn = self._load_artifact(artifact)
         self._loaded[request] = fn
         return fn
@@ -210,4 +214,15 @@ class Client:
                 "importable here (install the 'cached' package to compile in-process, or "
                 "start the daemon: make serve)"
             ) from None
-        return build_in_process(request, self._scratch)
+        artifact = build_in_process(request, self._scratch)
+        self._fallbacks[request.family] = self._fallbacks.get(request.family, 0) + 1
+        return artifact
+
+    def _report_fallbacks(self) -> None:
+        """Tell the daemon, once it answers again, how many kernels this process compiled
+        itself meanwhile (its ``cached_client_fallbacks_total`` metric)."""
+        pending, self._fallbacks = self._fallbacks, {}
+        try:
+            self.call({"op": "report", "fallbacks": pending}, timeout=2.0)
+        except CachedError:
+            pass  # a daemon without the op, or gone again: not worth more

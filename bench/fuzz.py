@@ -1,0 +1,37 @@
+"""Fuzz the socket protocol with N structured frames and N raw-byte inputs (default 50,000
+each) against one live daemon; report crashes, reply errors and daemon RSS.
+Usage: python bench/fuzz.py [--examples 50000]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import ROOT, save
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--examples", type=int, default=50_000)
+    args = parser.parse_args()
+    with tempfile.NamedTemporaryFile(suffix=".json") as report:
+        started = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+             "tests/test_fuzz.py", "-k", "structured or raw_bytes"],
+            cwd=ROOT, capture_output=True, text=True,
+            env={**os.environ, "CACHED_FUZZ_EXAMPLES": str(args.examples),
+                 "CACHED_FUZZ_REPORT": report.name})
+        result = json.loads(open(report.name).read())
+    result.update(inputs=2 * args.examples, seconds=round(time.monotonic() - started, 1),
+                  pytest_rc=proc.returncode, pytest_tail=proc.stdout.strip().splitlines()[-1])
+    save("fuzz", result)
+
+
+if __name__ == "__main__":
+    main()

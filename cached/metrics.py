@@ -1,0 +1,179 @@
+"""``GET /metrics``: the daemon's state in Prometheus text format (prometheus-client).
+
+Nothing is counted twice: a collector reads the daemon's own counters and gauges at
+scrape time. The one thing the counters do not keep, the distribution of compile times,
+is recorded by :class:`DaemonStats` (the scheduler's ``Stats`` plus a histogram per
+family) as each compilation finishes. Metric names and what to alert on are in
+docs/operations.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from .scheduler import Stats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+COMPILE_BUCKETS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class DaemonStats(Stats):
+    """The scheduler's counters plus a compile-time histogram per family."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self.compile_buckets: defaultdict[str, list[int]] = defaultdict(
+            lambda: [0] * (len(COMPILE_BUCKETS) + 1))
+
+    def count(self, name: str, family: str | None = None, n: float = 1) -> None:
+        super().count(name, family, n)
+        if name == "compile_seconds" and family:
+            with self._lock:
+                self.compile_buckets[family][bisect.bisect_left(COMPILE_BUCKETS, n)] += 1
+
+    def histogram(self, family: str) -> tuple[list[tuple[str, int]], float]:
+        with self._lock:
+            counts = list(self.compile_buckets[family])
+        cumulative, buckets = 0, []
+        for bound, count in zip((*COMPILE_BUCKETS, float("inf")), counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        return buckets, float(self.by_family[family]["compile_seconds"])
+
+
+class _Collector:
+    def __init__(self, daemon: Any) -> None:
+        self.daemon = daemon
+
+    def collect(self) -> Iterator[Metric]:
+        d = self.daemon
+        stats: DaemonStats = d.stats
+        families = sorted(stats.by_family)
+
+        def per_family(name: str, doc: str, counter: str) -> Metric:
+            m = CounterMetricFamily(name, doc, labels=["family"])
+            for f in families:
+                m.add_metric([f], float(stats.by_family[f][counter]))
+            return m
+
+        yield per_family("cached_hits", "Requests answered from the store.", "hits")
+        yield per_family("cached_misses", "Requests that needed a compilation.", "misses")
+        yield per_family("cached_compilations", "Compilations stored.", "compiles")
+        yield per_family("cached_compile_failures",
+                         "Compilations that failed (compiler error, worker died or overran).",
+                         "failures")
+        yield per_family("cached_client_fallbacks",
+                         "In-process compilations clients reported while the daemon was "
+                         "unusable to them.", "client_fallbacks")
+        hist = HistogramMetricFamily("cached_compile_duration_seconds",
+                                     "Compile time of stored kernels, in the worker.",
+                                     labels=["family"])
+        for f in families:
+            buckets, total = stats.histogram(f)
+            hist.add_metric([f], buckets, total)
+        yield hist
+        errors = CounterMetricFamily("cached_errors", "Error replies by code.", labels=["code"])
+        for key, value in sorted(stats.counters.items()):
+            if key.startswith("errors."):
+                errors.add_metric([key.split(".", 1)[1]], float(value))
+        yield errors
+
+        s = d.scheduler
+        yield GaugeMetricFamily("cached_queue_depth", "Compilations waiting for a worker.",
+                                value=s.queued)
+        yield GaugeMetricFamily("cached_compilations_running", "Compilations on a worker now.",
+                                value=s.running)
+        yield GaugeMetricFamily("cached_in_flight",
+                                "Keys queued or compiling (each compiled once).",
+                                value=len(s.inflight))
+        workers = GaugeMetricFamily("cached_workers", "Compile workers by state.",
+                                    labels=["state"])
+        p = d.pool
+        for state, value in (("configured", p.size), ("alive", p.alive), ("ready", p.ready),
+                             ("idle", p.idle)):
+            workers.add_metric([state], value)
+        yield workers
+        yield CounterMetricFamily("cached_worker_restarts",
+                                  "Workers replaced after dying or overrunning a job.",
+                                  value=p.restarts)
+
+        store = d.store
+        entries, size = store.totals()
+        yield GaugeMetricFamily("cached_store_bytes", "Bytes of stored blobs (index).",
+                                value=size)
+        yield GaugeMetricFamily("cached_store_entries", "Stored kernels.", value=entries)
+        yield GaugeMetricFamily("cached_store_max_bytes", "Store budget in bytes (0: none).",
+                                value=store.max_bytes)
+        yield GaugeMetricFamily("cached_store_max_files",
+                                "Store budget in blob files (0: none).", value=store.max_files)
+        yield GaugeMetricFamily("cached_store_over_budget",
+                                "1 when eviction could not get under budget (all in use).",
+                                value=int(store.over_budget))
+        yield CounterMetricFamily("cached_store_evictions", "Entries evicted (LRU).",
+                                  value=store.evictions)
+        yield CounterMetricFamily("cached_store_evicted_bytes", "Bytes freed by eviction.",
+                                  value=store.evicted_bytes)
+        yield GaugeMetricFamily("cached_connections", "Open client connections.",
+                                value=d.server.connections)
+        yield GaugeMetricFamily("cached_start_time_seconds",
+                                "Unix time the daemon started.", value=d.started)
+        yield from _remote_metrics(getattr(d, "remote", None), stats, families)
+        info = GaugeMetricFamily("cached_build_info", "The toolchain this daemon builds with.",
+                                 labels=["toolchain"])
+        info.add_metric([str(d.snapshot().get("toolchain", ""))], 1)
+        yield info
+
+
+REMOTE_STATES = ("connecting", "up", "down", "full")
+
+
+def _remote_metrics(remote: Any, stats: Stats, families: list[str]) -> Iterator[Metric]:
+    """The fleet tier (cached/remote.py, docs/fleet.md); nothing when it is off."""
+    if remote is None:
+        return
+    snap = remote.snapshot()
+    state = GaugeMetricFamily("cached_remote_state",
+                              "1 for the fleet tier's current state (down/full: local-only).",
+                              labels=["state"])
+    for name in REMOTE_STATES:
+        state.add_metric([name], int(snap["state"] == name))
+    yield state
+    hits = CounterMetricFamily("cached_remote_hits",
+                               "Local misses answered from the fleet tier (not compiled).",
+                               labels=["family"])
+    for f in families:
+        hits.add_metric([f], float(stats.by_family[f]["remote_hits"]))
+    yield hits
+    ops = CounterMetricFamily("cached_remote_operations",
+                              "Fleet tier operations by result.", labels=["result"])
+    for result in ("hits", "misses", "rejected", "published", "errors", "skipped",
+                   "publish_dropped"):
+        ops.add_metric([result], float(snap[result]))
+    yield ops
+    yield GaugeMetricFamily("cached_remote_publish_queue", "Publishes waiting to go out.",
+                            value=snap["publish_queue"])
+    moved = CounterMetricFamily("cached_remote_bytes", "Bytes read from and written to "
+                                "the fleet tier (stored, compressed).", labels=["direction"])
+    moved.add_metric(["in"], float(snap["bytes_in"]))
+    moved.add_metric(["out"], float(snap["bytes_out"]))
+    yield moved
+
+
+def make_metrics(daemon: Any) -> Callable[[], bytes]:
+    """A function that renders the daemon's metrics in the Prometheus text format."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(daemon))
+    return lambda: generate_latest(registry)

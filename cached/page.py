@@ -1,0 +1,117 @@
+"""``GET /``: one self-contained HTML page for an operator's browser.
+
+Rendered on the server from the same snapshot as ``/stats``: no script, no stylesheet or
+font from anywhere else, and a ``<meta http-equiv="refresh">`` so it refreshes itself.
+"""
+
+from __future__ import annotations
+
+import html
+import socket
+import time
+
+REFRESH_S = 5
+
+STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222;background:#fafafa}
+h1{font-size:1.3em;margin:0 0 .2em}h2{font-size:1.05em;margin:1.4em 0 .4em}
+.sub{color:#666;font-size:.9em}
+.tiles{display:flex;flex-wrap:wrap;gap:.8em;margin-top:1em}
+.tile{background:#fff;border:1px solid #ddd;border-radius:6px;padding:.6em .9em;min-width:9em}
+.tile b{display:block;font-size:1.5em}.tile span{color:#666;font-size:.85em}
+.bar{height:6px;background:#eee;border-radius:3px;margin-top:.3em}
+.bar i{display:block;height:6px;border-radius:3px;background:#3a7}
+.bar i.warn{background:#d80}.bar i.bad{background:#c33}
+table{border-collapse:collapse;background:#fff}
+td,th{border:1px solid #ddd;padding:.25em .6em;text-align:right}
+th{background:#f0f0f0}td:first-child,th:first-child{text-align:left}
+pre{white-space:pre-wrap;margin:0;font-size:.85em;max-width:70em}
+.bad{color:#c33}.none{color:#888}
+"""
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _ratio(hits: float, misses: float) -> str:
+    total = hits + misses
+    return f"{100 * hits / total:.1f}%" if total else "n/a"
+
+
+def _tile(ident: str, value: str, label: str, extra: str = "") -> str:
+    return (f'<div class="tile" id="{ident}"><b>{html.escape(value)}</b>'
+            f"<span>{html.escape(label)}</span>{extra}</div>")
+
+
+def render(s: dict) -> str:
+    """The page for one ``Daemon.snapshot()``."""
+    e = html.escape
+    max_bytes = s.get("max_bytes") or 0
+    if max_bytes:
+        used = s["bytes"] / max_bytes
+        cls = "bad" if used > 1 else "warn" if used > 0.9 else ""
+        budget = f"of {_size(max_bytes)} budget ({100 * used:.0f}%)"
+        width = min(100, 100 * used)
+        bar = f'<div class="bar"><i class="{cls}" style="width:{width:.0f}%"></i></div>'
+    else:
+        budget, bar = "no budget set", ""
+    tiles = [
+        _tile("hit-ratio", _ratio(s["hits"], s["misses"]),
+              f"hit ratio ({s['hits']} hits, {s['misses']} misses)"),
+        _tile("running", str(s["running"]), "compiling now"),
+        _tile("queued", str(s["queued"]), "queued"),
+        _tile("workers", f"{s['workers_ready']}/{s['workers']}",
+              f"workers ready ({s['workers_alive']} alive, {s['worker_restarts']} restarts)"),
+        _tile("store-size", _size(s["bytes"]), budget, bar),
+        _tile("entries", str(s["entries"]),
+              "entries" + (f" (max {s['max_files'] // 2})" if s.get("max_files") else "")),
+        _tile("compiles", str(s["compiles"]), f"compiled, {s['failures']} failed"),
+        _tile("evictions", str(s.get("evictions", 0)), "evicted"),
+        _tile("fallbacks", str(s.get("client_fallbacks", 0)), "client fallbacks"),
+    ]
+    rows = []
+    for family, c in sorted(s.get("families", {}).items()):
+        compiles = c.get("compiles", 0)
+        mean = c.get("compile_seconds", 0) / compiles if compiles else 0
+        rows.append(
+            f"<tr><td>{e(family)}</td><td>{c.get('hits', 0)}</td><td>{c.get('misses', 0)}</td>"
+            f"<td>{_ratio(c.get('hits', 0), c.get('misses', 0))}</td><td>{compiles}</td>"
+            f"<td>{c.get('failures', 0)}</td><td>{mean:.2f}</td>"
+            f"<td>{c.get('client_fallbacks', 0)}</td></tr>")
+    families = (
+        "<table id=\"families\"><tr><th>family</th><th>hits</th><th>misses</th>"
+        "<th>hit ratio</th><th>compiled</th><th>failed</th><th>mean compile s</th>"
+        "<th>client fallbacks</th></tr>" + "".join(rows) + "</table>"
+        if rows else '<p class="none" id="families">no requests yet</p>')
+    failures = []
+    for f in reversed(s.get("last_failures", [])):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(f.get("time", 0)))
+        failures.append(f"<tr><td>{e(when)}</td><td>{e(str(f.get('family', '')))}</td>"
+                        f"<td><pre>{e(str(f.get('message', ''))[:2000])}</pre></td></tr>")
+    failure_html = (
+        "<table id=\"failures\"><tr><th>time</th><th>family</th><th>message</th></tr>"
+        + "".join(failures) + "</table>"
+        if failures else '<p class="none" id="failures">no compile failures</p>')
+    errors = ", ".join(f"{e(k)}: {v}" for k, v in sorted(s.get("errors", {}).items()))
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="refresh" content="{REFRESH_S}">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>cached on {e(socket.gethostname())}</title><style>{STYLE}</style></head>
+<body>
+<h1>cached on {e(socket.gethostname())}</h1>
+<div class="sub">toolchain {e(str(s.get("toolchain", "")))} &middot; up {s.get("uptime_s", 0):.0f} s
+&middot; store {e(str(s.get("store", "")))} &middot; socket {e(str(s.get("socket", "")))}
+&middot; refreshes every {REFRESH_S} s &middot; <a href="/metrics">metrics</a>
+&middot; <a href="/stats">stats (JSON)</a></div>
+<div class="tiles">{"".join(tiles)}</div>
+<h2>Families</h2>{families}
+<h2>Errors by code</h2><p id="errors">{errors or '<span class="none">none</span>'}</p>
+<h2>Last compile failures</h2>{failure_html}
+</body></html>
+"""

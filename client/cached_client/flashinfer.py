@@ -1,0 +1,476 @@
+"""FlashInfer integration: unmodified FlashInfer code gets its CuTe-DSL kernels from the daemon.
+
+``install(socket_path=None)`` hooks FlashInfer (imported only then) at the depth that
+catches every caller:
+
+- ``JitSpecCuteDsl.build_and_load`` (the class method every ``build_and_load_cute_dsl_kernel``
+  call ends in, however a module imported that function). After FlashInfer's own disk cache
+  (``try_load``) misses, a kernel is
+  * an **mm_fp4 tactic** (module ``mm_fp4``, name from ``_blockscaled_kernel_disk_name``):
+    compiled by the daemon's ``flashinfer.mm_fp4`` family;
+  * a **batch-invariant class kernel** (modules ``batch_invariant_gemm`` and
+    ``batch_invariant_gemm_blockscaled``, called from ``bmm_fp8`` / ``mm_fp4`` under
+    ``batch_invariant=True``): compiled by ``flashinfer.bi.bmm_fp8`` / ``flashinfer.bi.mm_fp4``;
+  * anything else: **write-back** (``cached_client.writeback``): one process on the node
+    compiles with FlashInfer's closure and publishes the object, the others wait on its lease.
+  The object is loaded as FlashInfer loads its own disk artifacts
+  (``cute.runtime.load_module``), after checking its sha256.
+- ``precompile_mm_fp4_tactics`` (the autotuner's precompile step for mm_fp4, imported by
+  name into ``gemm_base``): replaced, wherever a module holds it, by one ``prefetch`` of every
+  tactic about to be profiled; the profiling loop's loads then wait on the daemon.
+- ``BatchInvariantGemmRunner.precompile_tactics``: one ``prefetch`` of the candidates first.
+- ``bmm_fp8_batch_invariant`` / ``mm_fp4_batch_invariant``: wrapped to note the weight shape
+  (N, K) of the call, the class the kernels are compiled for.
+
+Identity: the arch is FlashInfer's compile arch (``CUTE_DSL_ARCH`` or the device), the SM count
+is the calling process's device's, and ``max_active_clusters`` is the value the calling
+process computed (FlashInfer puts it in the kernel name: ``_mac<N>``, ``_g<N>``), never
+recomputed by the daemon. ``uninstall()`` restores every replaced attribute exactly. Any daemon
+failure falls back to FlashInfer's own path, logged once.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import os
+import re
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from .client import Artifact, Client
+from .errors import CachedError
+from .keys import ARCHES, KernelRequest
+from .loader import sha256_file
+
+logger = logging.getLogger("cached_client.flashinfer")
+
+DEFAULT_SM_COUNT = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148, "sm_107a": 148}
+SM_COUNT_ENV = "CACHED_SM_COUNT"
+BI_MODULES = ("batch_invariant_gemm", "batch_invariant_gemm_blockscaled")
+_FI_PREFIX = "flashinfer"
+
+_MM_FP4_RE = re.compile(
+    r"^sf(?P<sf>16|32)_t(?P<tm>\d+)x(?P<tn>\d+)_c(?P<cm>\d+)x(?P<cn>\d+)_swap(?P<swap>[01])"
+    r"_pf(?P<pf>[01])_(?P<kt>sm100sk|sm100)_tma(?P<tma>x|\d+)_pdl(?P<pdl>[01])"
+    r"_(?P<dt>bfloat16|float16)_pta(?P<pta>x|m|n)_l2(?P<l2>x|a_ef|b_ef|ab_el)_b1_mac(?P<mac>\d+)$")
+_KNOBS = (r"_mma(?P<tm>\d+)x(?P<tn>\d+)_cl(?P<cm>\d+)x(?P<cn>\d+)_(?P<cta>1cta|2cta)"
+          r"_(?P<st>tma|st)_r(?P<r>[mn])_sw(?P<sw>\d+)(?:_ck(?P<ck>\d+))?(?P<swap>_swap)?"
+          r"(?P<cc>_cc)?_g(?P<g>\d+)")
+_BI_DENSE_RE = re.compile(r"^(?P<fmt>e4m3|e5m2)_(?P<out>bf16|f16)_b(?P<bm>[kn])_C(?P<c>\d+)"
+                          + _KNOBS + r"(?P<bl>_bL)?$")
+_BI_SCALED_RE = re.compile(r"^(?P<fmt>nvfp4|mxfp4|nvfp4_k128|mxfp4_k128)_(?P<out>bf16|f16)"
+                           r"_bk_C(?P<c>\d+)" + _KNOBS + r"$")
+_BI_FIXUP_RE = re.compile(r"^splitk_fixup_C(?P<c>\d+)_(?P<out>bf16|f16)_(?P<chain>scaled|alpha)$")
+
+#: (op, N, K) of the batch-invariant API call in progress on this thread/task
+_BI_CALL: contextvars.ContextVar = contextvars.ContextVar("cached_bi_call", default=None)
+
+
+class _State:
+    def __init__(self, client: Client, ttl_s: float) -> None:
+        self.client = client
+        self.ttl_s = ttl_s
+        self.counts: Counter[str] = Counter()
+        self.replaced: list[tuple[Any, str, Any, Any]] = []  # (owner, attr, original, new)
+        self.class_attrs: list[tuple[type, str, Any, bool]] = []  # (cls, attr, original, own)
+        self.wrappers: dict[int, Any] = {}  # id(wrapper) -> original
+        self.warned: set[str] = set()
+        self.lock = threading.Lock()
+
+
+_state: _State | None = None
+
+
+# -- install / uninstall -------------------------------------------------------------------
+
+
+def install(socket_path: str | None = None, *, client: Client | None = None,
+            timeout: float = 600.0, lease_ttl_s: float = 120.0) -> None:
+    """Route FlashInfer's CuTe-DSL kernels through the daemon at ``socket_path``
+    ($CACHED_SOCKET or the default socket). Idempotent; FlashInfer is imported here."""
+    global _state
+    if _state is not None:
+        return
+    import flashinfer.gemm.batch_invariant.api as bi_api
+    import flashinfer.gemm.batch_invariant.tuning as bi_tuning
+    import flashinfer.gemm.gemm_base  # noqa: F401 -- imports the names we replace
+    import flashinfer.gemm.gemm_mm_fp4_cute_dsl as mm_fp4
+    from flashinfer.jit.cute_dsl_core import JitSpecCuteDsl
+
+    state = _State(client or Client(socket_path, timeout=timeout, fallback=False), lease_ttl_s)
+    _patch_class(state, JitSpecCuteDsl, "build_and_load", _build_and_load)
+    _patch_class(state, JitSpecCuteDsl, "compile_and_persist", _compile_and_persist)
+    _patch_class(state, bi_tuning.BatchInvariantGemmRunner, "precompile_tactics",
+                 _bi_precompile_tactics)
+    _replace_everywhere(state, mm_fp4.precompile_mm_fp4_tactics,
+                        _wrap(mm_fp4.precompile_mm_fp4_tactics, _precompile_mm_fp4_tactics))
+    for name, op in (("bmm_fp8_batch_invariant", "bmm_fp8"),
+                     ("mm_fp4_batch_invariant", "mm_fp4")):
+        original = getattr(bi_api, name)
+        _replace_everywhere(state, original, _wrap(original, functools.partial(_bi_call, op)))
+    _state = state
+    logger.info("cached: FlashInfer CuTe-DSL kernels now come from the daemon at %s",
+                state.client.socket_path)
+
+
+def uninstall() -> None:
+    """Restore FlashInfer exactly as it was before :func:`install`."""
+    global _state
+    state, _state = _state, None
+    if state is None:
+        return
+    for cls, attr, original, own in reversed(state.class_attrs):
+        if own:
+            setattr(cls, attr, original)
+        else:
+            delattr(cls, attr)
+    for owner, attr, original, new in reversed(state.replaced):
+        if getattr(owner, attr, None) is new:
+            setattr(owner, attr, original)
+    # modules imported after install() took the wrapper from a patched module: restore them too
+    for module in list(sys.modules.values()):
+        if not getattr(module, "__name__", "").startswith(_FI_PREFIX):
+            continue
+        for attr, value in list(vars(module).items()):
+            original = state.wrappers.get(id(value))
+            if original is not None:
+                setattr(module, attr, original)
+    state.client.close()
+
+
+def installed() -> bool:
+    return _state is not None
+
+
+def stats() -> dict:
+    """What the integration did in this process: daemon, write_back_hit, write_back_compiled,
+    prefetched, fallback."""
+    return dict(_state.counts) if _state is not None else {}
+
+
+def _patch_class(state: _State, cls: type, attr: str, new: Any) -> None:
+    own = attr in cls.__dict__
+    original = cls.__dict__[attr] if own else getattr(cls, attr)
+    state.class_attrs.append((cls, attr, original, own))
+    setattr(cls, attr, _wrap(original, new))
+
+
+def _wrap(original: Any, new: Any) -> Any:
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _state is None:
+            return original(*args, **kwargs)
+        return new(original, *args, **kwargs)
+
+    return wrapper
+
+
+def _replace_everywhere(state: _State, original: Any, wrapper: Any) -> None:
+    """Replace ``original`` in every loaded FlashInfer module that holds it (a module that
+    did ``from x import f`` at its top has its own reference)."""
+    state.wrappers[id(wrapper)] = original
+    for module in list(sys.modules.values()):
+        if not getattr(module, "__name__", "").startswith(_FI_PREFIX):
+            continue
+        for attr, value in list(vars(module).items()):
+            if value is original:
+                setattr(module, attr, wrapper)
+                state.replaced.append((module, attr, original, wrapper))
+
+
+# -- the calling process's identity --------------------------------------------------------
+
+
+def _arch() -> str | None:
+    from flashinfer.jit.cute_dsl_core import _get_compile_arch
+
+    m = re.match(r"^sm(\d+)([a-z]?)$", _get_compile_arch())
+    arch = f"sm_{m.group(1)}{m.group(2)}" if m else ""
+    return arch if arch in ARCHES else None
+
+
+def _sm_count(arch: str) -> int:
+    """The calling process's device's SM count ($CACHED_SM_COUNT, the current CUDA device, or
+    the arch's usual part on a machine without one)."""
+    if os.environ.get(SM_COUNT_ENV):
+        return int(os.environ[SM_COUNT_ENV])
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(torch.cuda.current_device())
+                       .multi_processor_count)
+    except Exception:  # noqa: BLE001 -- no usable device: the arch's default part
+        pass
+    return DEFAULT_SM_COUNT[arch]
+
+
+# -- recognising kernels the daemon compiles -----------------------------------------------
+
+
+def mm_fp4_request(kernel_name: str, arch: str, sm_count: int) -> KernelRequest | None:
+    """The ``flashinfer.mm_fp4`` request behind an mm_fp4 disk name, or None."""
+    m = _MM_FP4_RE.match(kernel_name)
+    if m is None:
+        return None
+    g = m.groupdict()
+    params = {
+        "sf_vec_size": int(g["sf"]), "mma_tiler_mn": [int(g["tm"]), int(g["tn"])],
+        "cluster_shape_mn": [int(g["cm"]), int(g["cn"])], "swap_ab": g["swap"] == "1",
+        "use_prefetch": g["pf"] == "1", "kernel_type": g["kt"],
+        "use_tma_store": None if g["tma"] == "x" else int(g["tma"]),
+        "enable_pdl": g["pdl"] == "1", "out_dtype": g["dt"],
+        "per_token_alpha": None if g["pta"] == "x" else g["pta"],
+        "l2_policy": None if g["l2"] == "x" else g["l2"],
+    }
+    return KernelRequest("flashinfer.mm_fp4", params, arch, sm_count, int(g["mac"]))
+
+
+def bi_request(module: str, kernel_name: str, call: tuple | None, arch: str,
+               sm_count: int) -> KernelRequest | None:
+    """The ``flashinfer.bi.*`` request behind a batch-invariant kernel name, given the (op, N,
+    K) of the API call compiling it; None when it is not one the families build."""
+    if call is None:
+        return None
+    op, n, k = call
+    family = {"bmm_fp8": "flashinfer.bi.bmm_fp8", "mm_fp4": "flashinfer.bi.mm_fp4"}[op]
+    if module == "batch_invariant_gemm" and (m := _BI_FIXUP_RE.match(kernel_name)):
+        if (m["chain"] == "scaled") != (op == "bmm_fp8"):
+            return None
+        in_fmt = _BI_FMT.get((op, arch, n, k))
+        params = {"kind": "fixup", "n": n, "k": k, "out_fmt": m["out"], "chunks": int(m["c"]),
+                  "in_fmt": in_fmt}
+        if in_fmt is None:
+            return None
+        return KernelRequest(family, params, arch, sm_count, 1)
+    regex = _BI_DENSE_RE if op == "bmm_fp8" else _BI_SCALED_RE
+    if module != BI_MODULES[op == "mm_fp4"] or not (m := regex.match(kernel_name)):
+        return None
+    g = m.groupdict()
+    chunks = int(g["c"])
+    if op == "bmm_fp8" and (g["bl"] is not None) != (chunks == 1):
+        return None  # the one-product fp8 entry (mm_fp8), not bmm_fp8's class
+    _BI_FMT[(op, arch, n, k)] = g["fmt"]
+    params = {"kind": "gemm", "n": n, "k": k, "in_fmt": g["fmt"], "out_fmt": g["out"],
+              "chunks": chunks, "b_major": g.get("bm") or "k", "knobs": {
+                  "mma_tiler_mn": [int(g["tm"]), int(g["tn"])],
+                  "cluster_shape_mn": [int(g["cm"]), int(g["cn"])],
+                  "use_2cta_instrs": g["cta"] == "2cta", "use_tma_store": g["st"] == "tma",
+                  "raster_along": g["r"], "swizzle_size": int(g["sw"]),
+                  "cta_chunks": g["cc"] is not None, "cluster_k": int(g["ck"] or 1),
+                  "swap_ab": g["swap"] is not None}}
+    return KernelRequest(family, params, arch, sm_count, int(g["g"]))
+
+
+#: the input format of the (op, arch, N, K) classes seen, for their split-K fixups
+_BI_FMT: dict[tuple, str] = {}
+
+
+def _request_for(spec: Any, arch: str, sm_count: int) -> KernelRequest | None:
+    if spec.module_name == "mm_fp4":
+        return mm_fp4_request(spec.kernel_name, arch, sm_count)
+    if spec.module_name in BI_MODULES:
+        return bi_request(spec.module_name, spec.kernel_name, _BI_CALL.get(), arch, sm_count)
+    return None
+
+
+# -- the hooks -----------------------------------------------------------------------------
+
+
+def _warn_once(state: _State, what: str, exc: BaseException) -> None:
+    state.counts["fallback"] += 1
+    if what not in state.warned:
+        state.warned.add(what)
+        logger.warning("cached: %s failed (%s: %s); FlashInfer compiles it in this process",
+                       what, type(exc).__name__, exc)
+
+
+def _load(spec: Any, artifact: Artifact) -> Any:
+    """Load a stored object as FlashInfer loads its own disk artifacts, after its digest."""
+    if artifact.symbol != spec.symbol or artifact.object_path is None:
+        raise CachedError(f"the daemon's artifact exports {artifact.symbol!r}, FlashInfer "
+                          f"expects {spec.symbol!r}")
+    if sha256_file(artifact.object_path) != artifact.object_sha256:
+        raise CachedError(f"{artifact.object_path} does not match its sha256; not loading it")
+    import cutlass.cute as cute
+
+    module = cute.runtime.load_module(artifact.object_path, enable_tvm_ffi=spec.enable_tvm_ffi)
+    return getattr(module, spec.symbol)
+
+
+def _from_daemon(state: _State, spec: Any) -> Any:
+    arch = _arch()
+    if arch is None:
+        raise CachedError("the compile arch is not one the daemon builds for")
+    sm_count = _sm_count(arch)
+    request = _request_for(spec, arch, sm_count)
+    if request is not None:
+        artifact = state.client.get(request)
+        if artifact.kernel_name != spec.kernel_name:
+            raise CachedError(f"the daemon named {request.family} kernel "
+                              f"{artifact.kernel_name!r}, FlashInfer {spec.kernel_name!r}")
+        state.counts["daemon"] += 1
+        return _load(spec, artifact)
+    return _write_back(state, spec, arch, sm_count)
+
+
+def _write_back(state: _State, spec: Any, arch: str, sm_count: int) -> Any:
+    from . import writeback
+
+    request = KernelRequest("flashinfer.jit", {
+        "module": spec.module_name, "kernel": spec.kernel_name, "tvm_ffi": spec.enable_tvm_ffi,
+        "source_sha256": spec.expected_meta["source_sha256"]}, arch, sm_count, sm_count)
+
+    def compile_object(path: str) -> Any:
+        spec._compiled_kernel = spec.compile_fn()
+        spec._export_object(Path(path))
+        return spec._compiled_kernel
+
+    artifact, compiled = writeback.obtain(state.client, request, compile_object, state.ttl_s)
+    state.counts["write_back_compiled" if compiled is not None else "write_back_hit"] += 1
+    try:
+        return _load(spec, artifact)
+    except Exception:
+        if compiled is not None:
+            return compiled
+        raise
+
+
+def _build_and_load(original: Any, spec: Any) -> Any:
+    state = _state
+    cached = spec.try_load()  # FlashInfer's own disk cache first: nothing to ask for
+    if cached is not None or state is None:
+        return cached if cached is not None else original(spec)
+    try:
+        return _from_daemon(state, spec)
+    except Exception as exc:  # noqa: BLE001 -- a daemon problem costs speed, not correctness
+        _warn_once(state, f"getting {spec.module_name} kernels from the daemon", exc)
+        return original(spec)
+
+
+def _compile_and_persist(original: Any, spec: Any) -> None:
+    state = _state
+    try:
+        spec._compiled_kernel = _from_daemon(state, spec)
+    except Exception as exc:  # noqa: BLE001
+        _warn_once(state, f"getting {spec.module_name} kernels from the daemon", exc)
+        original(spec)
+
+
+def _precompile_mm_fp4_tactics(original: Any, tactics: Any, m: int, n: int, real_k: int,
+                               use_nvfp4: bool, enable_pdl: bool, out_dtype: Any,
+                               kernel_cache: Any, device: Any, per_token_alpha: bool = False
+                               ) -> None:
+    """The autotuner's precompile step: one prefetch of every tactic it will profile."""
+    state = _state
+    try:
+        from flashinfer.cute_dsl.utils import get_max_active_clusters
+        from flashinfer.gemm.gemm_mm_fp4_cute_dsl import (
+            _mm_fp4_cache_key,
+            mm_fp4_l2_policy,
+            per_token_alpha_mode,
+        )
+        from flashinfer.utils import get_device_index
+
+        arch = _arch()
+        if arch is None:
+            raise CachedError("the compile arch is not one the daemon builds for")
+        sm_count = _sm_count(arch)
+        sf_vec_size = 16 if use_nvfp4 else 32
+        index = get_device_index(device)
+        macs: dict[int, int] = {}
+        requests = []
+        for tactic in tactics:
+            tile, cluster, swap_ab, prefetch, kernel_type, tma = tactic
+            if kernel_type not in ("sm100", "sm100sk"):
+                continue
+            alpha = per_token_alpha_mode(per_token_alpha, swap_ab)
+            l2 = mm_fp4_l2_policy(m, tile, swap_ab, kernel_type)
+            if (index, _mm_fp4_cache_key(sf_vec_size, tactic, enable_pdl, out_dtype, alpha,
+                                         l2)) in kernel_cache:
+                continue
+            size = cluster[0] * cluster[1] * (tma if kernel_type == "sm100sk" else 1)
+            if size not in macs:  # the calling process's own occupancy answer
+                macs[size] = int(get_max_active_clusters(size))
+            params = {"sf_vec_size": sf_vec_size, "mma_tiler_mn": list(tile),
+                      "cluster_shape_mn": list(cluster), "swap_ab": bool(swap_ab),
+                      "use_prefetch": bool(prefetch), "kernel_type": kernel_type,
+                      "use_tma_store": tma, "enable_pdl": bool(enable_pdl),
+                      "out_dtype": str(out_dtype).removeprefix("torch."),
+                      "per_token_alpha": alpha, "l2_policy": l2}
+            requests.append(KernelRequest("flashinfer.mm_fp4", params, arch, sm_count,
+                                          macs[size]))
+        if requests:
+            state.client.prefetch(requests)
+            state.counts["prefetch_calls"] += 1
+            state.counts["prefetched"] += len(requests)
+    except Exception as exc:  # noqa: BLE001
+        _warn_once(state, "prefetching mm_fp4 tactics", exc)
+        return original(tactics, m, n, real_k, use_nvfp4, enable_pdl, out_dtype, kernel_cache,
+                        device, per_token_alpha)
+    return None
+
+
+def _bi_call(op: str, original: Any, *args: Any, **kwargs: Any) -> Any:
+    a, b = args[0], args[1]
+    k = int(a.shape[-1]) * (2 if op == "mm_fp4" else 1)  # mm_fp4's operands are packed
+    token = _BI_CALL.set((op, int(b.shape[-1]), k))
+    try:
+        return original(*args, **kwargs)
+    finally:
+        _BI_CALL.reset(token)
+
+
+def _bi_precompile_tactics(original: Any, runner: Any, inputs: Any, tactics: Any, profile: Any,
+                           **kwargs: Any) -> Any:
+    """Prefetch the batch-invariant candidates (and the default) in one call, then let
+    FlashInfer's precompile load them (hits, or waits on compiles already running)."""
+    state = _state
+    try:
+        if runner.api in ("bmm_fp8", "mm_fp4"):
+            from flashinfer.gemm.batch_invariant.api import persistent_clusters
+
+            arch = _arch()
+            if arch is None:
+                raise CachedError("the compile arch is not one the daemon builds for")
+            sm_count = _sm_count(arch)
+            m, n, k = runner._shape(inputs)
+            family = f"flashinfer.bi.{runner.api}"
+            requests = {}
+            direct_only = True
+            for tactic in [-1, *tactics]:
+                cfg = runner.config_for(inputs, tactic)
+                grid = persistent_clusters(inputs[0].device, cfg)
+                knobs = {"mma_tiler_mn": list(cfg.mma_tiler_mn),
+                         "cluster_shape_mn": list(cfg.cluster_shape_mn),
+                         "use_2cta_instrs": cfg.use_2cta_instrs,
+                         "use_tma_store": cfg.use_tma_store, "raster_along": cfg.raster_along,
+                         "swizzle_size": cfg.swizzle_size, "cta_chunks": cfg.cta_chunks,
+                         "cluster_k": cfg.cluster_k, "swap_ab": cfg.swap_ab}
+                direct_only &= (runner.chunks == 1 or cfg.cta_chunks or cfg.cluster_k > 1)
+                params = {"kind": "gemm", "n": n, "k": k, "in_fmt": runner.in_fmt,
+                          "out_fmt": {"torch.bfloat16": "bf16", "torch.float16": "f16"}[
+                              str(inputs[-1].dtype)], "chunks": runner.chunks,
+                          "b_major": runner.b_major, "knobs": knobs}
+                req = KernelRequest(family, params, arch, sm_count, int(grid))
+                requests[req] = None
+            if not direct_only:
+                fixup = dict(params)
+                for name in ("b_major", "knobs"):
+                    fixup.pop(name)
+                fixup["kind"] = "fixup"
+                requests[KernelRequest(family, fixup, arch, sm_count, 1)] = None
+            state.client.prefetch(list(requests))
+            state.counts["prefetch_calls"] += 1
+            state.counts["prefetched"] += len(requests)
+    except Exception as exc:  # noqa: BLE001
+        _warn_once(state, "prefetching batch-invariant candidates", exc)
+    token = _BI_CALL.set((runner.api, *runner._shape(inputs)[1:]))
+    try:
+        return original(runner, inputs, tactics, profile, **kwargs)
+    finally:
+        _BI_CALL.reset(token)

@@ -1,0 +1,83 @@
+"""Configuration precedence, `cached config`, and the shipped pre-warm manifests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, run_cli
+
+from cached import families, manifests
+from cached.config import ConfigError, parse_size
+
+
+def test_sizes_parse_like_an_operator_writes_them():
+    assert parse_size("500M") == 500 << 20
+    assert parse_size("20GiB") == 20 << 30
+    assert parse_size("1.5g") == int(1.5 * (1 << 30))
+    assert parse_size(4096) == 4096 and parse_size("0") == 0
+    with pytest.raises(ConfigError):
+        parse_size("lots")
+
+
+def test_flag_beats_env_beats_file_beats_default_and_config_says_which(tmp_path: Path):
+    config = tmp_path / "cached.toml"
+    config.write_text('max_bytes = "1G"\nworkers = 3\nlog-level = "debug"\n'
+                      'drain_timeout = 12\n')
+    env = {**os.environ, "CACHED_MAX_BYTES": "2G", "CACHED_LOG_LEVEL": "warning",
+           "CACHED_CONFIG": str(config)}
+    out = subprocess.run([sys.executable, "-m", "cached", "config", "--json", "--",
+                          "--max-bytes", "3G"], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    doc = json.loads(out)
+    rows = {r["name"]: r for r in doc["options"]}
+    assert doc["file"] == str(config) and doc["file_source"] == "env CACHED_CONFIG"
+    assert (rows["max_bytes"]["value"], rows["max_bytes"]["source"]) == (3 << 30,
+                                                                         "flag --max-bytes")
+    assert (rows["log_level"]["value"], rows["log_level"]["source"]) == (
+        "warning", "env CACHED_LOG_LEVEL")
+    assert (rows["workers"]["value"], rows["workers"]["source"]) == (3, f"file {config}")
+    assert rows["drain_timeout"]["value"] == 12.0
+    assert (rows["job_timeout"]["value"], rows["job_timeout"]["source"]) == (300.0, "default")
+    assert rows["max_bytes"]["reloadable"] and not rows["store"]["reloadable"]
+    text = run_cli("config", "--config", str(config)).stdout
+    assert "max_bytes" in text and f"file {config}" in text
+
+
+def test_a_typo_in_the_file_is_an_error_not_a_silent_default(tmp_path: Path):
+    config = tmp_path / "cached.toml"
+    config.write_text("max_byte = 10\n")
+    result = run_cli("config", "--config", str(config), check=False)
+    assert result.returncode == 2 and "unknown key 'max_byte'" in result.stderr
+
+
+def test_shipped_manifests_name_known_families_and_targets():
+    shipped = sorted((ROOT / "manifests").glob("*.toml"))
+    assert {p.stem for p in shipped} >= {"llama-3.1-8b", "llama-3.3-70b", "qwen3-32b",
+                                         "deepseek-v3-dense"}
+    known = set(families.names())
+    for path in shipped:
+        m = manifests.load(path)
+        assert len(m.shapes()) == len(m.layers) * len(m.m)
+        built = {(b.family, t) for b in m.builds for t in b.targets}
+        assert {("flashinfer.mm_fp4", "sm_100a"), ("flashinfer.mm_fp4", "sm_103a"),
+                ("cached.hopper_fp8", "sm_90a")} <= built, path
+        for family, target in built:
+            assert family in known, (path, family)
+            families.get(family).check_arch(target)
+        assert any("FP8" in p["family"] for p in m.pending), path
+        for _, (_, n, k) in m.shapes():
+            assert n % 8 == 0 and k % 64 == 0, (path, n, k)
+
+
+def test_manifest_errors_say_where(tmp_path: Path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\nname = "x"\nm = [1]\ntensor_parallel = 3\n'
+                   '[[layer]]\nname = "qkv"\nn = 1024\nk = 64\nparallel = "column"\n'
+                   '[[build]]\nfamily = "flashinfer.mm_fp4"\ntargets = ["sm_100a"]\n')
+    with pytest.raises(manifests.ManifestError, match="does not divide by tensor_parallel 3"):
+        manifests.load(bad)

@@ -1,0 +1,55 @@
+"""Store eviction and verification, on synthetic blobs (fast, no daemon)."""
+
+from __future__ import annotations
+
+import time
+
+from test_store import publish
+
+from cached.store import Store
+
+
+def test_lru_eviction_keeps_the_budget_and_spares_recent_and_shared_blobs(tmp_path):
+    store = Store(tmp_path)
+    store.evict_grace = 0.0
+    payload = b"p" * 1000
+    for i in range(4):
+        publish(store, f"k{i}", payload + bytes([i]))
+        time.sleep(0.01)
+    one = store.totals()[1] // 4
+    store.max_bytes = 3 * one
+    store.lookup("k0")  # k0 is now the most recently used
+    publish(store, "k4", payload + bytes([4]))
+    keys = {r["key"] for r in store.rows()}
+    assert keys == {"k0", "k3", "k4"} and store.totals()[1] <= store.max_bytes
+    assert store.evictions == 2 and not store.over_budget
+    assert len(list(store.blob_dir.glob("*/*"))) == 6
+    # An entry sharing its blobs with the victim keeps them.
+    publish(store, "k5", payload + bytes([0]))  # same bytes as k0
+    time.sleep(0.01)
+    store.lookup("k5")
+    report = store.evict(max_bytes=one)
+    assert report["evicted"] == 2 and {r["key"] for r in store.rows()} == {"k5"}
+    assert store.lookup("k5") is not None  # k0's eviction left the shared blobs
+    # Within the grace period nothing is evicted; the store reports it is over budget.
+    store.evict_grace, store.max_bytes = 60.0, one
+    publish(store, "k6", payload + bytes([6]))
+    assert {r["key"] for r in store.rows()} == {"k5", "k6"} and store.over_budget
+    assert store.evict(max_bytes=1)["blocked"] == 2
+    store.evict_grace = 0.0
+    assert store.evict()["evicted"] == 1 and not store.over_budget
+
+
+def test_verify_reports_and_drops_bad_entries(tmp_path):
+    store = Store(tmp_path)
+    good, bad = publish(store, "good", b"g"), publish(store, "bad", b"b")
+    bad.library_path.chmod(0o644)
+    bad.library_path.write_bytes(b"tampered")
+    (store.blob_dir / "ff").mkdir()
+    (store.blob_dir / "ff" / "ff00.so").write_bytes(b"stray")
+    report = store.verify()
+    assert report["checked"] == 2 and report["verified"] == 1
+    assert [b["key"] for b in report["bad"]] == ["bad"] and "digest" in report["bad"][0]["reason"]
+    assert report["orphan_blobs"] >= 1
+    assert {r["key"] for r in store.rows()} == {"good"}
+    assert store.verify()["bad"] == [] and good.library_path.exists()
