@@ -3,33 +3,41 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 ARGS ?=
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup setup-test serve test bench clean
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt requirements-dev.txt pyproject.toml client/pyproject.toml
+setup-test: $(TEST_STAMP)
+
+# The daemon: a C linker (kernels are linked into .so files) and the pinned toolchain.
+$(STAMP): requirements.txt pyproject.toml client/pyproject.toml
 	@command -v gcc >/dev/null || (apt-get update -qq && apt-get install -y -qq gcc)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps -e client -e .
+	touch $(STAMP)
+
+# Tests and benchmarks: the real servers and tools they drive.
+$(TEST_STAMP): $(STAMP) requirements-dev.txt
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	@command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus)
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium)
 	@command -v systemd-socket-activate >/dev/null || (apt-get update -qq && apt-get install -y -qq systemd)
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -r requirements.txt -r requirements-dev.txt
-	$(BIN)/pip install -q --no-deps -e client -e .
-	touch $(STAMP)
+	$(BIN)/pip install -q -r requirements-dev.txt
+	touch $(TEST_STAMP)
 
 serve: setup
 	$(BIN)/cached serve $(ARGS)
 
-test: setup
+test: setup-test
 	$(BIN)/ruff check cached client tests bench
 	$(BIN)/pytest -q $(ARGS)
 
-bench: setup
+bench: setup-test
 	$(BIN)/python bench/run_all.py $(ARGS)
 
 clean:
