@@ -1,8 +1,10 @@
 """(c) A thundering herd: N processes start together, each needing the same kernels.
 
-Each process imports the client, prefetches all its kernels in one message, then loads
-them one by one. Measured: compilations the daemon ran, and wall time from start until
-every process has loaded every kernel, against one process alone on an empty daemon.
+Each process first imports what an inference process already has (torch, through
+TVM-FFI) and says it is ready; at one signal they all prefetch their kernels in one
+message, then load them one by one. Measured: compilations the daemon ran, and wall time
+from the signal until every process has loaded every kernel, against one process alone on
+an empty daemon.
 Usage: python bench/herd.py [--processes 8] [--kernels 24]
 """
 
@@ -20,9 +22,12 @@ from common import Daemon, plan, save
 
 PROCESS_SCRIPT = """
 import json, sys, time
+import tvm_ffi  # noqa: F401 -- an inference process has torch loaded already
 from cached_client import Client, KernelRequest
 requests = [KernelRequest.from_wire(w) for w in json.load(open(sys.argv[2]))]
 client = Client(sys.argv[1], timeout=600)
+print("ready", flush=True)
+sys.stdin.readline()
 client.prefetch(requests)
 for r in requests:
     assert callable(client.load(r))
@@ -36,10 +41,15 @@ def run(processes: int, wires: list[dict]) -> dict:
         path.write_text(json.dumps(wires))
         d = Daemon(Path(workdir))
         try:
-            started = time.time()
             procs = [subprocess.Popen([sys.executable, "-c", PROCESS_SCRIPT, d.socket, str(path)],
-                                      stdout=subprocess.PIPE, text=True)
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                      for _ in range(processes)]
+            for p in procs:
+                assert p.stdout.readline().strip() == "ready"
+            started = time.time()
+            for p in procs:
+                p.stdin.write("go\n")
+                p.stdin.flush()
             ends = [json.loads(p.communicate()[0])["done"] for p in procs]
             assert all(p.returncode == 0 for p in procs)
             stats = d.stats()

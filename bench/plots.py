@@ -39,8 +39,8 @@ def warm() -> None:
               ("FlashInfer try_load", r["flashinfer_try_load"])]
     fig, ax = plt.subplots(figsize=(7, 3.6))
     ax.boxplot([[v * 1000 for v in s["latencies_s"]] for _, s in series],
-               tick_labels=[f"{n}\np50 {s['p50_ms']:.2f} ms" for n, s in series], vert=False,
-               showfliers=True)
+               tick_labels=[f"{n}\np50 {s['p50_ms']:.2f} ms" for n, s in series],
+               orientation="horizontal", showfliers=True)
     ax.set_xscale("log")
     ax.set_xlabel("ms per kernel: first load in a fresh process (lower is better)")
     ax.set_title(f"(b) warm get+load of {r['kernels']} kernels")

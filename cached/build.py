@@ -37,11 +37,11 @@ def build(request: KernelRequest, workdir: Path) -> dict:
 def build_in_process(request: KernelRequest, scratch: str):
     """The client's fallback: compile here and describe the result as the daemon would."""
     from cached_client.client import Artifact
-    from cached_client.loader import sha256_file
+    from cached_client.loader import private_dir, sha256_file
 
     family = families.get(request.family)
     request = family.canonical_request(request)
-    Path(scratch).mkdir(parents=True, exist_ok=True)
+    private_dir(scratch)
     result = build(request, Path(tempfile.mkdtemp(prefix="fallback-", dir=scratch)))
     return Artifact(
         key=artifact_key(request, toolchain.fingerprint(), family.source_sha256()),

@@ -118,3 +118,15 @@ def test_http_stats_equal_the_cli_and_health(daemon):
     for key in ("entries", "bytes", "hits", "misses", "compiles", "failures", "in_flight"):
         assert over_http[key] == over_cli[key]
     assert os.path.exists(daemon.socket)
+
+
+def test_scratch_directory_must_be_private(tmp_path):
+    from cached_client.loader import private_dir
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)
+    with pytest.raises(IntegrityError, match="not a private directory"):
+        private_dir(str(shared))
+    assert private_dir(str(tmp_path / "mine")) == str(tmp_path / "mine")
+    assert oct(os.stat(tmp_path / "mine").st_mode & 0o777) == "0o700"

@@ -16,9 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cached_client.errors import InvalidTactic
-from cached_client.keys import KernelRequest
-
-DEFAULT_SM_COUNT = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148, "sm_107a": 148}
+from cached_client.keys import DEFAULT_SM_COUNT, KernelRequest  # noqa: F401 (re-export)
 
 
 @dataclass(frozen=True)

@@ -44,12 +44,11 @@ from typing import Any
 
 from .client import Artifact, Client
 from .errors import CachedError
-from .keys import ARCHES, KernelRequest
+from .keys import ARCHES, DEFAULT_SM_COUNT, KernelRequest
 from .loader import sha256_file
 
 logger = logging.getLogger("cached_client.flashinfer")
 
-DEFAULT_SM_COUNT = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148, "sm_107a": 148}
 SM_COUNT_ENV = "CACHED_SM_COUNT"
 BI_MODULES = ("batch_invariant_gemm", "batch_invariant_gemm_blockscaled")
 _FI_PREFIX = "flashinfer"

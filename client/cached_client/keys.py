@@ -20,6 +20,8 @@ from .errors import InvalidTactic
 
 KEY_SCHEMA = 1
 ARCHES = ("sm_90a", "sm_100a", "sm_103a", "sm_107a")
+DEFAULT_SM_COUNT = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148, "sm_107a": 148}
+"""A device profile per arch (H200, B200, B300, Rubin) for planning without a GPU."""
 
 
 def canonical_json(value: Any) -> str:

@@ -10,6 +10,7 @@ import ctypes
 import hashlib
 import importlib.util
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import Any
@@ -68,12 +69,23 @@ def load_library(path: str, symbol: str, sha256: str, runtime: dict) -> Any:
     return tvm_ffi.load_module(path)[symbol]
 
 
+def private_dir(directory: str) -> str:
+    """``directory``, created 0700; refused unless it is a real directory that only this
+    user can write (a planted directory in /tmp could otherwise swap a library)."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise IntegrityError(f"{directory} is not a private directory of uid {os.getuid()}; "
+                             "remove it or point TMPDIR elsewhere")
+    return directory
+
+
 def load_bytes(data: bytes, symbol: str, sha256: str, runtime: dict, directory: str) -> Any:
     """Write verified library bytes to a private file under ``directory`` and load it."""
     actual = hashlib.sha256(data).hexdigest()
     if actual != sha256:
         raise IntegrityError(f"received library has sha256 {actual}, expected {sha256}")
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    private_dir(directory)
     path = os.path.join(directory, f"{sha256}.so")
     if not os.path.exists(path):
         tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
