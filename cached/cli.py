@@ -211,11 +211,16 @@ def cmd_warm(args: argparse.Namespace) -> int:
     counts = warm(client.socket_path, requests, args.timeout,
                   progress=sys.stderr.isatty() and not args.json)
     counts["seconds"] = round(time.monotonic() - started, 3)
-    if args.json:
+    return report_warm(counts, args.json)
+
+
+def report_warm(counts: dict, as_json: bool, label: str = "") -> int:
+    """Print a warm-up's counts (one JSON line with --json); exit status 1 if any failed."""
+    if as_json:
         print(json.dumps(counts))
     else:
-        print(f"{counts['compiled']} compiled, {counts['cached']} cached, "
-              f"{counts['remote']} from the fleet tier, "
+        print(f"{label}{counts['compiled']} compiled, {counts['cached']} cached, "
+              f"{counts.get('remote', 0)} from the fleet tier, "
               f"{counts['failed']} failed in {counts['seconds']:.1f}s")
         for failure in counts.get("errors", [])[:10]:
             print(f"  failed: {failure}", file=sys.stderr)

@@ -129,7 +129,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def warm_manifest(args: argparse.Namespace) -> int:
     from . import manifests
-    from .cli import warm
+    from .cli import report_warm, warm
 
     started = time.monotonic()
     try:
@@ -167,12 +167,4 @@ def warm_manifest(args: argparse.Namespace) -> int:
     counts = warm(client.socket_path, requests, args.timeout,
                   progress=sys.stderr.isatty() and not args.json)
     counts.update(summary, seconds=round(time.monotonic() - started, 3))
-    if args.json:
-        print(json.dumps(counts))
-    else:
-        print(f"{manifest.model}: {counts['compiled']} compiled, {counts['cached']} cached, "
-              f"{counts.get('remote', 0)} from the fleet tier, {counts['failed']} failed "
-              f"in {counts['seconds']:.1f}s")
-        for failure in counts.get("errors", [])[:10]:
-            print(f"  failed: {failure}", file=sys.stderr)
-    return 1 if counts["failed"] else 0
+    return report_warm(counts, args.json, f"{manifest.model}: ")

@@ -25,6 +25,7 @@ from cached_client.errors import (
     NotAllowed,
     UnsupportedVersion,
 )
+from cached_client.paths import check_socket_dir, default_socket_path
 from cached_client.protocol import (
     CAPABILITIES,
     HEADER,
@@ -305,6 +306,8 @@ async def _send(writer: asyncio.StreamWriter, reply: dict, payload: bytes | None
 def _claim_socket_path(path: str) -> None:
     """Remove a stale socket file; refuse if a live daemon still answers on it."""
     os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    if path == default_socket_path() and (why := check_socket_dir(path)):
+        raise RuntimeError(f"refusing to listen: {why}")
     if not os.path.exists(path):
         return
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

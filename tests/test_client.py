@@ -130,3 +130,18 @@ def test_scratch_directory_must_be_private(tmp_path):
         private_dir(str(shared))
     assert private_dir(str(tmp_path / "mine")) == str(tmp_path / "mine")
     assert oct(os.stat(tmp_path / "mine").st_mode & 0o777) == "0o700"
+
+
+def test_default_socket_in_a_directory_another_user_made_is_refused(tmp_path, monkeypatch):
+    from cached_client.paths import check_socket_dir
+
+    planted = tmp_path / "cached-planted"
+    planted.mkdir()
+    os.chown(planted, 4242, 4242)
+    assert "belongs to uid 4242" in check_socket_dir(str(planted / "cached.sock"))
+    monkeypatch.delenv("CACHED_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(planted.parent))
+    os.rename(planted, tmp_path / "cached")
+    with pytest.raises(DaemonUnavailable, match="not connecting"):
+        Client(fallback=False).stats()
+    assert check_socket_dir(str(tmp_path / "mine" / "cached.sock")) is None

@@ -21,7 +21,7 @@ from typing import Any
 from .errors import CachedError, DaemonUnavailable, DeadlineExceeded, error_from_wire
 from .keys import KernelRequest
 from .loader import load_bytes, load_library
-from .paths import default_socket_path
+from .paths import SOCKET_ENV, check_socket_dir, default_socket_path
 from .protocol import PROTOCOL_VERSION
 from .transport import Connection
 
@@ -83,6 +83,9 @@ class Client:
         if transfer not in ("path", "bytes"):
             raise ValueError("transfer must be 'path' or 'bytes'")
         self.socket_path = socket_path or default_socket_path()
+        self._untrusted = None
+        if socket_path is None and not os.environ.get(SOCKET_ENV):
+            self._untrusted = check_socket_dir(self.socket_path)
         self.timeout = timeout
         self.transfer = transfer
         self.fallback = fallback
@@ -106,6 +109,8 @@ class Client:
             self._next_id += 1
             message = {"v": PROTOCOL_VERSION, "id": self._next_id, **message}
             if self._conn is None:
+                if self._untrusted:
+                    raise DaemonUnavailable(f"not connecting: {self._untrusted}")
                 self._conn = Connection(self.socket_path, deadline)
             conn = self._conn
             try:

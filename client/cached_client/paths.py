@@ -18,3 +18,21 @@ def runtime_dir() -> str:
 def default_socket_path() -> str:
     """$CACHED_SOCKET, else cached.sock under :func:`runtime_dir`."""
     return os.environ.get(SOCKET_ENV) or os.path.join(runtime_dir(), "cached.sock")
+
+
+def check_socket_dir(path: str) -> str | None:
+    """Why the directory of ``path`` cannot be trusted, or None.
+
+    A shared /tmp lets any user create ``/tmp/cached-$UID`` first and answer with a
+    library of their own; such a directory must belong to this user or root and be
+    writable by its owner alone. Directories named by configuration are not checked.
+    """
+    directory = os.path.dirname(path) or "."
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return None
+    if st.st_uid not in (0, os.getuid()) or st.st_mode & 0o022 or os.path.islink(directory):
+        return (f"{directory} belongs to uid {st.st_uid} (mode {oct(st.st_mode & 0o777)}), "
+                f"not to uid {os.getuid()} or root; set {SOCKET_ENV} to the daemon's socket")
+    return None
