@@ -2,7 +2,8 @@
 
 Invariants: each connection is its own task and each request on it its own sub-task,
 so a slow or hostile client costs only itself; replies on one connection are written
-whole, one at a time; a malformed or oversize frame gets an error reply and closes that
+whole, one at a time; every well-formed request gets its reply, also after the peer has
+shut its sending side; a malformed or oversize frame gets an error reply and closes that
 connection only; any other failure of a request becomes a typed error reply.
 """
 
@@ -136,6 +137,8 @@ class Server:
                     body = await reader.readexactly(frame_length(header, MAX_REQUEST_FRAME))
                     message = decode_body(body)
                 except asyncio.IncompleteReadError:
+                    if pending:  # the peer stopped sending; it may still read its answers
+                        await asyncio.wait(set(pending))
                     break
                 except MalformedFrame as exc:
                     self.scheduler.stats.count("errors.malformed_frame")

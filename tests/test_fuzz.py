@@ -135,3 +135,15 @@ def test_slow_and_oversize_clients_cost_others_nothing(fuzz_daemon):
     big.close()
     stats = client.stats()
     assert stats["workers_alive"] == 1
+
+
+def test_a_request_still_pending_at_the_peers_half_close_is_answered(fuzz_daemon):
+    """Found by the fuzzer: a get that had to wait was cancelled when its peer shut its
+    sending side, so the peer read nothing."""
+    message = {"op": "get", "id": 7, "deadline_ms": 30, "request": {
+        "family": "cached.test.fault", "params": {"action": "sleep", "seconds": 5,
+                                                  "tag": "half-close"},
+        "arch": "sm_100a", "sm_count": 148, "max_active_clusters": 148}}
+    replies = exchange(fuzz_daemon.socket, frame(message))
+    assert len(replies) == 1 and replies[0]["error"]["code"] == "deadline_exceeded"
+    assert replies[0]["id"] == 7
