@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlite_utils
+from cached_client.loader import sha256_file
 
 from .log import event
 
@@ -59,14 +60,6 @@ class Entry:
     @property
     def key(self) -> str:
         return self.row["key"]
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class Store:

@@ -110,6 +110,14 @@ def fault(action: str, tag: str = "", seconds: float = 0.0) -> KernelRequest:
                          arch="sm_100a", sm_count=148, max_active_clusters=148)
 
 
+def wait_for(predicate, timeout: float = 60.0) -> None:
+    """Poll ``predicate`` every 0.1 s; fail the test if it is not true within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
 def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cached", *args], capture_output=True,
                           text=True, check=check, timeout=600)

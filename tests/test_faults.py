@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from cached_client import CompileFailed, DeadlineExceeded
-from conftest import DaemonProcess, fault
-
-
-def wait_for(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
+from conftest import DaemonProcess, fault, wait_for
 
 
 @pytest.fixture

@@ -14,16 +14,9 @@ from pathlib import Path
 
 import pytest
 from cached_client import CachedError, Client, CompileFailed, KernelRequest
-from conftest import DaemonProcess
+from conftest import DaemonProcess, wait_for
 
 from cached.store import Store
-
-
-def wait_for(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
 
 
 def verify_store(root: Path) -> int:

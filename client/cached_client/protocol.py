@@ -23,7 +23,8 @@ MAX_REPLY_FRAME = 64 << 20
 HEADER = struct.Struct(">I")
 
 OPS = ("hello", "get", "prefetch", "stats", "list", "plan")
-CAPABILITIES = ("get", "prefetch", "stats", "list", "plan", "transfer:path", "transfer:bytes")
+CAPABILITIES = ("transfer:path", "transfer:bytes")
+"""What ``hello`` offers beyond its ``ops`` list (which the daemon's op registry gives)."""
 
 
 def encode_frame(message: dict) -> bytes:
