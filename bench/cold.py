@@ -41,7 +41,7 @@ def daemon_path(wires: list[dict], workers: int | None) -> dict:
             requests_file = Path(workdir) / "requests.json"
             requests_file.write_text(json.dumps(wires))
             started = time.monotonic()
-            code = ("import json,sys; from cached.cli import warm; "
+            code = ("import json,sys; from cached.cli.warm import warm; "
                     "from cached_client import KernelRequest; "
                     "r=[KernelRequest.from_wire(w) for w in json.load(open(sys.argv[2]))]; "
                     "print(json.dumps(warm(sys.argv[1], r, 3600)))")

@@ -22,7 +22,7 @@ from pathlib import Path
 from cached_client import Client, KernelRequest  # noqa: F401
 from common import Daemon, percentile, plan, save
 
-from cached.cli import warm
+from cached.cli.warm import warm
 
 WORKER = """
 import json, sys, threading, time

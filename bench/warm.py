@@ -47,7 +47,7 @@ def main() -> None:
         path.write_text(json.dumps(wires))
         d = Daemon(Path(workdir))
         try:
-            code = ("import json,sys; from cached.cli import warm; "
+            code = ("import json,sys; from cached.cli.warm import warm; "
                     "from cached_client import KernelRequest; "
                     "print(warm(sys.argv[1], [KernelRequest.from_wire(w) for w in "
                     "json.load(open(sys.argv[2]))], 3600))")

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from cached_client.keys import KernelRequest, artifact_key
+from cached_client.protocol import Artifact
 
 from . import families, toolchain
 
@@ -34,9 +35,9 @@ def build(request: KernelRequest, workdir: Path) -> dict:
     }
 
 
-def build_in_process(request: KernelRequest, scratch: str):
-    """The client's fallback: compile here and describe the result as the daemon would."""
-    from cached_client.client import Artifact
+def build_in_process(request: KernelRequest, scratch: str) -> Artifact:
+    """The client's fallback (entry point ``cached_client.fallback``): compile here, in the
+    calling process, and describe the result as the daemon would."""
     from cached_client.loader import private_dir, sha256_file
 
     family = families.get(request.family)

@@ -6,52 +6,84 @@ method), per tactic and for the tactic mix an autotuner would choose across M. T
 batch-invariant policy may allow a tactic set only with a record of 0 differing rows on
 that device (or a family that declares its reduction order M-independent).
 
-Recording is a publish-level op: only peers on the daemon's publish allowlist.
+Records live in the store's index database, table ``certifications``. Ops:
+``certify_record`` (publish permission) and ``certifications``.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any
 
-from cached_client.errors import InvalidTactic
+from cached_client import protocol as p
+from cached_client.errors import InvalidArgument
 
 from . import families
-from .server import Peer, Server
+from .server import Handler, Peer
 from .store import Store
 
+TABLE = "certifications"
 REQUIRED = {"family": str, "n": int, "k": int, "device": str, "arch": str,
             "tactics": list, "rows_differing": dict}
+JSON_FIELDS = ("tactics", "rows_differing", "ms")
 
 
-def validate(record: Any) -> dict:
-    if not isinstance(record, dict):
-        raise InvalidTactic("record must be an object")
+def validate(record: dict) -> dict:
+    """The record as stored, or InvalidArgument naming the bad field."""
     for name, kind in REQUIRED.items():
-        if not isinstance(record.get(name), kind):
-            raise InvalidTactic(f"record.{name} must be a {kind.__name__}")
+        value = record.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise InvalidArgument(f"record.{name} must be a {kind.__name__}")
     families.get(record["family"])
     counts = record["rows_differing"]
-    if not all(isinstance(v, int) and v >= 0 for v in counts.values()):
-        raise InvalidTactic("record.rows_differing values must be counts (integers >= 0)")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+               for v in counts.values()):
+        raise InvalidArgument("record.rows_differing values must be counts (integers >= 0)")
     clean = {name: record[name] for name in REQUIRED}
     clean["total_rows_differing"] = sum(counts.values())
     clean["ms"] = [m for m in record.get("ms", []) if isinstance(m, int)]
-    clean["toolchain"] = str(record.get("toolchain", ""))
+    clean["toolchain"] = str(record.get("toolchain", ""))[:4096]
     clean["checked_at"] = time.time()
     return clean
 
 
-def register(server: Server, store: Store) -> None:
-    async def certify_record(m: dict, peer: Peer) -> tuple[dict, bytes | None]:
-        record = validate(m.get("record"))
+class Certifications:
+    """The certification records of one store."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def record(self, record: dict) -> int:
+        row = {k: json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
+               for k, v in record.items()}
+        with self.store.write() as db:
+            table = db.table(TABLE)
+            table.insert(row, alter=True)
+            return int(table.last_pk)
+
+    def rows(self, family: str | None = None) -> list[dict]:
+        with self.store.read() as db:
+            table = db.table(TABLE)
+            if not table.exists():
+                return []
+            where, args = ("family = ?", [family]) if family else (None, None)
+            rows = list(table.rows_where(where, args, order_by="rowid"))
+        for row in rows:
+            for name in JSON_FIELDS:
+                if isinstance(row.get(name), str):
+                    row[name] = json.loads(row[name])
+        return rows
+
+    # -- ops -------------------------------------------------------------------------
+
+    async def certify_record(self, m: p.CertifyRecordRequest,
+                             peer: Peer) -> p.CertifyRecordReply:
+        record = validate(m.record)
         record["recorded_by_uid"] = peer.uid
-        return {"ok": True, "record_id": store.record_certification(record)}, None
+        return p.CertifyRecordReply(record_id=self.record(record))
 
-    async def certifications(m: dict, peer: Peer) -> tuple[dict, bytes | None]:
-        family = m.get("family")
-        return {"ok": True, "certifications": store.certifications(
-            family if isinstance(family, str) else None)}, None
+    async def certifications(self, m: p.FamilyFilter, peer: Peer) -> p.CertificationsReply:
+        return p.CertificationsReply(certifications=self.rows(m.family))
 
-    server.register("certify_record", certify_record, publish=True)
-    server.register("certifications", certifications)
+    def ops(self) -> dict[str, Handler]:
+        return {"certify_record": self.certify_record, "certifications": self.certifications}

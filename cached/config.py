@@ -1,31 +1,44 @@
-"""The daemon's configuration: defaults, a TOML file, environment variables and flags.
+"""The daemon's settings: one table of options, one resolver, one frozen :class:`Settings`.
 
-Precedence, highest first: a command-line flag, an environment variable (``CACHED_*``),
-the TOML file, the built-in default. The file is ``--config FILE``, else
-``$CACHED_CONFIG``, else ``/etc/cached/cached.toml`` when it exists. ``cached config``
-prints every value with where it came from. On SIGHUP the daemon reads the file again
-and applies the values marked reloadable (flags and environment still win).
+Every option is defined once, in :data:`OPTIONS`: its parser (which validates), default,
+help, whether SIGHUP may change it, and from that its command-line flag (``--max-bytes``),
+environment variable (``CACHED_MAX_BYTES``) and TOML key (``max_bytes`` or ``max-bytes``).
+:func:`add_flags` generates ``cached serve``'s flags from the table and :func:`resolve`
+returns the effective :class:`Settings` with where each value came from.
 
-File keys are the option names below (``max_bytes`` or ``max-bytes``); unknown keys are
-an error, so a typo does not silently leave a default in force.
+Precedence, highest first: a command-line flag, an environment variable, the TOML file,
+the built-in default. The file is ``--config FILE``, else ``$CACHED_CONFIG``, else
+``/etc/cached/cached.toml`` when it exists. Unknown file keys are an error, so a typo does
+not silently leave a default in force. On SIGHUP the daemon resolves again and applies the
+reloadable options that changed (:func:`changed`).
+
+Bottom layer: imports nothing of the daemon (only the client's default paths).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import tomllib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cached_client.paths import runtime_dir
+
 SYSTEM_CONFIG = Path("/etc/cached/cached.toml")
+MAX_WORKERS = 256
+MAX_SECONDS = 7 * 24 * 3600.0
 
 
 class ConfigError(ValueError):
     """A value that cannot be used, with the place it came from."""
+
+
+# -- parsers: each takes a raw value (flag or env string, TOML value) and validates it ----
 
 
 def parse_size(value: Any) -> int:
@@ -44,45 +57,60 @@ def parse_size(value: Any) -> int:
     return int(float(number) * 1024 ** " kmgt".index(unit or " "))
 
 
-def _int_or_auto(value: Any) -> int | None:
+def _integer(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"expected an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    text = str(value).strip()
+    if not re.fullmatch(r"[+-]?[0-9]+", text):
+        raise ConfigError(f"expected an integer, got {value!r}")
+    return int(text)
+
+
+def _workers(value: Any) -> int | None:
     if value in (None, "", "auto", 0, "0"):
         return None
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"expected a positive integer or 'auto', got {value!r}") from None
-    if number < 1:
-        raise ConfigError(f"expected a positive integer or 'auto', got {value!r}")
+    number = _integer(value)
+    if not 1 <= number <= MAX_WORKERS:
+        raise ConfigError(f"expected 1 to {MAX_WORKERS} workers or 'auto', got {value!r}")
     return number
 
 
-def _nonneg_int(value: Any) -> int:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"expected an integer, got {value!r}") from None
-    if number < 0 or isinstance(value, bool):
+def _count(value: Any) -> int:
+    number = _integer(value)
+    if number < 0:
         raise ConfigError(f"expected a non-negative integer, got {value!r}")
     return number
 
 
 def _seconds(value: Any) -> float:
     try:
-        number = float(value)
+        number = float(value) if not isinstance(value, bool) else math.nan
     except (TypeError, ValueError):
         raise ConfigError(f"expected seconds, got {value!r}") from None
-    if number < 0:
-        raise ConfigError(f"expected non-negative seconds, got {value!r}")
+    if not 0 <= number <= MAX_SECONDS:  # also refuses NaN and infinities
+        raise ConfigError(f"expected seconds between 0 and {MAX_SECONDS:.0f}, got {value!r}")
+    return number
+
+
+def _positive_seconds(value: Any) -> float:
+    number = _seconds(value)
+    if number <= 0:
+        raise ConfigError(f"expected more than 0 seconds, got {value!r}")
     return number
 
 
 def _mode(value: Any) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
     try:
-        return int(str(value), 8)
+        mode = value if isinstance(value, int) and not isinstance(value, bool) else int(
+            str(value), 8)
     except ValueError:
         raise ConfigError(f"expected an octal file mode such as 0660, got {value!r}") from None
+    if not 0 <= mode <= 0o777:
+        raise ConfigError(f"a socket mode is at most 0777 (no setuid, setgid or sticky bits), "
+                          f"got {oct(mode)}")
+    return mode
 
 
 def _http(value: Any) -> str:
@@ -90,17 +118,17 @@ def _http(value: Any) -> str:
     if text.lower() in ("", "off", "none", "false"):
         return "off"
     host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"expected HOST:PORT or 'off', got {value!r}")
+    if not host.strip("[]") or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"expected HOST:PORT (port 0-65535) or 'off', got {value!r}")
     return text
 
 
-def _ids(value: Any) -> list[int]:
-    items = value if isinstance(value, list) else str(value).replace(",", " ").split()
-    try:
-        return [int(v) for v in items]
-    except (TypeError, ValueError):
-        raise ConfigError(f"expected a list of numeric ids, got {value!r}") from None
+def _ids(value: Any) -> tuple[int, ...]:
+    items = value if isinstance(value, (list, tuple)) else str(value).replace(",", " ").split()
+    ids = tuple(_integer(v) for v in items)
+    if any(not 0 <= i < 1 << 32 for i in ids):
+        raise ConfigError(f"expected numeric ids, got {value!r}")
+    return ids
 
 
 def _level(value: Any) -> str:
@@ -126,25 +154,43 @@ def _bool(value: Any) -> bool:
     raise ConfigError(f"expected true or false, got {value!r}")
 
 
-def _default_socket() -> str:
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime) / "cached" if runtime else Path(f"/tmp/cached-{os.getuid()}")
-    return str(base / "cached.sock")
+def _path(value: Any) -> str:
+    text = str(value).strip()
+    if not text:
+        raise ConfigError("expected a path, got an empty string")
+    return text
 
 
-def _default_store() -> str:
+def default_socket() -> str:
+    """cached.sock in the runtime directory ($CACHED_SOCKET is this option's variable)."""
+    return os.path.join(runtime_dir(), "cached.sock")
+
+
+def default_store() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return str(Path(base) / "cached")
 
 
+# -- the table -----------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Option:
+    """One setting. ``kind``: ``value`` (one value), ``list`` (repeatable flag) or
+    ``switch`` (a flag without a value that sets true)."""
+
     name: str
     parse: Callable[[Any], Any]
     default: Callable[[], Any]
-    flags: tuple[str, ...]
-    reloadable: bool
     help: str
+    reloadable: bool = False
+    kind: str = "value"
+    metavar: str | None = None
+    aliases: tuple[tuple[str, Any], ...] = ()  # (flag, the value it stands for)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
 
     @property
     def env(self) -> str:
@@ -152,42 +198,118 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("socket", str, _default_socket, ("--socket",), False,
-           "Unix socket path (ignored under socket activation)"),
-    Option("store", str, _default_store, ("--store",), False, "store directory"),
-    Option("http", _http, lambda: "127.0.0.1:8377", ("--http", "--no-http"), False,
-           "HOST:PORT of the HTTP endpoint, or off"),
-    Option("workers", _int_or_auto, lambda: None, ("--workers",), False,
-           "compile workers (auto: from cores and memory)"),
-    Option("job_timeout", _seconds, lambda: 300.0, ("--job-timeout",), True,
-           "seconds one compilation may take"),
-    Option("log_level", _level, lambda: "info", ("--log-level",), True, "log level"),
-    Option("socket_mode", _mode, lambda: 0o660, ("--socket-mode",), False,
-           "file mode of the socket the daemon creates"),
-    Option("max_bytes", parse_size, lambda: 0, ("--max-bytes",), True,
-           "store budget in bytes (0: unlimited); LRU eviction keeps it"),
-    Option("max_files", _nonneg_int, lambda: 0, ("--max-files",), True,
-           "store budget in blob files, two per entry (0: unlimited)"),
-    Option("evict_grace", _seconds, lambda: 30.0, ("--evict-grace",), True,
-           "an entry served or stored within this many seconds is never evicted"),
-    Option("drain_timeout", _seconds, lambda: 30.0, ("--drain-timeout",), True,
-           "on SIGTERM, seconds to let running compilations finish"),
-    Option("allow_uid", _ids, list, ("--allow-uid",), True, "uids allowed to connect"),
-    Option("allow_gid", _ids, list, ("--allow-gid",), True, "gids allowed to connect"),
-    Option("publish_uid", _ids, list, ("--publish-uid",), True,
-           "uids allowed to publish and run gc (default: root and the daemon's uid)"),
-    Option("publish_gid", _ids, list, ("--publish-gid",), True, "gids allowed to publish"),
+    Option("socket", _path, default_socket,
+           "Unix socket path (ignored under socket activation)", metavar="PATH"),
+    Option("store", _path, default_store, "store directory (blobs and index)", metavar="DIR"),
+    Option("http", _http, lambda: "127.0.0.1:8377",
+           "HOST:PORT of the HTTP endpoint (port 0 picks one), or off", metavar="HOST:PORT",
+           aliases=(("--no-http", "off"),)),
+    Option("workers", _workers, lambda: None,
+           f"compile workers, 1 to {MAX_WORKERS} (auto: from cores and memory)", metavar="N"),
+    Option("job_timeout", _positive_seconds, lambda: 300.0,
+           "seconds one compilation may take before its worker is replaced", True,
+           metavar="SECONDS"),
+    Option("log_level", _level, lambda: "info", "debug, info, warning or error", True),
+    Option("socket_mode", _mode, lambda: 0o660,
+           "file mode of the socket the daemon creates (octal, at most 0777)", metavar="MODE"),
+    Option("max_bytes", parse_size, lambda: 0,
+           "store budget in bytes, e.g. 20G (0: unlimited); LRU eviction keeps it", True,
+           metavar="SIZE"),
+    Option("max_files", _count, lambda: 0,
+           "store budget in blob files, two per entry (0: unlimited)", True, metavar="N"),
+    Option("evict_grace", _seconds, lambda: 30.0,
+           "an entry served or stored within this many seconds is never evicted", True,
+           metavar="SECONDS"),
+    Option("drain_timeout", _seconds, lambda: 30.0,
+           "on SIGTERM, seconds running compilations get to finish", True, metavar="SECONDS"),
+    Option("allow_uid", _ids, tuple, "uid allowed to connect (repeatable; default: any)", True,
+           "list", "UID"),
+    Option("allow_gid", _ids, tuple, "gid allowed to connect (repeatable; default: any)", True,
+           "list", "GID"),
+    Option("publish_uid", _ids, tuple,
+           "uid allowed to publish and run gc (repeatable; default: root and the daemon's uid)",
+           True, "list", "UID"),
+    Option("publish_gid", _ids, tuple, "gid allowed to publish (repeatable)", True, "list",
+           "GID"),
+    Option("serve_only", _bool, lambda: False,
+           "no compiler: serve a store built elsewhere (its keys are pinned in it)",
+           kind="switch"),
     # The fleet tier (cached/remote.py, docs/fleet.md).
-    Option("remote", _optional, lambda: None, ("--remote",), False,
-           "fleet tier: redis://HOST:PORT/DB, rediss://..., redis+cluster://HOST:PORT"),
-    Option("remote_signing_key", _optional, lambda: None, ("--remote-signing-key",), False,
-           "file of fleet HMAC keys, one a line: the first signs, all verify"),
-    Option("remote_read_only", _bool, lambda: False, ("--remote-read-only",), False,
-           "fetch from the fleet tier but never publish to it (GPU nodes)"),
-    Option("remote_timeout", _seconds, lambda: 2.0, ("--remote-timeout",), False,
-           "seconds per Redis operation before the tier counts as down"),
+    Option("remote", _optional, lambda: None,
+           "fleet tier: redis://HOST:PORT/DB, rediss://..., redis+cluster://HOST:PORT",
+           metavar="URL"),
+    Option("remote_signing_key", _optional, lambda: None,
+           "file of fleet HMAC keys, one a line: the first signs, all verify", metavar="FILE"),
+    Option("remote_read_only", _bool, lambda: False,
+           "fetch from the fleet tier but never publish to it (GPU nodes)", kind="switch"),
+    Option("remote_timeout", _positive_seconds, lambda: 2.0,
+           "seconds per Redis operation before the tier counts as down", metavar="SECONDS"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The effective settings of one daemon: one field per option in :data:`OPTIONS`
+    (same names), plus where each value came from and the file read."""
+
+    socket: str
+    store: str
+    http: str
+    workers: int | None
+    job_timeout: float
+    log_level: str
+    socket_mode: int
+    max_bytes: int
+    max_files: int
+    evict_grace: float
+    drain_timeout: float
+    allow_uid: tuple[int, ...]
+    allow_gid: tuple[int, ...]
+    publish_uid: tuple[int, ...]
+    publish_gid: tuple[int, ...]
+    serve_only: bool
+    remote: str | None
+    remote_signing_key: str | None
+    remote_read_only: bool
+    remote_timeout: float
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+    file: Path | None = field(default=None, compare=False)
+    file_source: str = field(default="none", compare=False)
+
+    @property
+    def http_address(self) -> tuple[str, int] | None:
+        """(host, port) of the HTTP endpoint, or None when it is off."""
+        if self.http == "off":
+            return None
+        host, _, port = self.http.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    def rows(self) -> list[dict]:
+        return [{"name": o.name, "value": getattr(self, o.name),
+                 "source": self.sources.get(o.name, "default"), "reloadable": o.reloadable}
+                for o in OPTIONS]
+
+
+def _build(values: Mapping[str, Any], sources: Mapping[str, str], file: Path | None,
+           file_source: str) -> Settings:
+    return Settings(**values, sources=dict(sources), file=file, file_source=file_source)
+
+
+def reload(old: Settings, new: Settings) -> tuple[Settings, list[str], list[str]]:
+    """What is in force after a SIGHUP: ``new``'s values of the reloadable options, ``old``'s
+    of the others; and the names of the changed options applied and of those that need a
+    restart."""
+    diff = [o for o in OPTIONS if getattr(old, o.name) != getattr(new, o.name)]
+    applied = [o.name for o in diff if o.reloadable]
+    ignored = [o.name for o in diff if not o.reloadable]
+    values = {o.name: getattr(new if o.reloadable else old, o.name) for o in OPTIONS}
+    sources = {o.name: (new if o.reloadable else old).sources.get(o.name, "default")
+               for o in OPTIONS}
+    return _build(values, sources, new.file, new.file_source), applied, ignored
+
+
+# -- sources ------------------------------------------------------------------------------
 
 
 def config_path(flag_value: str | None) -> tuple[Path | None, str]:
@@ -209,7 +331,7 @@ def read_file(path: Path | None) -> dict[str, Any]:
             raw = tomllib.load(f)
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     out = {}
     for key, value in raw.items():
@@ -220,51 +342,39 @@ def read_file(path: Path | None) -> dict[str, Any]:
     return out
 
 
-def explicit_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
-    """Option names given on the command line (compared by flag spelling, so a flag
-    given with its default value still counts as given)."""
-    given = set()
-    tokens = [t.split("=", 1)[0] for t in argv if t.startswith("--")]
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per option (and ``--config``); an absent flag parses as None."""
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="TOML configuration (default: $CACHED_CONFIG, then "
+                             f"{SYSTEM_CONFIG} if it exists)")
     for option in OPTIONS:
-        if any(flag in tokens for flag in option.flags):
-            given.add(option.name)
-    return given
+        text = f"{option.help} [env {option.env}]"
+        if option.kind == "switch":
+            parser.add_argument(option.flag, dest=option.name, action="store_const", const=True,
+                                default=None, help=text)
+        elif option.kind == "list":
+            parser.add_argument(option.flag, dest=option.name, action="append", default=None,
+                                metavar=option.metavar, help=text)
+        else:
+            parser.add_argument(option.flag, dest=option.name, default=None,
+                                metavar=option.metavar, help=text)
+        for alias, value in option.aliases:
+            parser.add_argument(alias, dest=option.name, action="store_const", const=value,
+                                help=f"same as {option.flag} {value}")
 
 
-def _flag_value(name: str, args: argparse.Namespace) -> Any:
-    if name == "http":
-        if getattr(args, "no_http", False):
-            return "off"
-        host, port = args.http
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    if name == "store":
-        return str(args.store)
-    return getattr(args, name)
-
-
-@dataclass
-class Effective:
-    values: dict[str, Any]
-    sources: dict[str, str]
-    file: Path | None
-    file_source: str
-
-    def as_rows(self) -> list[dict]:
-        return [{"name": o.name, "value": self.values[o.name], "source": self.sources[o.name],
-                 "reloadable": o.reloadable} for o in OPTIONS]
-
-
-def resolve(args: argparse.Namespace | None = None, given: set[str] | None = None,
-            config_flag: str | None = None) -> Effective:
-    """The effective configuration: flags in ``given`` (read from ``args``), then the
-    environment, then the file, then defaults."""
-    given = given or set()
+def resolve(flags: argparse.Namespace | Mapping[str, Any] | None = None,
+            config_flag: str | None = None) -> Settings:
+    """The effective settings: flags that were given (not None), then the environment,
+    then the file, then defaults. ConfigError names the option and the source."""
+    given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags or {})
     path, why = config_path(config_flag)
     file_values = read_file(path)
     values, sources = {}, {}
     for option in OPTIONS:
-        if option.name in given and args is not None:
-            raw, source = _flag_value(option.name, args), f"flag {option.flags[0]}"
+        flag_value = given.get(option.name)
+        if flag_value is not None:
+            raw, source = flag_value, f"flag {option.flag}"
         elif option.env in os.environ:
             raw, source = os.environ[option.env], f"env {option.env}"
         elif option.name in file_values:
@@ -276,33 +386,23 @@ def resolve(args: argparse.Namespace | None = None, given: set[str] | None = Non
         except ConfigError as exc:
             raise ConfigError(f"{option.name} ({source}): {exc}") from None
         sources[option.name] = source
-    return Effective(values, sources, path, why)
+    return _build(values, sources, path, why)
 
 
-def apply(effective: Effective, args: argparse.Namespace) -> None:
-    """Write the effective values onto a ``cached serve`` namespace."""
-    v = effective.values
-    args.socket, args.store = v["socket"], Path(v["store"])
-    if v["http"] == "off":
-        args.no_http = True
-    else:
-        host, _, port = v["http"].rpartition(":")
-        args.no_http, args.http = False, (host.strip("[]"), int(port))
-    for name in ("workers", "job_timeout", "log_level", "socket_mode", "max_bytes",
-                 "max_files", "evict_grace", "drain_timeout", "allow_uid", "allow_gid",
-                 "publish_uid", "publish_gid", "remote", "remote_signing_key",
-                 "remote_read_only", "remote_timeout"):
-        setattr(args, name, v[name])
-
-
-def format_table(effective: Effective) -> str:
-    lines = [f"config file: {effective.file or '(none)'} ({effective.file_source})"]
-    for row in effective.as_rows():
+def format_table(settings: Settings) -> str:
+    """``cached config``'s table: name, value, source; the columns stay aligned."""
+    rows = []
+    for row in settings.rows():
         value = row["value"]
         if row["name"] == "socket_mode":
             value = f"0{value:o}"
         elif value is None:
-            value = "auto"
+            value = "auto" if row["name"] == "workers" else "-"
+        elif isinstance(value, tuple):
+            value = ",".join(map(str, value)) or "-"
         mark = "" if row["reloadable"] else "  (restart to change)"
-        lines.append(f"{row['name']:<14} {str(value):<40} {row['source']}{mark}")
+        rows.append((row["name"], str(value), row["source"] + mark))
+    widths = [max(len(r[i]) for r in rows) for i in range(2)]
+    lines = [f"config file: {settings.file or '(none)'} ({settings.file_source})"]
+    lines += [f"{n:<{widths[0]}}  {v:<{widths[1]}}  {s}" for n, v, s in rows]
     return "\n".join(lines)

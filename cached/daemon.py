@@ -1,4 +1,4 @@
-"""The daemon: wires store, pool, scheduler, socket server and HTTP endpoint together.
+"""The daemon: wires store, pool, scheduler, the ops, socket server and HTTP endpoint.
 
 Start order: store opened (index read into memory), workers spawned (they import the
 toolchain in the background), socket listening (hits are served at once), the start-up
@@ -15,98 +15,94 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import certifications, families, sizing, toolchain, writeback
+from . import families, sizing, toolchain
+from .autotune import Autotune
+from .certifications import Certifications
+from .config import Settings
 from .identity import Identity
+from .leases import Leases
 from .lifecycle import Lifecycle
 from .log import event
-from .metrics import DaemonStats, make_metrics
+from .metrics import make_metrics
 from .pool import Pool
 from .scheduler import Scheduler
 from .server import Access, Server
-from .store import Store
+from .service import Service
+from .stats import Stats
+from .store import Budget, Store
+from .uploads import Uploads
 
 log = logging.getLogger("cached.daemon")
 
 FLUSH_INTERVAL_S = 2.0
 
 
-@dataclass
-class Settings:
-    store: Path
-    socket: str
-    http_host: str = "127.0.0.1"
-    http_port: int = 8377
-    workers: int | None = None
-    job_timeout: float = 300.0
-    socket_mode: int = 0o660
-    access: Access = field(default_factory=Access)
-    serve_only: bool = False
-    remote_url: str | None = None  # the fleet tier: redis://HOST:PORT/DB, redis+cluster://...
-    remote_signing_key: Path | None = None  # fleet HMAC keys, one a line; the first signs
-    remote_read_only: bool = False  # fetch from the tier, never publish (GPU nodes)
-    remote_timeout: float = 2.0  # seconds per Redis operation before the tier counts as down
-    max_bytes: int = 0  # store budget (0: none); LRU eviction, see Store.evict
-    max_files: int = 0  # store budget in blob files, two per entry (0: none)
-    evict_grace: float = 30.0  # an entry used this recently is never evicted
-    drain_timeout: float = 30.0  # SIGTERM: seconds running compilations get to finish
-    config: dict | None = None  # the effective configuration (cached/config.py)
-    reload: Any = None  # SIGHUP: returns a fresh config.Effective
-
-
 class Daemon:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings,
+                 reload_settings: Callable[[], Settings] | None = None) -> None:
         self.settings = settings
         self.started = time.time()
-        self.store = Store(settings.store)
-        self.stats = DaemonStats()
+        store_root = Path(settings.store)
+        self.store = Store(store_root, Budget(settings.max_bytes, settings.max_files,
+                                              settings.evict_grace))
+        self.stats = Stats()
         if settings.serve_only:
-            self.identity = Identity.pinned(settings.store)
+            self.identity = Identity.pinned(store_root)
             workers = 0
         else:
             self.identity = Identity.compute()
-            self.identity.save(settings.store)
+            self.identity.save(store_root)
             workers = sizing.worker_count(settings.workers)
         preload = [n for n in families.names() if not n.startswith("cached.test")]
         self.pool = Pool(workers, settings.job_timeout, preload)
         self.remote = _make_remote(settings)
         self.scheduler = Scheduler(self.store, self.pool, self.stats, self.identity,
                                    remote=self.remote)
-        self.server = Server(self.scheduler, self.snapshot, settings.access)
-        certifications.register(self.server, self.store)
-        writeback.register(self.server, self.scheduler, self.store)  # leases, publish
-        self.lifecycle = Lifecycle(self)  # budget, report/gc/verify ops, systemd, drain
+        self.store.protect(lambda: tuple(self.scheduler.inflight))
+        self.access = Access.from_settings(settings)
+        self.leases = Leases(self.scheduler, self.access, self.stats)
+        self.uploads = Uploads(self.leases)
+        service = Service(self.scheduler, self.access, self.stats, self.snapshot)
+        self.server = Server({**service.ops(), **self.leases.ops(), **self.uploads.ops(),
+                              **Autotune(self.store).ops(),
+                              **Certifications(self.store).ops()},
+                             self.access, self.stats)
+        self.lifecycle = Lifecycle(self, reload_settings)
+        self.socket_path = settings.socket
         self.http_address = ""
         self._http: Any = None
         self._stop = asyncio.Event()
 
     def snapshot(self) -> dict:
         """The statistics ``cached stats --json`` and ``GET /stats`` report."""
-        entries, size = self.store.totals()
+        store, pool, jobs = self.store.snapshot(), self.pool.snapshot(), self.scheduler.snapshot()
         c = self.stats.counters
         return {
-            "entries": entries, "bytes": size, "hits": c["hits"], "misses": c["misses"],
-            "compiles": c["compiles"], "failures": c["failures"],
+            "entries": store.entries, "bytes": store.bytes, "hits": c["hits"],
+            "misses": c["misses"], "compiles": c["compiles"], "failures": c["failures"],
             "remote_hits": c["remote_hits"],
             "remote": self.remote.snapshot() if self.remote else {"state": "disabled"},
             "compile_seconds": round(c["compile_seconds"], 3),
-            "in_flight": len(self.scheduler.inflight), "queued": self.scheduler.queued,
-            "running": self.scheduler.running, "workers": self.pool.size,
-            "workers_alive": self.pool.alive, "workers_ready": self.pool.ready,
-            "workers_idle": self.pool.idle,
-            "worker_restarts": self.pool.restarts, "connections": self.server.connections,
+            "in_flight": jobs.in_flight, "queued": jobs.queued, "running": jobs.running,
+            "workers": pool.size, "workers_alive": pool.alive, "workers_ready": pool.ready,
+            "workers_idle": pool.idle, "worker_restarts": pool.restarts,
+            "connections": self.server.connections,
             "errors": {k.split(".", 1)[1]: v for k, v in c.items() if k.startswith("errors.")},
             "families": {f: dict(v) for f, v in self.stats.by_family.items()},
             "last_failures": list(self.stats.failures),
             "uptime_s": round(time.time() - self.started, 1),
             "toolchain": toolchain.fingerprint_digest(self.identity.toolchain),
             "serve_only": self.settings.serve_only,
-            "store": str(self.settings.store),
-            "socket": self.settings.socket, "http": self.http_address,
-            **self.lifecycle.snapshot(),
+            "store": self.settings.store, "socket": self.socket_path,
+            "http": self.http_address,
+            "max_bytes": store.max_bytes, "max_files": store.max_files,
+            "evictions": store.evictions, "evicted_bytes": store.evicted_bytes,
+            "over_budget": store.over_budget, "client_fallbacks": c["client_fallbacks"],
+            "draining": self.lifecycle.draining,
         }
 
     async def run(self) -> None:
@@ -118,8 +114,8 @@ class Daemon:
         await self.scheduler.start()
         if self.remote is not None:
             self.remote.start()
-        await self.lifecycle.listen()  # a socket passed by systemd, else settings.socket
-        event(log, logging.INFO, "daemon.listening", socket=self.settings.socket,
+        self.socket_path = await self.lifecycle.listen()
+        event(log, logging.INFO, "daemon.listening", socket=self.socket_path,
               workers=self.pool.size, entries=self.store.totals()[0],
               toolchain=toolchain.fingerprint_digest(self.identity.toolchain))
         threading.Thread(target=self.store.scan, name="store-scan", daemon=True).start()
@@ -140,7 +136,7 @@ class Daemon:
         self.store.close()
         try:
             if not self.lifecycle.inherited:  # systemd owns a socket it passed
-                os.unlink(self.settings.socket)
+                os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
         event(log, logging.INFO, "daemon.stopped")
@@ -151,17 +147,20 @@ class Daemon:
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(FLUSH_INTERVAL_S)
+            self.uploads.expire()
             await asyncio.get_running_loop().run_in_executor(None, self.store.flush)
 
     def _start_http(self) -> None:
-        if self.settings.http_port < 0:
+        address = self.settings.http_address
+        if address is None:
             return
-        sock = socket.socket(socket.AF_INET6 if ":" in self.settings.http_host else socket.AF_INET)
+        host, port = address
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.settings.http_host, self.settings.http_port))
+        sock.bind((host, port))
         sock.listen(64)
-        host, port = sock.getsockname()[:2]
-        self.http_address = f"{host}:{port}"
+        bound_host, bound_port = sock.getsockname()[:2]
+        self.http_address = f"{bound_host}:{bound_port}"
         import uvicorn
 
         from .httpapp import make_app
@@ -176,16 +175,16 @@ class Daemon:
 
 def _make_remote(settings: Settings) -> Any:
     """The fleet tier, or None; refuses an unsigned tier (it would push native code)."""
-    if not settings.remote_url:
+    if not settings.remote:
         return None
     from .remote import Remote, SigningKeys
 
     if settings.remote_signing_key is None:
         raise ValueError("a remote tier needs --remote-signing-key FILE: entries are signed "
                          "and verified with the fleet's HMAC key")
-    return Remote(settings.remote_url, SigningKeys.from_file(settings.remote_signing_key),
+    return Remote(settings.remote, SigningKeys.from_file(Path(settings.remote_signing_key)),
                   read_only=settings.remote_read_only, timeout=settings.remote_timeout)
 
 
-def serve(settings: Settings) -> None:
-    asyncio.run(Daemon(settings).run())
+def serve(settings: Settings, reload_settings: Callable[[], Settings] | None = None) -> None:
+    asyncio.run(Daemon(settings, reload_settings).run())

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cached_client import Client
+from cached_client import flashinfer_names as names
 from cached_client.loader import sha256_file
 
 from . import families, toolchain
@@ -46,7 +47,7 @@ def default_flashinfer_cache() -> Path:
 def expected_meta(artifact: dict) -> tuple[str, dict]:
     """(module directory name, meta.json) FlashInfer expects for this artifact."""
     meta = artifact["meta"]
-    module = meta.get("flashinfer_module") or "mm_fp4"
+    module = meta.get("flashinfer_module") or names.MM_FP4_MODULE
     arch = sanitize(artifact["arch"].replace("_", ""))
     expected: dict[str, Any] = {
         "arch": arch, "cute_dsl_version": artifact["toolchain"],
@@ -71,13 +72,12 @@ def current_sources(artifact: dict) -> str | None:
 
 def export(socket_path: str, target: Path, family: str | None = None) -> dict:
     """Write every exportable artifact under ``target``; returns counts and skip reasons."""
-    reply, _ = Client(socket_path, timeout=60).call(
-        {"op": "flashinfer_artifacts", **({"family": family} if family else {})}, timeout=600)
+    reply = Client(socket_path, timeout=60).flashinfer_artifacts(family, timeout=600)
     fingerprint = toolchain.fingerprint()
     report: dict[str, Any] = {"written": 0, "unchanged": 0, "skipped": 0, "modules": 0,
                               "target": str(target), "reasons": []}
     by_module: dict[str, list[tuple[dict, dict]]] = {}
-    for artifact in reply["artifacts"]:
+    for artifact in reply.artifacts:
         module_dir, meta = expected_meta(artifact)
         reason = None
         if artifact["toolchain"] != fingerprint:

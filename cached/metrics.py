@@ -1,17 +1,13 @@
 """``GET /metrics``: the daemon's state in Prometheus text format (prometheus-client).
 
-Nothing is counted twice: a collector reads the daemon's own counters and gauges at
-scrape time. The one thing the counters do not keep, the distribution of compile times,
-is recorded by :class:`DaemonStats` (the scheduler's ``Stats`` plus a histogram per
-family) as each compilation finishes. Metric names and what to alert on are in
+Nothing is counted twice: a collector renders, at scrape time, the daemon's counters
+(:class:`cached.stats.Stats`, compile-time histograms included) and its components'
+snapshots (store, pool, scheduler). Metric names and what to alert on are in
 docs/operations.md.
 """
 
 from __future__ import annotations
 
-import bisect
-import threading
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,35 +19,10 @@ from prometheus_client.core import (
     Metric,
 )
 
-from .scheduler import Stats
+from . import toolchain
+from .stats import Stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-COMPILE_BUCKETS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0)
-
-
-class DaemonStats(Stats):
-    """The scheduler's counters plus a compile-time histogram per family."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._lock = threading.Lock()
-        self.compile_buckets: defaultdict[str, list[int]] = defaultdict(
-            lambda: [0] * (len(COMPILE_BUCKETS) + 1))
-
-    def count(self, name: str, family: str | None = None, n: float = 1) -> None:
-        super().count(name, family, n)
-        if name == "compile_seconds" and family:
-            with self._lock:
-                self.compile_buckets[family][bisect.bisect_left(COMPILE_BUCKETS, n)] += 1
-
-    def histogram(self, family: str) -> tuple[list[tuple[str, int]], float]:
-        with self._lock:
-            counts = list(self.compile_buckets[family])
-        cumulative, buckets = 0, []
-        for bound, count in zip((*COMPILE_BUCKETS, float("inf")), counts, strict=True):
-            cumulative += count
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-        return buckets, float(self.by_family[family]["compile_seconds"])
 
 
 class _Collector:
@@ -60,7 +31,7 @@ class _Collector:
 
     def collect(self) -> Iterator[Metric]:
         d = self.daemon
-        stats: DaemonStats = d.stats
+        stats: Stats = d.stats
         families = sorted(stats.by_family)
 
         def per_family(name: str, doc: str, counter: str) -> Metric:
@@ -91,30 +62,29 @@ class _Collector:
                 errors.add_metric([key.split(".", 1)[1]], float(value))
         yield errors
 
-        s = d.scheduler
+        jobs = d.scheduler.snapshot()
         yield GaugeMetricFamily("cached_queue_depth", "Compilations waiting for a worker.",
-                                value=s.queued)
+                                value=jobs.queued)
         yield GaugeMetricFamily("cached_compilations_running", "Compilations on a worker now.",
-                                value=s.running)
+                                value=jobs.running)
         yield GaugeMetricFamily("cached_in_flight",
                                 "Keys queued or compiling (each compiled once).",
-                                value=len(s.inflight))
+                                value=jobs.in_flight)
         workers = GaugeMetricFamily("cached_workers", "Compile workers by state.",
                                     labels=["state"])
-        p = d.pool
-        for state, value in (("configured", p.size), ("alive", p.alive), ("ready", p.ready),
-                             ("idle", p.idle)):
+        pool = d.pool.snapshot()
+        for state, value in (("configured", pool.size), ("alive", pool.alive),
+                             ("ready", pool.ready), ("idle", pool.idle)):
             workers.add_metric([state], value)
         yield workers
         yield CounterMetricFamily("cached_worker_restarts",
                                   "Workers replaced after dying or overrunning a job.",
-                                  value=p.restarts)
+                                  value=pool.restarts)
 
-        store = d.store
-        entries, size = store.totals()
+        store = d.store.snapshot()
         yield GaugeMetricFamily("cached_store_bytes", "Bytes of stored blobs (index).",
-                                value=size)
-        yield GaugeMetricFamily("cached_store_entries", "Stored kernels.", value=entries)
+                                value=store.bytes)
+        yield GaugeMetricFamily("cached_store_entries", "Stored kernels.", value=store.entries)
         yield GaugeMetricFamily("cached_store_max_bytes", "Store budget in bytes (0: none).",
                                 value=store.max_bytes)
         yield GaugeMetricFamily("cached_store_max_files",
@@ -133,7 +103,7 @@ class _Collector:
         yield from _remote_metrics(getattr(d, "remote", None), stats, families)
         info = GaugeMetricFamily("cached_build_info", "The toolchain this daemon builds with.",
                                  labels=["toolchain"])
-        info.add_metric([str(d.snapshot().get("toolchain", ""))], 1)
+        info.add_metric([toolchain.fingerprint_digest(d.identity.toolchain)], 1)
         yield info
 
 

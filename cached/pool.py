@@ -15,6 +15,7 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from . import worker as worker_main
@@ -46,7 +47,6 @@ class _Worker:
         self.process.start()
         child.close()
         self.pid = self.process.pid
-        self.jobs = 0
 
     def wait_ready(self, timeout: float) -> None:
         if not self.conn.poll(timeout):
@@ -67,7 +67,6 @@ class _Worker:
             status, result = self.conn.recv()
         except (EOFError, OSError, BrokenPipeError):
             raise WorkerFailed(f"worker {self.pid} died during the job: {self.why()}") from None
-        self.jobs += 1
         if status == "error":
             raise JobError(result["message"], result.get("traceback", ""))
         return result
@@ -86,6 +85,18 @@ class _Worker:
             self.process.kill()
         self.process.join(timeout=5)
         self.conn.close()
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """Workers by state, for stats, metrics and the status page."""
+
+    size: int
+    alive: int
+    ready: int
+    idle: int
+    busy: int
+    restarts: int
 
 
 class Pool:
@@ -117,6 +128,10 @@ class Pool:
     @property
     def idle(self) -> int:
         return self._idle.qsize()
+
+    def snapshot(self) -> PoolSnapshot:
+        return PoolSnapshot(self.size, self.alive, self.ready, self.idle, self.busy,
+                            self.restarts)
 
     async def start(self) -> None:
         """Spawn every worker; returns at once, workers join the pool as they get ready."""
@@ -176,9 +191,6 @@ class Pool:
             self.busy -= 1
         self._idle.put_nowait(w)
         return result
-
-    async def run(self, kind: str, payload: dict, timeout: float | None = None) -> Any:
-        return await self.run_on(await self.acquire(), kind, payload, timeout)
 
     async def stop(self) -> None:
         self._closing = True

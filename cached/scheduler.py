@@ -17,13 +17,15 @@ import json
 import logging
 import shutil
 import time
-from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cached_client import protocol as p
 from cached_client.errors import (
+    CachedError,
     CompileFailed,
+    DaemonUnavailable,
     DeadlineExceeded,
     InvalidTactic,
     Overloaded,
@@ -36,7 +38,8 @@ from .families.base import DEFAULT_SM_COUNT, Family
 from .identity import Identity
 from .log import event
 from .pool import JobError, Pool, WorkerFailed
-from .store import Entry, Store
+from .stats import Stats
+from .store import Entry, Store, row_for
 
 log = logging.getLogger("cached.scheduler")
 
@@ -57,18 +60,13 @@ class Job:
     origin: str = "compiled"  # or "remote": fetched from the fleet tier, not compiled
 
 
-class Stats:
-    """Counters the daemon reports; per-family counters under ``families``."""
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    """Jobs by state, for stats, metrics and the status page."""
 
-    def __init__(self) -> None:
-        self.counters: Counter[str] = Counter()
-        self.by_family: defaultdict[str, Counter[str]] = defaultdict(Counter)
-        self.failures: deque[dict] = deque(maxlen=20)
-
-    def count(self, name: str, family: str | None = None, n: int = 1) -> None:
-        self.counters[name] += n
-        if family:
-            self.by_family[family][name] += n
+    in_flight: int
+    queued: int
+    running: int
 
 
 class Scheduler:
@@ -95,20 +93,51 @@ class Scheduler:
     async def start(self) -> None:
         self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch())
 
+    def snapshot(self) -> SchedulerSnapshot:
+        return SchedulerSnapshot(len(self.inflight), self.queued, self.running)
+
+    async def drain(self, timeout: float) -> dict:
+        """Stop starting jobs; tell waiters of queued jobs at once; give running
+        compilations ``timeout`` seconds to finish and be stored; then tell every waiter
+        still waiting. Waiters hear ``unavailable`` (a client then compiles in-process)."""
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+        cancelled = 0
+        for job in [j for j in self.inflight.values() if j.state == "queued"]:
+            self.inflight.pop(job.key, None)
+            job.state = "done"
+            if not job.future.done():
+                job.future.set_exception(DaemonUnavailable(
+                    "the daemon is shutting down and had not started this compilation"))
+                cancelled += 1
+        running = self.running
+        event(log, logging.INFO, "daemon.draining", running=running, queued_cancelled=cancelled,
+              deadline_s=timeout)
+        deadline = time.monotonic() + timeout
+        while self.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        abandoned = self.running
+        self._fail_all(f"the daemon is shutting down; this compilation did not finish "
+                       f"within the {timeout:.0f}s drain deadline")
+        return {"finished": running - abandoned, "abandoned": abandoned,
+                "queued_cancelled": cancelled}
+
     async def stop(self) -> None:
         if self._dispatcher:
             self._dispatcher.cancel()
-        for job in self.inflight.values():
+        self._fail_all("the daemon is shutting down")
+
+    def _fail_all(self, why: str) -> None:
+        for job in list(self.inflight.values()):
             if not job.future.done():
-                job.future.set_exception(CompileFailed("the daemon is shutting down"))
-                job.future.exception()
+                job.future.set_exception(DaemonUnavailable(why))
 
     # -- requests ----------------------------------------------------------------------
 
-    def resolve(self, wire: Any, expected_toolchain: str | None = None
+    def resolve(self, request: KernelRequest, expected_toolchain: str | None = None
                 ) -> tuple[Family, KernelRequest, str]:
-        """Validate a wire request; returns its family, canonical request and store key."""
-        request = KernelRequest.from_wire(wire)
+        """Validate a request against its family; returns the family, the canonical request
+        and its store key."""
         family = families.get(request.family)
         request = family.canonical_request(request)
         if expected_toolchain is not None and expected_toolchain != self.identity.toolchain:
@@ -120,10 +149,11 @@ class Scheduler:
         key = artifact_key(request, self.identity.toolchain, self.identity.source(family))
         return family, request, key
 
-    async def get(self, wire: Any, priority: int = INTERACTIVE, timeout: float = 60.0,
-                  expected_toolchain: str | None = None) -> tuple[Entry, str]:
+    async def get(self, request: KernelRequest, priority: int = INTERACTIVE,
+                  timeout: float = 60.0, expected_toolchain: str | None = None
+                  ) -> tuple[Entry, str]:
         """The stored entry for a request and whether it was a ``hit`` or ``compiled``."""
-        family, request, key = self.resolve(wire, expected_toolchain)
+        family, request, key = self.resolve(request, expected_toolchain)
         entry = self.store.lookup(key)
         if entry is not None:
             self.stats.count("hits", family.name)
@@ -145,9 +175,9 @@ class Scheduler:
         report: dict[str, Any] = {"queued": 0, "cached": 0, "in_flight": 0, "rejected": []}
         for index, wire in enumerate(wires):
             try:
-                family, request, key = self.resolve(wire)
-            except Exception as exc:  # noqa: BLE001 -- reported per request
-                report["rejected"].append({"index": index, "error": _wire_error(exc)})
+                family, request, key = self.resolve(KernelRequest.from_wire(wire))
+            except CachedError as exc:  # reported per request
+                report["rejected"].append({"index": index, "error": exc.to_wire()})
                 continue
             if self.store.contains(key):
                 report["cached"] += 1
@@ -156,22 +186,19 @@ class Scheduler:
             else:
                 try:
                     self._submit(key, family, request, PREWARM)
-                except Exception as exc:  # noqa: BLE001 -- reported per request
-                    report["rejected"].append({"index": index, "error": _wire_error(exc)})
+                except CachedError as exc:  # reported per request
+                    report["rejected"].append({"index": index, "error": exc.to_wire()})
                     continue
                 report["queued"] += 1
         return report
 
-    async def plan(self, family_name: str, shape: Any, arch: str, sm_count: int | None,
-                   options: dict) -> list[dict]:
+    async def plan(self, m: p.PlanRequest) -> list[dict]:
         """The family's tactic space, computed in a worker (it may need the toolchain)."""
-        family = families.get(family_name)
-        family.check_arch(arch)
-        if (not isinstance(shape, list) or len(shape) != 3
-                or not all(isinstance(v, int) and v > 0 for v in shape)):
-            raise InvalidTactic(f"shape must be three positive integers M,N,K, got {shape!r}")
-        payload = {"family": family_name, "shape": shape, "arch": arch,
-                   "sm_count": sm_count or DEFAULT_SM_COUNT[arch], "options": options}
+        family = families.get(m.family)
+        family.check_arch(m.arch)
+        family_name = m.family
+        payload = {"family": m.family, "shape": list(m.shape), "arch": m.arch,
+                   "sm_count": m.sm_count or DEFAULT_SM_COUNT[m.arch], "options": m.options}
         if self.pool.size == 0:
             return await asyncio.get_running_loop().run_in_executor(
                 None, _plan_here, family, payload)
@@ -260,17 +287,12 @@ class Scheduler:
         try:
             (workdir / "remote.o").write_bytes(object_bytes)
             (workdir / "remote.so").write_bytes(library_bytes)
-            row = {
-                "key": job.key, "family": request.family,
-                "kernel_name": str(signed["kernel_name"]), "symbol": str(signed["symbol"]),
-                "params": json.dumps(dict(request.params), sort_keys=True),
-                "arch": request.arch, "sm_count": request.sm_count,
-                "max_active_clusters": request.max_active_clusters,
-                "toolchain": self.identity.toolchain,
-                "source_sha256": self.identity.source(job.family),
-                "compile_seconds": float(signed["compile_seconds"]),
-                "meta": signed["meta"],
-            }
+            meta = signed["meta"]
+            row = row_for(job.key, request, kernel_name=str(signed["kernel_name"]),
+                          symbol=str(signed["symbol"]), toolchain=self.identity.toolchain,
+                          source_sha256=self.identity.source(job.family),
+                          compile_seconds=float(signed["compile_seconds"]),
+                          meta=json.loads(meta) if isinstance(meta, str) else meta)
             return self.store.publish(row, workdir / "remote.o", workdir / "remote.so")
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -325,8 +347,8 @@ class Scheduler:
             else:
                 message = f"internal error while publishing: {type(exc).__name__}: {exc}"
             self.stats.count("failures", name)
-            self.stats.failures.append({"time": time.time(), "family": name, "key": job.key,
-                                        "params": dict(job.request.params), "message": message})
+            self.stats.fail({"time": time.time(), "family": name, "key": job.key,
+                             "params": dict(job.request.params), "message": message})
             event(log, logging.ERROR, "compile.failed", family=name, key=job.key[:16],
                   error=message[:500])
             job.future.set_exception(CompileFailed(f"{name} {_describe(job.request)}: {message}"))
@@ -347,18 +369,25 @@ class Scheduler:
             shutil.rmtree(workdir, ignore_errors=True)
 
     def _publish(self, job: Job, result: dict) -> Entry:
-        request = job.request
-        row = {
-            "key": job.key, "family": request.family, "kernel_name": result["kernel_name"],
-            "symbol": result["symbol"], "params": json.dumps(dict(request.params), sort_keys=True),
-            "arch": request.arch, "sm_count": request.sm_count,
-            "max_active_clusters": request.max_active_clusters,
-            "toolchain": self.identity.toolchain,
-            "source_sha256": self.identity.source(job.family),
-            "compile_seconds": result["compile_seconds"],
-            "meta": {**result["meta"], "runtime_library": toolchain.RUNTIME_LIBRARY_NAME},
-        }
+        row = row_for(job.key, job.request, kernel_name=result["kernel_name"],
+                      symbol=result["symbol"], toolchain=self.identity.toolchain,
+                      source_sha256=self.identity.source(job.family),
+                      compile_seconds=result["compile_seconds"],
+                      meta={**result["meta"], "runtime_library": toolchain.RUNTIME_LIBRARY_NAME})
         return self.store.publish(row, Path(result["object_path"]), Path(result["library_path"]))
+
+    def artifact(self, entry: Entry, origin: str, paths: bool = True) -> p.Artifact:
+        """How the protocol describes a stored entry (with its blob paths unless not)."""
+        r = entry.row
+        return p.Artifact(
+            key=r["key"], family=r["family"], kernel_name=r["kernel_name"], symbol=r["symbol"],
+            library_sha256=r["library_sha256"], object_sha256=r["object_sha256"],
+            library_size=r["library_size"], object_size=r["object_size"],
+            toolchain=r["toolchain"], source_sha256=r["source_sha256"],
+            runtime_library=toolchain.runtime_library(), origin=origin,
+            compile_seconds=r["compile_seconds"],
+            library_path=str(entry.library_path) if paths else None,
+            object_path=str(entry.object_path) if paths else None)
 
 
 def _plan_here(family: Family, payload: dict) -> list[dict]:
@@ -373,10 +402,3 @@ def _plan_here(family: Family, payload: dict) -> list[dict]:
 
 def _describe(request: KernelRequest) -> str:
     return f"{request.arch} {json.dumps(dict(request.params), sort_keys=True)}"
-
-
-def _wire_error(exc: Exception) -> dict:
-    to_wire = getattr(exc, "to_wire", None)
-    if to_wire:
-        return to_wire()
-    return {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}

@@ -1,10 +1,16 @@
-"""The Unix-socket server: frames in, scheduler calls, frames out (docs/protocol.md).
+"""The Unix-socket server: frames in, one typed request per frame, the op's handler, frames out.
 
-Invariants: each connection is its own task and each request on it its own sub-task,
-so a slow or hostile client costs only itself; replies on one connection are written
-whole, one at a time; every well-formed request gets its reply, also after the peer has
-shut its sending side; a malformed or oversize frame gets an error reply and closes that
-connection only; any other failure of a request becomes a typed error reply.
+The wire surface is :data:`cached_client.protocol.OPS`; the server is built with one
+handler per op (each component declares its own with ``ops()``) and refuses to start if
+an op has no handler or a handler no op. A request is decoded once, here: a field that
+fails its check is ``invalid_argument`` before any component sees it.
+
+Invariants: each connection is its own task and each request on it its own sub-task, so a
+slow or hostile client costs only itself; replies on one connection are written whole, one
+at a time; every well-formed request gets its reply, also after the peer has shut its
+sending side; a malformed or oversize frame gets an error reply and closes that connection
+only; any other failure of a request becomes a typed error reply, ``internal`` only for a
+daemon bug.
 """
 
 from __future__ import annotations
@@ -15,38 +21,27 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from cached_client import protocol as p
 from cached_client.errors import (
     CachedError,
-    InvalidTactic,
+    InternalError,
     MalformedFrame,
     NotAllowed,
+    Overloaded,
     UnsupportedVersion,
 )
 from cached_client.paths import check_socket_dir, default_socket_path
-from cached_client.protocol import (
-    CAPABILITIES,
-    HEADER,
-    MAX_REQUEST_FRAME,
-    PROTOCOL_VERSION,
-    SUPPORTED_VERSIONS,
-    decode_body,
-    encode_frame,
-    frame_length,
-)
 
-from . import families, toolchain
 from .log import event
-from .scheduler import PRIORITIES, Scheduler
-from .store import Entry
+from .stats import Stats
 
 log = logging.getLogger("cached.server")
 
 MAX_PENDING_PER_CONNECTION = 4096
-MAX_DEADLINE_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -58,15 +53,27 @@ class Peer:
     gid: int
 
 
-@dataclass(frozen=True)
 class Access:
     """Who may connect and who may publish. Empty ``allow_*`` sets admit every peer the
-    socket's file mode admits; ``publish_*`` default to root and the daemon's own uid."""
+    socket's file mode admits; an empty ``publish_uids`` means root and the daemon's own
+    uid. One instance is shared by every component that checks a peer; :meth:`update`
+    changes it in place (SIGHUP)."""
 
-    allow_uids: frozenset[int] = frozenset()
-    allow_gids: frozenset[int] = frozenset()
-    publish_uids: frozenset[int] = frozenset({0, os.getuid()})
-    publish_gids: frozenset[int] = frozenset()
+    def __init__(self, allow_uids: Iterable[int] = (), allow_gids: Iterable[int] = (),
+                 publish_uids: Iterable[int] = (), publish_gids: Iterable[int] = ()) -> None:
+        self.update(allow_uids, allow_gids, publish_uids, publish_gids)
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Access:
+        return cls(settings.allow_uid, settings.allow_gid, settings.publish_uid,
+                   settings.publish_gid)
+
+    def update(self, allow_uids: Iterable[int] = (), allow_gids: Iterable[int] = (),
+               publish_uids: Iterable[int] = (), publish_gids: Iterable[int] = ()) -> None:
+        self.allow_uids = frozenset(allow_uids)
+        self.allow_gids = frozenset(allow_gids)
+        self.publish_uids = frozenset(publish_uids) or frozenset({0, os.getuid()})
+        self.publish_gids = frozenset(publish_gids)
 
     def may_connect(self, peer: Peer) -> bool:
         if not self.allow_uids and not self.allow_gids:
@@ -77,21 +84,23 @@ class Access:
         return peer.uid in self.publish_uids or peer.gid in self.publish_gids
 
 
-Handler = Callable[[dict, Peer], Awaitable[tuple[dict, "bytes | None"]]]
+Reply = p.Message | tuple[p.Message, bytes]
+Handler = Callable[[Any, Peer], Awaitable[Reply]]
+"""An op's handler: (decoded request, peer) -> reply, or (reply, payload bytes)."""
 
 
 class Server:
-    def __init__(self, scheduler: Scheduler, stats_fn: Any, access: Access | None = None) -> None:
-        self.scheduler = scheduler
-        self.stats_fn = stats_fn
-        self.access = access or Access()
+    def __init__(self, handlers: dict[str, Handler], access: Access, stats: Stats) -> None:
+        missing = sorted(set(p.OPS) - set(handlers))
+        extra = sorted(set(handlers) - set(p.OPS))
+        if missing or extra:
+            raise InternalError(f"ops without a handler: {missing}; handlers without an op "
+                                f"in protocol.OPS: {extra}")
+        self.handlers = handlers
+        self.access = access
+        self.stats = stats
         self.connections = 0
         self._server: asyncio.AbstractServer | None = None
-        self.ops: dict[str, tuple[Handler, bool]] = {}
-        for op, handler in (("hello", self._hello), ("get", self._get),
-                            ("prefetch", self._prefetch), ("stats", self._stats),
-                            ("list", self._list), ("plan", self._plan)):
-            self.register(op, handler)
 
     async def start(self, path: str | None = None, sock: socket.socket | None = None,
                     mode: int = 0o660) -> None:
@@ -100,11 +109,11 @@ class Server:
             assert path is not None
             _claim_socket_path(path)
             self._server = await asyncio.start_unix_server(self._connection, path=path,
-                                                           limit=MAX_REQUEST_FRAME + 1024)
+                                                           limit=p.MAX_REQUEST_FRAME + 1024)
             os.chmod(path, mode)
         else:
             self._server = await asyncio.start_unix_server(self._connection, sock=sock,
-                                                           limit=MAX_REQUEST_FRAME + 1024)
+                                                           limit=p.MAX_REQUEST_FRAME + 1024)
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -118,42 +127,35 @@ class Server:
         peer = _peer(writer)
         try:
             if not self.access.may_connect(peer):
-                self.scheduler.stats.count("errors.not_allowed")
-                event(log, logging.WARNING, "connection.refused", uid=peer.uid, gid=peer.gid,
-                      pid=peer.pid)
-                reply = {"ok": False, "error": NotAllowed(
-                    f"uid {peer.uid} gid {peer.gid} is not allowed to use this daemon"
-                ).to_wire()}
-                with contextlib.suppress(Exception):
-                    header = await asyncio.wait_for(reader.readexactly(HEADER.size), 5)
-                    body = await asyncio.wait_for(
-                        reader.readexactly(frame_length(header, MAX_REQUEST_FRAME)), 5)
-                    reply["id"] = decode_body(body).get("id")
-                await _send(writer, reply)
+                await self._refuse(peer, reader, writer)
                 return
             while True:
                 try:
-                    header = await reader.readexactly(HEADER.size)
-                    body = await reader.readexactly(frame_length(header, MAX_REQUEST_FRAME))
-                    message = decode_body(body)
+                    header = await reader.readexactly(p.HEADER.size)
+                    body = await reader.readexactly(p.frame_length(header,
+                                                                   p.MAX_REQUEST_FRAME))
+                    message = p.decode_body(body)
                 except asyncio.IncompleteReadError:
-                    if pending:  # the peer stopped sending; it may still read its answers
-                        await asyncio.wait(set(pending))
                     break
                 except MalformedFrame as exc:
-                    self.scheduler.stats.count("errors.malformed_frame")
+                    self.stats.count("errors.malformed_frame")
+                    if pending:  # well-formed requests before it still get their answers
+                        await asyncio.wait(set(pending))
                     async with write_lock:
                         await _send(writer, {"ok": False, "error": exc.to_wire()})
                     break
                 if len(pending) >= MAX_PENDING_PER_CONNECTION:
                     async with write_lock:
-                        await _send(writer, _error(CachedError(
-                            "too many requests pending on this connection")))
+                        await _send(writer, _error(Overloaded(
+                            f"over {MAX_PENDING_PER_CONNECTION} requests pending on this "
+                            "connection; wait for replies before sending more")))
                     break
                 task = asyncio.get_running_loop().create_task(
                     self._answer(message, peer, writer, write_lock))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
+            if pending:  # the peer stopped sending; it may still read its answers
+                await asyncio.wait(set(pending))
         except (ConnectionError, OSError):
             pass
         finally:
@@ -162,19 +164,36 @@ class Server:
             self.connections -= 1
             writer.close()
 
+    async def _refuse(self, peer: Peer, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        self.stats.count("errors.not_allowed")
+        event(log, logging.WARNING, "connection.refused", uid=peer.uid, gid=peer.gid,
+              pid=peer.pid)
+        reply = _error(NotAllowed(f"uid {peer.uid} gid {peer.gid} is not allowed to use this "
+                                  "daemon"))
+        with contextlib.suppress(Exception):
+            header = await asyncio.wait_for(reader.readexactly(p.HEADER.size), 5)
+            body = await asyncio.wait_for(
+                reader.readexactly(p.frame_length(header, p.MAX_REQUEST_FRAME)), 5)
+            reply["id"] = p.decode_body(body).get("id")
+        await _send(writer, reply)
+
     async def _answer(self, message: dict, peer: Peer, writer: asyncio.StreamWriter,
                       write_lock: asyncio.Lock) -> None:
         payload = None
         try:
-            reply, payload = await self._handle(message, peer)
+            reply_message = await self._handle(message, peer)
+            if isinstance(reply_message, tuple):
+                reply_message, payload = reply_message
+            reply = {"ok": True, **reply_message.to_wire()}
         except CachedError as exc:
-            self.scheduler.stats.count(f"errors.{exc.code}")
+            self.stats.count(f"errors.{exc.code}")
             reply = _error(exc)
         except Exception as exc:  # noqa: BLE001 -- a bug answers, it does not kill the daemon
             event(log, logging.ERROR, "request.crashed", op=str(message.get("op"))[:32],
-                  error=f"{type(exc).__name__}: {exc}")
-            self.scheduler.stats.count("errors.internal")
-            reply = _error(CachedError(f"internal error: {type(exc).__name__}: {exc}"))
+                  error=f"{type(exc).__name__}: {exc}"[:500])
+            self.stats.count("errors.internal")
+            reply = _error(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
         if "id" in message:
             reply["id"] = message["id"]
         if payload is not None:
@@ -185,92 +204,23 @@ class Server:
         except (ConnectionError, OSError):
             pass
 
-    def register(self, op: str, handler: Handler, publish: bool = False) -> None:
-        """Serve ``op`` with ``handler``; ``publish`` ops need a peer allowed to publish."""
-        self.ops[op] = (handler, publish)
-
-    async def _handle(self, m: dict, peer: Peer) -> tuple[dict, bytes | None]:
-        version = m.get("v", PROTOCOL_VERSION)
-        if version not in SUPPORTED_VERSIONS:
+    async def _handle(self, m: dict, peer: Peer) -> Reply:
+        version = m.get("v", p.PROTOCOL_VERSION)
+        if version not in p.SUPPORTED_VERSIONS:
             raise UnsupportedVersion(
-                f"protocol version {version!r} is not supported; this daemon speaks "
-                f"{', '.join(map(str, SUPPORTED_VERSIONS))}"
+                f"protocol version {str(version)[:16]!r} is not supported; this daemon speaks "
+                f"{', '.join(map(str, p.SUPPORTED_VERSIONS))}"
             )
-        op = m.get("op")
-        entry = self.ops.get(op) if isinstance(op, str) else None
-        if entry is None:
-            raise MalformedFrame(f"unknown op {op!r}; expected one of {', '.join(self.ops)}")
-        handler, publish = entry
-        if publish and not self.access.may_publish(peer):
-            raise NotAllowed(f"uid {peer.uid} gid {peer.gid} may not use {op!r}; the daemon's "
-                             "--publish-uid/--publish-gid lists who may")
-        return await handler(m, peer)
-
-    async def _hello(self, m: dict, peer: Peer) -> tuple[dict, bytes | None]:
-        return {"ok": True, "v": PROTOCOL_VERSION, "capabilities": list(CAPABILITIES),
-                "ops": sorted(self.ops), "families": families.names(),
-                "toolchain": self.scheduler.identity.toolchain,
-                "versions": toolchain.versions(), "serve_only": self.scheduler.pool.size == 0,
-                "runtime_library": toolchain.runtime_library(),
-                "may_publish": self.access.may_publish(peer)}, None
-
-    async def _prefetch(self, m: dict, peer: Peer) -> tuple[dict, bytes | None]:
-        requests = m.get("requests")
-        if not isinstance(requests, list):
-            raise InvalidTactic("prefetch needs 'requests': a list of requests")
-        return {"ok": True, **self.scheduler.prefetch(requests)}, None
-
-    async def _stats(self, m: dict, peer: Peer) -> tuple[dict, bytes | None]:
-        return {"ok": True, "stats": self.stats_fn()}, None
-
-    async def _list(self, m: dict, peer: Peer) -> tuple[dict, bytes | None]:
-        rows = [_public_row(r) for r in self.scheduler.store.rows()]
-        return {"ok": True, "entries": rows}, None
-
-    async def _plan(self, m: dict, peer: Peer) -> tuple[dict, bytes | None]:
-        requests = await self.scheduler.plan(
-            str(m.get("family")), m.get("shape"), str(m.get("arch")),
-            _positive_int(m.get("sm_count")), _options(m.get("options")))
-        return {"ok": True, "requests": requests}, None
-
-    async def _get(self, m: dict, peer: Peer) -> tuple[dict, bytes | None]:
-        priority = PRIORITIES.get(m.get("priority", "interactive"))
-        if priority is None:
-            raise InvalidTactic("priority must be 'interactive' or 'prewarm'")
-        deadline_ms = m.get("deadline_ms", 60_000)
-        if not isinstance(deadline_ms, (int, float)) or deadline_ms <= 0:
-            raise InvalidTactic("deadline_ms must be a positive number")
-        transfer = m.get("transfer", "path")
-        if transfer not in ("path", "bytes"):
-            raise InvalidTactic("transfer must be 'path' or 'bytes'")
-        expected = m.get("toolchain")
-        entry, origin = await self.scheduler.get(
-            m.get("request"), priority, min(deadline_ms / 1000, MAX_DEADLINE_S),
-            expected if isinstance(expected, str) else None)
-        artifact = _artifact(entry, origin)
-        if transfer == "bytes":
-            return {"ok": True, "artifact": artifact}, self.scheduler.store.read_library(entry)
-        artifact["library_path"] = str(entry.library_path)
-        artifact["object_path"] = str(entry.object_path)
-        return {"ok": True, "artifact": artifact}, None
-
-
-def _artifact(entry: Entry, origin: str) -> dict:
-    r = entry.row
-    return {
-        "key": r["key"], "family": r["family"], "kernel_name": r["kernel_name"],
-        "symbol": r["symbol"], "library_sha256": r["library_sha256"],
-        "object_sha256": r["object_sha256"], "library_size": r["library_size"],
-        "object_size": r["object_size"], "toolchain": r["toolchain"],
-        "source_sha256": r["source_sha256"], "runtime_library": toolchain.runtime_library(),
-        "compile_seconds": r["compile_seconds"], "origin": origin,
-    }
-
-
-def _public_row(row: dict) -> dict:
-    return {k: row[k] for k in ("key", "family", "kernel_name", "arch", "sm_count",
-                                "max_active_clusters", "params", "size", "compile_seconds",
-                                "created", "last_used", "hits")}
+        name = m.get("op")
+        op = p.OPS.get(name) if isinstance(name, str) else None
+        if op is None:
+            raise MalformedFrame(f"unknown op {str(name)[:64]!r}; expected one of "
+                                 f"{', '.join(p.OPS)}")
+        if op.publish and not self.access.may_publish(peer):
+            raise NotAllowed(f"uid {peer.uid} gid {peer.gid} may not use {op.name!r}; the "
+                             "daemon's --publish-uid/--publish-gid lists who may")
+        request = op.request.from_wire(m)
+        return await self.handlers[op.name](request, peer)
 
 
 def _peer(writer: asyncio.StreamWriter) -> Peer:
@@ -283,24 +233,8 @@ def _error(exc: CachedError) -> dict:
     return {"ok": False, "error": exc.to_wire()}
 
 
-def _positive_int(value: Any) -> int | None:
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise InvalidTactic(f"expected a positive integer, got {value!r}")
-    return value
-
-
-def _options(value: Any) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise InvalidTactic("options must be an object")
-    return value
-
-
 async def _send(writer: asyncio.StreamWriter, reply: dict, payload: bytes | None = None) -> None:
-    writer.write(encode_frame(reply))
+    writer.write(p.encode_frame(reply))
     if payload is not None:
         writer.write(payload)
     await writer.drain()

@@ -26,12 +26,14 @@ import sqlite3
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import sqlite_utils
+from cached_client.errors import IntegrityError
+from cached_client.keys import KernelRequest
 from cached_client.loader import sha256_file
 
 from .log import event
@@ -50,6 +52,43 @@ SUFFIXES = {"object": ".o", "library": ".so"}
 
 
 @dataclass(frozen=True)
+class Budget:
+    """How much the store may hold (0: unlimited) and how recently used an entry must be
+    to be safe from eviction (seconds)."""
+
+    max_bytes: int = 0
+    max_files: int = 0
+    grace: float = 30.0
+
+
+@dataclass(frozen=True)
+class StoreSnapshot:
+    """The store's state for stats, metrics and the status page."""
+
+    entries: int
+    bytes: int
+    max_bytes: int
+    max_files: int
+    evictions: int
+    evicted_bytes: int
+    over_budget: bool
+
+
+def row_for(key: str, request: KernelRequest, *, kernel_name: str, symbol: str,
+            toolchain: str, source_sha256: str, compile_seconds: float,
+            meta: Mapping[str, Any]) -> dict:
+    """The index row of a kernel about to be published (blob digests and sizes, times and
+    hits are filled in by :meth:`Store.publish`)."""
+    return {
+        "key": key, "family": request.family, "kernel_name": kernel_name, "symbol": symbol,
+        "params": json.dumps(dict(request.params), sort_keys=True), "arch": request.arch,
+        "sm_count": request.sm_count, "max_active_clusters": request.max_active_clusters,
+        "toolchain": toolchain, "source_sha256": source_sha256,
+        "compile_seconds": float(compile_seconds), "meta": dict(meta),
+    }
+
+
+@dataclass(frozen=True)
 class Entry:
     """One index row, with paths to its verified blobs."""
 
@@ -63,17 +102,15 @@ class Entry:
 
 
 class Store:
-    # Budget (0: unlimited) and eviction state; the daemon sets these (see evict()).
-    max_bytes: int = 0
-    max_files: int = 0
-    evict_grace: float = 30.0
-    protected: Any = None  # a callable returning keys never to evict (being compiled)
-    evictions: int = 0
-    evicted_bytes: int = 0
-    over_budget: bool = False
+    """Blobs and index under ``root``, kept within ``budget`` (see :meth:`evict`)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, budget: Budget | None = None) -> None:
         self.root = Path(root)
+        self.budget = budget or Budget()
+        self.evictions = 0
+        self.evicted_bytes = 0
+        self.over_budget = False
+        self._in_use: Callable[[], Iterable[str]] = tuple
         self.blob_dir = self.root / "blobs"
         self.tmp_dir = self.root / "tmp"
         for d in (self.root, self.blob_dir, self.tmp_dir):
@@ -91,6 +128,19 @@ class Store:
         self._touched: set[str] = set()
         self._db_lock = threading.RLock()
         self._opened = time.time()
+
+    def set_budget(self, budget: Budget) -> None:
+        """Change the budget (SIGHUP); the next publish or :meth:`evict` applies it."""
+        self.budget = budget
+
+    def protect(self, in_use: Callable[[], Iterable[str]]) -> None:
+        """Never evict the keys ``in_use()`` names (kernels being compiled or fetched)."""
+        self._in_use = in_use
+
+    def snapshot(self) -> StoreSnapshot:
+        entries, size = self.totals()
+        return StoreSnapshot(entries, size, self.budget.max_bytes, self.budget.max_files,
+                             self.evictions, self.evicted_bytes, self.over_budget)
 
     # -- reading -----------------------------------------------------------------------
 
@@ -133,7 +183,8 @@ class Store:
         data = entry.library_path.read_bytes()
         if hashlib.sha256(data).hexdigest() != entry.row["library_sha256"]:
             self.drop(entry.key, "library blob changed while being read")
-            raise OSError(f"library blob of {entry.key[:12]} failed its digest check")
+            raise IntegrityError(f"the stored library of {entry.key[:12]} changed while being "
+                                 "read; it was dropped, and the next request rebuilds it")
         return data
 
     def contains(self, key: str) -> bool:
@@ -166,7 +217,7 @@ class Store:
         for name in ("params", "meta"):
             if not isinstance(row.get(name), str):
                 row[name] = json.dumps(row.get(name, {}), sort_keys=True)
-        with self._write(), self._lock:
+        with self.write(), self._lock:
             self.evict(incoming=row)  # room first, under the same lock
             self.entries.insert(row, pk="key", replace=True)
             self._rows[row["key"]] = row
@@ -174,23 +225,30 @@ class Store:
                      self.blob_path(row["library_sha256"], "library"))
 
     @contextlib.contextmanager
-    def _write(self) -> Iterator[None]:
-        """One write transaction that takes SQLite's write lock up front (BEGIN IMMEDIATE),
-        so another process holding the index makes us wait (busy timeout), not fail."""
+    def write(self) -> Iterator[sqlite_utils.Database]:
+        """One write transaction on the index database (side tables use it too) that takes
+        SQLite's write lock up front (BEGIN IMMEDIATE), so another process holding the
+        index makes us wait (busy timeout), not fail."""
         conn = self.db.conn
         with self._db_lock:
             if conn.in_transaction:
-                yield
+                yield self.db
                 return
             conn.execute("BEGIN IMMEDIATE")
             try:
-                yield
+                yield self.db
             except BaseException:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
             if conn.in_transaction:
                 conn.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[sqlite_utils.Database]:
+        """The index database for a side table's read, serialized with this store's writes."""
+        with self._db_lock:
+            yield self.db
 
     def _commit_blob(self, path: Path, kind: str) -> tuple[str, int]:
         with open(path, "rb+") as f:
@@ -212,7 +270,7 @@ class Store:
             if self._rows.pop(key, None) is None:
                 return
             self._touched.discard(key)
-        with self._write():
+        with self.write():
             self.entries.delete_where("key = ?", [key])
         event(log, logging.WARNING, "store.entry_dropped", key=key[:16], reason=reason)
 
@@ -230,7 +288,7 @@ class Store:
                        if (r := self._rows.get(k)) is not None]
             self._touched.clear()
         if touched:
-            with self._write():
+            with self.write():
                 self.db.conn.executemany(
                     "UPDATE entries SET hits = ?, last_used = ? WHERE key = ?", touched
                 )
@@ -239,30 +297,6 @@ class Store:
     def close(self) -> None:
         self.flush()
         self.db.conn.close()
-
-    # -- certifications ----------------------------------------------------------------
-
-    def record_certification(self, record: dict) -> int:
-        """Append one batch-invariance certification (see cached/certifications.py)."""
-        row = {k: json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
-               for k, v in record.items()}
-        with self._write():
-            table = self.db.table("certifications")
-            table.insert(row, alter=True)
-            return table.last_pk
-
-    def certifications(self, family: str | None = None) -> list[dict]:
-        with self._lock:
-            if not self.db.table("certifications").exists():
-                return []
-            where, args = ("family = ?", [family]) if family else (None, None)
-            rows = list(self.db.table("certifications").rows_where(where, args,
-                                                                    order_by="rowid"))
-        for row in rows:
-            for name in ("tactics", "rows_differing", "ms"):
-                if isinstance(row.get(name), str):
-                    row[name] = json.loads(row[name])
-        return rows
 
     # -- start-up scan -----------------------------------------------------------------
 
@@ -298,22 +332,22 @@ class Store:
         """Remove least recently used entries until the index, plus the ``incoming`` row
         about to be published, fits ``max_bytes`` and ``max_files`` (two blob files per
         entry); a blob another entry (or the incoming one) shares stays. Never removes
-        the incoming key, a key :attr:`protected` names (being
+        the incoming key, a key :meth:`protect`'s callable names (being
         compiled), or an entry used within ``grace`` seconds: :meth:`lookup` stamps
         ``last_used`` before it verifies, so an entry just handed out by path (a client
         may be about to open it) stays. Rows leave the index under the lock before their
         blobs go, so a concurrent lookup either sees a fresh row or none."""
         configured = max_bytes is None and max_files is None  # not a one-off gc budget
-        max_bytes = self.max_bytes if max_bytes is None else max_bytes
-        max_files = self.max_files if max_files is None else max_files
-        grace = self.evict_grace if grace is None else grace
+        max_bytes = self.budget.max_bytes if max_bytes is None else max_bytes
+        max_files = self.budget.max_files if max_files is None else max_files
+        grace = self.budget.grace if grace is None else grace
         report: dict[str, Any] = {"evicted": 0, "freed_bytes": 0, "blocked": 0}
         if not max_bytes and not max_files:
             return report
         keep = incoming["key"] if incoming else None
         incoming_bytes = incoming["size"] if incoming else 0
         incoming_files = 2 if incoming else 0
-        protected = set(self.protected() if self.protected else ()) | {keep}
+        protected = set(self._in_use()) | {keep}
         now = time.time()
         with self._lock:
             size = sum(r["size"] for r in self._rows.values() if r["key"] != keep)

@@ -111,7 +111,11 @@ def _flashinfer_source_hasher() -> ModuleType:
 def flashinfer_source_hash(relative_paths: tuple[str, ...]) -> str:
     """FlashInfer's ``_hash_source_files`` over files given relative to its package."""
     root = package_dir("flashinfer")
-    paths = tuple(str(root / p) for p in relative_paths)
+    return flashinfer_source_hash_paths(tuple(str(root / p) for p in relative_paths))
+
+
+def flashinfer_source_hash_paths(paths: tuple[str, ...]) -> str:
+    """FlashInfer's ``_hash_source_files`` over absolute paths, as FlashInfer computes it."""
     return _flashinfer_source_hasher()._hash_source_files(paths)
 
 

@@ -118,6 +118,17 @@ def wait_for(predicate, timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
+def raw_call(socket_path: str, message: dict, timeout: float = 30.0) -> dict:
+    """One request as raw JSON on a fresh connection (for fields the typed client never
+    sends); returns the reply object as it came."""
+    from cached_client.transport import Connection
+
+    deadline = time.monotonic() + timeout
+    with Connection(socket_path, deadline) as conn:
+        reply, _ = conn.request({"id": 1, **message}, deadline)
+    return reply
+
+
 def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cached", *args], capture_output=True,
                           text=True, check=check, timeout=600)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cached_client import InvalidTactic, NotAllowed
+from cached_client import InvalidArgument, NotAllowed
 from cached_client import certify as c
 
 torch = pytest.importorskip("torch")
@@ -61,15 +61,15 @@ def record(**overrides) -> dict:
 
 def test_daemon_records_certifications_and_checks_them(daemon):
     client = daemon.client()
-    client.call({"op": "certify_record", "record": record()})
-    with pytest.raises(InvalidTactic, match="rows_differing"):
-        client.call({"op": "certify_record", "record": record(rows_differing={"t0": -1})})
-    with pytest.raises(InvalidTactic, match="n must be"):
-        client.call({"op": "certify_record", "record": record(n="4096")})
-    rows = client.call({"op": "certifications", "family": "cached.hopper_fp8"})[0]
-    assert len(rows["certifications"]) == 1
-    assert rows["certifications"][0]["total_rows_differing"] == 0
-    assert rows["certifications"][0]["rows_differing"]["mix"] == 0
+    client.certify_record(record())
+    with pytest.raises(InvalidArgument, match="rows_differing"):
+        client.certify_record(record(rows_differing={"t0": -1}))
+    with pytest.raises(InvalidArgument, match="n must be"):
+        client.certify_record(record(n="4096"))
+    rows = client.certifications("cached.hopper_fp8")
+    assert len(rows) == 1
+    assert rows[0]["total_rows_differing"] == 0
+    assert rows[0]["rows_differing"]["mix"] == 0
 
 
 def test_only_publish_peers_may_record(tmp_path):
@@ -80,7 +80,7 @@ def test_only_publish_peers_may_record(tmp_path):
     d = DaemonProcess(tmp_path, workers=1, extra_args=["--publish-uid", str(os.getuid() + 1)])
     try:
         with pytest.raises(NotAllowed, match="may not use 'certify_record'"):
-            d.client().call({"op": "certify_record", "record": record()})
-        assert d.client().hello()["may_publish"] is False
+            d.client().certify_record(record())
+        assert d.client().hello().may_publish is False
     finally:
         d.stop()

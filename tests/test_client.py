@@ -107,7 +107,7 @@ def test_client_refuses_a_library_whose_digest_changed(daemon, mm_fp4_requests, 
 
 def test_http_stats_equal_the_cli_and_health(daemon):
     hello = daemon.client().hello()
-    assert hello["v"] == 1 and "flashinfer.mm_fp4" in hello["families"]
+    assert hello.v == 1 and "flashinfer.mm_fp4" in hello.families
     address = daemon.stats()["http"]
     assert address.startswith("127.0.0.1:")
     health = httpx.get(f"http://{address}/healthz", timeout=5).json()

@@ -13,12 +13,13 @@ import pytest
 from cached_client import (
     Client,
     CompileFailed,
+    InvalidArgument,
     InvalidTactic,
     KernelRequest,
     UnknownFamily,
     UnsupportedVersion,
 )
-from conftest import SHAPE, DaemonProcess, fault, run_cli
+from conftest import SHAPE, DaemonProcess, fault, raw_call, run_cli
 
 from cached.store import Store
 
@@ -147,8 +148,9 @@ def test_bad_input_gets_typed_errors_and_the_daemon_keeps_serving(daemon, mm_fp4
     assert reply["error"]["code"] == "malformed_frame"
 
     client = daemon.client()
-    with pytest.raises(UnsupportedVersion, match="speaks 1"):
-        client.call({"op": "hello", "v": 99})
+    reply = raw_call(daemon.socket, {"op": "hello", "v": 99})
+    assert reply["error"]["code"] == UnsupportedVersion.code
+    assert "speaks 1" in reply["error"]["message"]
     good = mm_fp4_requests[2].to_wire()
     with pytest.raises(UnknownFamily, match="flashinfer.mm_fp4"):
         client.get(KernelRequest.from_wire({**good, "family": "no.such"}))
@@ -157,9 +159,12 @@ def test_bad_input_gets_typed_errors_and_the_daemon_keeps_serving(daemon, mm_fp4
         client.get(KernelRequest.from_wire({**good, "params": bad_params}))
     with pytest.raises(CompileFailed, match="injected failure"):
         client.get(fault("fail", tag="typed"))
-    with pytest.raises(InvalidTactic, match="shape"):
-        client.call({"op": "plan", "family": "flashinfer.mm_fp4", "shape": [1, 2],
-                     "arch": "sm_100a"})
+    reply = raw_call(daemon.socket, {"op": "plan", "family": "flashinfer.mm_fp4",
+                                     "shape": [1, 2], "arch": "sm_100a"})
+    assert reply["error"]["code"] == InvalidArgument.code and "shape" in reply["error"]["message"]
+    reply = raw_call(daemon.socket, {"op": "get", "request": good, "priority": ["x"]})
+    assert reply["error"]["code"] == InvalidArgument.code
+    assert "priority" in reply["error"]["message"]
     assert client.get(mm_fp4_requests[2]).origin == "compiled"
     stats = daemon.stats()
     assert stats["errors"]["malformed_frame"] == 3 and stats["failures"] == 1

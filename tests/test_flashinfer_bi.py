@@ -13,7 +13,7 @@ from conftest import DaemonProcess, run_cli
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
 pytest.importorskip("flashinfer")
 
-from cached_client.flashinfer import bi_request  # noqa: E402
+from cached_client.flashinfer_names import bi_request  # noqa: E402
 
 from cached.families import get  # noqa: E402
 
@@ -81,9 +81,9 @@ def test_warm_compiles_for_sm_100a_with_flashinfers_fingerprints(tmp_path):
                           "sm_100a", "--shape", shape, "--json")
             counts = json.loads(out.stdout)
             assert counts["failed"] == 0 and counts["compiled"] >= 1, counts
-            reply, _ = d.client().call({"op": "flashinfer_artifacts", "family": family})
+            reply = d.client().flashinfer_artifacts(family)
             # gemm kernels first: FlashInfer compiles a class's gemm before its fixup
-            arts = sorted(reply["artifacts"], key=lambda a: a["params"]["kind"] != "gemm")
+            arts = sorted(reply.artifacts, key=lambda a: a["params"]["kind"] != "gemm")
             assert arts and {a["meta"]["fingerprint"] for a in arts} == {fp}
             for a in arts:
                 assert a["symbol"] == f"{a['meta']['flashinfer_module']}_{a['kernel_name']}"

@@ -189,10 +189,10 @@ def test_publish_needs_the_allowlist_and_a_stalled_lease_expires(tmp_path):
             "module": "demo", "kernel": "k1", "tvm_ffi": True, "source_sha256": "0" * 64},
             "sm_100a", 148, 148)
         first = lease(client, request, ttl_s=1.0, wait_ms=0)
-        assert first["state"] == "granted"
+        assert first.state == "granted"
         other = Client(d.socket)  # same pid, but the lease is stalled: no renewal in 1 s
         again = lease(other, request, ttl_s=1.0, wait_ms=3000)
-        assert again["state"] == "granted" and again["lease"] != first["lease"]
+        assert again.state == "granted" and again.lease != first.lease
         with pytest.raises(Exception, match="ELF"):
             publish(client, request, b"not an object")
     finally:
@@ -210,7 +210,7 @@ def test_publish_needs_the_allowlist_and_a_stalled_lease_expires(tmp_path):
             time.sleep(0.2)
         time.sleep(0.5)
         client = Client(sock)
-        assert lease(client, request, wait_ms=0)["state"] == "compile_locally"
+        assert lease(client, request, wait_ms=0).state == "compile_locally"
         with pytest.raises(NotAllowed):
             publish(client, request, b"\x7fELF....")
     finally:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cached_client import InvalidTactic, KernelRequest, artifact_key
+from cached_client import InvalidArgument, KernelRequest, artifact_key
 
 
 def request(**overrides) -> KernelRequest:
@@ -38,14 +38,15 @@ def test_toolchain_and_sources_change_the_key():
 @pytest.mark.parametrize("bad, message", [
     ({"arch": "sm_80"}, "arch"), ({"sm_count": 0}, "sm_count"),
     ({"max_active_clusters": True}, "max_active_clusters"), ({"params": [1]}, "params"),
+    ({"sm_count": 1 << 63}, "sm_count"),
 ])
 def test_bad_requests_are_rejected_with_the_field_named(bad, message):
-    with pytest.raises(InvalidTactic, match=message):
+    with pytest.raises(InvalidArgument, match=message):
         request(**bad)
 
 
 def test_wire_round_trip():
     r = request()
     assert KernelRequest.from_wire(r.to_wire()) == r
-    with pytest.raises(InvalidTactic, match="missing"):
+    with pytest.raises(InvalidArgument, match="missing"):
         KernelRequest.from_wire({"family": "x"})

@@ -30,7 +30,7 @@ def test_flag_beats_env_beats_file_beats_default_and_config_says_which(tmp_path:
                       'drain_timeout = 12\n')
     env = {**os.environ, "CACHED_MAX_BYTES": "2G", "CACHED_LOG_LEVEL": "warning",
            "CACHED_CONFIG": str(config)}
-    out = subprocess.run([sys.executable, "-m", "cached", "config", "--json", "--",
+    out = subprocess.run([sys.executable, "-m", "cached", "config", "--json",
                           "--max-bytes", "3G"], env=env, capture_output=True, text=True,
                          check=True).stdout
     doc = json.loads(out)

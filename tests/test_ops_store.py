@@ -6,22 +6,21 @@ import time
 
 from test_store import publish
 
-from cached.store import Store
+from cached.store import Budget, Store
 
 
 def test_lru_eviction_keeps_the_budget_and_spares_recent_and_shared_blobs(tmp_path):
-    store = Store(tmp_path)
-    store.evict_grace = 0.0
+    store = Store(tmp_path, Budget(grace=0.0))
     payload = b"p" * 1000
     for i in range(4):
         publish(store, f"k{i}", payload + bytes([i]))
         time.sleep(0.01)
     one = store.totals()[1] // 4
-    store.max_bytes = 3 * one
+    store.set_budget(Budget(max_bytes=3 * one, grace=0.0))
     store.lookup("k0")  # k0 is now the most recently used
     publish(store, "k4", payload + bytes([4]))
     keys = {r["key"] for r in store.rows()}
-    assert keys == {"k0", "k3", "k4"} and store.totals()[1] <= store.max_bytes
+    assert keys == {"k0", "k3", "k4"} and store.totals()[1] <= store.budget.max_bytes
     assert store.evictions == 2 and not store.over_budget
     assert len(list(store.blob_dir.glob("*/*"))) == 6
     # An entry sharing its blobs with the victim keeps them.
@@ -32,11 +31,11 @@ def test_lru_eviction_keeps_the_budget_and_spares_recent_and_shared_blobs(tmp_pa
     assert report["evicted"] == 2 and {r["key"] for r in store.rows()} == {"k5"}
     assert store.lookup("k5") is not None  # k0's eviction left the shared blobs
     # Within the grace period nothing is evicted; the store reports it is over budget.
-    store.evict_grace, store.max_bytes = 60.0, one
+    store.set_budget(Budget(max_bytes=one, grace=60.0))
     publish(store, "k6", payload + bytes([6]))
     assert {r["key"] for r in store.rows()} == {"k5", "k6"} and store.over_budget
     assert store.evict(max_bytes=1)["blocked"] == 2
-    store.evict_grace = 0.0
+    store.set_budget(Budget(max_bytes=one, grace=0.0))
     assert store.evict()["evicted"] == 1 and not store.over_budget
 
 

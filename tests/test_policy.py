@@ -96,12 +96,13 @@ class FakeCertClient:
     def __init__(self, records, families=("cached.hopper_fp8",)):
         self.records, self.families = records, list(families)
 
-    def call(self, message, timeout=None):
-        assert message["op"] == "certifications"
-        return {"ok": True, "certifications": self.records}, None
+    def certifications(self, family=None, timeout=None):
+        return [r for r in self.records if family in (None, r["family"])]
 
     def hello(self, timeout=None):
-        return {"families": self.families}
+        from cached_client.protocol import HelloReply
+
+        return HelloReply(v=1, ops=["certifications"], families=self.families)
 
 
 def test_hopper_family_when_the_daemon_has_it_and_certification_rule(monkeypatch):
@@ -127,7 +128,7 @@ def test_missing_certifications_op_means_none(tmp_path):
     from cached_client import Client
 
     class NoOp(Client):
-        def call(self, message, timeout=None):
+        def call(self, op, request=None, timeout=None):
             from cached_client.errors import MalformedFrame
             raise MalformedFrame("unknown op 'certifications'")
 

@@ -16,7 +16,7 @@ from cached_client import Client  # noqa: E402
 from cached_client.certify import FULL_M, SEED_MS  # noqa: E402
 from common import Daemon  # noqa: E402
 
-from cached.cli import warm  # noqa: E402
+from cached.cli.warm import warm  # noqa: E402
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ _MODULES = {
     "cached.hopper_fp8": ("cached.families.hopper_fp8.family", "HopperFp8"),
     "flashinfer.bi.bmm_fp8": ("cached.families.flashinfer_bi", "FlashInferBiBmmFp8"),
     "flashinfer.bi.mm_fp4": ("cached.families.flashinfer_bi", "FlashInferBiMmFp4"),
-    "flashinfer.jit": ("cached.writeback", "FlashInferJit"),
+    "flashinfer.jit": ("cached.families.flashinfer_jit", "FlashInferJit"),
 }
 if os.environ.get("CACHED_TEST_FAMILIES") == "1":
     _MODULES["cached.test.fault"] = ("cached.families.testing", "FaultFamily")

@@ -34,14 +34,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from cached_client import flashinfer_names as names
 from cached_client.errors import InvalidTactic
 from cached_client.keys import KernelRequest
 
 from .. import toolchain
 from .base import BuiltObject, Family, require, set_compile_arch
 
-DENSE_MODULE = "batch_invariant_gemm"
-BLOCKSCALED_MODULE = "batch_invariant_gemm_blockscaled"
 ARCH_FAMILY = {"sm_100a": "sm_100", "sm_103a": "sm_103", "sm_107a": "sm_107"}
 OUT_FMTS = ("bf16", "f16")
 TILES_M = (64, 128, 256, 512)
@@ -75,7 +74,7 @@ def _flashinfer_bi_jit() -> Any:
 def module_source_sha256(module: str) -> str:
     """FlashInfer's ``source_sha256`` of a batch-invariant cache module (its meta.json value)."""
     files = tuple(str(p) for p in _flashinfer_bi_jit().module_sources(module))
-    return toolchain._flashinfer_source_hasher()._hash_source_files(files)
+    return toolchain.flashinfer_source_hash_paths(files)
 
 
 def _positive(params: Mapping[str, Any], name: str, limit: int = 1 << 30) -> int:
@@ -262,7 +261,7 @@ class _BatchInvariantFamily(Family):
         with _captured_build() as seen:
             compiled = self._compile(p, request)
         module, kernel = seen["module"], seen["kernel"]
-        symbol = f"{module}_{kernel}"
+        symbol = names.symbol(module, kernel)
         object_path = workdir / f"{kernel}.o"
         compiled.export_to_c(str(object_path), function_name=symbol)
         meta = {"flashinfer_module": module, "flashinfer_source_sha256":
@@ -295,7 +294,7 @@ class FlashInferBiBmmFp8(_BatchInvariantFamily):
     op = "bmm_fp8"
     in_fmts = ("e4m3", "e5m2")
     b_majors = ("k", "n")
-    modules = (DENSE_MODULE,)
+    modules = (names.BI_DENSE_MODULE,)
 
     def class_of(self, n: int, k: int, arch: str, options: Mapping[str, Any]) -> tuple[str, int]:
         from flashinfer.gemm.batch_invariant.schedule import chunks_for
@@ -330,7 +329,8 @@ class FlashInferBiMmFp4(_BatchInvariantFamily):
     name = "flashinfer.bi.mm_fp4"
     op = "mm_fp4"
     in_fmts = ("nvfp4", "mxfp4", "nvfp4_k128", "mxfp4_k128")
-    modules = (BLOCKSCALED_MODULE, DENSE_MODULE)  # the split's fixup lives in the dense module
+    # the split's fixup lives in the dense module
+    modules = (names.BI_BLOCKSCALED_MODULE, names.BI_DENSE_MODULE)
 
     def class_of(self, n: int, k: int, arch: str, options: Mapping[str, Any]) -> tuple[str, int]:
         from flashinfer.gemm.batch_invariant.schedule import chunks_for, fp4_class_for, mx_class_for

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from cached_client import flashinfer_names as names
 from cached_client.errors import InvalidTactic
 from cached_client.keys import KernelRequest
 
@@ -39,7 +40,6 @@ SOURCE_FILES = (
     "gemm/kernels/dense_blockscaled_gemm_sm100_common.py",
     "gemm/kernels/dense_blockscaled_gemm_sm103.py",
 )
-MODULE_NAME = "mm_fp4"
 
 
 class FlashInferMmFp4(Family):
@@ -156,11 +156,11 @@ class FlashInferMmFp4(Family):
             per_token_alpha=p["per_token_alpha"],
         )
         kernel_name = _blockscaled_kernel_disk_name(cache_key, 1, request.max_active_clusters)
-        symbol = f"{MODULE_NAME}_{kernel_name}"
+        symbol = names.symbol(names.MM_FP4_MODULE, kernel_name)
         object_path = workdir / f"{kernel_name}.o"
         compile_fn().export_to_c(str(object_path), function_name=symbol)
         return BuiltObject(kernel_name, symbol, object_path,
-                           {"flashinfer_module": MODULE_NAME, "cache_key": repr(cache_key)})
+                           {"flashinfer_module": names.MM_FP4_MODULE, "cache_key": repr(cache_key)})
 
 
 def _make_kernel(p: Mapping[str, Any], tile: tuple, cluster: tuple) -> Any:

@@ -4,13 +4,15 @@ Importing this package is cheap: it pulls in none of FastAPI, the CuTe-DSL compi
 FlashInfer, TVM-FFI or torch. Loading a kernel imports TVM-FFI on first use.
 """
 
-from .client import Artifact, Client
+from .client import Client
 from .errors import (
+    BadReply,
     CachedError,
     CompileFailed,
     DaemonUnavailable,
     DeadlineExceeded,
     IntegrityError,
+    InvalidArgument,
     InvalidTactic,
     MalformedFrame,
     NotAllowed,
@@ -21,15 +23,18 @@ from .errors import (
 )
 from .keys import KernelRequest, artifact_key
 from .paths import default_socket_path
+from .protocol import Artifact
 
 __all__ = [
     "Artifact",
+    "BadReply",
     "CachedError",
     "Client",
     "CompileFailed",
     "DaemonUnavailable",
     "DeadlineExceeded",
     "IntegrityError",
+    "InvalidArgument",
     "InvalidTactic",
     "KernelRequest",
     "MalformedFrame",

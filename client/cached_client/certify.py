@@ -103,9 +103,9 @@ def certify(client: Any, family: str, shapes: Sequence[tuple[int, int]], limit: 
         rec = {"family": family, "n": n, "k": k, "device": props.name, "arch": arch,
                "tactics": [dict(r.params) for r in tactics], "ms": list(SEED_MS),
                "rows_differing": summarize(per_tactic, mix, cross),
-               "toolchain": client.hello().get("toolchain", "")}
+               "toolchain": client.hello().toolchain}
         if record:
-            client.call({"op": "certify_record", "record": rec})
+            client.certify_record(rec)
         records.append(rec)
     return records
 

@@ -2,6 +2,8 @@
 
 Every error the daemon sends has a ``code`` from :data:`ERROR_CODES`; the client turns
 it back into the matching exception class, so callers can catch what they can act on.
+Bad input is ``invalid_argument`` (a field) or ``invalid_tactic`` (a family's parameters);
+``internal`` is only ever a daemon bug.
 """
 
 from __future__ import annotations
@@ -32,7 +34,15 @@ class UnknownFamily(CachedError):
     code = "unknown_family"
 
 
+class InvalidArgument(CachedError):
+    """A request field is missing, of the wrong type or out of range."""
+
+    code = "invalid_argument"
+
+
 class InvalidTactic(CachedError):
+    """A kernel request's parameters fail its family's validation."""
+
     code = "invalid_tactic"
 
 
@@ -63,12 +73,18 @@ class IntegrityError(CachedError):
 
 
 class DaemonUnavailable(CachedError):
-    """The daemon could not be reached, or went away mid-request."""
+    """The daemon could not be reached, is shutting down, or went away mid-request."""
 
     code = "unavailable"
 
 
+class BadReply(DaemonUnavailable):
+    """The daemon's reply does not follow the protocol (client side only)."""
+
+
 class InternalError(CachedError):
+    """A daemon bug; the daemon keeps serving."""
+
     code = "internal"
 
 
@@ -78,6 +94,7 @@ ERROR_CODES: dict[str, type[CachedError]] = {
         MalformedFrame,
         UnsupportedVersion,
         UnknownFamily,
+        InvalidArgument,
         InvalidTactic,
         ToolchainMismatch,
         CompileFailed,

@@ -16,12 +16,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InvalidTactic
+from .errors import InvalidArgument
 
 KEY_SCHEMA = 1
 ARCHES = ("sm_90a", "sm_100a", "sm_103a", "sm_107a")
 DEFAULT_SM_COUNT = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148, "sm_107a": 148}
 """A device profile per arch (H200, B200, B300, Rubin) for planning without a GPU."""
+MAX_SM_COUNT = 1024
+"""No GPU has more SMs; larger counts are refused before they cost a compile."""
 
 
 def canonical_json(value: Any) -> str:
@@ -53,16 +55,19 @@ class KernelRequest:
     _frozen: tuple = field(init=False, repr=False, compare=True, hash=True)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.family, str) or not self.family:
-            raise InvalidTactic("request.family must be a non-empty string")
+        if not isinstance(self.family, str) or not 0 < len(self.family) <= 200:
+            raise InvalidArgument("request.family must be a non-empty string")
         if self.arch not in ARCHES:
-            raise InvalidTactic(f"arch {self.arch!r} is not one of {', '.join(ARCHES)}")
+            raise InvalidArgument(f"arch {str(self.arch)[:32]!r} is not one of "
+                                  f"{', '.join(ARCHES)}")
         for name in ("sm_count", "max_active_clusters"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidTactic(f"request.{name} must be a positive integer, got {value!r}")
+            if (not isinstance(value, int) or isinstance(value, bool)
+                    or not 0 < value <= MAX_SM_COUNT):
+                raise InvalidArgument(f"request.{name} must be an integer in [1, "
+                                      f"{MAX_SM_COUNT}], got {str(value)[:32]}")
         if not isinstance(self.params, Mapping):
-            raise InvalidTactic("request.params must be an object")
+            raise InvalidArgument("request.params must be an object")
         object.__setattr__(self, "_frozen", _freeze(self.params))
 
     def to_wire(self) -> dict:
@@ -77,11 +82,11 @@ class KernelRequest:
     @classmethod
     def from_wire(cls, obj: Any) -> KernelRequest:
         if not isinstance(obj, Mapping):
-            raise InvalidTactic("request must be an object")
+            raise InvalidArgument("request must be an object")
         missing = [k for k in ("family", "params", "arch", "sm_count", "max_active_clusters")
                    if k not in obj]
         if missing:
-            raise InvalidTactic(f"request is missing {', '.join(missing)}")
+            raise InvalidArgument(f"request is missing {', '.join(missing)}")
         return cls(
             family=obj["family"],
             params=obj["params"],

@@ -16,7 +16,7 @@ def runtime_dir() -> str:
 
 
 def default_socket_path() -> str:
-    """$CACHED_SOCKET, else cached.sock under :func:`runtime_dir`."""
+    """$CACHED_SOCKET, else cached.sock under :func:`runtime_dir` (the daemon's default)."""
     return os.environ.get(SOCKET_ENV) or os.path.join(runtime_dir(), "cached.sock")
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CachedError
+from .protocol import AutotuneGetRequest, AutotunePutRequest
 
 logger = logging.getLogger("cached_client.policy")
 
@@ -79,7 +80,7 @@ def daemon_families(client: Any) -> list[str] | None:
     if client is None:
         return None
     try:
-        return list(client.hello(timeout=5).get("families", []))
+        return list(client.hello(timeout=5).families)
     except CachedError:
         return None
 
@@ -89,14 +90,10 @@ def certifications(client: Any, family: str | None = None) -> list[dict]:
     or the op, is missing."""
     if client is None:
         return []
-    message: dict[str, Any] = {"op": "certifications"}
-    if family:
-        message["family"] = family
     try:
-        reply, _ = client.call(message, timeout=5)
+        return client.certifications(family or None, timeout=5)
     except CachedError:
         return []
-    return list(reply.get("certifications") or [])
 
 
 def certified(client: Any, family: str, n: int | None, k: int | None,
@@ -229,18 +226,17 @@ def autotune_results(client: Any, op: str, n: int, k: int, dtype: str, arch: str
     if client is None:
         return []
     try:
-        reply, _ = client.call({"op": "autotune_get", "op_name": op, "n": n, "k": k,
-                                "dtype": dtype, "arch": arch, "device": device}, timeout=5)
+        results = client.autotune_get(AutotuneGetRequest(
+            op_name=op, n=n, k=k, dtype=dtype, arch=arch, device=device), timeout=5)
     except CachedError:
         return []
-    return [r for r in reply.get("results", []) if r.get("op") == op]
+    return [r for r in results if r.get("op") == op]
 
 
 def publish_autotune(client: Any, op: str, n: int, k: int, dtype: str, arch: str, device: str,
                      bucket: int, kernel: str, tactic: Any, time_us: float) -> bool:
     """Share one tuning winner with the other processes on the node; True when stored (a
     slower result than the one already recorded is not)."""
-    reply, _ = client.call({"op": "autotune_put", "n": n, "k": k, "dtype": dtype,
-                            "arch": arch, "device": device, "bucket": bucket, "kernel": kernel,
-                            "tactic": tactic, "time_us": time_us, "op_name": op}, timeout=10)
-    return bool(reply.get("stored"))
+    return client.autotune_put(AutotunePutRequest(
+        op_name=op, n=n, k=k, dtype=dtype, arch=arch, device=device, bucket=bucket,
+        kernel=kernel, tactic=tactic, time_us=time_us), timeout=10)

@@ -48,4 +48,4 @@ def _register() -> None:
 
     flashinfer.install(path)
     logger.info("cached: FlashInfer kernels come from the daemon at %s (pid %d, %d families)",
-                path, os.getpid(), len(hello.get("families", [])))
+                path, os.getpid(), len(hello.families))

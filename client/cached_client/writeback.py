@@ -1,4 +1,4 @@
-"""Client side of write-back: take a lease, compile, publish (see cached/writeback.py).
+"""Client side of write-back: take a lease, compile, publish (daemon: leases.py, uploads.py).
 
 ``obtain(client, request, compile_object)`` returns the stored artifact for a kernel the
 daemon has no recipe for: a hit, or after waiting for the process holding the lease, or
@@ -19,9 +19,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .client import Artifact, Client
+from . import protocol as p
+from .client import Client
 from .errors import CachedError
 from .keys import KernelRequest
+from .protocol import Artifact
 
 logger = logging.getLogger("cached_client.writeback")
 
@@ -35,35 +37,43 @@ class CompileLocally(Exception):
 
 
 def lease(client: Client, request: KernelRequest, ttl_s: float = DEFAULT_TTL_S,
-          wait_ms: int = WAIT_MS) -> dict:
-    reply, _ = client.call({"op": "lease", "request": request.to_wire(), "ttl_s": ttl_s,
-                            "wait_ms": wait_ms}, timeout=wait_ms / 1000 + 10)
-    return reply
+          wait_ms: int = WAIT_MS) -> p.LeaseReply:
+    return client.lease(p.LeaseRequest(request=request, ttl_s=ttl_s, wait_ms=wait_ms),
+                        timeout=wait_ms / 1000 + 10)
 
 
 def publish(client: Client, request: KernelRequest, data: bytes,
-            compile_seconds: float = 0.0) -> dict:
+            compile_seconds: float = 0.0) -> p.PublishReply:
     """Send an exported object in chunks; the last chunk commits it."""
     sha = hashlib.sha256(data).hexdigest()
     offset = 0
     while True:
         chunk = data[offset:offset + CHUNK_BYTES]
         final = offset + len(chunk) >= len(data)
-        reply, _ = client.call({"op": "publish", "request": request.to_wire(),
-                                "object_sha256": sha, "offset": offset, "final": final,
-                                "data": base64.b64encode(chunk).decode(),
-                                "compile_seconds": compile_seconds}, timeout=120)
+        reply = client.publish(p.PublishRequest(
+            request=request, object_sha256=sha, offset=offset, final=final,
+            data=base64.b64encode(chunk).decode(), compile_seconds=compile_seconds),
+            timeout=120)
         offset += len(chunk)
-        if final or reply.get("state") in ("exists", "stored"):
+        if final or reply.state in ("exists", "stored"):
             return reply
+
+
+def release(client: Client, request: KernelRequest, token: str, reason: str) -> None:
+    """Give a lease back so the next waiter gets it at once (best effort)."""
+    try:
+        client.lease_release(p.LeaseReleaseRequest(request=request, lease=token,
+                                                   reason=reason[:200]), timeout=10)
+    except CachedError:
+        pass
 
 
 def _renewer(client: Client, request: KernelRequest, token: str, ttl_s: float,
              stop: threading.Event) -> None:
     while not stop.wait(max(0.5, ttl_s / 3)):
         try:
-            client.call({"op": "lease_renew", "request": request.to_wire(), "lease": token,
-                         "ttl_s": ttl_s}, timeout=10)
+            client.lease_renew(p.LeaseRenewRequest(request=request, lease=token, ttl_s=ttl_s),
+                               timeout=10)
         except CachedError:
             return
 
@@ -76,13 +86,12 @@ def obtain(client: Client, request: KernelRequest, compile_object: Callable[[str
     while True:
         wait_ms = int(max(0, min(WAIT_MS, (deadline - time.monotonic()) * 1000)))
         reply = lease(client, request, ttl_s, wait_ms)
-        state = reply.get("state")
-        if state == "hit":
-            return Artifact.from_wire(reply["artifact"]), None
-        if state == "compile_locally":
-            raise CompileLocally(reply.get("reason", ""))
-        if state == "granted":
-            return _compile_and_publish(client, request, reply["lease"], ttl_s, compile_object)
+        if reply.state == "hit" and reply.artifact is not None:
+            return reply.artifact, None
+        if reply.state == "compile_locally":
+            raise CompileLocally(reply.reason or "")
+        if reply.state == "granted" and reply.lease:
+            return _compile_and_publish(client, request, reply.lease, ttl_s, compile_object)
         if time.monotonic() >= deadline:
             raise TimeoutError(f"waited {timeout:.0f}s for another process to publish "
                                f"{request.params.get('kernel')}")
@@ -90,6 +99,8 @@ def obtain(client: Client, request: KernelRequest, compile_object: Callable[[str
 
 def _compile_and_publish(client: Client, request: KernelRequest, token: str, ttl_s: float,
                          compile_object: Callable[[str], Any]) -> tuple[Artifact, Any]:
+    """Compile under the lease and publish; any failure releases the lease at once, so
+    the other processes waiting on it need not sit out its time-to-live."""
     stop = threading.Event()
     renewer = threading.Thread(target=_renewer, args=(client, request, token, ttl_s, stop),
                                name="cached-lease-renew", daemon=True)
@@ -100,18 +111,14 @@ def _compile_and_publish(client: Client, request: KernelRequest, token: str, ttl
         started = time.perf_counter()
         try:
             result = compile_object(path)
+            seconds = time.perf_counter() - started
+            with open(path, "rb") as f:
+                data = f.read()
+            publish(client, request, data, seconds)
         except BaseException as exc:
-            try:
-                client.call({"op": "lease_release", "request": request.to_wire(),
-                             "lease": token, "reason": f"{type(exc).__name__}: {exc}"[:200]},
-                            timeout=10)
-            except CachedError:
-                pass
+            stop.set()
+            release(client, request, token, f"{type(exc).__name__}: {exc}")
             raise
-        seconds = time.perf_counter() - started
-        with open(path, "rb") as f:
-            data = f.read()
-        publish(client, request, data, seconds)
     finally:
         stop.set()
         try:
@@ -120,7 +127,7 @@ def _compile_and_publish(client: Client, request: KernelRequest, token: str, ttl
             pass
         os.rmdir(tmpdir) if not os.listdir(tmpdir) else None
     reply = lease(client, request, ttl_s, 0)
-    if reply.get("state") != "hit":
+    if reply.state != "hit" or reply.artifact is None:
         raise CachedError(f"published {request.params.get('kernel')} but the daemon does not "
-                          f"serve it ({reply.get('state')})")
-    return Artifact.from_wire(reply["artifact"]), result
+                          f"serve it ({reply.state})")
+    return reply.artifact, result

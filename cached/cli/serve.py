@@ -1,0 +1,63 @@
+"""``cached serve`` (run the daemon) and ``cached config`` (what it would run with).
+
+Both take the flags :func:`cached.config.add_flags` generates from the option table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .. import config
+
+
+def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    serve = sub.add_parser("serve", help="run the daemon in the foreground",
+                           description="Run the daemon in the foreground. Every option can "
+                           "also come from the environment (CACHED_<NAME>) or the TOML file.")
+    config.add_flags(serve)
+    serve.set_defaults(run=cmd_serve)
+    show = sub.add_parser("config", help="print the effective configuration and sources",
+                          description="Print every setting `cached serve` would use with "
+                          "these flags, and where each value came from.")
+    config.add_flags(show)
+    show.add_argument("--json", action="store_true", help="one JSON object")
+    show.set_defaults(run=cmd_config)
+
+
+def settings_from(args: argparse.Namespace, command: str) -> config.Settings | None:
+    """The resolved settings, or None after printing why they cannot be used."""
+    try:
+        return config.resolve(args, args.config)
+    except config.ConfigError as exc:
+        print(f"cached {command}: configuration: {exc}", file=sys.stderr)
+        return None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .. import log
+    from ..daemon import serve
+
+    settings = settings_from(args, "serve")
+    if settings is None:
+        return 2
+    log.setup(settings.log_level)
+    if settings.remote and settings.remote_signing_key is None:
+        print("cached serve: --remote needs --remote-signing-key FILE (docs/fleet.md)",
+              file=sys.stderr)
+        return 2
+    serve(settings, lambda: config.resolve(args, args.config))
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    settings = settings_from(args, "config")
+    if settings is None:
+        return 2
+    if args.json:
+        print(json.dumps({"file": str(settings.file) if settings.file else None,
+                          "file_source": settings.file_source, "options": settings.rows()}))
+    else:
+        print(config.format_table(settings))
+    return 0

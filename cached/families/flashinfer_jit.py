@@ -1,0 +1,64 @@
+"""Family ``flashinfer.jit``: any FlashInfer CuTe-DSL kernel, keyed as FlashInfer keys it.
+
+Parameters: FlashInfer's module and kernel name, the export format (``tvm_ffi``) and
+FlashInfer's source hash of the module's key files (``source_sha256``, computed by the
+client), plus the arch, device and toolchain every request carries. The daemon has no
+recipe for these: their artifacts arrive by write-back only (cached/leases.py,
+cached/uploads.py), compiled by a client with FlashInfer's own closure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from cached_client import flashinfer_names as names
+from cached_client.errors import InvalidTactic
+from cached_client.keys import ARCHES, KernelRequest
+
+from .base import BuiltObject, Family, require
+
+NAME = names.WRITE_BACK_FAMILY
+SYMBOL_RE = re.compile(r"^[0-9A-Za-z_]{1,512}$")
+HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class FlashInferJit(Family):
+    name = NAME
+    arches = ARCHES
+
+    def canonical_params(self, params: Mapping[str, Any], arch: str) -> dict:
+        unknown = sorted(set(params) - {"module", "kernel", "tvm_ffi", "source_sha256"})
+        if unknown:
+            raise InvalidTactic(f"{self.name} has no parameter(s) {', '.join(unknown)}")
+        out = {}
+        for name in ("module", "kernel"):
+            value = params.get(name)
+            if not isinstance(value, str) or not SYMBOL_RE.match(value):
+                raise InvalidTactic(f"parameter {name} must be a C symbol name, got "
+                                    f"{str(value)[:80]!r}")
+            out[name] = value
+        sha = params.get("source_sha256")
+        if not isinstance(sha, str) or not HEX64_RE.match(sha):
+            raise InvalidTactic("parameter source_sha256 must be 64 lowercase hex digits")
+        out["source_sha256"] = sha
+        out["tvm_ffi"] = require(params, "tvm_ffi", (False, True), True)
+        return out
+
+    def source_sha256(self) -> str:
+        # the sources are FlashInfer's, hashed by the client: they are in the params
+        return hashlib.sha256(b"flashinfer.jit: sources in params.source_sha256").hexdigest()
+
+    def symbol(self, params: Mapping[str, Any]) -> str:
+        """The exported function's name, as FlashInfer's JitSpecCuteDsl names it."""
+        return names.symbol(params["module"], params["kernel"])
+
+    def plan(self, shape, arch, sm_count, options) -> list[KernelRequest]:
+        raise InvalidTactic(f"{self.name} has no tactic space: its kernels are published")
+
+    def build(self, request: KernelRequest, workdir: Path) -> BuiltObject:
+        raise InvalidTactic(f"{self.name} has no compile recipe in the daemon: a client "
+                            "compiles it and publishes it (write-back)")

@@ -1,0 +1,163 @@
+"""Write-back leases: one process on the node compiles a kernel the daemon has no recipe for.
+
+Many FlashInfer CuTe-DSL kernels are built by ``build_and_load_cute_dsl_kernel`` from a
+compile closure the daemon cannot rebuild (family ``flashinfer.jit``). For those, the first
+process that needs a key takes a *lease*, compiles, and publishes the exported object
+(cached/uploads.py); processes asking for the same key meanwhile wait on the lease instead
+of compiling. A lease ends when its holder publishes or releases it, when its time-to-live
+passes without a renewal (a stalled holder), or when its holder process is gone (checked by
+pid and process start time from SO_PEERCRED, every ``POLL_S``); the next waiter then gets
+it. A peer that may not publish is told to compile locally instead of being handed a lease
+it could never fulfil. Ops: ``lease``, ``lease_renew``, ``lease_release``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from cached_client import protocol as p
+from cached_client.errors import InvalidArgument, InvalidTactic
+from cached_client.keys import KernelRequest
+
+from .families.flashinfer_jit import NAME as WRITE_BACK_FAMILY
+from .log import event
+from .scheduler import Scheduler
+from .server import Access, Handler, Peer
+from .stats import Stats
+
+log = logging.getLogger("cached.leases")
+
+POLL_S = 0.25
+
+
+def process_start_time(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+@dataclass
+class Lease:
+    token: str
+    pid: int
+    started: str | None
+    ttl: float
+    expires: float
+    granted: float = field(default_factory=time.monotonic)
+
+    def expired(self, now: float) -> str | None:
+        """Why this lease is over (TTL passed, holder gone), or None while it holds."""
+        if now >= self.expires:
+            return f"not renewed within {self.ttl:.0f}s"
+        if self.pid > 0 and process_start_time(self.pid) != self.started:
+            return f"holder pid {self.pid} is gone"
+        return None
+
+
+class Leases:
+    """The leases in force, by store key, and the events their waiters sleep on."""
+
+    def __init__(self, scheduler: Scheduler, access: Access, stats: Stats) -> None:
+        self.scheduler = scheduler
+        self.access = access
+        self.stats = stats
+        self.held: dict[str, Lease] = {}
+        self._changed: dict[str, asyncio.Event] = {}
+
+    def resolve(self, wire_request: KernelRequest) -> tuple[KernelRequest, str]:
+        """The canonical write-back request and its key; only ``flashinfer.jit`` kernels
+        are written back."""
+        family, request, key = self.scheduler.resolve(wire_request)
+        if family.name != WRITE_BACK_FAMILY:
+            raise InvalidTactic(f"write-back is for {WRITE_BACK_FAMILY} requests; {family.name} "
+                                "kernels are compiled by the daemon (use get)")
+        return request, key
+
+    def settle(self, key: str) -> None:
+        """The key was published (or given up): end its lease and wake its waiters."""
+        self.held.pop(key, None)
+        ev = self._changed.pop(key, None)
+        if ev is not None:
+            ev.set()
+
+    def _grant(self, key: str, peer: Peer, ttl: float, reason: str = "") -> p.LeaseReply:
+        lease = Lease(secrets.token_hex(16), peer.pid, process_start_time(peer.pid), ttl,
+                      time.monotonic() + ttl)
+        self.held[key] = lease
+        self.stats.count("writeback.leases_granted")
+        event(log, logging.INFO, "writeback.lease_granted", key=key[:16], pid=peer.pid,
+              after=reason or "free")
+        return p.LeaseReply(state="granted", lease=lease.token, ttl_s=ttl)
+
+    def _held(self, key: str, token: str) -> Lease:
+        lease = self.held.get(key)
+        if lease is None or lease.token != token:
+            raise InvalidArgument("this lease is not held (it expired and was given to "
+                                  "another process, or it was never granted)")
+        return lease
+
+    # -- ops -------------------------------------------------------------------------
+
+    async def lease(self, m: p.LeaseRequest, peer: Peer) -> p.LeaseReply:
+        """A hit, a lease to compile and publish, or (after ``wait_ms``) ``wait``."""
+        _, key = self.resolve(m.request)
+        deadline = time.monotonic() + m.wait_ms / 1000
+        may_publish = self.access.may_publish(peer)
+        waited = False
+        while True:
+            entry = self.scheduler.store.lookup(key)
+            if entry is not None:
+                self.stats.count("writeback.hits_after_wait" if waited else "writeback.hits")
+                return p.LeaseReply(state="hit",
+                                    artifact=self.scheduler.artifact(entry, "hit"))
+            if not may_publish:
+                return p.LeaseReply(state="compile_locally",
+                                    reason=f"uid {peer.uid} may not publish to this daemon")
+            now = time.monotonic()
+            current = self.held.get(key)
+            why = current.expired(now) if current is not None else "free"
+            if why:
+                if current is not None:
+                    self.stats.count("writeback.leases_expired")
+                    event(log, logging.WARNING, "writeback.lease_expired", key=key[:16],
+                          pid=current.pid, reason=why)
+                return self._grant(key, peer, m.ttl_s, why if current else "")
+            if now >= deadline:
+                return p.LeaseReply(state="wait", holder_pid=current.pid,
+                                    held_s=round(now - current.granted, 3))
+            if not waited:
+                self.stats.count("writeback.waits")
+            waited = True
+            ev = self._changed.setdefault(key, asyncio.Event())
+            try:
+                await asyncio.wait_for(ev.wait(), min(POLL_S, max(0.0, deadline - now)))
+            except TimeoutError:
+                pass
+
+    async def lease_renew(self, m: p.LeaseRenewRequest, peer: Peer) -> p.LeaseRenewReply:
+        _, key = self.resolve(m.request)
+        lease = self._held(key, m.lease)
+        lease.ttl = m.ttl_s if m.ttl_s is not None else lease.ttl
+        lease.expires = time.monotonic() + lease.ttl
+        return p.LeaseRenewReply(state="renewed", ttl_s=lease.ttl)
+
+    async def lease_release(self, m: p.LeaseReleaseRequest, peer: Peer) -> p.StateReply:
+        _, key = self.resolve(m.request)
+        lease = self.held.get(key)
+        if lease is not None and lease.token == m.lease:
+            self.settle(key)
+            event(log, logging.INFO, "writeback.lease_released", key=key[:16], pid=peer.pid,
+                  reason=m.reason[:200])
+        return p.StateReply(state="released")
+
+    def ops(self) -> dict[str, Handler]:
+        return {"lease": self.lease, "lease_renew": self.lease_renew,
+                "lease_release": self.lease_release}

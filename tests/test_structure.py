@@ -1,0 +1,220 @@
+"""The shape of the code: imports read one way, the wire surface and the settings are each
+defined once, and the documents list exactly what the code has."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from cached_client import BadReply, Client
+from cached_client import protocol as p
+from cached_client.errors import ERROR_CODES, InternalError
+from conftest import ROOT
+
+from cached import config
+from cached.server import Access, Server
+from cached.stats import Stats
+
+PACKAGES = {"cached": ROOT / "cached", "cached_client": ROOT / "client" / "cached_client"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package, root in PACKAGES.items():
+        for path in root.rglob("*.py"):
+            parts = [package, *path.relative_to(root).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every project module ``name`` imports, at its top or inside a function."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[: len(base) - node.level + 1]
+            prefix = ".".join(base + [node.module] if node.module else base) \
+                if node.level else node.module or ""
+            # ``from pkg import mod`` imports the submodule; ``from mod import name``, mod
+            targets = [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in modules else prefix
+                       for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def test_no_import_cycles_and_the_client_never_imports_the_daemon():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert len(graph) > 40 and graph["cached.daemon"], "the walk found the project"
+    leaks = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith("cached_client")
+                   for t in targets if t.split(".")[0] == "cached")
+    assert not leaks
+    # a module on a cycle reaches itself
+    for start in graph:
+        seen, stack = set(), list(graph[start])
+        while stack:
+            node = stack.pop()
+            assert node != start, f"import cycle through {start}"
+            if node not in seen:
+                seen.add(node)
+                stack.extend(graph[node])
+
+
+def _doc_table(text: str, header: str) -> list[list[str]]:
+    lines = text[text.index(header):].splitlines()[2:]
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def _names(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def test_protocol_doc_matches_the_op_table():
+    doc = (ROOT / "docs" / "protocol.md").read_text()
+    rows = {_names(r[0])[0]: r for r in _doc_table(doc, "| op | request fields |")}
+    assert set(rows) == set(p.OPS)
+    for name, op in p.OPS.items():
+        request, reply, publish = rows[name][1], rows[name][2], rows[name][3]
+        wire = [f.name for f in dataclasses.fields(op.request) if "check" in f.metadata]
+        assert _names(request) == wire, name
+        wire = [f.name for f in dataclasses.fields(op.reply) if "check" in f.metadata]
+        assert _names(reply) == wire, name
+        assert publish == ("yes" if op.publish else "no"), name
+    codes = [_names(r[0])[0] for r in _doc_table(doc, "| code | when |")]
+    assert sorted(codes) == sorted(ERROR_CODES)
+
+
+def test_server_refuses_to_start_with_an_op_missing_or_unknown():
+    handlers = {name: None for name in p.OPS}
+    Server(dict(handlers), Access(), Stats())  # complete: accepted
+    del handlers["verify"]
+    with pytest.raises(InternalError, match="verify"):
+        Server(dict(handlers), Access(), Stats())
+    with pytest.raises(InternalError, match="bogus"):
+        Server({**{name: None for name in p.OPS}, "bogus": None}, Access(), Stats())
+
+
+def test_requests_are_checked_field_by_field_with_the_field_named():
+    from cached_client.errors import InvalidArgument
+
+    ok = p.GetRequest.from_wire({"request": {"family": "f", "params": {}, "arch": "sm_90a",
+                                             "sm_count": 132, "max_active_clusters": 132}})
+    assert ok.deadline_ms == 60_000 and ok.priority == "interactive"
+    for field, value in (("priority", ["x"]), ("deadline_ms", float("nan")),
+                         ("deadline_ms", 1e300), ("transfer", "carrier pigeon"),
+                         ("deadline_ms", True)):
+        with pytest.raises(InvalidArgument, match=field):
+            p.GetRequest.from_wire({**ok.to_wire(), field: value})
+    with pytest.raises(InvalidArgument, match="request"):
+        p.GetRequest.from_wire({})
+
+
+def _serve_once(path: str, reply_for) -> threading.Thread:
+    """A peer that is not a daemon: answers one request with ``reply_for(request)``."""
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(1)
+
+    def run() -> None:
+        conn, _ = server.accept()
+        with conn:
+            header = conn.recv(4, socket.MSG_WAITALL)
+            body = conn.recv(int.from_bytes(header, "big"), socket.MSG_WAITALL)
+            conn.sendall(p.encode_frame(reply_for(p.decode_body(body))))
+        server.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("reply_for, why", [
+    (lambda m: {"ok": True, "id": m["id"]}, "does not follow the protocol"),
+    (lambda m: {"ok": True, "id": m["id"], "v": "one", "ops": []}, "v must be"),
+    (lambda m: {"ok": True, "id": m["id"] + 1, "v": 1, "ops": []}, "answered request"),
+])
+def test_a_malformed_or_mismatched_reply_is_a_typed_error(tmp_path, reply_for, why):
+    path = str(tmp_path / "not-a-daemon.sock")
+    thread = _serve_once(path, reply_for)
+    with pytest.raises(BadReply, match=why):
+        Client(path, timeout=5, fallback=False).hello()
+    thread.join(5)
+
+
+def test_every_option_has_a_flag_an_environment_variable_a_file_key_and_a_row_here(tmp_path):
+    settings_fields = [f.name for f in dataclasses.fields(config.Settings)
+                       if f.name not in ("sources", "file", "file_source")]
+    assert settings_fields == [o.name for o in config.OPTIONS]
+    help_text = subprocess.run([sys.executable, "-m", "cached", "serve", "--help"],
+                               capture_output=True, text=True, check=True).stdout
+    ops_doc = (ROOT / "docs" / "operations.md").read_text()
+    rows = {_names(r[0])[0]: r for r in _doc_table(ops_doc, "| option (file key) |")}
+    samples = {"value": None, "list": "7", "switch": "true"}
+    for option in config.OPTIONS:
+        assert option.flag in help_text, option.name
+        assert option.name in rows, f"docs/operations.md has no row for {option.name}"
+        assert option.flag in rows[option.name][1] and option.env in rows[option.name][2]
+        # the environment variable and the file key reach the setting, and say so
+        raw = samples[option.kind] or {"http": "127.0.0.1:9", "socket_mode": "600",
+                                       "log_level": "debug", "workers": "3"}.get(option.name,
+                                                                                 "5")
+        env = {option.env: raw}
+        try:
+            from_env = _resolve_with(env, None)
+        except config.ConfigError:
+            continue  # a value this sample does not fit (a path option takes any text)
+        assert from_env.sources[option.name] == f"env {option.env}"
+        toml = tmp_path / f"{option.name}.toml"
+        key = option.name.replace("_", "-")
+        toml.write_text(f"{key} = {raw!r}\n".replace("'", '"'))
+        from_file = _resolve_with({}, str(toml))
+        assert from_file.sources[option.name] == f"file {toml}"
+        assert getattr(from_file, option.name) == getattr(from_env, option.name)
+
+
+def _resolve_with(env: dict, config_file: str | None) -> config.Settings:
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("CACHED_")}
+    os.environ.update(env)
+    try:
+        return config.resolve({}, config_file)
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+        os.environ.update(saved)
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--job-timeout", "nan", "job_timeout"), ("--job-timeout", "inf", "job_timeout"),
+    ("--workers", "1.5", "workers"), ("--workers", "1000", "workers"),
+    ("--socket-mode", "777777", "socket_mode"), ("--http", "127.0.0.1:99999", "http"),
+])
+def test_unusable_settings_are_refused_with_the_option_named(flag, value, message):
+    out = subprocess.run([sys.executable, "-m", "cached", "config", flag, value],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
