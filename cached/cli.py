@@ -81,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fleet tier: redis://HOST:PORT/DB, rediss://..., or "
                             "redis+cluster://HOST:PORT for Redis Cluster (docs/fleet.md)")
     serve.add_argument("--remote-signing-key", metavar="FILE", type=Path, default=None,
-                       help="fleet HMAC keys, one a line: the first signs, all verify")
+                       help="Ed25519 private key (PEM) that signs what this node publishes")
+    serve.add_argument("--remote-verify-keys", metavar="FILE", type=Path, default=None,
+                       help="the fleet's Ed25519 public keys (PEM or base64 lines) entries "
+                            "must verify against")
     serve.add_argument("--remote-read-only", action="store_true",
                        help="fetch from the fleet tier but never publish to it (GPU nodes)")
     serve.add_argument("--remote-timeout", type=float, default=2.0,
@@ -166,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from . import log
+    from .config import ConfigError
     from .daemon import Settings, serve
     from .server import Access
 
@@ -173,21 +177,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if effective is None:
         return 2
     log.setup(args.log_level)
-    if args.remote and args.remote_signing_key is None:
-        print("cached serve: --remote needs --remote-signing-key FILE (docs/fleet.md)",
-              file=sys.stderr)
-        return 2
     host, port = args.http
     access = Access(allow_uids=frozenset(args.allow_uid), allow_gids=frozenset(args.allow_gid),
                     publish_uids=frozenset(args.publish_uid or {0, os.getuid()}),
                     publish_gids=frozenset(args.publish_gid))
-    serve(Settings(store=args.store, socket=args.socket, http_host=host,
-                   http_port=-1 if args.no_http else port, workers=args.workers,
-                   job_timeout=args.job_timeout, socket_mode=args.socket_mode, access=access,
-                   serve_only=args.serve_only, remote_url=args.remote,
-                   remote_signing_key=args.remote_signing_key,
-                   remote_read_only=args.remote_read_only, remote_timeout=args.remote_timeout,
-                   **_ops_settings(args, effective)))
+    try:
+        serve(Settings(store=args.store, socket=args.socket, http_host=host,
+                       http_port=-1 if args.no_http else port, workers=args.workers,
+                       job_timeout=args.job_timeout, socket_mode=args.socket_mode,
+                       access=access, serve_only=args.serve_only, remote_url=args.remote,
+                       remote_signing_key=args.remote_signing_key,
+                       remote_verify_keys=args.remote_verify_keys,
+                       remote_read_only=args.remote_read_only,
+                       remote_timeout=args.remote_timeout, **_ops_settings(args, effective)))
+    except ConfigError as exc:  # e.g. a fleet key file (remote.KeyFileError), before binding
+        print(f"cached serve: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -181,7 +181,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("remote", _optional, lambda: None, ("--remote",), False,
            "fleet tier: redis://HOST:PORT/DB, rediss://..., redis+cluster://HOST:PORT"),
     Option("remote_signing_key", _optional, lambda: None, ("--remote-signing-key",), False,
-           "file of fleet HMAC keys, one a line: the first signs, all verify"),
+           "Ed25519 private key (PEM) that signs what this node publishes"),
+    Option("remote_verify_keys", _optional, lambda: None, ("--remote-verify-keys",), False,
+           "the fleet's Ed25519 public keys (PEM or base64 lines) entries must verify against"),
     Option("remote_read_only", _bool, lambda: False, ("--remote-read-only",), False,
            "fetch from the fleet tier but never publish to it (GPU nodes)"),
     Option("remote_timeout", _seconds, lambda: 2.0, ("--remote-timeout",), False,
@@ -291,7 +293,7 @@ def apply(effective: Effective, args: argparse.Namespace) -> None:
     for name in ("workers", "job_timeout", "log_level", "socket_mode", "max_bytes",
                  "max_files", "evict_grace", "drain_timeout", "allow_uid", "allow_gid",
                  "publish_uid", "publish_gid", "remote", "remote_signing_key",
-                 "remote_read_only", "remote_timeout"):
+                 "remote_verify_keys", "remote_read_only", "remote_timeout"):
         setattr(args, name, v[name])
 
 

@@ -46,7 +46,8 @@ class Settings:
     access: Access = field(default_factory=Access)
     serve_only: bool = False
     remote_url: str | None = None  # the fleet tier: redis://HOST:PORT/DB, redis+cluster://...
-    remote_signing_key: Path | None = None  # fleet HMAC keys, one a line; the first signs
+    remote_signing_key: Path | None = None  # Ed25519 private key (PEM): publishing nodes only
+    remote_verify_keys: Path | None = None  # the fleet's Ed25519 public keys (PEM or base64 lines)
     remote_read_only: bool = False  # fetch from the tier, never publish (GPU nodes)
     remote_timeout: float = 2.0  # seconds per Redis operation before the tier counts as down
     max_bytes: int = 0  # store budget (0: none); LRU eviction, see Store.evict
@@ -61,6 +62,7 @@ class Daemon:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.started = time.time()
+        self.remote = _make_remote(settings)  # first: a bad key file stops us before any I/O
         self.store = Store(settings.store)
         self.stats = DaemonStats()
         if settings.serve_only:
@@ -72,7 +74,6 @@ class Daemon:
             workers = sizing.worker_count(settings.workers)
         preload = [n for n in families.names() if not n.startswith("cached.test")]
         self.pool = Pool(workers, settings.job_timeout, preload)
-        self.remote = _make_remote(settings)
         self.scheduler = Scheduler(self.store, self.pool, self.stats, self.identity,
                                    remote=self.remote)
         self.server = Server(self.scheduler, self.snapshot, settings.access)
@@ -175,16 +176,15 @@ class Daemon:
 
 
 def _make_remote(settings: Settings) -> Any:
-    """The fleet tier, or None; refuses an unsigned tier (it would push native code)."""
+    """The fleet tier, or None; :class:`remote.KeyFileError` for missing or unusable keys
+    (an unsigned tier would push native code into every node)."""
     if not settings.remote_url:
         return None
-    from .remote import Remote, SigningKeys
+    from .remote import Remote, load_keys
 
-    if settings.remote_signing_key is None:
-        raise ValueError("a remote tier needs --remote-signing-key FILE: entries are signed "
-                         "and verified with the fleet's HMAC key")
-    return Remote(settings.remote_url, SigningKeys.from_file(settings.remote_signing_key),
-                  read_only=settings.remote_read_only, timeout=settings.remote_timeout)
+    keys = load_keys(settings.remote_signing_key, settings.remote_verify_keys,
+                     settings.remote_read_only)
+    return Remote(settings.remote_url, keys, timeout=settings.remote_timeout)
 
 
 def serve(settings: Settings) -> None:
