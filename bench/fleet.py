@@ -5,8 +5,8 @@ o, gate/up and down projections) are warmed twice, each on a fresh store:
 
 1. a build node (compile farm: ``cached serve --remote``) runs ``cached warm`` and so
    compiles every kernel and publishes it to a local ``redis-server``;
-2. a fresh GPU-style node (``--remote-read-only``) runs the same ``cached warm`` and
-   pulls every kernel from the tier (zero compilations).
+2. a fresh GPU-style node (``--remote-read-only``, public key only) runs the same
+   ``cached warm`` and pulls every kernel from the tier (zero compilations).
 
 It also reports what the tier stores: raw and stored bytes per artifact (zlib, when it
 pays), and Redis's ``used_memory`` growth per artifact. Needs ``redis-server``.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import socket
@@ -84,6 +83,20 @@ class Node:
         self.log.close()
 
 
+def write_key_pair(workdir: Path) -> tuple[Path, Path]:
+    """A fleet Ed25519 pair: the private key for the build node, the public for the GPU node."""
+    from cryptography.hazmat.primitives import serialization as ser
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    private = Ed25519PrivateKey.generate()
+    key, pub = workdir / "fleet.key", workdir / "fleet.pub"
+    key.write_bytes(private.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8,
+                                          ser.NoEncryption()))
+    pub.write_bytes(private.public_key().public_bytes(ser.Encoding.PEM,
+                                                      ser.PublicFormat.SubjectPublicKeyInfo))
+    return key, pub
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=60,
@@ -105,13 +118,13 @@ def main() -> None:
                 break
             except redis.ConnectionError:
                 time.sleep(0.05)
-        key = workdir / "fleet.key"
-        key.write_text(os.urandom(32).hex() + "\n")
+        key, pub = write_key_pair(workdir)
         url = f"redis://127.0.0.1:{port}/0"
-        tier = ["--remote", url, "--remote-signing-key", str(key)]
+        tier = ["--remote", url]
         memory_before = r.info("memory")["used_memory"]
         try:
-            build = Node(workdir, "build", tier, args.workers)
+            build = Node(workdir, "build", [*tier, "--remote-signing-key", str(key)],
+                         args.workers)
             compiled = build.warm(args.limit)
             started = time.monotonic()
             while (s := build.stats())["remote"]["publish_queue"] or s["in_flight"]:
@@ -120,7 +133,8 @@ def main() -> None:
             build_stats = build.stats()
             build.stop()
 
-            fresh = Node(workdir, "gpu", [*tier, "--remote-read-only"], args.workers)
+            fresh = Node(workdir, "gpu", [*tier, "--remote-read-only", "--remote-verify-keys",
+                                          str(pub)], args.workers)
             pulled = fresh.warm(args.limit)
             fresh_stats = fresh.stats()
             fresh.stop()

@@ -239,7 +239,10 @@ OPTIONS: tuple[Option, ...] = (
            "fleet tier: redis://HOST:PORT/DB, rediss://..., redis+cluster://HOST:PORT",
            metavar="URL"),
     Option("remote_signing_key", _optional, lambda: None,
-           "file of fleet HMAC keys, one a line: the first signs, all verify", metavar="FILE"),
+           "Ed25519 private key (PEM) that signs what this node publishes", metavar="FILE"),
+    Option("remote_verify_keys", _optional, lambda: None,
+           "the fleet's Ed25519 public keys (PEM or base64 lines) entries must verify against",
+           metavar="FILE"),
     Option("remote_read_only", _bool, lambda: False,
            "fetch from the fleet tier but never publish to it (GPU nodes)", kind="switch"),
     Option("remote_timeout", _positive_seconds, lambda: 2.0,
@@ -271,6 +274,7 @@ class Settings:
     serve_only: bool
     remote: str | None
     remote_signing_key: str | None
+    remote_verify_keys: str | None
     remote_read_only: bool
     remote_timeout: float
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)

@@ -46,6 +46,7 @@ class Daemon:
                  reload_settings: Callable[[], Settings] | None = None) -> None:
         self.settings = settings
         self.started = time.time()
+        self.remote = _make_remote(settings)  # first: a bad key file stops us before any I/O
         store_root = Path(settings.store)
         self.store = Store(store_root, Budget(settings.max_bytes, settings.max_files,
                                               settings.evict_grace))
@@ -59,7 +60,6 @@ class Daemon:
             workers = sizing.worker_count(settings.workers)
         preload = [n for n in families.names() if not n.startswith("cached.test")]
         self.pool = Pool(workers, settings.job_timeout, preload)
-        self.remote = _make_remote(settings)
         self.scheduler = Scheduler(self.store, self.pool, self.stats, self.identity,
                                    remote=self.remote)
         self.store.protect(lambda: tuple(self.scheduler.inflight))
@@ -174,16 +174,15 @@ class Daemon:
 
 
 def _make_remote(settings: Settings) -> Any:
-    """The fleet tier, or None; refuses an unsigned tier (it would push native code)."""
+    """The fleet tier, or None; :class:`remote.KeyFileError` (a ConfigError) for missing or
+    unusable keys (an unsigned tier would push native code into every node)."""
     if not settings.remote:
         return None
-    from .remote import Remote, SigningKeys
+    from .remote import Remote, load_keys
 
-    if settings.remote_signing_key is None:
-        raise ValueError("a remote tier needs --remote-signing-key FILE: entries are signed "
-                         "and verified with the fleet's HMAC key")
-    return Remote(settings.remote, SigningKeys.from_file(Path(settings.remote_signing_key)),
-                  read_only=settings.remote_read_only, timeout=settings.remote_timeout)
+    keys = load_keys(settings.remote_signing_key, settings.remote_verify_keys,
+                     settings.remote_read_only)
+    return Remote(settings.remote, keys, timeout=settings.remote_timeout)
 
 
 def serve(settings: Settings, reload_settings: Callable[[], Settings] | None = None) -> None:

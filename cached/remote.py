@@ -3,20 +3,22 @@
 A local miss asks the tier before compiling (``Remote.fetch``, blocking: call it from a
 thread); a finished compilation is published in the background (``Remote.publish``
 queues it and returns at once). Nothing read from Redis reaches the store before its
-HMAC-SHA256 verifies against one of the fleet's keys and both blobs match the digests
-the signed row names; the store then derives every path from the sha256 of the bytes.
+Ed25519 signature verifies against one of the fleet's public keys and both blobs match
+the digests the signed row names; the store then derives every path from the sha256 of
+the bytes. Only publishing nodes hold a private key; a read-only node holds public keys
+only, so it can check entries but never make one.
 
-One Redis string per artifact, ``cached:v1:art:<key>``::
+One Redis string per artifact, ``cached:v2:art:<key>``::
 
-    b"CKF1" | kid_len u8 | kid | mac (32) | meta_len u32 | obj_len u64 | lib_len u64
+    b"CKF2" | kid (8) | sig (64) | meta_len u32 | obj_len u64 | lib_len u64
             | meta (JSON: key, row, enc) | object (stored) | library (stored)
 
-``mac = HMAC-SHA256(fleet key, b"cached-fleet-v1\\0" + key + everything after the mac)``,
-so it covers the artifact key, the row's JSON (kernel name, symbol, digests, toolchain,
-...), the encodings and both stored blobs. ``kid`` names which fleet key signed (the
-first 16 hex digits of a hash of it), so verification keys can rotate while entries
-signed with the previous key stay valid. A blob is stored zlib-compressed when that
-saves at least 10 % (measured: CuTe-DSL objects and libraries shrink about 3.5x).
+``sig = Ed25519(private key, b"cached-fleet-v2\\0" + key + everything after sig)``, so it
+covers the artifact key, the row's JSON (kernel name, symbol, digests, toolchain, ...),
+the encodings and both stored blobs. ``kid`` names the public key that verifies it (see
+:func:`key_id`), so keys can rotate while entries signed with the previous key stay
+valid. A blob is stored zlib-compressed when that saves at least 10 % (measured:
+CuTe-DSL objects and libraries shrink about 3.5x).
 
 States: ``up``; ``down`` (connection refused, reset or timed out: the daemon goes on
 local-only and retries with jittered exponential backoff, 1 s to 60 s); ``full``
@@ -26,33 +28,46 @@ state change is logged once (``remote.state``).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
-import hmac
 import json
 import logging
 import queue
 import random
+import re
 import struct
 import threading
 import time
 import zlib
 from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import (
+    Encoding,
+    PublicFormat,
+    load_der_public_key,
+    load_pem_private_key,
+)
+
+from .config import ConfigError
 from .log import event
 
 log = logging.getLogger("cached.remote")
 
-PREFIX = "cached:v1:art:"
-MAGIC = b"CKF1"
-DOMAIN = b"cached-fleet-v1\0"
+PREFIX = "cached:v2:art:"
+MAGIC = b"CKF2"
+DOMAIN = b"cached-fleet-v2\0"
+KID_BYTES, SIG_BYTES = 8, 64
 MAX_META = 1 << 20
 MAX_BLOB = 256 << 20
-MIN_KEY_BYTES = 16
 COMPRESS_LEVEL = 6
 COMPRESS_MIN_SAVING = 0.10
 BACKOFF_MIN_S, BACKOFF_MAX_S = 1.0, 60.0
@@ -69,44 +84,190 @@ class Rejected(Exception):
     """An entry read from the tier failed verification; it is ignored."""
 
 
-# -- signing -----------------------------------------------------------------------------
+class KeyFileError(ConfigError):
+    """A fleet key file that cannot be used; the one-line message names the file and the
+    format expected. Raised before the daemon binds anything."""
 
 
-def key_id(secret: bytes) -> str:
-    return hashlib.sha256(b"cached-fleet-kid\0" + secret).hexdigest()[:16]
+# -- keys and signatures -----------------------------------------------------------------
+
+SIGNING_FORMAT = ("expected an Ed25519 private key in PEM (PKCS#8, '-----BEGIN PRIVATE "
+                  "KEY-----'), as written by 'openssl genpkey -algorithm ed25519' (docs/fleet.md)")
+VERIFY_FORMAT = ("expected Ed25519 public keys: PEM blocks ('-----BEGIN PUBLIC KEY-----', as "
+                 "written by 'openssl pkey -pubout') or one base64 key a line (docs/fleet.md)")
+MAX_KEY_FILE = 1 << 20
+_PEM_BLOCK = re.compile(r"-----BEGIN ([A-Z0-9 ]+)-----(.*?)-----END \1-----", re.S)
 
 
-class SigningKeys:
-    """The fleet's HMAC keys: the first signs, every one verifies (rolling rotation)."""
+def key_id(public: Ed25519PublicKey) -> str:
+    """16 hex digits naming a public key (in envelopes, stats and logs)."""
+    raw = public.public_bytes(Encoding.Raw, PublicFormat.Raw)
+    return hashlib.sha256(b"cached-fleet-kid-v2\0" + raw).hexdigest()[:2 * KID_BYTES]
 
-    def __init__(self, secrets: list[bytes]) -> None:
-        if not secrets:
-            raise ValueError("no signing key")
-        for s in secrets:
-            if len(s) < MIN_KEY_BYTES:
-                raise ValueError(f"a signing key must have at least {MIN_KEY_BYTES} bytes")
-        self.current = secrets[0]
-        self.current_id = key_id(secrets[0])
-        self.by_id = {key_id(s): s for s in secrets}
 
-    @classmethod
-    def from_file(cls, path: str | Path) -> SigningKeys:
-        """One key per line (e.g. ``openssl rand -hex 32``); the first line signs, later
-        lines are previous keys still accepted. Blank lines and ``#`` comments are skipped."""
-        lines = [ln.strip() for ln in Path(path).read_text().splitlines()]
-        secrets = [ln.encode() for ln in lines if ln and not ln.startswith("#")]
-        if not secrets:
-            raise ValueError(f"{path} holds no signing key")
-        return cls(secrets)
+def _kind(key: object) -> str:
+    name = type(key).__name__
+    for suffix in ("PrivateKey", "PublicKey"):
+        name = name.removesuffix(suffix)
+    return name
 
-    def sign(self, message: bytes) -> bytes:
-        return hmac.new(self.current, message, hashlib.sha256).digest()
 
-    def verify(self, kid: str, message: bytes, mac: bytes) -> bool:
-        secret = self.by_id.get(kid)
-        if secret is None:
+class FleetKeys:
+    """The fleet's Ed25519 keys on one node: the private key that signs (publishing nodes
+    only; None on a read-only node) and the public keys an entry may verify against (the
+    current and, during a rotation, the previous ones). A signer always verifies its own
+    signatures."""
+
+    def __init__(self, signer: Ed25519PrivateKey | None,
+                 verify: Iterable[Ed25519PublicKey] = ()) -> None:
+        publics = ([signer.public_key()] if signer is not None else []) + list(verify)
+        if not publics:
+            raise ValueError("no fleet key: a node needs a signing key or verify keys")
+        self.signer = signer
+        self.signer_id = key_id(signer.public_key()) if signer is not None else None
+        self.by_id = {key_id(p): p for p in publics}
+
+    def sign(self, message: bytes) -> tuple[bytes, bytes]:
+        """(key id, 8 bytes; signature, 64 bytes) of ``message``."""
+        if self.signer is None or self.signer_id is None:
+            raise RuntimeError("this node holds no fleet signing key (read-only)")
+        return bytes.fromhex(self.signer_id), self.signer.sign(message)
+
+    def verify(self, kid: str, message: bytes, signature: bytes) -> bool:
+        public = self.by_id.get(kid)
+        if public is None:
             return False
-        return hmac.compare_digest(hmac.new(secret, message, hashlib.sha256).digest(), mac)
+        try:
+            public.verify(signature, message)
+        except InvalidSignature:
+            return False
+        return True
+
+
+def _read_key_file(path: Path, what: str, expected: str) -> str:
+    """The text of a key file, or :class:`KeyFileError` (unreadable, too big, binary, empty)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_KEY_FILE + 1)
+    except OSError as exc:
+        raise KeyFileError(f"{what} {path}: cannot read it: {exc.strerror}; {expected}") from None
+    if len(data) > MAX_KEY_FILE:
+        raise KeyFileError(f"{what} {path}: larger than {MAX_KEY_FILE} bytes; {expected}")
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        raise KeyFileError(f"{what} {path}: {len(data)} bytes of binary data, not PEM text; "
+                           f"{expected}") from None
+    if not text.strip():
+        raise KeyFileError(f"{what} {path}: the file is empty; {expected}")
+    return text
+
+
+def read_signing_key(path: str | Path) -> Ed25519PrivateKey:
+    """The one Ed25519 private key in a PEM file, or :class:`KeyFileError`."""
+    path, what = Path(path), "fleet signing key"
+
+    def bad(problem: str) -> KeyFileError:
+        return KeyFileError(f"{what} {path}: {problem}; {SIGNING_FORMAT}")
+
+    text = _read_key_file(path, what, SIGNING_FORMAT)
+    blocks = _PEM_BLOCK.findall(text)
+    if not blocks:
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        if all(re.fullmatch(r"[0-9a-fA-F]{32,}", ln) or ln.startswith("#") for ln in lines):
+            raise bad("holds hex keys of the old HMAC scheme, which is no longer used")
+        raise bad("no PEM block")
+    if len(blocks) > 1:
+        raise bad(f"{len(blocks)} PEM blocks; the file must hold exactly one private key")
+    label = blocks[0][0]
+    if label == "ENCRYPTED PRIVATE KEY":
+        raise bad("the key is encrypted, which is not supported (protect the file with mode "
+                  "0400 instead)")
+    if not label.endswith("PRIVATE KEY"):
+        raise bad(f"a '{label}' block, not a private key"
+                  + (" (public keys go in --remote-verify-keys)" if label == "PUBLIC KEY"
+                     else ""))
+    try:
+        key = load_pem_private_key(text.encode(), password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+        raise bad(f"the PEM block does not decode ({str(exc).split('.')[0][:80]})") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise bad(f"an {_kind(key)} key, not Ed25519")
+    return key
+
+
+def read_verify_keys(path: str | Path) -> list[Ed25519PublicKey]:
+    """The Ed25519 public keys in a file: PEM ``PUBLIC KEY`` blocks and/or lines holding one
+    key each as base64 DER (the body line of such a block); blank lines and ``#`` comments
+    are skipped. At least one key, or :class:`KeyFileError`."""
+    path, what = Path(path), "fleet verify keys"
+
+    def bad(problem: str) -> KeyFileError:
+        return KeyFileError(f"{what} {path}: {problem}; {VERIFY_FORMAT}")
+
+    def public(der: bytes, where: str) -> Ed25519PublicKey:
+        try:
+            key = load_der_public_key(der)
+        except (ValueError, UnsupportedAlgorithm):
+            raise bad(f"{where} is not a public key") from None
+        if not isinstance(key, Ed25519PublicKey):
+            raise bad(f"{where} is an {_kind(key)} key, not Ed25519")
+        return key
+
+    def line_of(at: int) -> int:
+        return text.count("\n", 0, at) + 1
+
+    text = _read_key_file(path, what, VERIFY_FORMAT)
+    keys = []
+    for match in _PEM_BLOCK.finditer(text):
+        label, where = match.group(1), f"the PEM block at line {line_of(match.start())}"
+        if label != "PUBLIC KEY":
+            raise bad(f"{where} is a '{label}'"
+                      + (": a private key does not belong in this file"
+                         if "PRIVATE" in label else ""))
+        try:
+            der = base64.b64decode("".join(match.group(2).split()), validate=True)
+        except binascii.Error:
+            raise bad(f"{where} is not base64") from None
+        keys.append(public(der, where))
+    rest = _PEM_BLOCK.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    for number, line in enumerate(rest.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            der = base64.b64decode(line, validate=True)
+        except binascii.Error:
+            raise bad(f"line {number} is neither a PEM block nor a base64 key") from None
+        keys.append(public(der, f"line {number}"))
+    if not keys:
+        raise bad("no key in the file")
+    return keys
+
+
+def load_keys(signing_key: str | Path | None, verify_keys: str | Path | None,
+              read_only: bool) -> FleetKeys:
+    """A node's fleet keys from its settings; :class:`KeyFileError` for a missing, unusable
+    or contradictory setting. A read-only node must not hold the signing key; a publishing
+    node verifies with its own public key plus those in ``verify_keys``."""
+    if read_only and signing_key:
+        raise KeyFileError("--remote-read-only with --remote-signing-key: a read-only node "
+                           "must not hold the fleet's private key; give it only "
+                           "--remote-verify-keys FILE (docs/fleet.md)")
+    if read_only and not verify_keys:
+        raise KeyFileError("--remote-read-only needs --remote-verify-keys FILE, the fleet's "
+                           "public keys (docs/fleet.md)")
+    if not read_only and not signing_key:
+        raise KeyFileError("--remote needs --remote-signing-key FILE on a publishing node, or "
+                           "--remote-read-only with --remote-verify-keys FILE (docs/fleet.md)")
+    signer = read_signing_key(signing_key) if signing_key else None
+    verify = read_verify_keys(verify_keys) if verify_keys else []
+    keys = FleetKeys(signer, verify)
+    if signer is not None and verify_keys and keys.signer_id not in {key_id(p) for p in verify}:
+        event(log, logging.WARNING, "remote.signing_key_not_in_verify_keys",
+              signing_key_id=keys.signer_id, verify_keys=str(verify_keys),
+              hint="nodes that use this verify-keys file reject what this node publishes")
+    return keys
 
 
 def _encode(data: bytes, compress: bool) -> tuple[str, bytes]:
@@ -132,7 +293,7 @@ def _decode(enc: str, data: bytes, size: int) -> bytes:
     return out
 
 
-def pack(key: str, row: dict, obj: bytes, lib: bytes, keys: SigningKeys,
+def pack(key: str, row: dict, obj: bytes, lib: bytes, keys: FleetKeys,
          compress: bool = True) -> bytes:
     """The signed envelope of one artifact (``row`` holds at least SIGNED_FIELDS)."""
     enc_obj, stored_obj = _encode(obj, compress)
@@ -142,26 +303,24 @@ def pack(key: str, row: dict, obj: bytes, lib: bytes, keys: SigningKeys,
                       sort_keys=True, separators=(",", ":")).encode()
     body = b"".join([_FIXED.pack(len(meta), len(stored_obj), len(stored_lib)), meta,
                      stored_obj, stored_lib])
-    kid = keys.current_id.encode()
-    mac = keys.sign(DOMAIN + key.encode() + body)
-    return b"".join([MAGIC, bytes([len(kid)]), kid, mac, body])
+    kid, sig = keys.sign(DOMAIN + key.encode() + body)
+    return b"".join([MAGIC, kid, sig, body])
 
 
-def unpack(key: str, data: bytes, keys: SigningKeys) -> tuple[dict, bytes, bytes]:
+def unpack(key: str, data: bytes, keys: FleetKeys) -> tuple[dict, bytes, bytes]:
     """Verify an envelope read for ``key``; its row and both blobs, or :class:`Rejected`."""
     view = memoryview(data)
-    if len(view) < 5 or bytes(view[:4]) != MAGIC:
+    if len(view) < 4 or bytes(view[:4]) != MAGIC:
         raise Rejected("not a cached fleet entry")
-    kid_len = view[4]
-    head = 5 + kid_len + 32
+    head = 4 + KID_BYTES + SIG_BYTES
     if len(view) < head + _FIXED.size:
         raise Rejected("truncated entry")
-    kid = bytes(view[5:5 + kid_len]).decode("ascii", "replace")
-    mac = bytes(view[5 + kid_len:head])
+    kid = bytes(view[4:4 + KID_BYTES]).hex()
+    sig = bytes(view[4 + KID_BYTES:head])
     body = view[head:]
     if kid not in keys.by_id:
-        raise Rejected(f"signed with unknown key id {kid[:16]!r}")
-    if not keys.verify(kid, DOMAIN + key.encode() + body, mac):
+        raise Rejected(f"signed with unknown key id {kid!r}")
+    if not keys.verify(kid, DOMAIN + key.encode() + body, sig):
         raise Rejected("signature does not verify")
     # Signed: the lengths and the JSON below come from a fleet node, not from Redis.
     meta_len, obj_len, lib_len = _FIXED.unpack(body[:_FIXED.size])
@@ -231,17 +390,18 @@ _STOP = object()
 
 
 class Remote:
-    """The Redis tier of one daemon. Thread-safe; never raises into its callers."""
+    """The Redis tier of one daemon. Thread-safe; never raises into its callers. A node
+    whose ``keys`` hold no signing key is read-only: it fetches and never writes."""
 
-    def __init__(self, url: str, keys: SigningKeys, read_only: bool = False,
-                 timeout: float = 2.0, compress: bool = True, queue_size: int = 1024,
-                 ttl_s: int | None = None) -> None:
+    def __init__(self, url: str, keys: FleetKeys, timeout: float = 2.0, compress: bool = True,
+                 queue_size: int = 1024, ttl_s: int | None = None) -> None:
         connect_check = urlsplit(url).scheme
         if connect_check not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
-            raise ValueError(f"unsupported remote URL {redacted(url)!r}")
+            raise ConfigError(f"unsupported remote URL {redacted(url)!r}: use "
+                              "redis://HOST:PORT/DB, rediss://, unix:// or redis+cluster://")
         self.url = url
         self.keys = keys
-        self.read_only = read_only
+        self.read_only = keys.signer is None
         self.timeout = timeout
         self.compress = compress
         self.ttl_s = ttl_s
@@ -476,8 +636,8 @@ class Remote:
         raw, out = c.get("raw_bytes_out", 0), c.get("bytes_out", 0)
         return {
             "state": state, "since": round(since, 3), "url": redacted(self.url),
-            "read_only": self.read_only, "signing_key_id": self.keys.current_id,
-            "verify_keys": len(self.keys.by_id),
+            "read_only": self.read_only, "signing_key_id": self.keys.signer_id,
+            "verify_keys": len(self.keys.by_id), "verify_key_ids": sorted(self.keys.by_id),
             "hits": c.get("hits", 0), "misses": c.get("misses", 0),
             "rejected": c.get("rejected", 0), "published": c.get("published", 0),
             "errors": c.get("errors", 0), "skipped": c.get("skipped", 0),

@@ -7,6 +7,7 @@ the test's tmp dir and is killed at the end; ``make setup`` installs it if missi
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import os
 import shutil
@@ -21,17 +22,32 @@ from pathlib import Path
 
 import pytest
 from conftest import DaemonProcess
+from cryptography.hazmat.primitives.asymmetric.ec import SECP256R1, generate_private_key
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import (
+    BestAvailableEncryption,
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+    PublicFormat,
+)
 
 from cached import remote
-from cached.remote import PREFIX, Rejected, Remote, SigningKeys, pack, unpack
+from cached.remote import (
+    PREFIX,
+    FleetKeys,
+    Rejected,
+    Remote,
+    key_id,
+    load_keys,
+    pack,
+    read_verify_keys,
+    unpack,
+)
 
 redis = pytest.importorskip("redis")
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="redis-server is not installed (make setup installs it)")
-
-SECRET = b"8f1c2a0e5b7d4c3f9a6e1b2d0c4f7a8e"
-OLD_SECRET = b"0b1d2c3e4f5a6b7c8d9e0f1a2b3c4d5e"
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -97,18 +113,59 @@ def redis_server(tmp_path):
     server.kill()
 
 
+class KeyPair:
+    """A fleet key pair on disk: ``key`` (private, PEM PKCS#8: publishing nodes only) and
+    ``pub`` (public, PEM: every node), in the forms ``openssl genpkey``/``pkey`` write."""
+
+    def __init__(self, directory: Path, name: str) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.private = Ed25519PrivateKey.generate()
+        self.public = self.private.public_key()
+        self.id = key_id(self.public)
+        self.key, self.pub = directory / f"{name}.key", directory / f"{name}.pub"
+        self.key.write_bytes(self.private.private_bytes(Encoding.PEM, PrivateFormat.PKCS8,
+                                                        NoEncryption()))
+        self.pub.write_bytes(self.public.public_bytes(Encoding.PEM,
+                                                      PublicFormat.SubjectPublicKeyInfo))
+        self.key.chmod(0o400)
+
+    def signer(self) -> FleetKeys:
+        return FleetKeys(self.private)
+
+    def verifier(self) -> FleetKeys:
+        return FleetKeys(None, [self.public])
+
+
+def publishing(pair: KeyPair, verify: Path | None = None) -> tuple[str, ...]:
+    """``cached serve`` flags of a publishing node that signs with ``pair``."""
+    return ("--remote-signing-key", str(pair.key),
+            *(("--remote-verify-keys", str(verify)) if verify else ()))
+
+
+def read_only(verify: Path) -> tuple[str, ...]:
+    """``cached serve`` flags of a read-only node: public keys only."""
+    return ("--remote-read-only", "--remote-verify-keys", str(verify))
+
+
+def forger_of(pair: KeyPair) -> FleetKeys:
+    """Everything a node holding only ``pair``'s public key can make of it: the public key's
+    bytes used as a private key, claiming the fleet key's id."""
+    raw = pair.public.public_bytes(Encoding.Raw, PublicFormat.Raw)
+    forger = FleetKeys(Ed25519PrivateKey.from_private_bytes(raw))
+    forger.signer_id = pair.id
+    return forger
+
+
 @pytest.fixture
-def key_file(tmp_path) -> Path:
-    path = tmp_path / "fleet.key"
-    path.write_bytes(b"# fleet key\n" + SECRET + b"\n")
-    return path
+def fleet(tmp_path) -> KeyPair:
+    return KeyPair(tmp_path / "keys", "fleet")
 
 
 class Node(DaemonProcess):
-    """A daemon with its own store and socket under ``tmp``, joined to the fleet tier."""
+    """A daemon with its own store and socket under ``tmp``, joined to the fleet tier
+    (``flags`` name its keys: :func:`publishing`, :func:`read_only`)."""
 
-    def __init__(self, tmp: Path, url: str | None, key: Path, *flags: str,
-                 workers: int = 1) -> None:
+    def __init__(self, tmp: Path, url: str | None, *flags: str, workers: int = 1) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         self.tmp, self.store, self.workers = tmp, tmp / "store", workers
         self.socket = str(tmp / "cached.sock")
@@ -117,8 +174,7 @@ class Node(DaemonProcess):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cached", "serve", "--store", str(self.store),
              "--socket", self.socket, "--http", "127.0.0.1:0", "--workers", str(workers),
-             *(["--remote", url, "--remote-signing-key", str(key), "--remote-timeout", "1"]
-               if url else []), *flags],
+             *(["--remote", url, "--remote-timeout", "1"] if url else []), *flags],
             env={**os.environ, "CACHED_TEST_FAMILIES": "1"}, stdout=self._log,
             stderr=subprocess.STDOUT)
 
@@ -148,8 +204,8 @@ class Node(DaemonProcess):
 def nodes(tmp_path):
     started: list[Node] = []
 
-    def start(url: str | None, key: Path, *flag_sets: tuple[str, ...]) -> list[Node]:
-        new = [Node(tmp_path / f"node{len(started) + i}", url, key, *flags)
+    def start(url: str | None, *flag_sets: tuple[str, ...]) -> list[Node]:
+        new = [Node(tmp_path / f"node{len(started) + i}", url, *flags)
                for i, flags in enumerate(flag_sets)]
         started.extend(new)
         return [n.ready() for n in new]
@@ -170,28 +226,92 @@ def _row(key: str, obj: bytes, lib: bytes) -> dict:
 # -- the envelope -----------------------------------------------------------------------
 
 
-def test_envelope_verifies_key_row_and_blobs_and_accepts_the_previous_key():
+def test_envelope_verifies_key_row_and_blobs_and_accepts_the_previous_key(tmp_path):
     key, other = hashlib.sha256(b"a").hexdigest(), hashlib.sha256(b"b").hexdigest()
     obj, lib = b"\x7fELF object " * 500, os.urandom(4000)  # compressible, incompressible
-    old = SigningKeys([OLD_SECRET])
-    data = pack(key, _row(key, obj, lib), obj, lib, old)
-    rotated = SigningKeys([SECRET, OLD_SECRET])  # rolling rotation: new signs, old verifies
+    old, new = KeyPair(tmp_path, "old"), KeyPair(tmp_path, "new")
+    data = pack(key, _row(key, obj, lib), obj, lib, old.signer())
+    rotated = FleetKeys(new.private, [old.public])  # rotation: new signs, old still verifies
     row, got_obj, got_lib = unpack(key, data, rotated)
     assert (got_obj, got_lib, row["kernel_name"]) == (obj, lib, "k")
+    assert unpack(key, data, old.verifier())[2] == lib  # a public key alone verifies
     assert len(data) < len(obj) + len(lib)  # the object was stored compressed
-    with pytest.raises(Rejected, match="unknown key"):
-        unpack(key, data, SigningKeys([SECRET]))  # the old key retired
+    with pytest.raises(Rejected, match="unknown key id"):
+        unpack(key, data, new.verifier())  # the old key retired
     with pytest.raises(Rejected, match="signature"):
-        unpack(other, data, old)  # an entry copied under another artifact's key
-    for at in (10, 60, 90, len(data) // 2, len(data) - 1):  # mac, lengths, meta, blobs
+        unpack(other, data, old.verifier())  # an entry copied under another artifact's key
+    for at in (10, 40, 80, 100, len(data) // 2, len(data) - 1):  # kid, sig, lengths, meta, blobs
         tampered = bytearray(data)
         tampered[at] ^= 0x01
         with pytest.raises(Rejected):
-            unpack(key, bytes(tampered), old)
-    forger = SigningKeys([b"not-the-fleet-key-but-long-enough"])
-    forger.current_id = old.current_id  # claims the fleet's key id
-    with pytest.raises(Rejected, match="signature"):
-        unpack(key, pack(key, _row(key, obj, lib), obj, lib, forger), old)
+            unpack(key, bytes(tampered), rotated)
+
+
+def test_verify_key_material_cannot_sign_an_entry(fleet):
+    """What a read-only node holds (the verify-keys file) makes no entry that verifies."""
+    key = hashlib.sha256(b"a").hexdigest()
+    obj, lib = b"obj" * 100, b"EVIL" * 100
+    reader = load_keys(None, fleet.pub, read_only=True)
+    assert reader.signer is None and reader.signer_id is None
+    assert list(reader.by_id) == [fleet.id]
+    with pytest.raises(RuntimeError, match="no fleet signing key"):
+        pack(key, _row(key, obj, lib), obj, lib, reader)
+    # Every way to turn the public material into a signer, each claiming the fleet's key id.
+    material = [fleet.public.public_bytes(Encoding.Raw, PublicFormat.Raw),
+                hashlib.sha256(fleet.pub.read_bytes()).digest(),
+                hashlib.sha256(fleet.public.public_bytes(Encoding.Raw, PublicFormat.Raw)).digest()]
+    for seed in material:
+        forger = FleetKeys(Ed25519PrivateKey.from_private_bytes(seed))
+        forger.signer_id = fleet.id
+        with pytest.raises(Rejected, match="signature does not verify"):
+            unpack(key, pack(key, _row(key, obj, lib), obj, lib, forger), reader)
+    # The old scheme's construction: a MAC keyed with what the node holds, padded to 64.
+    body = pack(key, _row(key, obj, lib), obj, lib, forger_of(fleet))[4 + 8 + 64:]
+    mac = hmac.new(material[0], remote.DOMAIN + key.encode() + body, "sha256").digest()
+    with pytest.raises(Rejected, match="signature does not verify"):
+        unpack(key, remote.MAGIC + bytes.fromhex(fleet.id) + mac * 2 + body, reader)
+
+
+# The key-generation commands docs/fleet.md gives; the test runs them as written there.
+DOC_KEYGEN = ["openssl genpkey -algorithm ed25519 -out fleet.key",
+              "openssl pkey -in fleet.key -pubout -out fleet.pub",
+              "openssl pkey -in fleet.key -pubout | grep -v -- -----"]
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+def test_the_documented_key_commands_make_keys_the_daemon_accepts(tmp_path, caplog):
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "fleet.md").read_text()
+    for command in DOC_KEYGEN:
+        assert command in doc, command
+
+    def sh(command: str) -> str:
+        return subprocess.run(["bash", "-c", command], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout
+
+    sh(DOC_KEYGEN[0])
+    sh(DOC_KEYGEN[1])
+    one_line = sh(DOC_KEYGEN[2]).strip()
+    (tmp_path / "lines.pub").write_text(f"# fleet key, 2026-12\n{one_line}\n")
+    (tmp_path / "new").mkdir()
+    sh(DOC_KEYGEN[0].replace("fleet.key", "new/fleet.key"))
+    sh(DOC_KEYGEN[1].replace("fleet.", "new/fleet."))
+    sh("cat new/fleet.pub fleet.pub > both.pub")  # rotation: current and previous
+
+    signer = load_keys(tmp_path / "fleet.key", None, read_only=False)
+    key = hashlib.sha256(b"a").hexdigest()
+    data = pack(key, _row(key, b"o", b"l"), b"o", b"l", signer)
+    for verify in ("fleet.pub", "lines.pub", "both.pub"):
+        reader = load_keys(None, tmp_path / verify, read_only=True)
+        assert signer.signer_id in reader.by_id
+        assert unpack(key, data, reader)[2] == b"l"
+    assert len(read_verify_keys(tmp_path / "both.pub")) == 2
+    # A signer whose own public key is missing from its verify-keys file says so at start.
+    caplog.set_level(logging.WARNING, logger="cached.remote")
+    moved = load_keys(tmp_path / "new" / "fleet.key", tmp_path / "fleet.pub", read_only=False)
+    assert len(moved.by_id) == 2  # its own key and the file's
+    assert [r.getMessage() for r in caplog.records] == ["remote.signing_key_not_in_verify_keys"]
+    load_keys(tmp_path / "new" / "fleet.key", tmp_path / "both.pub", read_only=False)
+    assert len(caplog.records) == 1
 
 
 def test_tier_states_slow_redis_goes_down_full_redis_stops_only_publishing(
@@ -203,7 +323,8 @@ def test_tier_states_slow_redis_goes_down_full_redis_stops_only_publishing(
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
         port = silent.getsockname()[1]
-        tier = Remote(f"redis://127.0.0.1:{port}/0", SigningKeys([SECRET]), timeout=0.3)
+        tier = Remote(f"redis://127.0.0.1:{port}/0", FleetKeys(Ed25519PrivateKey.generate()),
+                      timeout=0.3)
         started = time.monotonic()
         assert tier.fetch(key) is None
         assert time.monotonic() - started < 1.5
@@ -218,7 +339,7 @@ def test_tier_states_slow_redis_goes_down_full_redis_stops_only_publishing(
     server = RedisServer(tmp_path / "full", None, "--maxmemory", "3mb",
                          "--maxmemory-policy", "noeviction")
     try:
-        tier = Remote(server.url, SigningKeys([SECRET]), timeout=2)
+        tier = Remote(server.url, FleetKeys(Ed25519PrivateKey.generate()), timeout=2)
         tier.start()
         blobs = []
         for i in range(12):  # incompressible 512 KiB libraries: 3 MiB fill up quickly
@@ -246,7 +367,7 @@ def test_tier_states_slow_redis_goes_down_full_redis_stops_only_publishing(
 
 
 @pytest.mark.skipif(shutil.which("redis-cli") is None, reason="needs redis-cli")
-def test_redis_cluster_mode_spreads_entries_over_three_nodes(tmp_path):
+def test_redis_cluster_mode_spreads_entries_over_three_nodes(tmp_path, fleet):
     servers: list[RedisServer] = []
     try:
         for i in range(3):
@@ -263,7 +384,7 @@ def test_redis_cluster_mode_spreads_entries_over_three_nodes(tmp_path):
                 capture_output=True, text=True).stdout:
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        tier = Remote(f"redis+cluster://127.0.0.1:{servers[0].port}", SigningKeys([SECRET]))
+        tier = Remote(f"redis+cluster://127.0.0.1:{servers[0].port}", fleet.signer())
         tier.start()
         keys = [hashlib.sha256(b"%d" % i).hexdigest() for i in range(12)]
         for i, k in enumerate(keys):
@@ -273,7 +394,7 @@ def test_redis_cluster_mode_spreads_entries_over_three_nodes(tmp_path):
                          tmp_path / f"{i}.so")
         tier.close(drain_s=20)
         assert tier.snapshot()["published"] == 12
-        reader = Remote(f"redis+cluster://127.0.0.1:{servers[1].port}", SigningKeys([SECRET]))
+        reader = Remote(f"redis+cluster://127.0.0.1:{servers[1].port}", fleet.verifier())
         assert all(reader.fetch(k)[2] == b"l%d" % i for i, k in enumerate(keys))
         assert sum(s.client().dbsize() > 0 for s in servers) == 3  # spread over the nodes
     finally:
@@ -285,8 +406,9 @@ def test_redis_cluster_mode_spreads_entries_over_three_nodes(tmp_path):
 
 
 def test_node_b_serves_what_node_a_compiled_with_zero_compilations(
-        redis_server, key_file, nodes, mm_fp4_requests):
-    a, b = nodes(redis_server.url, key_file, (), ("--remote-read-only",))
+        redis_server, fleet, nodes, mm_fp4_requests):
+    # A signs with the private key; B holds only the public key.
+    a, b = nodes(redis_server.url, publishing(fleet), read_only(fleet.pub))
     reqs = mm_fp4_requests[:2]
     built = [a.client(timeout=120).get(r) for r in reqs]
     assert [x.origin for x in built] == ["compiled", "compiled"]
@@ -307,46 +429,59 @@ def test_node_b_serves_what_node_a_compiled_with_zero_compilations(
     assert (stats["remote"]["hits"], stats["remote"]["published"]) == (2, 0)
     assert stats["entries"] == 2 and stats["remote"]["state"] == "up"
     assert stats["remote"]["compression_ratio"] is None  # B sent nothing
+    assert (stats["remote"]["signing_key_id"], stats["remote"]["verify_key_ids"]) == (
+        None, [fleet.id])
+    assert (a.tier()["signing_key_id"], a.tier()["read_only"]) == (fleet.id, False)
     assert a.tier()["compression_ratio"] > 1.5
 
 
-def test_tampered_or_forged_entry_is_rejected_and_node_b_compiles(
-        redis_server, key_file, nodes, mm_fp4_requests):
-    a, b = nodes(redis_server.url, key_file, (), ())
-    reqs = mm_fp4_requests[2:4]
+def test_tampered_forged_or_foreign_entry_is_rejected_and_node_b_compiles(
+        redis_server, fleet, nodes, mm_fp4_requests, tmp_path):
+    # Two build nodes, each with its own private key; both verify both public keys.
+    own = KeyPair(tmp_path / "keys", "b")
+    both = tmp_path / "keys" / "both.pub"
+    both.write_bytes(fleet.pub.read_bytes() + own.pub.read_bytes())
+    a, b = nodes(redis_server.url, publishing(fleet, both), publishing(own, both))
+    reqs = mm_fp4_requests[2:5]
     built = [a.client(timeout=120).get(r) for r in reqs]
-    a.wait_tier(lambda t: t["published"] == 2)
+    a.wait_tier(lambda t: t["published"] == 3)
     r = redis_server.client()
-    fleet = SigningKeys([SECRET])
+    fleet_keys = FleetKeys(None, read_verify_keys(both))
     tampered = bytearray(r.get(PREFIX + built[0].key))
     tampered[-100] ^= 0xFF  # one bit pattern in the stored library
     r.set(PREFIX + built[0].key, bytes(tampered))
-    row, obj, lib = unpack(built[1].key, r.get(PREFIX + built[1].key), fleet)
+    # Forged: other library bytes, "signed" with all a verifying node holds (the public key).
+    row, obj, lib = unpack(built[1].key, r.get(PREFIX + built[1].key), fleet_keys)
     evil = lib[:-4] + b"EVIL"
     row = {**row, "library_sha256": hashlib.sha256(evil).hexdigest()}
-    forger = SigningKeys([b"an-attacker-key-of-plenty-bytes!"])
-    forger.current_id = fleet.current_id
-    r.set(PREFIX + built[1].key, pack(built[1].key, row, obj, evil, forger))
+    r.set(PREFIX + built[1].key, pack(built[1].key, row, obj, evil, forger_of(fleet)))
+    # Foreign: the genuine kernel, signed by a key outside the fleet's verify set.
+    row, obj, lib = unpack(built[2].key, r.get(PREFIX + built[2].key), fleet_keys)
+    stranger = FleetKeys(Ed25519PrivateKey.generate())
+    r.set(PREFIX + built[2].key, pack(built[2].key, row, obj, lib, stranger))
 
     got = [b.client(timeout=120).get(x) for x in reqs]
-    assert [x.origin for x in got] == ["compiled", "compiled"]
+    assert [x.origin for x in got] == ["compiled"] * 3
     assert [x.library_sha256 for x in got] == [x.library_sha256 for x in built]
     stats = b.stats()
-    assert (stats["compiles"], stats["remote_hits"], stats["remote"]["rejected"]) == (2, 0, 2)
-    assert b.log_path.read_text().count('"remote.rejected"') == 2
-    # B is a build node too: its own compilations replace the bad entries.
-    b.wait_tier(lambda t: t["published"] == 2)
+    assert (stats["compiles"], stats["remote_hits"], stats["remote"]["rejected"]) == (3, 0, 3)
+    log = b.log_path.read_text()
+    assert log.count('"remote.rejected"') == 3
+    assert log.count("signature does not verify") == 2
+    assert f"signed with unknown key id '{stranger.signer_id}'" in log
+    # B is a build node too: its own compilations, signed with its key, replace the bad ones.
+    b.wait_tier(lambda t: t["published"] == 3)
     for x in built:
-        assert unpack(x.key, r.get(PREFIX + x.key), fleet)[2] is not None
+        assert unpack(x.key, r.get(PREFIX + x.key), own.verifier())[2] is not None
 
 
-def test_read_only_node_never_writes(redis_server, key_file, nodes, mm_fp4_requests,
-                                     tmp_path):
+def test_read_only_node_holds_no_signing_key_and_never_writes(
+        redis_server, fleet, nodes, mm_fp4_requests, tmp_path):
     config = tmp_path / "cached.toml"  # the tier set in the config file, not by flags
-    config.write_text(f'remote = "{redis_server.url}"\nremote-signing-key = "{key_file}"\n'
+    config.write_text(f'remote = "{redis_server.url}"\nremote-verify-keys = "{fleet.pub}"\n'
                       'remote-read-only = true\nremote-timeout = 1\n')
-    (b,) = nodes(None, key_file, ("--config", str(config)))
-    assert b.client(timeout=120).get(mm_fp4_requests[4]).origin == "compiled"
+    (b,) = nodes(None, ("--config", str(config)))
+    assert b.client(timeout=120).get(mm_fp4_requests[5]).origin == "compiled"
     time.sleep(1.5)  # a publisher would have written by now
     r = redis_server.client()
     assert r.dbsize() == 0
@@ -355,11 +490,38 @@ def test_read_only_node_never_writes(redis_server, key_file, nodes, mm_fp4_reque
     assert writes == set()
     tier = b.tier()
     assert (tier["misses"], tier["published"], tier["read_only"]) == (1, 0, True)
+    assert (tier["signing_key_id"], tier["verify_key_ids"]) == (None, [fleet.id])
+
+
+def test_rotation_previous_key_verifies_until_removed_from_the_verify_set(
+        redis_server, fleet, nodes, mm_fp4_requests, tmp_path):
+    old, new = fleet, KeyPair(tmp_path / "keys", "new")
+    both = tmp_path / "keys" / "both.pub"  # step 1: every node verifies the old and the new
+    both.write_bytes(new.pub.read_bytes() + old.pub.read_bytes())
+    r0, r1 = mm_fp4_requests[9:11]
+    (signer,) = nodes(redis_server.url, publishing(old, both))
+    assert signer.client(timeout=120).get(r0).origin == "compiled"  # signed with the old key
+    signer.wait_tier(lambda t: t["published"] == 1)
+    signer.stop()
+    # Step 2: the build node moves to the new key; the old key's entries still verify.
+    moved, reader, retired = nodes(redis_server.url, publishing(new, both), read_only(both),
+                                   read_only(new.pub))  # step 3: the old key removed
+    assert moved.tier()["signing_key_id"] == new.id
+    assert moved.client(timeout=120).get(r0).origin == "remote"
+    assert moved.client(timeout=120).get(r1).origin == "compiled"  # signed with the new key
+    moved.wait_tier(lambda t: t["published"] == 1)
+    assert [reader.client(timeout=120).get(x).origin for x in (r0, r1)] == ["remote", "remote"]
+    # With the old key gone from its verify set, the old entry is rejected and recompiled.
+    got = [retired.client(timeout=120).get(x) for x in (r0, r1)]
+    assert [x.origin for x in got] == ["compiled", "remote"]
+    assert retired.tier()["rejected"] == 1
+    assert f"signed with unknown key id '{old.id}'" in retired.log_path.read_text()
+    assert reader.tier()["rejected"] == 0
 
 
 def test_redis_killed_mid_run_leaves_both_nodes_serving(
-        redis_server, key_file, nodes, mm_fp4_requests):
-    a, b = nodes(redis_server.url, key_file, (), ())
+        redis_server, fleet, nodes, mm_fp4_requests):
+    a, b = nodes(redis_server.url, publishing(fleet), publishing(fleet))
     r0, r1, r2, r3 = mm_fp4_requests[5:9]
     ca, cb = a.client(timeout=120), b.client(timeout=120)
     assert ca.get(r0).origin == "compiled"
@@ -395,12 +557,90 @@ def test_redis_killed_mid_run_leaves_both_nodes_serving(
     assert cb.get(r1).origin == "remote"
 
 
-def test_serve_refuses_a_remote_tier_without_a_signing_key(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "cached", "serve", "--store",
-                          str(tmp_path / "s"), "--socket", str(tmp_path / "s.sock"),
-                          "--remote", "redis://127.0.0.1:1/0"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "--remote-signing-key" in out.stderr
-    with pytest.raises(ValueError):
-        SigningKeys([b"short"])
+
+
+# -- key files and settings the daemon refuses --------------------------------------------
+
+SIGNING_FORMAT = "expected an Ed25519 private key in PEM"
+VERIFY_FORMAT = "expected Ed25519 public keys"
+
+
+def _bad_key_cases(d: Path, fleet: KeyPair) -> dict[str, tuple[list[str], str, str]]:
+    """name: (flags after --remote, text the one-line error must hold, format it names)."""
+
+    def write(name: str, data: bytes) -> str:
+        (d / name).write_bytes(data)
+        return str(d / name)
+
+    ec = generate_private_key(SECP256R1())
+    ec_key = ec.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
+    ec_pub = ec.public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
+    encrypted = fleet.private.private_bytes(Encoding.PEM, PrivateFormat.PKCS8,
+                                            BestAvailableEncryption(b"pw"))
+    raw = os.urandom(32)  # issue 16 item 18: `head -c 32 /dev/urandom > fleet.key`
+    sign, verify = "--remote-signing-key", "--remote-verify-keys"
+    ro = "--remote-read-only"
+    return {
+        "raw-random-bytes": ([sign, write("raw.key", raw)], "raw.key", SIGNING_FORMAT),
+        "empty": ([sign, write("empty.key", b"")], "empty.key", SIGNING_FORMAT),
+        "directory": ([sign, str(d)], f"{d}: cannot read it", SIGNING_FORMAT),
+        "missing": ([sign, str(d / "nope.key")], "No such file", SIGNING_FORMAT),
+        "ec-key": ([sign, write("ec.key", ec_key)], "an EC key, not Ed25519", SIGNING_FORMAT),
+        "public-as-private": ([sign, str(fleet.pub)], "public keys go in --remote-verify-keys",
+                              SIGNING_FORMAT),
+        "encrypted": ([sign, write("enc.key", encrypted)], "encrypted", SIGNING_FORMAT),
+        "two-keys": ([sign, write("two.key", fleet.key.read_bytes() + ec_key)],
+                     "exactly one private key", SIGNING_FORMAT),
+        "old-hmac-hex": ([sign, write("hmac.key", os.urandom(32).hex().encode() + b"\n")],
+                         "old HMAC scheme", SIGNING_FORMAT),
+        "verify-raw-bytes": ([ro, verify, write("raw.pub", raw)], "raw.pub", VERIFY_FORMAT),
+        "verify-empty": ([ro, verify, write("empty.pub", b"# none yet\n")], "no key",
+                         VERIFY_FORMAT),
+        "verify-private": ([ro, verify, str(fleet.key)], "a private key does not belong",
+                           VERIFY_FORMAT),
+        "verify-ec": ([ro, verify, write("ec.pub", ec_pub)], "an EC key, not Ed25519",
+                      VERIFY_FORMAT),
+        "verify-garbage-line": ([ro, verify, write("junk.pub", fleet.pub.read_bytes()
+                                                   + b"not a key!\n")], "line 4", VERIFY_FORMAT),
+        "read-only-with-signing-key": ([ro, sign, str(fleet.key), verify, str(fleet.pub)],
+                                       "must not hold the fleet's private key", ""),
+        "read-only-without-verify-keys": ([ro], "needs --remote-verify-keys", ""),
+        "no-keys": ([], "--remote needs --remote-signing-key", ""),
+    }
+
+
+CASES = ["raw-random-bytes", "empty", "directory", "missing", "ec-key", "public-as-private",
+         "encrypted", "two-keys", "old-hmac-hex", "verify-raw-bytes", "verify-empty",
+         "verify-private", "verify-ec", "verify-garbage-line", "read-only-with-signing-key",
+         "read-only-without-verify-keys", "no-keys"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_serve_refuses_a_bad_key_file_in_one_line_before_binding_anything(
+        tmp_path, fleet, case):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cases = _bad_key_cases(bad, fleet)
+    assert sorted(cases) == sorted(CASES)
+    flags, says, expected = cases[case]
+    sock, store = tmp_path / "run" / "cached.sock", tmp_path / "store"
+    port = free_port()
+    out = subprocess.run([sys.executable, "-m", "cached", "serve", "--store", str(store),
+                          "--socket", str(sock), "--http", f"127.0.0.1:{port}",
+                          "--remote", "redis://127.0.0.1:1/0", *flags],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cached serve: "), out.stderr
+    assert says in lines[0] and expected in lines[0]
+    if expected:  # a bad file: the message names it
+        assert flags[-1] in lines[0]
+    assert not sock.exists() and not sock.parent.exists()  # nothing bound, nothing left
+    assert not store.exists()  # the store was not even opened
+    with socket.socket() as s:  # the HTTP port was never taken
+        s.bind(("127.0.0.1", port))
+
+
+def test_redacted_url_hides_the_password():
     assert remote.redacted("redis://u:secret@h:1/0") == "redis://u:***@h:1/0"

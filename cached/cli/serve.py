@@ -43,11 +43,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings is None:
         return 2
     log.setup(settings.log_level)
-    if settings.remote and settings.remote_signing_key is None:
-        print("cached serve: --remote needs --remote-signing-key FILE (docs/fleet.md)",
-              file=sys.stderr)
+    try:
+        serve(settings, lambda: config.resolve(args, args.config))
+    except config.ConfigError as exc:  # e.g. a fleet key file (remote.KeyFileError)
+        print(f"cached serve: {exc}", file=sys.stderr)
         return 2
-    serve(settings, lambda: config.resolve(args, args.config))
     return 0
 
 
