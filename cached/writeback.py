@@ -5,8 +5,9 @@ compile closure the daemon cannot rebuild. For those, the first process that nee
 takes a *lease*, compiles, and publishes the exported object; processes asking for the same
 key meanwhile wait on the lease instead of compiling. A lease ends when its holder publishes
 or releases it, when its time-to-live passes without a renewal (a stalled holder), or when
-its holder process is gone (checked by pid and process start time from SO_PEERCRED, every
-``POLL_S``); the next waiter then gets it.
+its holder process is gone (watched through a pidfd opened from SO_PEERCRED's pid, checked
+every ``POLL_S``: no /proc involved, so it holds under systemd's ProtectProc=invisible and
+ProcSubset=pid, and a reused pid cannot pass for the holder); the next waiter then gets it.
 
 Published objects are stored like any other artifact: the daemon links the ``.so`` itself
 from the received ``.o`` (so the only untrusted input is the object, which is exactly what
@@ -33,6 +34,7 @@ import logging
 import os
 import re
 import secrets
+import select
 import shutil
 import time
 from collections.abc import Mapping
@@ -99,21 +101,22 @@ class FlashInferJit(Family):
                            "compiles it and publishes it (write-back)")
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time (clock ticks since boot), or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
+def _watch(pid: int) -> int | None:
+    """A pidfd of process ``pid`` (readable once it has exited), or None when there is none
+    to watch (pid 0: a peer in another pid namespace; or the process is gone already)."""
+    if pid <= 0:
         return None
-    return stat.rsplit(")", 1)[-1].split()[19]
+    try:
+        return os.pidfd_open(pid)
+    except OSError:  # gone, or no pidfd support: the time-to-live still ends the lease
+        return None
 
 
 @dataclass
 class Lease:
     token: str
     pid: int
-    started: str | None
+    pidfd: int | None
     ttl: float
     expires: float
     granted: float = field(default_factory=time.monotonic)
@@ -121,9 +124,18 @@ class Lease:
     def expired(self, now: float) -> str | None:
         if now >= self.expires:
             return f"not renewed within {self.ttl:.0f}s"
-        if self.pid > 0 and _start_time(self.pid) != self.started:
-            return f"holder pid {self.pid} is gone"
+        if self.pidfd is not None:
+            poll = select.poll()
+            poll.register(self.pidfd, select.POLLIN)
+            if poll.poll(0):
+                return f"holder pid {self.pid} is gone"
         return None
+
+    def close(self) -> None:
+        """Stop watching the holder (the lease is over); idempotent."""
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 @dataclass
@@ -159,6 +171,11 @@ class WriteBack:
             ev = self.changed[key] = asyncio.Event()
         return ev
 
+    def _drop(self, key: str) -> None:
+        lease = self.leases.pop(key, None)
+        if lease is not None:
+            lease.close()
+
     def _notify(self, key: str) -> None:
         ev = self.changed.pop(key, None)
         if ev is not None:
@@ -176,8 +193,9 @@ class WriteBack:
         return artifact
 
     def _grant(self, key: str, peer: Any, ttl: float, reason: str = "") -> dict:
-        lease = Lease(secrets.token_hex(16), peer.pid, _start_time(peer.pid), ttl,
+        lease = Lease(secrets.token_hex(16), peer.pid, _watch(peer.pid), ttl,
                       time.monotonic() + ttl)
+        self._drop(key)
         self.leases[key] = lease
         self.stats.count("writeback.leases_granted")
         event(log, logging.INFO, "writeback.lease_granted", key=key[:16], pid=peer.pid,
@@ -241,7 +259,7 @@ class WriteBack:
         _, key = self._resolve(m)
         lease = self.leases.get(key)
         if lease is not None and lease.token == m.get("lease"):
-            del self.leases[key]
+            self._drop(key)
             self._notify(key)
             event(log, logging.INFO, "writeback.lease_released", key=key[:16], pid=peer.pid,
                   reason=str(m.get("reason", ""))[:200])
@@ -296,9 +314,7 @@ class WriteBack:
                                                upload.path, m)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-        lease = self.leases.get(key)
-        if lease is not None:
-            del self.leases[key]
+        self._drop(key)
         self._notify(key)
         self.stats.count("writeback.published")
         event(log, logging.INFO, "writeback.published", key=key[:16], pid=peer.pid,
