@@ -4,6 +4,7 @@ activation with group-only access and sd_notify, and the Dockerfile lints."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -219,6 +220,130 @@ def test_dockerfile_lints():
     text = (ROOT / "Dockerfile").read_text()
     for word in ("HEALTHCHECK", "/healthz", "VOLUME", "USER 990", "docker run"):
         assert word in text, word
+    # the healthcheck asks the configured address (test_healthcheck_asks_the_configured_...)
+    healthcheck = _instructions(text)["HEALTHCHECK"][0]
+    assert healthcheck.endswith('CMD ["python", "-m", "cached.healthcheck"]'), healthcheck
+
+
+# -- the image's install steps, run here (no container engine on the test machine) ------
+
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# the wheels PyPI's (CUDA) torch depends on: none of them may come with the image
+CUDA_TORCH_DEPS = re.compile(r"^(triton|nvidia-(cublas|cuda-(runtime|nvrtc|cupti)|cudnn-cu|cufft"
+                             r"|cufile|curand|cusolver|cusparse|nccl|nvjitlink|nvshmem|nvtx))")
+
+
+def _instructions(text: str) -> dict[str, list[str]]:
+    """The Dockerfile's instructions by keyword, continuation lines joined."""
+    out: dict[str, list[str]] = {}
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            keyword, _, rest = line.strip().partition(" ")
+            out.setdefault(keyword, []).append(rest.strip())
+    return out
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_image_installs_torchs_cpu_build_and_the_pins_without_cuda_wheels(tmp_path):
+    """The Dockerfile's dependency step is deploy/install-deps.sh; run here the way the
+    Dockerfile runs it, in a fresh virtualenv, with --dry-run --report: what pip resolves
+    (names, versions, torch's own requirements) without installing gigabytes."""
+    dockerfile = _instructions((ROOT / "Dockerfile").read_text())
+    script = (ROOT / "deploy" / "install-deps.sh").read_text()
+    assert f"TORCH_INDEX={CPU_INDEX}" in dockerfile["ARG"]
+    assert re.search(r"--index-url \"\$\{TORCH_INDEX:-(\S+)\}\"", script).group(1) == CPU_INDEX
+    pip_runs = [r for r in dockerfile["RUN"] if "pip" in r]
+    assert pip_runs[0] == "sh deploy/install-deps.sh pip", pip_runs
+    assert all("--no-deps" in r for r in pip_runs[1:]), pip_runs  # only the project itself
+    pins = dict(line.split("==") for line in (ROOT / "requirements.txt").read_text().split()
+                if "==" in line)
+    assert pins["torch"].endswith("+cpu"), pins
+
+    index = CPU_INDEX
+    try:
+        socket.getaddrinfo("download.pytorch.org", 443)
+    except OSError:  # offline: a local index of the CPU wheel pip's configuration finds on disk
+        local = tmp_path / "simple" / "torch"
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                              "--no-index", "-d", str(local), f"torch=={pins['torch']}"],
+                             capture_output=True, text=True)
+        if got.returncode:
+            pytest.skip(f"no route to {CPU_INDEX} and no torch {pins['torch']} wheel on disk")
+        (local / "index.html").write_text("".join(
+            f'<a href="{w.name.replace("+", "%2B")}">{w.name}</a>\n' for w in local.iterdir()))
+        index = (tmp_path / "simple").as_uri()
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    result = subprocess.run(
+        ["sh", str(ROOT / "deploy" / "install-deps.sh"), str(venv / "bin" / "pip"),
+         "--dry-run", "--quiet", "--report", "-"], capture_output=True, text=True,
+        env={**os.environ, "TORCH_INDEX": index}, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    decoder, text, reports = json.JSONDecoder(), result.stdout.strip(), []
+    while text:
+        report, end = decoder.raw_decode(text)
+        reports.append({_canonical(i["metadata"]["name"]): i["metadata"]
+                        for i in report["install"]})
+        text = text[end:].strip()
+    torch_step, rest_step = reports  # one report per pip command of the script
+    assert torch_step["torch"]["version"] == pins["torch"]
+    assert not [r for r in torch_step["torch"].get("requires_dist", [])
+                if CUDA_TORCH_DEPS.match(r)], torch_step["torch"]["requires_dist"]
+    for name, version in pins.items():
+        assert rest_step[_canonical(name)]["version"] == version, name
+    for step in reports:
+        assert not [n for n in step if CUDA_TORCH_DEPS.match(n)], sorted(step)
+
+
+def test_image_apt_packages_resolve_on_debian_12():
+    dockerfile = _instructions((ROOT / "Dockerfile").read_text())
+    assert "bookworm" in dockerfile["FROM"][0]  # Debian 12
+    release = Path("/etc/debian_version")
+    if not release.exists() or not release.read_text().startswith("12") or not shutil.which(
+            "apt-get"):
+        pytest.skip("not a Debian 12 machine: apt cannot resolve the image's packages here")
+    apt = next(r for r in dockerfile["RUN"] if "apt-get install" in r)
+    packages = re.search(r"--no-install-recommends ([^&]+)", apt).group(1).split()
+    assert "gcc=4:12.2.0-3" in packages and "libc6-dev" in packages, packages
+    result = subprocess.run(["apt-get", "install", "-s", "--no-install-recommends", *packages],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_healthcheck_asks_the_configured_address(tmp_path):
+    from conftest import DaemonProcess
+
+    d = DaemonProcess(tmp_path, workers=1)
+    try:
+        port = d.stats()["http"].rpartition(":")[2]
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CACHED_")}
+        empty = tmp_path / "cached.toml"  # no file settings: the environment decides
+        empty.write_text("")
+
+        def health(**values: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "cached.healthcheck"],
+                                  capture_output=True, text=True, timeout=60,
+                                  env={**env, "CACHED_CONFIG": str(empty),
+                                       **{f"CACHED_{k.upper()}": v for k, v in values.items()}})
+
+        for http in (f"127.0.0.1:{port}", f"0.0.0.0:{port}"):  # a wildcard: asked on loopback
+            ok = health(http=http)
+            assert ok.returncode == 0 and f"127.0.0.1:{port}/healthz: ok" in ok.stderr, ok.stderr
+        down = health(http=f"127.0.0.1:{closed.getsockname()[1]}")
+        assert down.returncode == 1 and "refused" in down.stderr, down.stderr
+        closed.close()
+        assert health(http="off", socket=d.socket).returncode == 0  # then: the socket's stats
+        gone = health(http="off", socket=str(tmp_path / "nothing.sock"))
+        assert gone.returncode == 1 and "nothing.sock" in gone.stderr, gone.stderr
+        bad = health(http="8377")
+        assert bad.returncode == 1 and "HOST:PORT" in bad.stderr, bad.stderr
+    finally:
+        d.stop()
 
 
 def _hello_as(path: str, uid: int, groups: list[int]) -> str:
