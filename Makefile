@@ -27,6 +27,7 @@ $(TEST_STAMP): $(STAMP) requirements-dev.txt
 	@command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus)
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium)
 	@command -v systemd-socket-activate >/dev/null || (apt-get update -qq && apt-get install -y -qq systemd)
+	@command -v ip >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2)
 	$(BIN)/pip install -q -r requirements-dev.txt
 	touch $(TEST_STAMP)
 
