@@ -21,20 +21,27 @@ ENV PYTHONUNBUFFERED=1 \
     CACHED_SOCKET=/run/cached/cached.sock \
     CACHED_HTTP=0.0.0.0:8377
 
-# Workers link each kernel into a shared library with gcc.
+# Workers link each kernel into a shared library with gcc. gcc is pinned to Debian 12's
+# compiler (the same for the whole release); libc6-dev is left to apt, which must take the
+# version of the image's libc6 anyway: a point-release pin breaks at the next point release.
+# hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc=4:12.2.0-3 libc6-dev=2.36-9+deb12u14 \
+    && apt-get install -y --no-install-recommends gcc=4:12.2.0-3 libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/cached
-# Pinned runtime dependencies first (torch first: the same order as the Makefile).
+# Pinned runtime dependencies first: torch's CPU build from PyTorch's CPU wheel index (PyPI's
+# torch is the CUDA build, gigabytes of nvidia-* wheels the daemon never uses), then the rest
+# (deploy/install-deps.sh; --build-arg TORCH_INDEX=URL for a mirror of the CPU index).
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 COPY requirements.txt ./
-RUN pip install torch==2.13.0 && pip install -r requirements.txt
+COPY deploy/install-deps.sh deploy/
+RUN sh deploy/install-deps.sh pip
 
 COPY client/ client/
 COPY pyproject.toml ./
 COPY cached/ cached/
-RUN pip install --no-deps ./client . && rm -rf /opt/cached/client /opt/cached/cached
+RUN pip install --no-deps ./client . && rm -rf /opt/cached/client /opt/cached/cached /opt/cached/deploy
 COPY manifests/ /usr/share/cached/manifests/
 COPY docs/operations.md /usr/share/doc/cached/operations.md
 
@@ -48,8 +55,10 @@ USER 990:990
 VOLUME ["/var/lib/cached", "/run/cached"]
 EXPOSE 8377
 
+# GET /healthz on the configured address (CACHED_HTTP; a wildcard host is asked on loopback;
+# with CACHED_HTTP=off, the socket's stats): cached/healthcheck.py.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["python", "-c", "import json, sys, urllib.request; r = urllib.request.urlopen('http://127.0.0.1:8377/healthz', timeout=4); sys.exit(0 if json.load(r)['ok'] else 1)"]
+    CMD ["python", "-m", "cached.healthcheck"]
 
 # SIGTERM drains running compilations (drain_timeout): give `docker stop -t 60`.
 STOPSIGNAL SIGTERM

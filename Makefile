@@ -13,11 +13,11 @@ setup: $(STAMP)
 setup-test: $(TEST_STAMP)
 
 # The daemon: a C linker (kernels are linked into .so files) and the pinned toolchain.
-$(STAMP): requirements.txt pyproject.toml client/pyproject.toml
+# torch's CPU build comes from PyTorch's CPU index (TORCH_INDEX=URL in the environment: a mirror).
+$(STAMP): requirements.txt deploy/install-deps.sh pyproject.toml client/pyproject.toml
 	@command -v gcc >/dev/null || (apt-get update -qq && apt-get install -y -qq gcc)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -r requirements.txt
+	sh deploy/install-deps.sh $(BIN)/pip -q
 	$(BIN)/pip install -q --no-deps -e client -e .
 	touch $(STAMP)
 
@@ -27,6 +27,7 @@ $(TEST_STAMP): $(STAMP) requirements-dev.txt
 	@command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus)
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium)
 	@command -v systemd-socket-activate >/dev/null || (apt-get update -qq && apt-get install -y -qq systemd)
+	@command -v ip >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2)
 	$(BIN)/pip install -q -r requirements-dev.txt
 	touch $(TEST_STAMP)
 

@@ -144,6 +144,10 @@ class Daemon:
     def stop(self) -> None:
         self._stop.set()
 
+    def healthy(self) -> bool:
+        """Serving: a compile worker is alive, or this daemon is serve-only (no workers)."""
+        return self.pool.size == 0 or self.pool.alive > 0
+
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(FLUSH_INTERVAL_S)
@@ -165,7 +169,7 @@ class Daemon:
 
         from .httpapp import make_app
 
-        app = make_app(self.snapshot, lambda: self.pool.alive > 0, make_metrics(self))
+        app = make_app(self.snapshot, self.healthy, make_metrics(self))
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
         self._http = uvicorn.Server(config)
         threading.Thread(target=self._http.run, kwargs={"sockets": [sock]}, name="http",

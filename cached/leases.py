@@ -5,17 +5,21 @@ compile closure the daemon cannot rebuild (family ``flashinfer.jit``). For those
 process that needs a key takes a *lease*, compiles, and publishes the exported object
 (cached/uploads.py); processes asking for the same key meanwhile wait on the lease instead
 of compiling. A lease ends when its holder publishes or releases it, when its time-to-live
-passes without a renewal (a stalled holder), or when its holder process is gone (checked by
-pid and process start time from SO_PEERCRED, every ``POLL_S``); the next waiter then gets
-it. A peer that may not publish is told to compile locally instead of being handed a lease
-it could never fulfil. Ops: ``lease``, ``lease_renew``, ``lease_release``.
+passes without a renewal (a stalled holder), or when its holder process is gone (watched
+through a pidfd opened from SO_PEERCRED's pid, checked every ``POLL_S``: no /proc involved,
+so it holds under systemd's ProtectProc=invisible and ProcSubset=pid, and a reused pid
+cannot pass for the holder); the next waiter then gets it. A peer that may not publish is
+told to compile locally instead of being handed a lease it could never fulfil. Ops:
+``lease``, ``lease_renew``, ``lease_release``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
+import select
 import time
 from dataclasses import dataclass, field
 
@@ -34,21 +38,22 @@ log = logging.getLogger("cached.leases")
 POLL_S = 0.25
 
 
-def process_start_time(pid: int) -> str | None:
-    """The process's start time (clock ticks since boot), or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
+def watch(pid: int) -> int | None:
+    """A pidfd of process ``pid`` (readable once it has exited), or None when there is none
+    to watch (pid 0: a peer in another pid namespace; or the process is gone already)."""
+    if pid <= 0:
         return None
-    return stat.rsplit(")", 1)[-1].split()[19]
+    try:
+        return os.pidfd_open(pid)
+    except OSError:  # gone, or no pidfd support: the time-to-live still ends the lease
+        return None
 
 
 @dataclass
 class Lease:
     token: str
     pid: int
-    started: str | None
+    pidfd: int | None
     ttl: float
     expires: float
     granted: float = field(default_factory=time.monotonic)
@@ -57,9 +62,18 @@ class Lease:
         """Why this lease is over (TTL passed, holder gone), or None while it holds."""
         if now >= self.expires:
             return f"not renewed within {self.ttl:.0f}s"
-        if self.pid > 0 and process_start_time(self.pid) != self.started:
-            return f"holder pid {self.pid} is gone"
+        if self.pidfd is not None:
+            poll = select.poll()
+            poll.register(self.pidfd, select.POLLIN)
+            if poll.poll(0):
+                return f"holder pid {self.pid} is gone"
         return None
+
+    def close(self) -> None:
+        """Stop watching the holder (the lease is over); idempotent."""
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 class Leases:
@@ -83,14 +97,19 @@ class Leases:
 
     def settle(self, key: str) -> None:
         """The key was published (or given up): end its lease and wake its waiters."""
-        self.held.pop(key, None)
+        lease = self.held.pop(key, None)
+        if lease is not None:
+            lease.close()
         ev = self._changed.pop(key, None)
         if ev is not None:
             ev.set()
 
     def _grant(self, key: str, peer: Peer, ttl: float, reason: str = "") -> p.LeaseReply:
-        lease = Lease(secrets.token_hex(16), peer.pid, process_start_time(peer.pid), ttl,
+        lease = Lease(secrets.token_hex(16), peer.pid, watch(peer.pid), ttl,
                       time.monotonic() + ttl)
+        old = self.held.pop(key, None)
+        if old is not None:
+            old.close()
         self.held[key] = lease
         self.stats.count("writeback.leases_granted")
         event(log, logging.INFO, "writeback.lease_granted", key=key[:16], pid=peer.pid,

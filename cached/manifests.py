@@ -21,7 +21,7 @@ A manifest is a TOML file (docs/operations.md, "Writing a manifest")::
     limit = 0                # tactics per shape (0: the whole tactic space)
 
     [[pending]]              # families the model needs that this daemon does not have yet
-    family = "FP8 batch-invariant (SM100)"
+    family = "grouped GEMM for the MoE experts"
     targets = ["sm_100a", "sm_103a"]
 
 ``cached warm --manifest FILE`` plans every (layer, M) shape of every build on the

@@ -8,13 +8,14 @@ import os
 import sys
 
 import pytest
-from conftest import DaemonProcess, run_cli
+from conftest import ROOT, DaemonProcess, run_cli
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
 pytest.importorskip("flashinfer")
 
 from cached_client.flashinfer_names import bi_request  # noqa: E402
 
+from cached import manifests  # noqa: E402
 from cached.families import get  # noqa: E402
 
 
@@ -95,5 +96,73 @@ def test_warm_compiles_for_sm_100a_with_flashinfers_fingerprints(tmp_path):
         kinds = {json.loads(e["params"])["kind"] for e in d.client().list()
                  if e["family"] == "flashinfer.bi.bmm_fp8"}
         assert kinds == {"gemm", "fixup"}  # N=256, K=16384 is a split class
+    finally:
+        d.stop()
+
+
+BMM_FP8 = "flashinfer.bi.bmm_fp8"
+BLACKWELL = {"sm_100a": "sm_100", "sm_103a": "sm_103"}
+
+
+def _dispatcher_kernels(manifest: manifests.Manifest, arch: str) -> int:
+    """bmm_fp8 kernels of a manifest on ``arch``, counted from FlashInfer's dispatcher alone:
+    one per distinct (N, K, default configuration) over the manifest's shapes and every token
+    bucket of its tuner up to M, plus one split-K fixup per (N, K) class that needs one."""
+    from flashinfer.fused_moe.utils import get_hybrid_num_tokens_buckets
+    from flashinfer.gemm.batch_invariant.schedule import chunks_for, default_config
+
+    gemms, fixups = set(), set()
+    for _, (m, n, k) in manifest.shapes():
+        chunks = chunks_for(n, k, "e4m3")
+        for bucket in set(get_hybrid_num_tokens_buckets(m)) | {m}:
+            cfg = default_config(bucket, n, k, chunks, "k", 148, BLACKWELL[arch], "e4m3")
+            gemms.add((n, k, cfg))
+            if chunks > 1 and not cfg.cta_chunks:
+                fixups.add((n, k))
+    return len(gemms) + len(fixups)
+
+
+def test_every_manifest_warms_fp8_on_blackwell_through_the_bi_family(tmp_path):
+    from flashinfer.batch_invariant import fingerprint
+
+    shipped = sorted((ROOT / "manifests").glob("*.toml"))
+    d = DaemonProcess(tmp_path, workers=2, extra_env={"CUTE_DSL_ARCH": "sm_100a"})
+    try:
+        # --plan-only plans on the daemon (its plan op, in a worker) and counts the kernels:
+        # every family of one manifest, then the FP8 rows of the others (sm_100a only; the
+        # plan is the same code for sm_103a, checked on the first)
+        first = manifests.load("llama-3.1-8b")
+        plan = json.loads(run_cli("warm", "--socket", d.socket, "--manifest", "llama-3.1-8b",
+                                  "--plan-only", "--json").stdout)
+        assert plan["pending"] == [] and plan["total"] == sum(plan["kernels"].values())
+        for arch in BLACKWELL:
+            expected = _dispatcher_kernels(first, arch)
+            assert plan["kernels"][f"{BMM_FP8}@{arch}"] == expected > 0, arch
+        text = run_cli("warm", "--socket", d.socket, "--manifest", "llama-3.1-8b",
+                       "--plan-only").stdout
+        for arch in BLACKWELL:
+            assert f"{BMM_FP8}@{arch}" in text, text
+        assert "pending" not in text, text
+        for path in shipped:
+            manifest = manifests.load(path)
+            if manifest.model == first.model:
+                continue
+            plan = json.loads(run_cli("warm", "--socket", d.socket, "--manifest", str(path),
+                                      "--family", BMM_FP8, "--target", "sm_100a",
+                                      "--plan-only", "--json").stdout)
+            expected = _dispatcher_kernels(manifest, "sm_100a")
+            assert plan["kernels"] == {f"{BMM_FP8}@sm_100a": expected} and expected > 0, path
+
+        # real compiles: the first two planned kernels for each Blackwell target
+        out = run_cli("warm", "--socket", d.socket, "--manifest", "llama-3.1-8b", "--family",
+                      BMM_FP8, "--limit", "2", "--json").stdout
+        counts = json.loads(out.strip().splitlines()[-1])
+        assert (counts["compiled"], counts["failed"], counts["total"]) == (4, 0, 4), counts
+        arts = d.client().flashinfer_artifacts(BMM_FP8).artifacts
+        assert len(arts) == 4 and {a["arch"] for a in arts} == set(BLACKWELL)
+        llama = manifests.load("llama-3.1-8b")
+        weights = {fingerprint("bmm_fp8", N=n, K=k, dtype="e4m3", out_dtype="bf16")
+                   for _, (_, n, k) in llama.shapes()}
+        assert {a["meta"]["fingerprint"] for a in arts} <= weights
     finally:
         d.stop()

@@ -1,9 +1,12 @@
-"""Deployment: systemd units verify, socket activation end to end with group-only
-access and sd_notify, and the Dockerfile lints."""
+"""Deployment: systemd units verify, their exposure score, the shipped units booted under a
+real systemd (sandbox applied, compiles, group-only socket, leases, IP allow list), socket
+activation with group-only access and sd_notify, and the Dockerfile lints."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -13,10 +16,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import booted_systemd
 import pytest
+from booted_systemd import BootedSystemd, json_line
 from cached_client import Client
 from cached_client.protocol import HEADER, decode_body, encode_frame
-from conftest import ROOT
+from conftest import ROOT, SHAPE
 
 CLIENT_GROUP = 4242  # stands for the inference service's group (SocketGroup=)
 MEMBER_UID, OUTSIDER_UID = 4243, 4244
@@ -41,12 +46,171 @@ def test_systemd_units_verify(tmp_path: Path):
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
     service = (ROOT / "deploy" / "cached.service").read_text()
     for line in ("Type=notify", "WatchdogSec=", "StateDirectory=cached",
-                 "RuntimeDirectory=cached", "NoNewPrivileges=yes", "ProtectSystem=strict",
+                 "NoNewPrivileges=yes", "ProtectSystem=strict",
                  "ProtectHome=yes", "PrivateTmp=yes", "RestrictAddressFamilies=", "MemoryMax=",
                  "User=cached", "EnvironmentFile=-/etc/cached/cached.env"):
         assert line in service, line
+    # systemd chowns a RuntimeDirectory= recursively on start: the socket in /run/cached
+    # would become cached:cached (test_the_shipped_units_serve_under_systemd_with_their_hardening)
+    assert not re.search(r"^RuntimeDirectory", service, re.MULTILINE)
     sock = (ROOT / "deploy" / "cached.socket").read_text()
     assert "SocketMode=0660" in sock and "SocketGroup=cached-clients" in sock
+
+
+EXPOSURE_BEFORE = 1.7  # the unit before issue 14 (docs/operations.md, "Hardening")
+EXPOSURE = 1.1
+
+
+def test_unit_exposure_score_is_lower():
+    result = subprocess.run([_tool("systemd-analyze"), "security", "--offline=yes",
+                             str(ROOT / "deploy" / "cached.service")],
+                            capture_output=True, text=True)
+    match = re.search(r"Overall exposure level for cached.service: (\d+\.\d)", result.stdout)
+    assert match, result.stdout + result.stderr
+    assert float(match.group(1)) <= EXPOSURE < EXPOSURE_BEFORE
+    for directive in ("SystemCallFilter=~@privileged", "SystemCallFilter=~@resources",
+                      "RemoveIPC=", "PrivateMounts=", "ProcSubset=", "ProtectProc="):
+        line = next(x for x in result.stdout.splitlines() if directive in x)
+        assert line.lstrip().startswith("\u2713"), line  # a check mark: the unit has it
+
+
+# -- the shipped units under a real systemd (tests/booted_systemd.py) ------------------
+
+SOCK = "/run/cached/cached.sock"
+MEMBER, OUTSIDER = (MEMBER_UID, [CLIENT_GROUP]), (OUTSIDER_UID, [])
+WARM = ("-m", "cached", "warm", "--socket", SOCK, "--family", "flashinfer.mm_fp4",
+        "--arch", "sm_100a", "--shape", ",".join(map(str, SHAPE)), "--json")
+
+# A lease holder that dies without releasing, and a waiter: run as a member of the group.
+LEASE = """
+import json, subprocess, sys, time
+from cached_client import Client, KernelRequest
+from cached_client.writeback import lease
+request = KernelRequest("flashinfer.jit", {"module": "demo", "kernel": sys.argv[2],
+                        "tvm_ffi": True, "source_sha256": "0" * 64}, "sm_100a", 148, 148)
+def take(wait_ms):
+    return lease(Client("/run/cached/cached.sock"), request, ttl_s=300.0, wait_ms=wait_ms)
+if sys.argv[1] == "hold":
+    print(json.dumps(take(0).to_wire()), flush=True)
+    time.sleep(600)
+elif sys.argv[1] == "once":
+    print(json.dumps(take(0).to_wire()))
+else:
+    holder = subprocess.Popen([sys.executable, sys.argv[0], "hold", sys.argv[2]],
+                              stdout=subprocess.PIPE, text=True)
+    held = json.loads(holder.stdout.readline())["state"]
+    alive = take(1000).state
+    holder.kill()
+    holder.wait()
+    start = time.monotonic()
+    after = take(10000).state
+    print(json.dumps({"held": held, "alive": alive, "after": after,
+                      "seconds": time.monotonic() - start}))
+"""
+
+# GET /healthz on the loopback address and on the namespace's other address.
+HEALTHZ = """
+import json, urllib.request
+out = {}
+for host in ("127.0.0.1", "10.0.0.1"):
+    try:
+        with urllib.request.urlopen(f"http://{host}:8377/healthz", timeout=3) as r:
+            out[host] = json.load(r)["ok"]
+    except OSError as exc:
+        out[host] = type(getattr(exc, "reason", exc)).__name__
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def booted():
+    why = booted_systemd.unavailable()
+    if why:
+        pytest.skip(why)
+    deploy = ROOT / "deploy"
+    units = {name: (deploy / name).read_text() for name in ("cached.service", "cached.socket")}
+    units["cached-test.target"] = "[Unit]\nDescription=cached test boot\nWants=cached.socket\n"
+    # The test's only additions: this checkout's code, the interpreter's library path, one
+    # worker, HTTP on every address (to show the IP allow list), the member may publish.
+    units["cached.service.d/test.conf"] = (
+        f"[Service]\nEnvironment=PYTHONPATH={ROOT}:{ROOT}/client "
+        "LD_LIBRARY_PATH=/opt/python/lib CACHED_WORKERS=1 CACHED_HTTP=0.0.0.0:8377 "
+        f"CACHED_PUBLISH_UID={MEMBER_UID}\n")
+    etc = {name: (deploy / name).read_text() for name in ("cached.env", "cached.toml")}
+    system = BootedSystemd(units, etc)
+    yield system
+    print(system.journal("cached.service")[-4000:])
+    system.close()
+
+
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: v.strip() for k, v in (line.split(":", 1) for line in lines)}
+
+
+def test_the_shipped_units_serve_under_systemd_with_their_hardening(booted):
+    socket_path = booted.host_path(SOCK)
+    st = socket_path.stat()
+    assert (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o660, 990, CLIENT_GROUP)
+    assert booted.show("cached.service", "ActiveState")["ActiveState"] == "inactive"
+
+    # a member of cached-clients connects: systemd starts the daemon, which compiles (spawned
+    # worker, gcc link) inside the sandbox; then the same kernels are hits
+    first = json_line(booted.py(*WARM, "--limit", "2", user=MEMBER))
+    assert (first["compiled"], first["failed"]) == (2, 0), first
+    again = json_line(booted.py(*WARM, "--limit", "2", user=MEMBER))
+    assert (again["cached"], again["failed"]) == (2, 0), again
+    st = socket_path.stat()  # still the group's once the service runs
+    assert (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o660, 990, CLIENT_GROUP)
+    outsider = booted.py("-m", "cached", "stats", "--socket", SOCK, user=OUTSIDER, check=False)
+    assert outsider.returncode != 0 and "Permission denied" in outsider.stderr
+
+    state = booted.show("cached.service", "ActiveState", "SubState", "StatusText", "NRestarts")
+    assert (state["ActiveState"], state["SubState"], state["NRestarts"]) == (
+        "active", "running", "0"), state
+    assert state["StatusText"].startswith("serving: "), state  # sd_notify STATUS=
+
+    # the sandbox, read from the kernel: every process of the unit (daemon, workers)
+    pids = booted.service_pids("cached.service")
+    assert len(pids) >= 2, pids
+    for pid in pids:
+        status = _status(pid)
+        assert status["Uid"].split()[0] == "990" and status["Seccomp"] == "2", status
+        assert status["NoNewPrivs"] == "1" and int(status["CapEff"], 16) == 0, status
+    procs = [line.split(" - ")[1].split() for line in
+             Path(f"/proc/{pids[0]}/mountinfo").read_text().splitlines()
+             if line.split()[4] == "/proc"]
+    options = procs[-1][2].split(",")  # the /proc the daemon sees: ProtectProc, ProcSubset
+    assert "hidepid=invisible" in options and "subset=pid" in options, procs[-1]
+
+    # a write-back lease whose holder dies is handed on at once: ProtectProc=invisible hides
+    # the holder's /proc entry from the daemon, its pidfd still says it is gone
+    race = json_line(booted.py(booted.put("lease.py", LEASE), "race", "k1", user=MEMBER))
+    assert (race["held"], race["alive"], race["after"]) == ("granted", "wait", "granted"), race
+    assert race["seconds"] < 5, race
+
+    # IPAddressAllow=localhost: HTTP answers on 127.0.0.1, not on another address
+    healthz = json_line(booted.py("-c", HEALTHZ))
+    assert healthz["127.0.0.1"] is True and healthz["10.0.0.1"] in ("timeout",
+                                                                    "TimeoutError"), healthz
+
+    booted.systemctl("stop", "cached.service")
+    stopped = booted.show("cached.service", "ActiveState", "Result", "ExecMainStatus")
+    assert stopped == {"ActiveState": "inactive", "Result": "success",
+                       "ExecMainStatus": "0"}, stopped
+    assert '"daemon.stopped"' in booted.journal("cached.service")
+
+
+def test_directives_left_out_of_the_unit_would_break_it(booted):
+    booted.write_dropin("cached.service", "zz-left-out.conf",
+                        "[Service]\nMemoryDenyWriteExecute=yes\nPrivateUsers=yes\n")
+    # MemoryDenyWriteExecute: the DSL JITs code while compiling; every new kernel fails
+    counts = json_line(booted.py(*WARM, "--limit", "3", check=False))
+    assert counts["failed"] >= 1 and counts["compiled"] == 0, counts
+    assert "JIT session error: Operation not permitted" in booted.journal("cached.service")
+    # PrivateUsers: peers of other users look like uid 65534, so publish_uid cannot work
+    refused = json_line(booted.py(booted.put("lease.py", LEASE), "once", "k2", user=MEMBER))
+    assert refused["state"] == "compile_locally" and "uid 65534" in refused["reason"], refused
 
 
 def test_dockerfile_lints():
@@ -56,6 +220,130 @@ def test_dockerfile_lints():
     text = (ROOT / "Dockerfile").read_text()
     for word in ("HEALTHCHECK", "/healthz", "VOLUME", "USER 990", "docker run"):
         assert word in text, word
+    # the healthcheck asks the configured address (test_healthcheck_asks_the_configured_...)
+    healthcheck = _instructions(text)["HEALTHCHECK"][0]
+    assert healthcheck.endswith('CMD ["python", "-m", "cached.healthcheck"]'), healthcheck
+
+
+# -- the image's install steps, run here (no container engine on the test machine) ------
+
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# the wheels PyPI's (CUDA) torch depends on: none of them may come with the image
+CUDA_TORCH_DEPS = re.compile(r"^(triton|nvidia-(cublas|cuda-(runtime|nvrtc|cupti)|cudnn-cu|cufft"
+                             r"|cufile|curand|cusolver|cusparse|nccl|nvjitlink|nvshmem|nvtx))")
+
+
+def _instructions(text: str) -> dict[str, list[str]]:
+    """The Dockerfile's instructions by keyword, continuation lines joined."""
+    out: dict[str, list[str]] = {}
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            keyword, _, rest = line.strip().partition(" ")
+            out.setdefault(keyword, []).append(rest.strip())
+    return out
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_image_installs_torchs_cpu_build_and_the_pins_without_cuda_wheels(tmp_path):
+    """The Dockerfile's dependency step is deploy/install-deps.sh; run here the way the
+    Dockerfile runs it, in a fresh virtualenv, with --dry-run --report: what pip resolves
+    (names, versions, torch's own requirements) without installing gigabytes."""
+    dockerfile = _instructions((ROOT / "Dockerfile").read_text())
+    script = (ROOT / "deploy" / "install-deps.sh").read_text()
+    assert f"TORCH_INDEX={CPU_INDEX}" in dockerfile["ARG"]
+    assert re.search(r"--index-url \"\$\{TORCH_INDEX:-(\S+)\}\"", script).group(1) == CPU_INDEX
+    pip_runs = [r for r in dockerfile["RUN"] if "pip" in r]
+    assert pip_runs[0] == "sh deploy/install-deps.sh pip", pip_runs
+    assert all("--no-deps" in r for r in pip_runs[1:]), pip_runs  # only the project itself
+    pins = dict(line.split("==") for line in (ROOT / "requirements.txt").read_text().split()
+                if "==" in line)
+    assert pins["torch"].endswith("+cpu"), pins
+
+    index = CPU_INDEX
+    try:
+        socket.getaddrinfo("download.pytorch.org", 443)
+    except OSError:  # offline: a local index of the CPU wheel pip's configuration finds on disk
+        local = tmp_path / "simple" / "torch"
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                              "--no-index", "-d", str(local), f"torch=={pins['torch']}"],
+                             capture_output=True, text=True)
+        if got.returncode:
+            pytest.skip(f"no route to {CPU_INDEX} and no torch {pins['torch']} wheel on disk")
+        (local / "index.html").write_text("".join(
+            f'<a href="{w.name.replace("+", "%2B")}">{w.name}</a>\n' for w in local.iterdir()))
+        index = (tmp_path / "simple").as_uri()
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    result = subprocess.run(
+        ["sh", str(ROOT / "deploy" / "install-deps.sh"), str(venv / "bin" / "pip"),
+         "--dry-run", "--quiet", "--report", "-"], capture_output=True, text=True,
+        env={**os.environ, "TORCH_INDEX": index}, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    decoder, text, reports = json.JSONDecoder(), result.stdout.strip(), []
+    while text:
+        report, end = decoder.raw_decode(text)
+        reports.append({_canonical(i["metadata"]["name"]): i["metadata"]
+                        for i in report["install"]})
+        text = text[end:].strip()
+    torch_step, rest_step = reports  # one report per pip command of the script
+    assert torch_step["torch"]["version"] == pins["torch"]
+    assert not [r for r in torch_step["torch"].get("requires_dist", [])
+                if CUDA_TORCH_DEPS.match(r)], torch_step["torch"]["requires_dist"]
+    for name, version in pins.items():
+        assert rest_step[_canonical(name)]["version"] == version, name
+    for step in reports:
+        assert not [n for n in step if CUDA_TORCH_DEPS.match(n)], sorted(step)
+
+
+def test_image_apt_packages_resolve_on_debian_12():
+    dockerfile = _instructions((ROOT / "Dockerfile").read_text())
+    assert "bookworm" in dockerfile["FROM"][0]  # Debian 12
+    release = Path("/etc/debian_version")
+    if not release.exists() or not release.read_text().startswith("12") or not shutil.which(
+            "apt-get"):
+        pytest.skip("not a Debian 12 machine: apt cannot resolve the image's packages here")
+    apt = next(r for r in dockerfile["RUN"] if "apt-get install" in r)
+    packages = re.search(r"--no-install-recommends ([^&]+)", apt).group(1).split()
+    assert "gcc=4:12.2.0-3" in packages and "libc6-dev" in packages, packages
+    result = subprocess.run(["apt-get", "install", "-s", "--no-install-recommends", *packages],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_healthcheck_asks_the_configured_address(tmp_path):
+    from conftest import DaemonProcess
+
+    d = DaemonProcess(tmp_path, workers=1)
+    try:
+        port = d.stats()["http"].rpartition(":")[2]
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CACHED_")}
+        empty = tmp_path / "cached.toml"  # no file settings: the environment decides
+        empty.write_text("")
+
+        def health(**values: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "cached.healthcheck"],
+                                  capture_output=True, text=True, timeout=60,
+                                  env={**env, "CACHED_CONFIG": str(empty),
+                                       **{f"CACHED_{k.upper()}": v for k, v in values.items()}})
+
+        for http in (f"127.0.0.1:{port}", f"0.0.0.0:{port}"):  # a wildcard: asked on loopback
+            ok = health(http=http)
+            assert ok.returncode == 0 and f"127.0.0.1:{port}/healthz: ok" in ok.stderr, ok.stderr
+        down = health(http=f"127.0.0.1:{closed.getsockname()[1]}")
+        assert down.returncode == 1 and "refused" in down.stderr, down.stderr
+        closed.close()
+        assert health(http="off", socket=d.socket).returncode == 0  # then: the socket's stats
+        gone = health(http="off", socket=str(tmp_path / "nothing.sock"))
+        assert gone.returncode == 1 and "nothing.sock" in gone.stderr, gone.stderr
+        bad = health(http="8377")
+        assert bad.returncode == 1 and "HOST:PORT" in bad.stderr, bad.stderr
+    finally:
+        d.stop()
 
 
 def _hello_as(path: str, uid: int, groups: list[int]) -> str:
