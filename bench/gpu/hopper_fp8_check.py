@@ -2,11 +2,11 @@
 """Hopper FP8 GEMM family: build a bundle here, check and time it on an H200 there.
 
   build (here, with the venv; CUTE_DSL_ARCH=sm_90a):
-      python bench/gpu/hopper_fp8_check.py build --out DIR --set explore|final
+      python bench/gpu/hopper_fp8_check.py build --out DIR --set wide|final
     compiles the chosen tactics to .o, links each into a .so, copies this script, the
     client package (for the launcher), the DSL runtime and the tvm-ffi wheel into DIR
-    and writes DIR/manifest.json (kernels, shapes, and for "final" the plan's choices:
-    the batch-invariant plan of cached.hopper_fp8 for every shape and M).
+    and writes DIR/manifest.json (kernels, shapes, and the plan's choices: the
+    batch-invariant plan of cached.hopper_fp8 for every shape and M).
   run (there: Python 3.12, torch CUDA, tvm_ffi from the carried wheel; no cutlass):
       python DIR/hopper_fp8_check.py run --bundle DIR --out $OUT [--phases correct,bi,perf]
     correct: float64 reference on fresh data (M, N, K ragged; K not a multiple of S x 128),
@@ -15,8 +15,9 @@
       every kernel, for the plan's per-M mix and for torch._scaled_mm (fast accumulation
       on and off), M in MS; kernels of one class compared with each other at every M.
     perf: CUDA-event medians over CUDA-graph replays, inputs rotated past the 60 MB L2;
-      "explore" times every kernel at EXPLORE_MS, "final" the plan's first choice (what a
-      client runs) and the next ones in its class, at every M, against torch._scaled_mm.
+      "wide" times every kernel at every M (the data the split rule and the cost model are
+      fitted to), "final" the plan's first choice (what a client runs) and the next ones in
+      its class, at every M, against torch._scaled_mm.
     Short tables are printed last; everything goes to $OUT/hopper_fp8.json.
   run --fake: the same driver on the CPU with an emulation of the kernels' arithmetic
     (a dry run of this script; no timing meaning).
@@ -43,7 +44,6 @@ EXTRA = [(2112, 7168), (4608, 7168), (7168, 2304), (4096, 512), (4096, 14336), (
          (8192, 28672), (8192, 8192), (5120, 25600), (5120, 8192)]
 SHAPES = SEEDS + EXTRA
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
-EXPLORE_MS = [1, 4, 16, 64, 256, 1024, 4096]
 FULL_M = 2048
 NUM_SMS = 132
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -64,21 +64,22 @@ def class_of(params: dict) -> str:
 # build (here)
 # ====================================================================================
 
-def _explore_tactics():
+def _wide_tactics():
+    """The tactics a "wide" run times at every shape and M (the data the split rule and
+    the cost model are fitted to): per class, the tile shapes that win somewhere."""
     from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
 
     out = []
-    for tm, tn in [(64, 64), (64, 128), (64, 256), (128, 64), (128, 128), (128, 192),
-                   (128, 256), (256, 128), (256, 192)]:
+    for tm, tn in [(64, 64), (64, 128), (64, 256), (128, 128), (128, 192), (128, 256),
+                   (256, 128), (256, 192)]:
         out.append(T(tm, tn))
     out += [T(128, 128, raster="n"), T(128, 256, raster="n")]
     for s in (2, 4, 8, 16):
         for tm, tn in [(64, 64), (64, 128), (64, 256), (128, 128), (128, 256)]:
             out.append(T(tm, tn, splits=s, split_mode="cta"))
-        for tm, tn in [(128, 128), (128, 192)]:
-            out.append(T(tm, tn, splits=s, split_mode="serial"))
-    out += [T(128, 128, raster="n", splits=2, split_mode="serial"),
-            T(128, 128, raster="n", splits=4, split_mode="serial")]
+        for tm, tn, r in [(64, 128, "m"), (64, 192, "m"), (128, 128, "m"), (128, 192, "m"),
+                          (128, 128, "n"), (128, 192, "n")]:
+            out.append(T(tm, tn, raster=r, splits=s, split_mode="serial"))
     # other dtypes (correctness and class equality only)
     out += [T(64, 128, out_dtype="float16", ab_dtype="e5m2", splits=4, split_mode="cta"),
             T(128, 128, out_dtype="float16", ab_dtype="e5m2", splits=4, split_mode="serial"),
@@ -144,8 +145,8 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False) -> None:
     os.makedirs(os.path.join(out, "obj"), exist_ok=True)
     os.makedirs(os.path.join(out, "kernels"), exist_ok=True)
     plan = _final_plan(top)
-    tactics = _explore_tactics() if which == "explore" else _final_tactics(plan)
-    if which == "explore":  # the plan's first choices too, so the run shows them
+    tactics = _wide_tactics() if which == "wide" else _final_tactics(plan)
+    if which == "wide":  # the plan's first choices too, so the run shows them
         names = {t.name for t in tactics}
         for t in _final_tactics({k: {"by_m": {m: v[:1] for m, v in p["by_m"].items()}}
                                  for k, p in plan.items()}):
@@ -157,18 +158,32 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False) -> None:
         entries.append({"name": t.name, "params": t.to_params(), "symbol": sym,
                         "so": f"kernels/{sym}.so", "obj": os.path.join(out, "obj", f"{sym}.o"),
                         "mac": NUM_SMS // t.cluster_size, "class": t.reduction_class})
+    from cached.families.hopper_fp8.family import HopperFp8
+
+    src = HopperFp8().source_sha256()
     old = {}
     mpath = os.path.join(out, "manifest.json")
-    if os.path.exists(mpath):  # reuse objects of an earlier build with the same params
+    if os.path.exists(mpath):  # reuse objects of an earlier build: same sources and params
         with open(mpath) as f:
-            for e in json.load(f)["kernels"]:
+            prev_manifest = json.load(f)
+        if prev_manifest.get("source_sha256") == src:
+            for e in prev_manifest["kernels"]:
                 old[json.dumps(e["params"], sort_keys=True)] = e
     todo = []
     for e in entries:
         prev = old.get(json.dumps(e["params"], sort_keys=True))
-        if prev and os.path.exists(os.path.join(out, prev["so"])) and prev["symbol"] == e["symbol"]:
+        if prev and os.path.exists(os.path.join(out, prev["so"])):
+            e["so"], e["symbol"] = prev["so"], prev["symbol"]
             continue
         todo.append(e)
+    used = {e["so"] for e in entries if e not in todo}
+    for e in todo:  # fresh names that no reused kernel has
+        i = 0
+        while f"kernels/hopper_fp8_{i:03d}.so" in used:
+            i += 1
+        e["symbol"], e["so"] = f"hopper_fp8_{i:03d}", f"kernels/hopper_fp8_{i:03d}.so"
+        e["obj"] = os.path.join(out, "obj", f"hopper_fp8_{i:03d}.o")
+        used.add(e["so"])
     if dry:  # manifest and files only (for `run --fake`)
         todo = []
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
@@ -203,8 +218,13 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False) -> None:
     shutil.rmtree(cdst, ignore_errors=True)
     shutil.copytree(os.path.join(REPO, "client", "cached_client"), cdst,
                     ignore=shutil.ignore_patterns("__pycache__"))
+    keep = {os.path.basename(e["so"]) for e in entries}
+    for f in os.listdir(os.path.join(out, "kernels")):
+        if f not in keep:
+            os.remove(os.path.join(out, "kernels", f))
     with open(mpath, "w") as f:
         json.dump({"set": which, "kernels": entries, "plan": plan, "shapes": SHAPES,
+                   "source_sha256": src,
                    "num_sms": NUM_SMS, "compiled_now": len(todo),
                    "compile_wall_seconds": round(wall, 1)}, f, indent=1)
     print(f"{which}: {len(entries)} kernels ({len(todo)} compiled now, {wall:.0f} s wall, "
@@ -590,10 +610,10 @@ def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool
         dump()
     if "perf" in phases:
         plan = r.manifest["plan"]
-        if r.manifest["set"] == "explore":
+        if r.manifest["set"] == "wide":
             def pick(n, k, m):
                 return [x for x in plain if not (r.is_cta(x) and m > 1024)]
-            ms = EXPLORE_MS
+            ms = MS
         else:
             def pick(n, k, m):
                 return plan[f"{n}x{k}"]["by_m"][str(m)]
@@ -714,7 +734,7 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
-    b.add_argument("--set", default="final", choices=["explore", "final"])
+    b.add_argument("--set", default="final", choices=["wide", "final"])
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--top", type=int, default=3, help="plan choices per M kept (final)")
     b.add_argument("--dry", action="store_true", help="manifest only, no compile")

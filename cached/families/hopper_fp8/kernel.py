@@ -419,11 +419,17 @@ class HopperFp8GemmKernel:
                     )
                     if ws_ok:
                         tile_lin = crd[0] + crd[1] * tiles_m
+                        # threads whose fragment lies wholly outside (M, N) skip the
+                        # round trip: at decode sizes most of the tile is padding. The
+                        # others move their whole fragment (inside this tile's slot), with
+                        # no per-element branch, so the loads below can all be in flight.
                         tCcC = thr_mma.partition_C(gcC[(None, None, crd[0], crd[1])])
-                        # valid rows/columns only: at decode sizes most of the tile is padding
+                        any_valid = cute.elem_less(tCcC[0], mC.shape)
+                        for v in cutlass.range_constexpr(1, frag):
+                            any_valid = any_valid | cute.elem_less(tCcC[v], mC.shape)
                         own = (tile_lin * self.splits + split) * slot_elems + ctid
-                        for v in cutlass.range_constexpr(frag):
-                            if cute.elem_less(tCcC[v], mC.shape):
+                        if any_valid:
+                            for v in cutlass.range_constexpr(frag):
                                 mWs[own + v * self.num_mma_threads] = acc[v]
                         cute.arch.fence_acq_rel_gpu()
                         self.epi_barrier.arrive_and_wait()
@@ -437,10 +443,10 @@ class HopperFp8GemmKernel:
                             # last unit of this tile: sum the partials in split order
                             cute.arch.fence_acq_rel_gpu()
                             acc.fill(0.0)
-                            for s in range(self.splits):
-                                base = (tile_lin * self.splits + s) * slot_elems + ctid
-                                for v in cutlass.range_constexpr(frag):
-                                    if cute.elem_less(tCcC[v], mC.shape):
+                            if any_valid:
+                                for s in cutlass.range_constexpr(self.splits):
+                                    base = (tile_lin * self.splits + s) * slot_elems + ctid
+                                    for v in cutlass.range_constexpr(frag):
                                         acc[v] = acc[v] + cute.arch.load(
                                             mWs.iterator + (base + v * self.num_mma_threads),
                                             cutlass.Float32, cop="cg",
