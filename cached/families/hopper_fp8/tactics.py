@@ -418,36 +418,43 @@ def _cost(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int) -> tuple:
     )
 
 
+# Split tactics (S > 1) the family plans: 'cta' on the decode tiles (one M tile row; the
+# N tile width sets how many units fill the chip) and 'serial' on the tiles that fit two
+# accumulators and won somewhere in the H200 wide run (bench/gpu/hopper_fp8_check.py).
+SPLIT_CTA_TILES = ((64, 64), (64, 128), (64, 256), (128, 128), (128, 256))
+SPLIT_SERIAL_TILES = ((64, 128, "m"), (64, 192, "m"), (128, 128, "m"), (128, 128, "n"),
+                      (128, 192, "m"), (128, 192, "n"))
+
+
 def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
                  splits: int | None = None) -> list[HopperFp8Tactic]:
     """Every tactic the family plans, for one split count S or (None) for all of them.
 
     S = 1: every feasible tile x cluster x raster x swizzle (264). S > 1: split_mode
-    'cta' on every tile that fits one accumulator (cluster 1x1, raster m, swizzle 1:
-    these serve small M, where a tile row is one wave) and split_mode 'serial' on every
-    tile that fits two (cluster 1x1, raster m and n, swizzle 1: these serve large M).
+    'cta' on SPLIT_CTA_TILES and 'serial' on SPLIT_SERIAL_TILES, cluster 1x1, swizzle 1
+    (11 per S: clusters and swizzles lost at small M in the S = 1 measurements).
     """
     out: list[HopperFp8Tactic] = []
     for sp in SPLIT_CHOICES if splits is None else (splits,):
-        for tm in TILE_M_CHOICES:
-            for tn in TILE_N_CHOICES:
-                stages = max_stages_for(tm, tn, out_dtype)
-                if sp == 1:
+        if sp == 1:
+            for tm in TILE_M_CHOICES:
+                for tn in TILE_N_CHOICES:
                     if not tile_is_feasible(tm, tn, out_dtype)[0]:
                         continue
+                    stages = max_stages_for(tm, tn, out_dtype)
                     for cm, cn in CLUSTER_CHOICES:
                         for raster in RASTER_CHOICES:
                             for swz in SWIZZLE_CHOICES:
                                 out.append(HopperFp8Tactic(tm, tn, cm, cn, raster, swz, stages,
                                                            out_dtype, ab_dtype))
-                    continue
-                if tile_is_feasible(tm, tn, out_dtype)[0]:
-                    out.append(HopperFp8Tactic(tm, tn, 1, 1, "m", 1, stages, out_dtype, ab_dtype,
-                                               sp, "cta"))
-                if tile_is_feasible(tm, tn, out_dtype, acc_sets(sp, "serial"))[0]:
-                    for raster in RASTER_CHOICES:
-                        out.append(HopperFp8Tactic(tm, tn, 1, 1, raster, 1, stages, out_dtype,
-                                                   ab_dtype, sp, "serial"))
+            continue
+        for tm, tn in SPLIT_CTA_TILES:
+            out.append(HopperFp8Tactic(tm, tn, 1, 1, "m", 1, max_stages_for(tm, tn, out_dtype),
+                                       out_dtype, ab_dtype, sp, "cta"))
+        for tm, tn, raster in SPLIT_SERIAL_TILES:
+            out.append(HopperFp8Tactic(tm, tn, 1, 1, raster, 1,
+                                       max_stages_for(tm, tn, out_dtype), out_dtype, ab_dtype,
+                                       sp, "serial"))
     return out
 
 
