@@ -54,21 +54,21 @@ def test_enumeration_size_and_budget():
 
 
 def test_split_space():
-    """S > 1: 'cta' on the five decode tiles, 'serial' on six tiles that fit two
-    accumulators; 308 tactics over the five classes."""
+    """S > 1: 'cta' on six decode tiles, 'serial' on eight tiles that fit two
+    accumulators; 320 tactics over the five classes."""
     for s in T.SPLIT_CHOICES[1:]:
         ts = T.tactic_space(splits=s)
         cta = [t for t in ts if t.split_mode == "cta"]
         serial = [t for t in ts if t.split_mode == "serial"]
-        assert len(cta) == 5 and len(serial) == 6
+        assert len(cta) == 6 and len(serial) == 8
         assert all(t.cluster_size == 1 and t.splits == s for t in ts)
         for t in serial:
             assert 2 * T.acc_regs_per_thread(t.tile_m, t.tile_n) <= T.MAX_ACC_REGS_PER_THREAD
         for t in ts:
             t.validate()
     space = T.tactic_space()
-    assert len(space) == 308 == len({t.name for t in space})
-    assert len(enumerate_tactics(4096, 4096, 4096)) == 308
+    assert len(space) == 320 == len({t.name for t in space})
+    assert len(enumerate_tactics(4096, 4096, 4096)) == 320
 
 
 def test_reduction_order_constants():
@@ -132,11 +132,16 @@ def test_choose_split_depends_on_n_k_and_device_only():
     for n in (512, 2112, 2688, 4096, 4608, 7168, 8192, 14336, 28672, 57344):
         for k in (512, 1536, 2304, 4096, 7168, 14336, 28672):
             s = T.choose_split(n, k, 132)
-            assert s in T.SPLIT_CHOICES
-            # every split walks at least SPLIT_MIN_K_TILES K tiles
-            assert s == 1 or -(-k // T.TILE_K) >= T.SPLIT_MIN_K_TILES * s
-    # many N tiles already fill the chip: no split
-    assert T.choose_split(57344, 8192, 132) == 1
+            assert s in T.SPLIT_CHOICES and s <= T.SPLIT_MAX
+            # every split walks at least 28 K tiles, and N tiles x S fit one wave
+            assert s == 1 or k >= T.SPLIT_MIN_K_PER_SPLIT * s
+            assert s == 1 or -(-n // T.SPLIT_TILE_N) * s <= 132
+    # what the H200 wide run picked (docs/benchmarks.md): seeds S = 1, long K splits
+    assert [T.choose_split(n, k, 132) for n, k in (
+        (4096, 4096), (2688, 4096), (4608, 2688), (14336, 4096), (4096, 14336),
+        (5120, 25600), (8192, 28672), (2112, 7168), (4096, 512))] == [1, 1, 1, 1, 4, 4, 4, 2, 1]
+    # fewer SMs: fewer units fit one wave
+    assert T.choose_split(8192, 28672, 64) == 2 and T.choose_split(8192, 28672, 32) == 1
     for bad in ((0, 4096, 132), (4096, 4096, 0), (4096.0, 4096, 132)):
         with pytest.raises(ValueError):
             T.choose_split(*bad)
@@ -146,12 +151,43 @@ def test_enumeration_is_stable_and_shape_aware():
     a = enumerate_tactics(4096, 4096, 4096)
     b = enumerate_tactics(4096, 4096, 4096)
     assert a == b
-    # decode-sized M: the smallest M tile; large M: a 128-row (two-warpgroup) tile
-    assert enumerate_tactics(1, 4096, 4096)[0].tile_m == 64
-    assert enumerate_tactics(8192, 14336, 4096)[0].tile_m >= 128
+    # the model (an (N, K) with no recorded winners): decode-sized M, the smallest M tile;
+    # large M, a 128-row (two-warpgroup) tile
+    assert (14336, 4160) not in {key[1:] for key in T.RECORDED_WINNERS}
+    assert enumerate_tactics(1, 14336, 4160)[0].tile_m == 64
+    assert enumerate_tactics(8192, 14336, 4160)[0].tile_m >= 128
     for t in enumerate_tactics(7, 2688, 4096, out_dtype="float16"):
         assert t.out_dtype == "float16"
     assert {t.ab_dtype for t in enumerate_tactics(64, 256, 256, ab_dtype="e5m2")} == {"e5m2"}
+
+
+def test_recorded_winners_come_first():
+    """A recorded (device, N, K) ranks the measured winner of each class first, for the
+    M bucket (the smallest recorded M >= M); another device or (N, K) uses the model."""
+    per = T.RECORDED_WINNERS[(132, 4096, 14336)]
+    assert set(per) == {1, 2, 4}
+    for s, row in per.items():
+        for m, key, us in row:
+            for mm in {m, max(1, m - 1)}:
+                first = enumerate_tactics(mm, 4096, 14336, splits=s)[0]
+                bucket = next(r for r in row if r[0] >= mm)
+                assert T.recorded_key(first) == bucket[1] and first.splits == s
+            assert us > 0
+    # past the last bucket: the largest one
+    assert T.recorded_key(enumerate_tactics(20000, 4096, 14336, splits=4)[0]) == per[4][-1][1]
+    # all classes: the fastest recorded winner first
+    m = 1
+    best = min((row[0][2], s) for s, row in per.items())[1]
+    assert enumerate_tactics(m, 4096, 14336)[0].splits == best
+    # another device: the model's order
+    model = enumerate_tactics(1, 4096, 14336, num_sms=114, splits=4)
+    assert model == sorted(model, key=lambda t: (T._cost(t, 1, 4096, 14336, 114), t.name))
+    # every recorded key names a tactic of the family's space
+    names = {t.name for t in T.tactic_space()}
+    for (_, n, k), per in T.RECORDED_WINNERS.items():
+        for s, row in per.items():
+            for m, _key, _us in row:
+                assert enumerate_tactics(m, n, k, splits=s)[0].name in names
 
 
 def test_register_and_smem_feasibility():
@@ -262,7 +298,7 @@ def test_plan_reduction_class_option_and_default():
 
     fam = HopperFp8()
     every = fam.plan((16, 4096, 4096), "sm_90a", 132, {})
-    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 308
+    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 320
     for cid in T.REDUCTION_CLASSES:
         reqs = fam.plan((16, 4096, 4096), "sm_90a", 132, {"reduction_class": cid})
         assert {_class(r) for r in reqs} == {cid}
@@ -278,8 +314,9 @@ def test_plan_reduction_class_option_and_default():
     ({"reduction_class": 4}, "reduction_class must be a string"),
 ])
 def test_plan_rejects_bad_options(options, words):
-    from cached.families.hopper_fp8.family import HopperFp8
     from cached_client.errors import InvalidTactic
+
+    from cached.families.hopper_fp8.family import HopperFp8
 
     with pytest.raises(InvalidTactic, match=words):
         HopperFp8().plan((16, 4096, 4096), "sm_90a", 132, options)
@@ -442,7 +479,7 @@ def test_every_tactic_compiles_for_sm90a_through_the_daemon(daemon):
 
 
 def _split_variants() -> list:
-    """The split tactics compiled by the test below: all 44 (11 per S > 1).
+    """The split tactics compiled by the test below: all 56 (14 per S > 1).
 
     Every field of a tactic is a compile-time constant, so every tactic is its own object
     code. What decides a different code path (the thing a compile can break on) is the
@@ -461,7 +498,7 @@ def test_split_tactics_compile_for_sm90a_through_the_daemon(daemon):
     client = daemon.client()
     requests = [KernelRequest(family="cached.hopper_fp8", params=t.to_params(), arch="sm_90a",
                               sm_count=132, max_active_clusters=132) for t in _split_variants()]
-    assert len(requests) == 44
+    assert len(requests) == 56
     client.prefetch(requests)
     for r in requests:
         art = client.get(r, timeout=900)
@@ -469,4 +506,4 @@ def test_split_tactics_compile_for_sm90a_through_the_daemon(daemon):
         assert path and os.path.getsize(path) > 1000
     entries = client.list()
     names = {e["kernel_name"] for e in entries}
-    assert len(names) == 44 and all("_k" in nm for nm in names)
+    assert len(names) == 56 and all("_k" in nm for nm in names)

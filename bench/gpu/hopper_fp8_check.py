@@ -729,6 +729,21 @@ def summarize(res, manifest, p) -> None:
     p(f"wall {res.get('wall_seconds')} s")
 
 
+def profile(bundle: str, name: str, m: int, n: int, k: int, reps: int) -> None:
+    """Launch one kernel `reps` times on fresh data (for ncu: profile the last launch)."""
+    r = Runner(bundle, os.environ.get("OUT", "/tmp"), fake=False)
+    sa, sb = r.scales()
+    a, b = r.fp8(m, k), r.fp8(n, k)
+    if name.startswith("cublas"):
+        for _ in range(reps):
+            r.scaled_mm(a, b, sa, sb, name.endswith("1"))
+    else:
+        out = r.torch.empty(m, n, dtype=r.torch.bfloat16, device=r.dev)
+        for _ in range(reps):
+            r.call(name, a, b, sa, sb, out)
+    r.sync()
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -748,6 +763,11 @@ def main():
     r.add_argument("--fake", action="store_true", help="CPU dry run of the driver")
     c = sub.add_parser("_compile")
     c.add_argument("jobs_json")
+    pr = sub.add_parser("profile")
+    pr.add_argument("--bundle", default=HERE)
+    pr.add_argument("--kernel", required=True, help="kernel name, or cublas_fast1/0")
+    pr.add_argument("--mnk", required=True, help="M,N,K")
+    pr.add_argument("--reps", type=int, default=3)
     s = sub.add_parser("summarize")
     s.add_argument("json")
     s.add_argument("manifest")
@@ -756,6 +776,9 @@ def main():
         build(a.out, a.set, a.jobs, a.top, a.dry)
     elif a.cmd == "_compile":
         _compile_worker(a.jobs_json)
+    elif a.cmd == "profile":
+        m, n, k = (int(x) for x in a.mnk.split(","))
+        profile(a.bundle, a.kernel, m, n, k, a.reps)
     elif a.cmd == "summarize":
         with open(a.json) as f, open(a.manifest) as g:
             summarize(json.load(f), json.load(g), print)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Check the split rule and the cost model of cached.hopper_fp8 against an H200 "wide" run.
 
-    python bench/gpu/hopper_fp8_fit.py RESULT.json [--sms 132]
+    python bench/gpu/hopper_fp8_fit.py RESULT.json [--sms 132] [--write-table PATH]
 
 RESULT.json is $OUT/hopper_fp8.json of `hopper_fp8_check.py run` on a "wide" bundle (every
 kernel timed at every shape and M). For each (N, K) it prints, per reduction-order class
@@ -9,7 +9,10 @@ S, the geometric mean and the minimum over M of cuBLAS(fast accumulation)'s time
 best measured kernel of the class, and marks the S that `tactics.choose_split` picks.
 Then, for the plan's class, how close the plan's first choice per M (`enumerate_tactics`,
 the family's model) comes to the best measured kernel of that class; a first choice the
-run did not time is listed as unmeasured.
+run did not time is listed as unmeasured. --model-only ranks without the recorded
+winners (tactics.RECORDED_WINNERS), which is how the plan ranks an (N, K) nobody measured.
+--write-table writes those recorded winners (the best measured tactic per (N, K), M and
+class S in 1, 2, 4) as cached/families/hopper_fp8/h200_winners.py.
 """
 
 from __future__ import annotations
@@ -36,14 +39,7 @@ def load(path: str):
     by = {}
     for row in res["perf"]:
         by.setdefault((row["n"], row["k"]), {}).setdefault(row["m"], {})[row["impl"]] = row["us"]
-    names = {t.name: t for t in T.tactic_space()}
-    extra = {}
-    for row in res["perf"]:
-        nm = row["impl"]
-        if nm.startswith("cublas") or nm in names or nm in extra:
-            continue
-        extra[nm] = None
-    return by, names
+    return by, {t.name: t for t in T.tactic_space()}
 
 
 def splits_of(name: str) -> int:
@@ -55,13 +51,56 @@ def plain(name: str) -> bool:
     return "_e4m3_bfloat16" in name
 
 
+def write_table(by, space, path: str, source: str) -> None:
+    """The best measured tactic of the family's space per (N, K), M and class S <= 4."""
+    table = {}
+    for (n, k), bym in sorted(by.items()):
+        for s in (1, 2, 4):
+            row = []
+            for m, d in sorted(bym.items()):
+                ks = [x for x in d if x in space and space[x].splits == s]
+                if not ks:
+                    continue
+                best = min(ks, key=d.get)
+                row.append((m, T.recorded_key(space[best]), round(d[best], 1)))
+            if row:
+                table.setdefault((n, k), {})[s] = tuple(row)
+    lines = ['"""Recorded H200 winners of cached.hopper_fp8 (generated; do not edit).',
+             "",
+             f"By bench/gpu/hopper_fp8_fit.py --write-table from {os.path.basename(source)} (the",
+             "wide run of bench/gpu/hopper_fp8_check.py on an H200, 132 SMs, 2026-11-30): per",
+             "(N, K) and reduction-order class S, per M: (M, tactic key, measured us). A key is",
+             "tactics.recorded_key(t): tile, raster and, for S > 1, split mode.",
+             '"""', "", "SM_COUNT = 132", "", "WINNERS = {"]
+    for (n, k), per in table.items():
+        lines.append(f"    ({n}, {k}): {{")
+        for s, row in per.items():
+            lines.append(f"        {s}: (")
+            for i in range(0, len(row), 3):
+                lines.append("            " + " ".join(f"({m}, {key!r}, {us})," for m, key, us
+                                                       in row[i:i + 3]))
+            lines.append("        ),")
+        lines.append("    },")
+    lines.append("}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {path}: {len(table)} shapes")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("json")
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--model-only", action="store_true")
+    ap.add_argument("--write-table")
     a = ap.parse_args()
     by, space = load(a.json)
+    if a.write_table:
+        write_table(by, space, a.write_table, a.json)
+        return 0
+    if a.model_only:
+        T.RECORDED_WINNERS.clear()
     classes = T.SPLIT_CHOICES
     print("per (N, K): cuBLAS-fast / best-of-class, geomean over M (min); * = choose_split")
     print("  N x K        " + "".join(f"{'S=' + str(s):>14}" for s in classes) + "   best")
@@ -70,7 +109,7 @@ def main() -> int:
         score = {}
         for s in classes:
             r = []
-            for m, d in bym.items():
+            for d in bym.values():
                 ks = [x for x in d if not x.startswith("cublas") and plain(x) and splits_of(x) == s]
                 if not ks:
                     break

@@ -431,7 +431,9 @@ class HopperFp8GemmKernel:
                         if any_valid:
                             for v in cutlass.range_constexpr(frag):
                                 mWs[own + v * self.num_mma_threads] = acc[v]
-                        cute.arch.fence_acq_rel_gpu()
+                        # release: the barrier orders every thread's partial before thread
+                        # 0's acq_rel atomic (cumulativity); the last unit's atomic acquires
+                        # them, and its barrier orders its threads' loads after that.
                         self.epi_barrier.arrive_and_wait()
                         if ctid == 0:
                             sFlag[0] = cute.arch.atomic_add(
@@ -441,7 +443,6 @@ class HopperFp8GemmKernel:
                         self.epi_barrier.arrive_and_wait()
                         if sFlag[0] == self.splits - 1:
                             # last unit of this tile: sum the partials in split order
-                            cute.arch.fence_acq_rel_gpu()
                             acc.fill(0.0)
                             if any_valid:
                                 for s in cutlass.range_constexpr(self.splits):

@@ -340,31 +340,45 @@ def smem_bytes(t: HopperFp8Tactic) -> int:
 # Enumeration and the cost model
 # --------------------------------------------------------------------------------------
 
-# Microseconds one CTA spends per 128-deep K tile, by (tile_m, tile_n), cluster (1,1),
-# swizzle 1: the median over 24 problems (M in 1..8192, four LLM weight shapes) of
-# time / waves / k_tiles, measured on an H200 by bench/gpu/hopper_fp8_check.py (2026-11-30).
-# Small-M problems fit the same per-tile cost (they are latency/issue bound per CTA, not
-# bandwidth bound), so one table serves decode and prefill.
+# Microseconds one CTA spends per 128-deep K tile, by (tile_m, tile_n) and M regime
+# (M <= 64, M <= 1024, larger): the median over the H200 "wide" run (14 (N, K) shapes x
+# 14 M, bench/gpu/hopper_fp8_check.py, 2026-11-30) of (time - 2.5 us) / waves / K tiles,
+# for S = 1, cluster 1x1, swizzle 1. 64x192, 128x64 and 256x64 were not timed at S = 1:
+# interpolated from their neighbours.
 US_PER_K_TILE = {
-    (64, 64): 0.203, (64, 128): 0.293, (64, 192): 0.364, (64, 256): 0.428,
-    (128, 64): 0.342, (128, 128): 0.412, (128, 192): 0.618, (128, 256): 0.776,
-    (256, 64): 0.586, (256, 128): 0.812, (256, 192): 1.176,
+    (64, 64): (0.291, 0.184, 0.197),
+    (64, 128): (0.253, 0.284, 0.286),
+    (64, 192): (0.300, 0.340, 0.360),
+    (64, 256): (0.344, 0.397, 0.417),
+    (128, 64): (0.330, 0.270, 0.330),
+    (128, 128): (0.397, 0.368, 0.415),
+    (128, 192): (0.479, 0.518, 0.629),
+    (128, 256): (0.619, 0.670, 0.819),
+    (256, 64): (0.550, 0.550, 0.600),
+    (256, 128): (0.666, 0.672, 0.817),
+    (256, 192): (0.925, 0.964, 1.205),
 }
 
-
-# Split-K terms of the model (H200). PLACEHOLDERS until calibrated on the H200.
-HBM_BYTES_PER_US = 3.3e6  # unique operand + output bytes per microsecond, whole chip
+# Fitted on the same run (bench/gpu/hopper_fp8_fit.py): the constants that rank each
+# class's measured tactics best (geometric mean of first choice / best 1.035 over 588
+# (shape, M, class) points before the recorded winners below).
+HBM_BYTES_PER_US = 4.2e6  # unique bytes (A, B, C and 'cta' partials) per us, whole chip
 DRAIN_K_TILES = 0.5  # serial split: one range boundary (pipeline drain) in K-tile times
-CTA_REDUCE_US_PER_KB = 0.01  # last unit of a tile: reading the S partials (L2)
-CTA_FIXED_US = 1.0  # split_mode "cta": partial stores, fence, counter atomic, 2 barriers
-LAUNCH_US = 2.0  # fixed per launch (prologue, first loads, last store)
+CTA_FIXED_US = 4.0  # split_mode 'cta': partial stores, counter atomic, barriers, last sum
+CTA_REDUCE_US_PER_KB = 0.1  # last unit of a tile: reading the S partials (L2), per KB
+LAUNCH_US = 2.5  # fixed per launch (prologue, first loads, last store)
+CTA_PAST_ONE_WAVE_US = 1e9  # rank a 'cta' split that needs two waves or more last
 
 
-def _per_k_tile_us(tile_m: int, tile_n: int) -> float:
+def _regime(m: int) -> int:
+    return 0 if m <= 64 else (1 if m <= 1024 else 2)
+
+
+def _per_k_tile_us(tile_m: int, tile_n: int, m: int) -> float:
     per = US_PER_K_TILE.get((tile_m, tile_n))
-    if per is None:  # a tile shape not measured yet: scale from operand bytes per K tile
-        per = 0.0032 * (tile_m + tile_n) * max(1.0, tile_m * tile_n / 16384)
-    return per
+    if per is None:  # a tile shape not measured: scale from operand bytes per K tile
+        return 0.0032 * (tile_m + tile_n) * max(1.0, tile_m * tile_n / 16384)
+    return per[_regime(m)]
 
 
 def work_units(t: HopperFp8Tactic, m: int, n: int) -> int:
@@ -382,22 +396,27 @@ def estimate_us(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int = H200_
     Compute side: waves of work units (padding of the last wave and of the cluster grid
     counted) x the K tiles one unit walks x the measured per-K-tile cost of the tile
     shape; a serial split adds one pipeline drain per range boundary, a 'cta' split the
-    partial round trip and the last unit's fixed-order sum. Memory side: the unique
-    bytes (A, B, C) over the chip's bandwidth. The larger of the two, plus launch cost.
+    partial round trip and the last unit's fixed-order sum (and is ranked last when its
+    units need more than one wave). Memory side: the unique bytes (A, B, C, partials)
+    over the chip's bandwidth. The larger of the two, plus launch cost.
     """
     slots = (num_sms // t.cluster_size) * t.cluster_size
     units = work_units(t, m, n)
     waves = -(-units // slots)
     kt = -(-k // TILE_K)
-    per = _per_k_tile_us(t.tile_m, t.tile_n)
+    per = _per_k_tile_us(t.tile_m, t.tile_n, m)
+    partial_bytes = 0
     if t.split_mode == "cta" and t.splits > 1:
+        if waves > 1:  # 'cta' exists to fill one wave; past that 'serial' has the same
+            return CTA_PAST_ONE_WAVE_US + waves  # parallelism without the round trip
         rows = min(m, t.tile_m)
-        partial_kb = rows * t.tile_n * 4 / 1024
-        compute = (waves * (-(-kt // t.splits) * per + CTA_FIXED_US)
-                   + t.splits * partial_kb * CTA_REDUCE_US_PER_KB)
+        compute = (waves * -(-kt // t.splits) * per + CTA_FIXED_US
+                   + t.splits * rows * t.tile_n * 4 / 1024 * CTA_REDUCE_US_PER_KB)
+        rows_moved = m if m <= t.tile_m else -(-m // t.tile_m) * t.tile_m
+        partial_bytes = 2 * t.splits * rows_moved * n * 4
     else:
         compute = waves * (kt + (t.splits - 1) * DRAIN_K_TILES) * per
-    memory = (n * k + m * k + 2 * m * n) / HBM_BYTES_PER_US
+    memory = (n * k + m * k + 2 * m * n + partial_bytes) / HBM_BYTES_PER_US
     return max(compute, memory) + LAUNCH_US
 
 
@@ -421,9 +440,9 @@ def _cost(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int) -> tuple:
 # Split tactics (S > 1) the family plans: 'cta' on the decode tiles (one M tile row; the
 # N tile width sets how many units fill the chip) and 'serial' on the tiles that fit two
 # accumulators and won somewhere in the H200 wide run (bench/gpu/hopper_fp8_check.py).
-SPLIT_CTA_TILES = ((64, 64), (64, 128), (64, 256), (128, 128), (128, 256))
-SPLIT_SERIAL_TILES = ((64, 128, "m"), (64, 192, "m"), (128, 128, "m"), (128, 128, "n"),
-                      (128, 192, "m"), (128, 192, "n"))
+SPLIT_CTA_TILES = ((64, 64), (64, 128), (64, 192), (64, 256), (128, 128), (128, 256))
+SPLIT_SERIAL_TILES = ((64, 64, "m"), (64, 128, "m"), (64, 192, "m"), (128, 64, "m"),
+                      (128, 128, "m"), (128, 128, "n"), (128, 192, "m"), (128, 192, "n"))
 
 
 def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
@@ -432,7 +451,7 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
 
     S = 1: every feasible tile x cluster x raster x swizzle (264). S > 1: split_mode
     'cta' on SPLIT_CTA_TILES and 'serial' on SPLIT_SERIAL_TILES, cluster 1x1, swizzle 1
-    (11 per S: clusters and swizzles lost at small M in the S = 1 measurements).
+    (14 per S: clusters and swizzles lost at small M in the S = 1 measurements).
     """
     out: list[HopperFp8Tactic] = []
     for sp in SPLIT_CHOICES if splits is None else (splits,):
@@ -470,6 +489,48 @@ def _check_problem(m: int, n: int, k: int, out_dtype: str, ab_dtype: str) -> Non
         raise ValueError(f"ab_dtype must be one of {AB_DTYPES}, got {ab_dtype!r}")
 
 
+def recorded_key(t: HopperFp8Tactic) -> str:
+    """Short name of a cluster-1x1, swizzle-1 tactic in a recorded table, e.g. '64x128mc'
+    (tile, raster, then 'c' or 's' for the split mode of S > 1)."""
+    mode = t.split_mode[0] if t.splits > 1 else ""
+    return f"{t.tile_m}x{t.tile_n}{t.raster}{mode}"
+
+
+def _from_key(key: str, splits: int, out_dtype: str, ab_dtype: str) -> HopperFp8Tactic:
+    tile, rest = key[:-1 if splits == 1 else -2], key[-1 if splits == 1 else -2:]
+    tm, tn = (int(x) for x in tile.split("x"))
+    mode = {"c": "cta", "s": "serial"}[rest[1]] if splits > 1 else "serial"
+    return HopperFp8Tactic(tm, tn, 1, 1, rest[0], 1, 0, out_dtype, ab_dtype, splits,
+                           mode).normalized()
+
+
+def _load_recorded() -> dict:
+    from . import h200_winners
+
+    return {(h200_winners.SM_COUNT, n, k): per for (n, k), per in h200_winners.WINNERS.items()}
+
+
+#: (sm_count, N, K) -> {S: ((M, key, us), ...)}: the best measured tactic per M and class
+#: on a device (h200_winners.py, from the H200 wide run). The plan ranks it first for
+#: that (N, K) on that device; every other (N, K) is ranked by the model alone.
+RECORDED_WINNERS: dict = _load_recorded()
+
+
+def _recorded_first(m: int, n: int, k: int, splits: int | None, num_sms: int, out_dtype: str,
+                    ab_dtype: str) -> list[HopperFp8Tactic]:
+    per = RECORDED_WINNERS.get((num_sms, n, k))
+    if not per:
+        return []
+    found = []
+    for sp, row in per.items():
+        if splits is not None and sp != splits:
+            continue
+        # the M bucket: the smallest recorded M >= m (the largest one past the end)
+        hit = next((r for r in row if r[0] >= m), row[-1])
+        found.append((hit[2], _from_key(hit[1], sp, out_dtype, ab_dtype)))
+    return [t for _, t in sorted(found, key=lambda x: x[0])]
+
+
 def enumerate_tactics(
     m: int,
     n: int,
@@ -479,8 +540,9 @@ def enumerate_tactics(
     num_sms: int = H200_NUM_SMS,
     splits: int | None = None,
 ) -> list[HopperFp8Tactic]:
-    """The tactics of tactic_space(splits) for (m, n, k), best-first by the cost model
-    (estimate_us, then the tie-breaks of _cost).
+    """The tactics of tactic_space(splits) for (m, n, k), best-first: the recorded winner
+    of each class for this device and (N, K), if any (RECORDED_WINNERS), then the cost
+    model's order (estimate_us, then the tie-breaks of _cost).
 
     The order is deterministic (total order on the cost tuple). With ``splits`` given,
     every tactic is of one reduction-order class, so any subset is batch-invariant as a
@@ -491,25 +553,35 @@ def enumerate_tactics(
         raise ValueError(f"splits must be one of {SPLIT_CHOICES}, got {splits!r}")
     out = tactic_space(out_dtype, ab_dtype, splits)
     out.sort(key=lambda t: (_cost(t, m, n, k, num_sms), t.name))
+    first = _recorded_first(m, n, k, splits, num_sms, out_dtype, ab_dtype)
+    if first:
+        names = {t.name for t in first}
+        out = first + [t for t in out if t.name not in names]
     return out
 
 
-# choose_split: PLACEHOLDER rule until calibrated on the H200.
-SPLIT_MIN_K_TILES = 4  # each split walks at least this many K tiles
-SPLIT_TILE_N = 128  # the decode tile width the rule counts N tiles with
+# choose_split, derived from the H200 wide run (bench/gpu/hopper_fp8_fit.py): per (N, K),
+# the class whose best kernel per M gives the highest geometric-mean speed over the 14 M.
+# S = 8 and 16 never won (the 'cta' round trip and the serial drains cost more than the
+# extra parallelism gives), S = 2 and 4 won where each split still walks >= 28 K tiles
+# (K >= 3584 S); below that S = 1 was best or within noise.
+SPLIT_MAX = 4
+SPLIT_MIN_K_PER_SPLIT = 3584  # 28 K tiles of 128
+SPLIT_TILE_N = 256  # the widest decode tile: N tiles x S must fit one wave
 
 
 def choose_split(n: int, k: int, sm_count: int = H200_NUM_SMS) -> int:
     """S of the reduction-order class a batch-invariant plan uses for (N, K) on a device
-    with ``sm_count`` SMs. Depends on N, K and the device only, never on M."""
+    with ``sm_count`` SMs: the largest S <= SPLIT_MAX with K >= SPLIT_MIN_K_PER_SPLIT * S
+    and ceil(N / SPLIT_TILE_N) * S <= sm_count. Depends on N, K and the device only,
+    never on M."""
     for name, v in (("n", n), ("k", k), ("sm_count", sm_count)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     tiles = -(-n // SPLIT_TILE_N)
-    kt = -(-k // TILE_K)
     best = 1
     for sp in SPLIT_CHOICES[1:]:
-        if tiles * sp > sm_count or kt < SPLIT_MIN_K_TILES * sp:
+        if sp > SPLIT_MAX or k < SPLIT_MIN_K_PER_SPLIT * sp or tiles * sp > sm_count:
             break
         best = sp
     return best
