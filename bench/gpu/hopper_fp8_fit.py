@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Check the split rule and the cost model of cached.hopper_fp8 against an H200 "wide" run.
 
-    python bench/gpu/hopper_fp8_fit.py RESULT.json [--sms 132] [--write-table PATH]
+    python bench/gpu/hopper_fp8_fit.py RESULT [--sms 132] [--model-only]
+        [--write-table PATH] [--write-csv PATH]
 
-RESULT.json is $OUT/hopper_fp8.json of `hopper_fp8_check.py run` on a "wide" bundle (every
-kernel timed at every shape and M). For each (N, K) it prints, per reduction-order class
+RESULT is $OUT/hopper_fp8.json of `hopper_fp8_check.py run` on a "wide" bundle (every
+kernel timed at every shape and M), or its CSV form (--write-csv), kept as
+docs/results/h200_hopper_fp8_wide.csv. For each (N, K) it prints, per reduction-order class
 S, the geometric mean and the minimum over M of cuBLAS(fast accumulation)'s time over the
 best measured kernel of the class, and marks the S that `tactics.choose_split` picks.
 Then, for the plan's class, how close the plan's first choice per M (`enumerate_tactics`,
@@ -33,13 +35,62 @@ def _gm(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
+def compact(name: str) -> str:
+    """'m64n128_c1x1_rm_s1_st8_e4m3_bfloat16_k4c' -> '64x128.m.c.4' (cuBLAS rows as is);
+    only cluster-1x1, swizzle-1 bf16/e4m3 kernels, which is what a wide run times."""
+    if name.startswith("cublas"):
+        return name
+    t = T.HopperFp8Tactic(*_fields(name)).normalized()
+    mode = "c" if t.split_mode == "cta" else "s"
+    return f"{t.tile_m}x{t.tile_n}.{t.raster}.{mode}.{t.splits}"
+
+
+def _fields(name: str) -> tuple:
+    parts = name.split("_")
+    tm, tn = parts[0][1:].split("n")
+    assert parts[1] == "c1x1" and parts[3] == "s1" and "e4m3_bfloat16" in name, name
+    s, mode = 1, "serial"
+    if parts[-1].startswith("k"):
+        s, mode = int(parts[-1][1:-1]), {"c": "cta", "s": "serial"}[parts[-1][-1]]
+    return (int(tm), int(tn), 1, 1, parts[2][1], 1, 0, "bfloat16", "e4m3", s, mode)
+
+
+def expand(key: str) -> str:
+    if key.startswith("cublas"):
+        return key
+    tile, raster, mode, s = key.split(".")
+    tm, tn = (int(x) for x in tile.split("x"))
+    return T.HopperFp8Tactic(tm, tn, 1, 1, raster, 1, 0, "bfloat16", "e4m3", int(s),
+                             {"c": "cta", "s": "serial"}[mode]).normalized().name
+
+
 def load(path: str):
-    with open(path) as f:
-        res = json.load(f)
+    """{(N, K): {M: {kernel name: us}}} from a run's hopper_fp8.json or a CSV written by
+    --write-csv (docs/results/h200_hopper_fp8_wide.csv)."""
     by = {}
-    for row in res["perf"]:
-        by.setdefault((row["n"], row["k"]), {}).setdefault(row["m"], {})[row["impl"]] = row["us"]
+    if path.endswith(".csv"):
+        with open(path) as f:
+            next(f)
+            for line in f:
+                m, n, k, key, us = line.strip().split(",")
+                by.setdefault((int(n), int(k)), {}).setdefault(int(m), {})[expand(key)] = float(us)
+    else:
+        with open(path) as f:
+            res = json.load(f)
+        for row in res["perf"]:
+            cell = by.setdefault((row["n"], row["k"]), {}).setdefault(row["m"], {})
+            cell[row["impl"]] = row["us"]
     return by, {t.name: t for t in T.tactic_space()}
+
+
+def write_csv(by, path: str) -> None:
+    with open(path, "w") as f:
+        f.write("m,n,k,kernel,us\n")
+        for (n, k), bym in by.items():
+            for m, d in sorted(bym.items()):
+                for name, us in d.items():
+                    if name.startswith("cublas") or "_e4m3_bfloat16" in name:
+                        f.write(f"{m},{n},{k},{compact(name)},{us:.4f}\n")
 
 
 def splits_of(name: str) -> int:
@@ -94,8 +145,12 @@ def main() -> int:
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--model-only", action="store_true")
     ap.add_argument("--write-table")
+    ap.add_argument("--write-csv")
     a = ap.parse_args()
     by, space = load(a.json)
+    if a.write_csv:
+        write_csv(by, a.write_csv)
+        return 0
     if a.write_table:
         write_table(by, space, a.write_table, a.json)
         return 0

@@ -1,6 +1,6 @@
 """Recorded H200 winners of cached.hopper_fp8 (generated; do not edit).
 
-By bench/gpu/hopper_fp8_fit.py --write-table from hopper_fp8.json (the
+By bench/gpu/hopper_fp8_fit.py --write-table from h200_hopper_fp8_wide.csv (the
 wide run of bench/gpu/hopper_fp8_check.py on an H200, 132 SMs, 2026-11-30): per
 (N, K) and reduction-order class S, per M: (M, tactic key, measured us). A key is
 tactics.recorded_key(t): tile, raster and, for S > 1, split mode.
