@@ -167,7 +167,7 @@ def test_recorded_winners_come_first():
     per = T.RECORDED_WINNERS[(132, 4096, 14336)]
     assert set(per) == {1, 2, 4}
     for s, row in per.items():
-        for m, key, us in row:
+        for m, _key, us in row:
             for mm in {m, max(1, m - 1)}:
                 first = enumerate_tactics(mm, 4096, 14336, splits=s)[0]
                 bucket = next(r for r in row if r[0] >= mm)
