@@ -33,7 +33,7 @@ def _env() -> dict[str, str]:
 # ---------------------------------------------------------------------- enumeration
 
 def test_enumeration_size_and_budget():
-    ts = enumerate_tactics(4096, 4096, 4096)
+    ts = enumerate_tactics(4096, 4096, 4096, splits=1)
     # 11 feasible tiles (256x256 dropped) x 3 clusters x 2 rasters x 4 swizzles
     assert len(ts) == 264
     assert len({t.name for t in ts}) == len(ts)
@@ -49,25 +49,145 @@ def test_enumeration_size_and_budget():
         assert T.acc_regs_per_thread(t.tile_m, t.tile_n) <= T.MAX_ACC_REGS_PER_THREAD
         assert t.tile_k == 128
         assert t.reduction_order == T.REDUCTION_ORDER
+        assert t.reduction_class == "k128.acc1.s1.fixed"
         t.validate()
+
+
+def test_split_space():
+    """S > 1: 'cta' on six decode tiles, 'serial' on eight tiles that fit two
+    accumulators; 320 tactics over the five classes."""
+    for s in T.SPLIT_CHOICES[1:]:
+        ts = T.tactic_space(splits=s)
+        cta = [t for t in ts if t.split_mode == "cta"]
+        serial = [t for t in ts if t.split_mode == "serial"]
+        assert len(cta) == 6 and len(serial) == 8
+        assert all(t.cluster_size == 1 and t.splits == s for t in ts)
+        for t in serial:
+            assert 2 * T.acc_regs_per_thread(t.tile_m, t.tile_n) <= T.MAX_ACC_REGS_PER_THREAD
+        for t in ts:
+            t.validate()
+    space = T.tactic_space()
+    assert len(space) == 320 == len({t.name for t in space})
+    assert len(enumerate_tactics(4096, 4096, 4096)) == 320
 
 
 def test_reduction_order_constants():
     assert T.REDUCTION_ORDER_M_INDEPENDENT is True
     assert "k_tile=128" in T.REDUCTION_ORDER and "scale_after" in T.REDUCTION_ORDER
     assert T.TILE_K == 128
+    assert T.REDUCTION_CLASSES == ("k128.acc1.s1.fixed", "k128.acc1.s2.fixed",
+                                   "k128.acc1.s4.fixed", "k128.acc1.s8.fixed",
+                                   "k128.acc1.s16.fixed")
+
+
+def test_reduction_class_round_trips_through_canonical_params():
+    from cached.families.hopper_fp8.family import HopperFp8
+
+    fam = HopperFp8()
+    for t in T.tactic_space():
+        cid = t.reduction_class
+        assert cid == T.reduction_class_id(t.splits) and T.splits_of_class(cid) == t.splits
+        params = fam.canonical_params(json.loads(json.dumps(t.to_params())), "sm_90a")
+        assert params == t.to_params()
+        assert fam.reduction_class(params) == cid
+        assert tactic_from_params(params).reduction_class == cid
+        # the mode is no part of the class: the same tile in the other mode, same class
+        if t.splits > 1:
+            assert "split_mode" in params and cid.endswith(f".s{t.splits}.fixed")
+    # params written before split-K existed are S = 1
+    assert fam.reduction_class({"tile_m": 128, "tile_n": 128}) == "k128.acc1.s1.fixed"
+    with pytest.raises(ValueError, match="unknown hopper_fp8_gemm reduction class"):
+        T.splits_of_class("k128.acc1.s3.fixed")
+    from cached_client.errors import InvalidTactic
+
+    with pytest.raises(InvalidTactic):
+        fam.reduction_class({"splits": 3})
+
+
+def test_family_base_declares_no_class():
+    from cached.families.base import Family
+
+    class NoClass(Family):
+        name, arches = "x", ("sm_90a",)
+
+        def canonical_params(self, params, arch):
+            return dict(params)
+
+        def source_sha256(self):
+            return "0"
+
+        def plan(self, shape, arch, sm_count, options):
+            return []
+
+        def build(self, request, workdir):
+            raise NotImplementedError
+
+    assert NoClass().reduction_class({"a": 1}) is None
+
+
+def test_choose_split_depends_on_n_k_and_device_only():
+    import inspect
+
+    assert list(inspect.signature(T.choose_split).parameters) == ["n", "k", "sm_count"]
+    for n in (512, 2112, 2688, 4096, 4608, 7168, 8192, 14336, 28672, 57344):
+        for k in (512, 1536, 2304, 4096, 7168, 14336, 28672):
+            s = T.choose_split(n, k, 132)
+            assert s in T.SPLIT_CHOICES and s <= T.SPLIT_MAX
+            # every split walks at least 28 K tiles, and N tiles x S fit one wave
+            assert s == 1 or k >= T.SPLIT_MIN_K_PER_SPLIT * s
+            assert s == 1 or -(-n // T.SPLIT_TILE_N) * s <= 132
+    # what the H200 wide run picked (docs/benchmarks.md): seeds S = 1, long K splits
+    assert [T.choose_split(n, k, 132) for n, k in (
+        (4096, 4096), (2688, 4096), (4608, 2688), (14336, 4096), (4096, 14336),
+        (5120, 25600), (8192, 28672), (2112, 7168), (4096, 512))] == [1, 1, 1, 1, 4, 4, 4, 2, 1]
+    # fewer SMs: fewer units fit one wave
+    assert T.choose_split(8192, 28672, 64) == 2 and T.choose_split(8192, 28672, 32) == 1
+    for bad in ((0, 4096, 132), (4096, 4096, 0), (4096.0, 4096, 132)):
+        with pytest.raises(ValueError):
+            T.choose_split(*bad)
 
 
 def test_enumeration_is_stable_and_shape_aware():
     a = enumerate_tactics(4096, 4096, 4096)
     b = enumerate_tactics(4096, 4096, 4096)
     assert a == b
-    # decode-sized M: the smallest M tile; large M: a 128-row (two-warpgroup) tile
-    assert enumerate_tactics(1, 4096, 4096)[0].tile_m == 64
-    assert enumerate_tactics(8192, 14336, 4096)[0].tile_m >= 128
+    # the model (an (N, K) with no recorded winners): decode-sized M, the smallest M tile;
+    # large M, a 128-row (two-warpgroup) tile
+    assert (14336, 4160) not in {key[1:] for key in T.RECORDED_WINNERS}
+    assert enumerate_tactics(1, 14336, 4160)[0].tile_m == 64
+    assert enumerate_tactics(8192, 14336, 4160)[0].tile_m >= 128
     for t in enumerate_tactics(7, 2688, 4096, out_dtype="float16"):
         assert t.out_dtype == "float16"
     assert {t.ab_dtype for t in enumerate_tactics(64, 256, 256, ab_dtype="e5m2")} == {"e5m2"}
+
+
+def test_recorded_winners_come_first():
+    """A recorded (device, N, K) ranks the measured winner of each class first, for the
+    M bucket (the smallest recorded M >= M); another device or (N, K) uses the model."""
+    per = T.RECORDED_WINNERS[(132, 4096, 14336)]
+    assert set(per) == {1, 2, 4}
+    for s, row in per.items():
+        for m, _key, us in row:
+            for mm in {m, max(1, m - 1)}:
+                first = enumerate_tactics(mm, 4096, 14336, splits=s)[0]
+                bucket = next(r for r in row if r[0] >= mm)
+                assert T.recorded_key(first) == bucket[1] and first.splits == s
+            assert us > 0
+    # past the last bucket: the largest one
+    assert T.recorded_key(enumerate_tactics(20000, 4096, 14336, splits=4)[0]) == per[4][-1][1]
+    # all classes: the fastest recorded winner first
+    m = 1
+    best = min((row[0][2], s) for s, row in per.items())[1]
+    assert enumerate_tactics(m, 4096, 14336)[0].splits == best
+    # another device: the model's order
+    model = enumerate_tactics(1, 4096, 14336, num_sms=114, splits=4)
+    assert model == sorted(model, key=lambda t: (T._cost(t, 1, 4096, 14336, 114), t.name))
+    # every recorded key names a tactic of the family's space
+    names = {t.name for t in T.tactic_space()}
+    for (_, n, k), per in T.RECORDED_WINNERS.items():
+        for s, row in per.items():
+            for m, _key, _us in row:
+                assert enumerate_tactics(m, n, k, splits=s)[0].name in names
 
 
 def test_register_and_smem_feasibility():
@@ -112,6 +232,12 @@ def test_stages_default_to_most_that_fit():
         ({"tile_m": True}, "int"),
         ({"tile_m": "128"}, "int"),
         ({"tile_k": 64}, "unknown"),
+        ({"splits": 3}, "splits must be one of"),
+        ({"splits": 2, "split_mode": "ring"}, "split_mode must be one of"),
+        ({"split_mode": "cta"}, "needs splits > 1"),
+        ({"splits": 4, "split_mode": "cta", "cluster_m": 2}, "cluster_m = cluster_n = 1"),
+        ({"tile_m": 128, "tile_n": 256, "splits": 2}, "serial split keeps a running sum"),
+        ({"splits": "4"}, "int"),
     ],
 )
 def test_validation_errors(params, words):
@@ -140,7 +266,115 @@ def test_tactics_module_imports_no_toolchain():
     subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=120)
 
 
+# ---------------------------------------------------------------------- plan options
+
+MANIFEST_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+SHAPES_NK = ((4096, 4096), (2688, 4096), (4608, 2688), (14336, 4096), (2112, 7168),
+             (8192, 28672), (4096, 512), (57344, 8192))
+
+
+def _class(request) -> str:
+    return tactic_from_params(request.params).reduction_class
+
+
+def test_plan_batch_invariant_is_one_class_for_every_m():
+    from cached.families.hopper_fp8.family import HopperFp8
+
+    fam = HopperFp8()
+    for n, k in SHAPES_NK:
+        want = T.reduction_class_id(T.choose_split(n, k, 132))
+        for m in MANIFEST_MS:
+            reqs = fam.plan((m, n, k), "sm_90a", 132, {"batch_invariant": True})
+            assert reqs and {_class(r) for r in reqs} == {want}, (m, n, k)
+            # best-first by the family's model, the same order enumerate_tactics gives
+            names = [tactic_from_params(r.params).name for r in reqs]
+            assert names == [t.name for t in enumerate_tactics(
+                m, n, k, splits=T.choose_split(n, k, 132))]
+            assert {r.max_active_clusters for r in reqs} <= {132, 66}
+
+
+def test_plan_reduction_class_option_and_default():
+    from cached.families.hopper_fp8.family import HopperFp8
+
+    fam = HopperFp8()
+    every = fam.plan((16, 4096, 4096), "sm_90a", 132, {})
+    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 320
+    for cid in T.REDUCTION_CLASSES:
+        reqs = fam.plan((16, 4096, 4096), "sm_90a", 132, {"reduction_class": cid})
+        assert {_class(r) for r in reqs} == {cid}
+        # an explicit class wins over batch_invariant's rule
+        both = fam.plan((16, 4096, 4096), "sm_90a", 132,
+                        {"reduction_class": cid, "batch_invariant": True})
+        assert both == reqs
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"batch_invariant": "yes"}, "batch_invariant must be true or false"),
+    ({"reduction_class": "k64.acc1.s1.fixed"}, "unknown hopper_fp8_gemm reduction class"),
+    ({"reduction_class": 4}, "reduction_class must be a string"),
+])
+def test_plan_rejects_bad_options(options, words):
+    from cached_client.errors import InvalidTactic
+
+    from cached.families.hopper_fp8.family import HopperFp8
+
+    with pytest.raises(InvalidTactic, match=words):
+        HopperFp8().plan((16, 4096, 4096), "sm_90a", 132, options)
+
+
+def test_plan_options_through_the_daemon(daemon):
+    """The daemon's plan op carries the options to the family: one class for every M."""
+    client = daemon.client()
+    classes = set()
+    for m in (1, 64, 4096):
+        reqs = client.plan("cached.hopper_fp8", (m, 2688, 4096), "sm_90a", 132,
+                           {"batch_invariant": True})
+        classes |= {_class(r) for r in reqs}
+    assert classes == {T.reduction_class_id(T.choose_split(2688, 4096, 132))}
+
+
 # ---------------------------------------------------------------------- launcher
+
+def test_workspace_sizes():
+    from cached_client.hopper_fp8 import counter_elems, workspace_bytes
+
+    cta = T.HopperFp8Tactic(64, 128, splits=4, split_mode="cta").normalized().to_params()
+    serial = T.HopperFp8Tactic(128, 128, splits=4).normalized().to_params()
+    plain = T.HopperFp8Tactic(128, 128).normalized().to_params()
+    # one 64 x 128 fp32 partial per output tile and split; one counter per tile
+    assert workspace_bytes(cta, 1, 4096) == 32 * 4 * 64 * 128 * 4
+    assert counter_elems(cta, 1, 4096) == 32
+    assert workspace_bytes(cta, 65, 4000) == 2 * 32 * 4 * 64 * 128 * 4
+    assert counter_elems(cta, 65, 4000) == 64
+    for p in (serial, plain):
+        assert workspace_bytes(p, 8192, 4096) == 0 and counter_elems(p, 8192, 4096) == 0
+    sizes = [workspace_bytes(cta, m, 2688) for m in MANIFEST_MS]
+    assert sizes == sorted(sizes)  # monotonic in M: allocate once for the largest M
+    with pytest.raises(ValueError):
+        workspace_bytes(cta, -1, 16)
+
+
+def test_launcher_refuses_missing_or_small_workspace():
+    torch = pytest.importorskip("torch")
+    from cached_client.hopper_fp8 import check_workspace, counter_elems, workspace_bytes
+
+    cta = T.HopperFp8Tactic(64, 128, splits=4, split_mode="cta").normalized().to_params()
+    dev = torch.device("cpu")
+    with pytest.raises(ValueError, match="needs a float32 workspace"):
+        check_workspace(cta, 16, 4096, dev, None, None)
+    ws = torch.empty(workspace_bytes(cta, 16, 4096) // 4)
+    cnt = torch.zeros(counter_elems(cta, 16, 4096), dtype=torch.int32)
+    check_workspace(cta, 16, 4096, dev, ws, cnt)
+    with pytest.raises(ValueError, match="workspace has .* elements; M=128"):
+        check_workspace(cta, 128, 4096, dev, ws, cnt)
+    with pytest.raises(ValueError, match="int32"):
+        check_workspace(cta, 16, 4096, dev, ws, cnt.float())
+    with pytest.raises(ValueError, match="without params"):
+        check_workspace(None, 16, 4096, dev, ws, cnt)
+    serial = T.HopperFp8Tactic(128, 128, splits=4).normalized().to_params()
+    check_workspace(serial, 8192, 4096, dev, None, None)  # needs none
+
+
 
 def test_launcher_rejects_before_launch():
     torch = pytest.importorskip("torch")
@@ -224,19 +458,60 @@ def test_compile_refuses_other_arch(tmp_path):
 
 # ---------------------------------------------------------------------- through the daemon
 
-def test_every_tactic_compiles_for_sm90a_through_the_daemon(daemon):
-    """The whole tactic space of one shape, planned and compiled by the daemon's workers."""
+def test_every_tile_and_cluster_compiles_for_sm90a_through_the_daemon(daemon):
+    """One S = 1 tactic per (tile, cluster), rasters and swizzles rotating, planned and
+    compiled by the daemon's workers (the whole space: bench/compile_hopper.py)."""
     import json as _json
 
-    from conftest import run_cli
+    class_id = "k128.acc1.s1.fixed"
+    client = daemon.client()
+    requests = client.plan("cached.hopper_fp8", (4096, 4096, 4096), "sm_90a",
+                           options={"reduction_class": class_id})
+    assert len(requests) == 264 and {r.max_active_clusters for r in requests} == {132, 66}
+    by_shape: dict = {}
+    for r in requests:
+        p = r.params
+        by_shape.setdefault((p["tile_m"], p["tile_n"], p["cluster_m"], p["cluster_n"]),
+                            {})[(p["raster"], p["swizzle"])] = r
+    rotation = (("m", 1), ("n", 2), ("m", 4), ("n", 8))
+    picked = {shape: variants[rotation[i % 4]]
+              for i, (shape, variants) in enumerate(sorted(by_shape.items()))}
+    assert len(picked) == 33
+    client.prefetch(list(picked.values()))
+    for r in picked.values():
+        assert client.get(r, timeout=900).origin in ("compiled", "hit")
+    entries = client.list()
+    assert len({e["kernel_name"] for e in entries}) == 33
+    assert all(tactic_from_params(_json.loads(e["params"])).to_params()
+               == _json.loads(e["params"]) for e in entries)
 
-    out = run_cli("warm", "--socket", daemon.socket, "--family", "cached.hopper_fp8",
-                  "--arch", "sm_90a", "--shape", "4096,4096,4096", "--json").stdout
-    counts = _json.loads(out.strip().splitlines()[-1])
-    assert counts["failed"] == 0 and counts["compiled"] == 264
-    requests = daemon.client().plan("cached.hopper_fp8", (4096, 4096, 4096), "sm_90a")
-    assert {r.max_active_clusters for r in requests} == {132, 66}
-    entries = daemon.client().list()
-    assert len({e["kernel_name"] for e in entries}) == 264
-    params = [_json.loads(e["params"]) for e in entries]
-    assert all(tactic_from_params(p).to_params() == p for p in params)
+
+def _split_variants() -> list:
+    """The split tactics compiled by the test below: all 56 (14 per S > 1).
+
+    Every field of a tactic is a compile-time constant, so every tactic is its own object
+    code. What decides a different code path (the thing a compile can break on) is the
+    split mode ('serial': the second accumulator and the range loop; 'cta': the workspace,
+    counter and last-unit sum, unrolled over S), the consumer warpgroups and accumulator
+    layout (tile_m, tile_n) and S; all of them vary below, and the space is small enough
+    to compile whole.
+    """
+    return [t for t in T.tactic_space() if t.splits > 1]
+
+
+def test_split_tactics_compile_for_sm90a_through_the_daemon(daemon):
+    """The split-K variants (see _split_variants), compiled by the daemon's workers."""
+    from cached_client.keys import KernelRequest
+
+    client = daemon.client()
+    requests = [KernelRequest(family="cached.hopper_fp8", params=t.to_params(), arch="sm_90a",
+                              sm_count=132, max_active_clusters=132) for t in _split_variants()]
+    assert len(requests) == 56
+    client.prefetch(requests)
+    for r in requests:
+        art = client.get(r, timeout=900)
+        path = art.library_path or art.object_path
+        assert path and os.path.getsize(path) > 1000
+    entries = client.list()
+    names = {e["kernel_name"] for e in entries}
+    assert len(names) == 56 and all("_k" in nm for nm in names)

@@ -2,31 +2,52 @@
 """Hopper FP8 GEMM family: build a bundle here, check and time it on an H200 there.
 
   build (here, with the venv; CUTE_DSL_ARCH=sm_90a):
-      python bench/gpu/hopper_fp8_check.py build --out .gpubundle [--set smoke|full]
-    compiles the chosen tactics to .o, links each into a .so, writes manifest.json.
+      python bench/gpu/hopper_fp8_check.py build --out DIR --set wide|final
+    compiles the chosen tactics to .o, links each into a .so, copies this script, the
+    client package (for the launcher), the DSL runtime and the tvm-ffi wheel into DIR
+    and writes DIR/manifest.json (kernels, shapes, and the plan's choices: the
+    batch-invariant plan of cached.hopper_fp8 for every shape and M).
   run (there: Python 3.12, torch CUDA, tvm_ffi from the carried wheel; no cutlass):
-      python bench/gpu/hopper_fp8_check.py run --bundle .gpubundle --out $OUT [--phases ...]
-    phases: correct (float64 reference, torch._scaled_mm, NaN-poisoned outputs, odd M),
-    bi (x[:M] vs first M rows of the M=2048 output, bitwise), perf (CUDA-event medians over
-    CUDA-graph replays with inputs rotated past L2). Short tables are printed last; full
-    JSON goes to $OUT/hopper_fp8.json.
+      python DIR/hopper_fp8_check.py run --bundle DIR --out $OUT [--phases correct,bi,perf]
+    correct: float64 reference on fresh data (M, N, K ragged; K not a multiple of S x 128),
+      NaN-poisoned outputs, bitwise equality inside each reduction-order class.
+    bi: the seeds' method (x[:M] vs the first M rows of the M=2048 output, bitwise) for
+      every kernel, for the plan's per-M mix and for torch._scaled_mm (fast accumulation
+      on and off), M in MS; kernels of one class compared with each other at every M.
+    perf: CUDA-event medians over CUDA-graph replays, inputs rotated past the 60 MB L2;
+      "wide" times every kernel at every M (the data the split rule and the cost model are
+      fitted to), "final" the plan's first choice (what a client runs) and the next ones in
+      its class, at every M, against torch._scaled_mm.
+    Short tables are printed last; everything goes to $OUT/hopper_fp8.json.
+  run --fake: the same driver on the CPU with an emulation of the kernels' arithmetic
+    (a dry run of this script; no timing meaning).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 
-SHAPES = [(4096, 4096), (2688, 4096), (4608, 2688), (14336, 4096)]  # (N, K)
-BI_MS = [1, 2, 7, 16, 64, 128, 512, 2048]
-PERF_MS = [1, 16, 128, 1024, 4096, 8192]
+SEEDS = [(4096, 4096), (2688, 4096), (4608, 2688), (14336, 4096)]  # (N, K)
+# From manifests/*.toml (TP applied): each model's smallest-N and largest-K projections and
+# more: DeepSeek-V3 (TP8) 2112x7168 (smallest N), 4608x7168, 7168x2304, 4096x512 (smallest
+# K); Llama-3.1-8B 4096x14336 (largest K), 6144x4096; Llama-3.3-70B 8192x28672 (largest K
+# of all), 8192x8192 (smallest N); Qwen3-32B 5120x25600 (largest K), 5120x8192 (smallest N).
+EXTRA = [(2112, 7168), (4608, 7168), (7168, 2304), (4096, 512), (4096, 14336), (6144, 4096),
+         (8192, 28672), (8192, 8192), (5120, 25600), (5120, 8192)]
+SHAPES = SEEDS + EXTRA
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+FULL_M = 2048
 NUM_SMS = 132
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
 
 
 def _repo_on_path() -> None:
@@ -35,48 +56,74 @@ def _repo_on_path() -> None:
             sys.path.insert(0, d)
 
 
+def class_of(params: dict) -> str:
+    return f"k128.acc1.s{params.get('splits', 1)}.fixed"
+
+
 # ====================================================================================
 # build (here)
 # ====================================================================================
 
-def _bundle_tactics(which: str):
-    _repo_on_path()
-    from cached.families.hopper_fp8.tactics import (
-        CLUSTER_CHOICES,
-        TILE_M_CHOICES,
-        TILE_N_CHOICES,
-        HopperFp8Tactic,
-        enumerate_tactics,
-        reference_tactics,
-        tile_is_feasible,
-    )
+def _wide_tactics():
+    """The tactics a "wide" run times at every shape and M (the data the split rule and
+    the cost model are fitted to): per class, the tile shapes that win somewhere."""
+    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
 
-    chosen: dict[str, HopperFp8Tactic] = {}
+    out = []
+    for tm, tn in [(64, 64), (64, 128), (64, 256), (128, 128), (128, 192), (128, 256),
+                   (256, 128), (256, 192)]:
+        out.append(T(tm, tn))
+    out += [T(128, 128, raster="n"), T(128, 256, raster="n")]
+    for s in (2, 4, 8, 16):
+        for tm, tn in [(64, 64), (64, 128), (64, 256), (128, 128), (128, 256)]:
+            out.append(T(tm, tn, splits=s, split_mode="cta"))
+        for tm, tn, r in [(64, 128, "m"), (64, 192, "m"), (128, 128, "m"), (128, 192, "m"),
+                          (128, 128, "n"), (128, 192, "n")]:
+            out.append(T(tm, tn, raster=r, splits=s, split_mode="serial"))
+    # other dtypes (correctness and class equality only)
+    out += [T(64, 128, out_dtype="float16", ab_dtype="e5m2", splits=4, split_mode="cta"),
+            T(128, 128, out_dtype="float16", ab_dtype="e5m2", splits=4, split_mode="serial"),
+            T(128, 256, 2, 1, "m", 1, 0, "float16", "e5m2")]
+    return [t.normalized() for t in out]
 
-    def add(t):
+
+def _final_plan(top: int):
+    """The batch-invariant plan per shape: its class, and the first `top` tactics per M."""
+    from cached.families.hopper_fp8.tactics import choose_split, enumerate_tactics
+
+    plan = {}
+    for n, k in SHAPES:
+        s = choose_split(n, k, NUM_SMS)
+        plan[f"{n}x{k}"] = {
+            "splits": s,
+            "by_m": {str(m): [t.name for t in enumerate_tactics(m, n, k, splits=s,
+                                                                num_sms=NUM_SMS)[:top]]
+                     for m in MS},
+        }
+    return plan
+
+
+def _final_tactics(plan):
+    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
+    from cached.families.hopper_fp8.tactics import tactic_space
+
+    by_name = {t.name: t for t in tactic_space()}
+    chosen = {}
+    for p in plan.values():
+        for names in p["by_m"].values():
+            for nm in names:
+                chosen[nm] = by_name[nm]
+    # every class has a kernel of each mode (invariance of every class), other dtypes
+    extra = [T(64, 128), T(128, 128)]
+    for s in (2, 4, 8, 16):
+        extra += [T(64, 128, splits=s, split_mode="cta"),
+                  T(128, 128, splits=s, split_mode="serial")]
+    extra += [T(64, 128, out_dtype="float16", ab_dtype="e5m2", splits=4, split_mode="cta"),
+              T(128, 128, out_dtype="float16", ab_dtype="e5m2", splits=4, split_mode="serial"),
+              T(128, 256, 2, 1, "m", 1, 0, "float16", "e5m2")]
+    for t in extra:
         t = t.normalized()
         chosen.setdefault(t.name, t)
-
-    for t in reference_tactics():
-        add(t)
-    if which == "smoke":
-        add(HopperFp8Tactic(128, 256, 2, 1, "m", 1, 0, "float16", "e5m2"))
-        add(HopperFp8Tactic(128, 128, 1, 1, "n", 1, 0, "float16", "e4m3"))
-        add(HopperFp8Tactic(256, 192, 1, 1, "m", 1))
-        return list(chosen.values())
-    for tm in TILE_M_CHOICES:
-        for tn in TILE_N_CHOICES:
-            if not tile_is_feasible(tm, tn)[0]:
-                continue
-            for cm, cn in CLUSTER_CHOICES:
-                add(HopperFp8Tactic(tm, tn, cm, cn, "m", 1))
-    for n, k in SHAPES:
-        for m in sorted(set(BI_MS + PERF_MS)):
-            for t in enumerate_tactics(m, n, k)[:3]:
-                add(t)
-    add(HopperFp8Tactic(128, 256, 2, 1, "m", 1, 0, "float16", "e5m2"))
-    add(HopperFp8Tactic(128, 128, 1, 1, "n", 1, 0, "float16", "e4m3"))
-    add(HopperFp8Tactic(128, 256, 1, 1, "m", 1, 0, "bfloat16", "e5m2"))
     return list(chosen.values())
 
 
@@ -93,129 +140,187 @@ def _compile_worker(jobs_json: str) -> None:
               flush=True)
 
 
-def build(out: str, which: str, jobs: int) -> None:
-    import shutil
-
+def build(out: str, which: str, jobs: int, top: int, dry: bool = False) -> None:
     _repo_on_path()
-
-    from cached.families.hopper_fp8.tactics import enumerate_tactics
-
-    os.makedirs(out, exist_ok=True)
     os.makedirs(os.path.join(out, "obj"), exist_ok=True)
-    tactics = _bundle_tactics(which)
+    os.makedirs(os.path.join(out, "kernels"), exist_ok=True)
+    plan = _final_plan(top)
+    tactics = _wide_tactics() if which == "wide" else _final_tactics(plan)
+    if which == "wide":  # the plan's first choices too, so the run shows them
+        names = {t.name for t in tactics}
+        for t in _final_tactics({k: {"by_m": {m: v[:1] for m, v in p["by_m"].items()}}
+                                 for k, p in plan.items()}):
+            if t.name not in names:
+                tactics.append(t)
     entries = []
     for i, t in enumerate(tactics):
         sym = f"hopper_fp8_{i:03d}"
-        entries.append({
-            "name": t.name, "params": t.to_params(), "symbol": sym,
-            "so": f"{sym}.so", "obj": os.path.join(out, "obj", f"{sym}.o"),
-            "mac": NUM_SMS // t.cluster_size,
-        })
-    # compile in `jobs` long-lived worker processes (import cutlass once each)
+        entries.append({"name": t.name, "params": t.to_params(), "symbol": sym,
+                        "so": f"kernels/{sym}.so", "obj": os.path.join(out, "obj", f"{sym}.o"),
+                        "mac": NUM_SMS // t.cluster_size, "class": t.reduction_class})
+    from cached.families.hopper_fp8.family import HopperFp8
+
+    src = HopperFp8().source_sha256()
+    old = {}
+    mpath = os.path.join(out, "manifest.json")
+    if os.path.exists(mpath):  # reuse objects of an earlier build: same sources and params
+        with open(mpath) as f:
+            prev_manifest = json.load(f)
+        if prev_manifest.get("source_sha256") == src:
+            for e in prev_manifest["kernels"]:
+                old[json.dumps(e["params"], sort_keys=True)] = e
+    todo = []
+    for e in entries:
+        prev = old.get(json.dumps(e["params"], sort_keys=True))
+        if prev and os.path.exists(os.path.join(out, prev["so"])):
+            e["so"], e["symbol"] = prev["so"], prev["symbol"]
+            continue
+        todo.append(e)
+    used = {e["so"] for e in entries if e not in todo}
+    for e in todo:  # fresh names that no reused kernel has
+        i = 0
+        while f"kernels/hopper_fp8_{i:03d}.so" in used:
+            i += 1
+        e["symbol"], e["so"] = f"hopper_fp8_{i:03d}", f"kernels/hopper_fp8_{i:03d}.so"
+        e["obj"] = os.path.join(out, "obj", f"hopper_fp8_{i:03d}.o")
+        used.add(e["so"])
+    if dry:  # manifest and files only (for `run --fake`)
+        todo = []
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    chunks = [entries[i::jobs] for i in range(jobs)]
+    chunks = [todo[i::jobs] for i in range(jobs)]
     t0 = time.perf_counter()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "_compile", json.dumps(
-                [{"params": e["params"], "mac": e["mac"], "obj": e["obj"], "symbol": e["symbol"]}
-                 for e in ch])],
-            env=env, stdout=subprocess.PIPE, text=True)
-        for ch in chunks if ch
-    ]
-    times = {}
+    procs = [subprocess.Popen(
+        [sys.executable, __file__, "_compile", json.dumps(
+            [{"params": e["params"], "mac": e["mac"], "obj": e["obj"], "symbol": e["symbol"]}
+             for e in ch])], env=env, stdout=subprocess.PIPE, text=True)
+        for ch in chunks if ch]
     for p in procs:
-        out_s, _ = p.communicate()
+        p.communicate()
         if p.returncode:
             raise SystemExit(f"compile worker failed (rc={p.returncode})")
-        for line in out_s.splitlines():
-            if line.startswith("{"):
-                r = json.loads(line)
-                times[r["name"]] = r["seconds"]
     wall = time.perf_counter() - t0
-    import cutlass  # noqa: F401  (for the library paths only)
     import tvm_ffi
 
     site_dir = os.path.dirname(os.path.dirname(tvm_ffi.__file__))
     rt_dir = os.path.join(site_dir, "nvidia_cutlass_dsl", "cu13", "lib")
     ffi_dir = os.path.join(site_dir, "tvm_ffi", "lib")
+    for e in todo:
+        subprocess.check_call(["gcc", "-shared", "-o", os.path.join(out, e["so"]), e["obj"],
+                               f"-L{rt_dir}", "-lcute_dsl_runtime", f"-L{ffi_dir}", "-ltvm_ffi"])
     for e in entries:
-        subprocess.check_call([
-            "gcc", "-shared", "-o", os.path.join(out, e["so"]), e["obj"],
-            f"-L{rt_dir}", "-lcute_dsl_runtime", f"-L{ffi_dir}", "-ltvm_ffi",
-        ])
-        e["compile_seconds"] = times.get(e["name"])
         del e["obj"]
     shutil.rmtree(os.path.join(out, "obj"))
-    shutil.copy2(os.path.join(rt_dir, "libcute_dsl_runtime.so"), out)
-    # heuristic ranks (restricted to the bundle) for every problem the GPU run looks at
-    names = {e["name"] for e in entries}
-    ranks = {}
-    for n, k in SHAPES:
-        for m in sorted(set(BI_MS + PERF_MS)):
-            ranked = [t.name for t in enumerate_tactics(m, n, k) if t.name in names]
-            ranks[f"{m}x{n}x{k}"] = ranked[:5]
-    with open(os.path.join(out, "manifest.json"), "w") as f:
-        json.dump({"tactics": entries, "heuristic": ranks,
-                   "compile_wall_seconds": round(wall, 1), "jobs": jobs}, f, indent=1)
-    secs = [v for v in times.values() if v is not None]
-    print(f"built {len(entries)} tactics in {wall:.1f} s wall with {jobs} workers; "
-          f"per tactic median {statistics.median(secs):.2f} s, max {max(secs):.2f} s")
+    if not dry and not os.path.exists(os.path.join(out, "libcute_dsl_runtime.so")):
+        shutil.copy2(os.path.join(rt_dir, "libcute_dsl_runtime.so"), out)
+    shutil.copy2(__file__, os.path.join(out, "hopper_fp8_check.py"))
+    shutil.copy2(os.path.join(HERE, "run_hopper_fp8.sh"), os.path.join(out, "run_hopper_fp8.sh"))
+    cdst = os.path.join(out, "client", "cached_client")
+    shutil.rmtree(cdst, ignore_errors=True)
+    shutil.copytree(os.path.join(REPO, "client", "cached_client"), cdst,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    keep = {os.path.basename(e["so"]) for e in entries}
+    for f in os.listdir(os.path.join(out, "kernels")):
+        if f not in keep:
+            os.remove(os.path.join(out, "kernels", f))
+    with open(mpath, "w") as f:
+        json.dump({"set": which, "kernels": entries, "plan": plan, "shapes": SHAPES,
+                   "source_sha256": src,
+                   "num_sms": NUM_SMS, "compiled_now": len(todo),
+                   "compile_wall_seconds": round(wall, 1)}, f, indent=1)
+    print(f"{which}: {len(entries)} kernels ({len(todo)} compiled now, {wall:.0f} s wall, "
+          f"{jobs} workers)")
 
 
 # ====================================================================================
 # run (there)
 # ====================================================================================
 
-class Runner:
-    def __init__(self, bundle: str, out: str):
-        import ctypes
+class FakeFn:
+    """CPU emulation of a kernel's arithmetic (for --fake dry runs of this driver)."""
 
+    def __init__(self, params):
+        self.p = params
+
+    def __call__(self, a, b, c, sa, sb, ws, cnt):
         import torch
-        import tvm_ffi
+
+        k = a.shape[1]
+        kt = -(-k // 128)
+        s = self.p["splits"]
+        af, bf = a.float(), b.float()
+        acc = torch.zeros(a.shape[0], b.shape[0])
+        for i in range(s):
+            lo, hi = i * kt // s * 128, min(k, (i + 1) * kt // s * 128)
+            acc = acc + (af[:, lo:hi] @ bf[:, lo:hi].t() if hi > lo else 0.0)
+        c.copy_((acc * (sa * sb)).to(c.dtype))
+
+
+class Runner:
+    def __init__(self, bundle: str, out: str, fake: bool):
+        import torch
 
         self.torch = torch
-        ctypes.CDLL(os.path.join(bundle, "libcute_dsl_runtime.so"), mode=ctypes.RTLD_GLOBAL)
+        self.fake = fake
+        sys.path.insert(0, os.path.join(bundle, "client"))
+        from cached_client import hopper_fp8 as launcher
+
+        self.launcher = launcher
         with open(os.path.join(bundle, "manifest.json")) as f:
             self.manifest = json.load(f)
-        self.fns = {}
-        self.meta = {}
+        self.fns, self.meta = {}, {}
         t0 = time.perf_counter()
-        for e in self.manifest["tactics"]:
-            mod = tvm_ffi.load_module(os.path.join(bundle, e["so"]))
-            self.fns[e["name"]] = mod[e["symbol"]]
-            self.meta[e["name"]] = e["params"]
+        if fake:
+            for e in self.manifest["kernels"]:
+                self.fns[e["name"]] = FakeFn(e["params"])
+                self.meta[e["name"]] = e["params"]
+            self.dev = torch.device("cpu")
+        else:
+            import ctypes
+
+            import tvm_ffi
+
+            ctypes.CDLL(os.path.join(bundle, "libcute_dsl_runtime.so"), mode=ctypes.RTLD_GLOBAL)
+            for e in self.manifest["kernels"]:
+                self.fns[e["name"]] = tvm_ffi.load_module(os.path.join(bundle, e["so"]))[
+                    e["symbol"]]
+                self.meta[e["name"]] = e["params"]
+            self.dev = torch.device("cuda")
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self.out = out
-        self.dev = torch.device("cuda")
         self.log = open(os.path.join(out, "hopper_fp8.log"), "a")
-        self.results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                        "load_ms_all": round(self.load_ms, 1), "tactics": list(self.fns)}
-        props = torch.cuda.get_device_properties(0)
-        self.results["sms"] = props.multi_processor_count
+        self.results = {"set": self.manifest["set"], "torch": torch.__version__,
+                        "load_ms_all": round(self.load_ms, 1), "kernels": list(self.fns)}
+        if not fake:
+            props = torch.cuda.get_device_properties(0)
+            self.results.update(device=torch.cuda.get_device_name(),
+                                sms=props.multi_processor_count)
+        self.ws_cache = {}
 
-    def progress(self, name):
-        """Arm a watchdog: a tactic that hangs the GPU ends the process; the shell driver
-        reruns without it (the name is left in $OUT/progress)."""
-        import faulthandler
-
-        with open(os.path.join(self.out, "progress"), "w") as f:
-            f.write(name)
-        faulthandler.cancel_dump_traceback_later()
-        if name:
-            faulthandler.dump_traceback_later(30, exit=True)
-
+    # -- helpers ---------------------------------------------------------------------
     def p(self, *a):
         s = " ".join(str(x) for x in a)
         print(s, flush=True)
         self.log.write(s + "\n")
         self.log.flush()
 
-    # -- helpers ---------------------------------------------------------------------
-    def fp8(self, rows, cols, dtype=None, scale=1.0):
+    def watchdog(self, name):
+        """A kernel that hangs the GPU ends the process; the shell driver reruns without
+        it (its name is left in $OUT/progress)."""
+        import faulthandler
+
+        with open(os.path.join(self.out, "progress"), "w") as f:
+            f.write(name)
+        faulthandler.cancel_dump_traceback_later()
+        if name:
+            faulthandler.dump_traceback_later(60, exit=True)
+
+    def sync(self):
+        if not self.fake:
+            self.torch.cuda.synchronize()
+
+    def fp8(self, rows, cols, dtype=None):
         t = self.torch
-        x = t.randn(rows, cols, device=self.dev) * scale
-        return x.to(dtype or t.float8_e4m3fn)
+        return (t.randn(rows, cols, device=self.dev)).to(dtype or t.float8_e4m3fn)
 
     def scales(self):
         t = self.torch
@@ -231,27 +336,70 @@ class Runner:
         return t.float8_e4m3fn if self.meta[name]["ab_dtype"] == "e4m3" else t.float8_e5m2
 
     def is_plain(self, name):
-        return (self.meta[name]["out_dtype"] == "bfloat16"
-                and self.meta[name]["ab_dtype"] == "e4m3")
+        return self.meta[name]["out_dtype"] == "bfloat16" and self.meta[name]["ab_dtype"] == "e4m3"
+
+    def is_cta(self, name):
+        return self.meta[name]["split_mode"] == "cta" and self.meta[name]["splits"] > 1
+
+    def fits(self, name, m, n):
+        """Whether the kernel's workspace at (m, n) is within the kernel's int32 indexing."""
+        L = self.launcher
+        return L.workspace_bytes(self.meta[name], m, n) // 4 <= L.MAX_WORKSPACE_ELEMS
+
+    def buffers(self, names, max_m, n):
+        """One (workspace, counters) pair big enough for every kernel in names at max_m."""
+        L = self.launcher
+        names = [x for x in names if self.fits(x, max_m, n)]
+        need_ws = max([L.workspace_bytes(self.meta[x], max_m, n) // 4 for x in names] + [1])
+        need_cnt = max([L.counter_elems(self.meta[x], max_m, n) for x in names] + [1])
+        cur = self.ws_cache.get("buf")
+        if cur is None or cur[0].numel() < need_ws or cur[1].numel() < need_cnt:
+            self.ws_cache.clear()
+            self.sync()
+            ws = self.torch.empty(max(need_ws, cur[0].numel() if cur else 0),
+                                  dtype=self.torch.float32, device=self.dev)
+            cnt = self.torch.zeros(max(need_cnt, cur[1].numel() if cur else 0),
+                                   dtype=self.torch.int32, device=self.dev)
+            self.ws_cache["buf"] = (ws, cnt)
+        return self.ws_cache["buf"]
 
     def call(self, name, a, b, sa, sb, out=None):
+        """Through the client's launcher (checks, workspace); output poisoned with NaN."""
         t = self.torch
         if out is None:
             out = t.full((a.shape[0], b.shape[0]), float("nan"), dtype=self.outdt(name),
                          device=self.dev)
-        self.fns[name](a, b, out, sa, sb)
-        return out
+        ws, cnt = self.buffers([name], a.shape[0], b.shape[0])
+        if self.fake:
+            self.fns[name](a, b, out, sa, sb, ws, cnt)
+            return out
+        return self.launcher.gemm(self.fns[name], a, b, sa, sb, self.outdt(name), out=out,
+                                  params=self.meta[name], workspace=ws, counters=cnt)
 
     def scaled_mm(self, a, b, sa, sb, fast, out_dtype=None):
         t = self.torch
+        if self.fake:
+            return ((a.float() @ b.float().t()) * (sa * sb)).to(out_dtype or t.bfloat16)
         return t._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb,
                             out_dtype=out_dtype or t.bfloat16, use_fast_accum=fast)
+
+    @staticmethod
+    def rows_differ(ref, out):
+        """Rows of out (bitwise, NaN payloads included) that differ from ref[:rows]."""
+        import torch
+
+        r = min(ref.shape[0], out.shape[0])
+        w = {2: torch.int16, 4: torch.int32}[ref.element_size()]
+        return int((ref[:r].contiguous().view(w) != out[:r].contiguous().view(w))
+                   .any(dim=1).sum().item())
 
     # -- phase: correctness ---------------------------------------------------------
     def correct(self, names):
         t = self.torch
-        problems = [(1, 256, 128), (1, 4096, 4096), (7, 2688, 4096), (129, 4608, 2688),
-                    (1000, 4096, 4096), (300, 14336, 4096), (2048, 2688, 4096), (77, 272, 48)]
+        problems = [(1, 256, 128), (7, 2688, 4096), (77, 272, 48), (129, 4608, 2704),
+                    (300, 1040, 4112), (1000, 4096, 4096), (33, 2112, 7168), (5, 512, 1040)]
+        if self.fake:
+            problems = [(1, 256, 128), (7, 272, 400), (77, 272, 48)]
         rows = []
         sa, sb = self.scales()
         for (m, n, k) in problems:
@@ -262,367 +410,381 @@ class Runner:
                     a = self.fp8(m, k, self.abdt(name))
                     b = self.fp8(n, k, self.abdt(name))
                     ref = (a.double() @ b.double().t()) * (sa.double() * sb.double())
-                    od = self.outdt(name)
+                    cub = {}
                     try:
-                        cub = {fa: self.scaled_mm(a, b, sa, sb, fa, od) for fa in (True, False)}
+                        for fa in (True, False):
+                            cub[fa] = self.scaled_mm(a, b, sa, sb, fa, self.outdt(name))
                     except Exception as ex:  # e5m2 x e5m2 is not supported by cuBLASLt
-                        cub = {}
                         self.p(f"  scaled_mm n/a for {key}: {str(ex)[:80]}")
-                    per_dtype[key] = dict(a=a, b=b, ref=ref, cub=cub, first=None)
+                    per_dtype[key] = dict(a=a, b=b, ref=ref, cub=cub, first={})
                 d = per_dtype[key]
-                self.progress(name)
+                self.watchdog(name)
                 out = self.call(name, d["a"], d["b"], sa, sb)
-                t.cuda.synchronize()
-                self.progress("")
+                self.sync()
+                self.watchdog("")
                 written = bool(t.isfinite(out).all().item())
-                o64 = out.double()
-                rel = ((o64 - d["ref"]).norm() / d["ref"].norm()).item()
-                vs = {}
-                for fa, c in d["cub"].items():
-                    vs[f"fast{int(fa)}_rel"] = ((o64 - c.double()).norm() / d["ref"].norm()).item()
-                    vs[f"fast{int(fa)}_eq"] = bool(t.equal(out, c))
-                if d["first"] is None:
-                    d["first"] = (name, out)
-                same = bool(t.equal(out, d["first"][1]))
-                rows.append(dict(m=m, n=n, k=k, tactic=name, rel=rel, all_written=written,
-                                 same_as_first=same, **vs))
-                ok = written and rel < 2e-2
-                if not ok:
-                    self.p(f"  FAIL {name} {m}x{n}x{k}: rel={rel:.3g} written={written}")
-            # cuBLAS itself against the reference, for scale
+                rel = ((out.double() - d["ref"]).norm() / d["ref"].norm()).item()
+                cls = class_of(self.meta[name])
+                if cls not in d["first"]:
+                    d["first"][cls] = (name, out)
+                same = bool(t.equal(out, d["first"][cls][1]))
+                eq = {f"eq_fast{int(fa)}": bool(t.equal(out, c)) for fa, c in d["cub"].items()}
+                rows.append(dict(m=m, n=n, k=k, kernel=name, cls=cls, rel=rel,
+                                 all_written=written, same_as_class_first=same, **eq))
+                if not (written and rel < 2e-2 and same):
+                    self.p(f"  FAIL {name} {m}x{n}x{k}: rel={rel:.3g} written={written} "
+                           f"same_as_class={same}")
             for key, d in per_dtype.items():
                 for fa, c in d["cub"].items():
-                    rows.append(dict(m=m, n=n, k=k, tactic=f"scaled_mm_fast{int(fa)}_{key[0]}",
-                                     rel=((c.double() - d["ref"]).norm() / d["ref"].norm()).item(),
-                                     all_written=True, same_as_first=None))
+                    rows.append(dict(m=m, n=n, k=k, kernel=f"scaled_mm_fast{int(fa)}_{key[0]}",
+                                     cls="cublas", all_written=True, same_as_class_first=True,
+                                     rel=((c.double() - d["ref"]).norm() / d["ref"].norm()).item()))
             self.p(f"correct {m}x{n}x{k}: done")
         self.results["correct"] = rows
-        return rows
+
+    # -- phase: batch invariance ------------------------------------------------------
+    def bi(self, names, shapes, ms):
+        sa, sb = self.scales()
+        plan = self.manifest["plan"]
+        rows = []
+        plain = [x for x in names if self.is_plain(x)]
+        for (n, k) in shapes:
+            x = self.fp8(max(ms), k)
+            w = self.fp8(n, k)
+            self.buffers(plain, max(ms), n)
+            by_cls_first = {}  # class -> {m: output of the class's first kernel}
+            impls = [(nm, nm) for nm in plain] + [("scaled_mm_fast1", True),
+                                                  ("scaled_mm_fast0", False)]
+            for label, what in impls:
+                if isinstance(what, bool):
+                    def run(xx, fa=what, w=w):
+                        return self.scaled_mm(xx, w, sa, sb, fa)
+                else:
+                    def run(xx, nm=what, w=w):
+                        return self.call(nm, xx, w, sa, sb)
+                self.watchdog(label)
+                full = run(x[:FULL_M].clone())
+                diff, cross = {}, {}
+                cls = class_of(self.meta[label]) if label in self.meta else None
+                firsts = by_cls_first.setdefault(cls, {}) if cls else None
+                for m in ms:
+                    if label in self.meta and not self.fits(label, m, n):
+                        continue  # workspace over the kernel's limit at this M: not run
+                    o = full if m == FULL_M else run(x[:m].clone())  # fresh: no aliasing
+                    diff[m] = self.rows_differ(full, o)
+                    if firsts is not None:
+                        if m not in firsts:
+                            firsts[m] = o
+                        else:
+                            cross[m] = self.rows_differ(firsts[m], o)
+                self.watchdog("")
+                rows.append(dict(n=n, k=k, impl=label, cls=cls, diff_rows=diff,
+                                 total=sum(diff.values()), cross_class_rows=cross,
+                                 cross_total=sum(cross.values())))
+            # the plan's per-M mix: each M on the plan's first choice for that M
+            p = plan.get(f"{n}x{k}")
+            if p:
+                pick = {m: p["by_m"][str(m)][0] for m in ms if str(m) in p["by_m"]}
+                if FULL_M in pick and all(v in self.fns for v in pick.values()):
+                    full = self.call(pick[FULL_M], x[:FULL_M].clone(), w, sa, sb)
+                    diff = {m: self.rows_differ(full, self.call(nm, x[:m].clone(), w, sa, sb))
+                            for m, nm in pick.items()}
+                    rows.append(dict(n=n, k=k, impl="plan_mix", cls=class_of(
+                        {"splits": p["splits"]}), diff_rows=diff, total=sum(diff.values()),
+                        used=pick))
+            self.p(f"bi {n}x{k}: done")
+        self.results["bi"] = rows
 
     # -- phase: throughput ----------------------------------------------------------
-    def _time(self, launch_set, nsets, iters=20):
-        """median us per launch; graph of `iters` launches cycling over `nsets` input sets."""
+    def _time(self, launch, nsets, iters):
+        """Median us per launch; a CUDA graph of `iters` launches cycling over `nsets`
+        input sets, replayed after warm-up (eager on the CPU)."""
         t = self.torch
+        if self.fake:
+            t0 = time.perf_counter()
+            for i in range(iters):
+                launch(i % nsets)
+            return (time.perf_counter() - t0) * 1e6 / iters
         s = t.cuda.Stream()
         s.wait_stream(t.cuda.current_stream())
         with t.cuda.stream(s):
             for i in range(nsets):
-                launch_set(i)
+                launch(i)
         t.cuda.current_stream().wait_stream(s)
         t.cuda.synchronize()
         g = t.cuda.CUDAGraph()
-        try:
-            with t.cuda.graph(g):
-                for i in range(iters):
-                    launch_set(i % nsets)
-            use_graph = True
-        except Exception as ex:  # fall back to eager launches
-            self.p(f"  graph capture failed ({str(ex)[:80]}); eager timing")
-            use_graph = False
+        with t.cuda.graph(g):
+            for i in range(iters):
+                launch(i % nsets)
+        g.replay()
         t.cuda.synchronize()
         samples = []
-        for rep in range(6):
+        for _ in range(5):
             e0 = t.cuda.Event(enable_timing=True)
             e1 = t.cuda.Event(enable_timing=True)
             e0.record()
-            if use_graph:
-                g.replay()
-            else:
-                for i in range(iters):
-                    launch_set(i % nsets)
+            g.replay()
             e1.record()
             e1.synchronize()
-            if rep:
-                samples.append(e0.elapsed_time(e1) * 1e3 / iters)
+            samples.append(e0.elapsed_time(e1) * 1e3 / iters)
+        del g
         return statistics.median(samples)
 
-    def perf(self, names, ms=PERF_MS, shapes=SHAPES, deadline=None, heur=None):
+    def perf(self, shapes, ms, pick, deadline):
+        """pick(n, k, m) -> kernel names to time (cuBLAS fast/exact always)."""
         t = self.torch
         sa, sb = self.scales()
         rows = []
-        bf16_names = [x for x in names
-                      if self.is_plain(x)]
         for (n, k) in shapes:
             for m in ms:
+                if time.time() > deadline:
+                    self.p(f"perf: deadline reached at {m}x{n}x{k}; stopping")
+                    self.results["perf_truncated"] = True
+                    self.results["perf"] = rows
+                    return
+                todo = [x for x in pick(n, k, m) if x in self.fns and self.fits(x, m, n)]
                 per = m * k + n * k + 2 * m * n
-                nsets = max(1, min(16, -(-(160 << 20) // per)))
+                nsets = max(1, min(16, -(-(200 << 20) // per)))
+                if self.fake:
+                    nsets = 1
                 A = [self.fp8(m, k) for _ in range(nsets)]
                 B = [self.fp8(n, k) for _ in range(nsets)]
                 C = [t.empty(m, n, dtype=t.bfloat16, device=self.dev) for _ in range(nsets)]
-                flops = 2.0 * m * n * k
+                ws, cnt = self.buffers(todo, m, n)
+                iters = 20 if m * n * k < (1 << 36) else 8
+                if self.fake:
+                    iters = 1
                 res = {}
                 for fa in (True, False):
                     def ls(i, fa=fa, A=A, B=B):
-                        t._scaled_mm(A[i], B[i].t(), scale_a=sa, scale_b=sb,
-                                     out_dtype=t.bfloat16, use_fast_accum=fa)
-                    res[f"cublas_fast{int(fa)}"] = self._time(ls, nsets)
-                todo = bf16_names
-                if deadline is not None and time.time() > deadline and heur:
-                    # out of time: only the heuristic's top picks and the cluster-free set
-                    top = set(heur.get(f"{m}x{n}x{k}", [])[:5])
-                    todo = [x for x in bf16_names if x in top or "_c1x1_rm_s1_" in x]
+                        self.scaled_mm(A[i], B[i], sa, sb, fa)
+                    res[f"cublas_fast{int(fa)}"] = self._time(ls, nsets, iters)
                 for name in todo:
                     fn = self.fns[name]
+                    self.watchdog(name)
 
-                    def ls(i, fn=fn, A=A, B=B, C=C):
-                        fn(A[i], B[i], C[i], sa, sb)
-                    res[name] = self._time(ls, nsets)
+                    def ls(i, fn=fn, A=A, B=B, C=C, ws=ws, cnt=cnt):
+                        fn(A[i], B[i], C[i], sa, sb, ws, cnt)
+                    res[name] = self._time(ls, nsets, iters)
+                    self.watchdog("")
                 for key, us in res.items():
                     rows.append(dict(m=m, n=n, k=k, impl=key, us=us,
-                                     tflops=flops / us / 1e6))
-                best = min((x for x in res if not x.startswith("cublas")), key=res.get)
-                self.p(f"perf {m}x{n}x{k}: cublas(fast) {res['cublas_fast1']:.1f} us, "
-                       f"best {best} {res[best]:.1f} us")
+                                     tflops=2.0 * m * n * k / us / 1e6))
+                del A, B, C
+                ours = [x for x in res if not x.startswith("cublas")]
+                if ours:
+                    best = min(ours, key=res.get)
+                    self.p(f"perf {m}x{n}x{k}: cublas fast {res['cublas_fast1']:.1f} exact "
+                           f"{res['cublas_fast0']:.1f} us; best {best} {res[best]:.1f} us")
         self.results["perf"] = rows
-        return rows
-
-    # -- phase: batch invariance ------------------------------------------------------
-    def bi(self, names, mix):
-        t = self.torch
-        sa, sb = self.scales()
-        rows = []
-        bf16_names = [x for x in names
-                      if self.is_plain(x)]
-        for (n, k) in SHAPES:
-            x = self.fp8(2048, k)
-            w = self.fp8(n, k)
-            fulls = {}
-            impls = [(nm, nm) for nm in bf16_names] + [("scaled_mm_fast1", None),
-                                                        ("scaled_mm_fast0", None)]
-            for label, nm in impls:
-                if nm is None:
-                    fast = label.endswith("1")
-
-                    def run(xx, fa=fast, w=w):
-                        return self.scaled_mm(xx, w, sa, sb, fa)
-                else:
-                    def run(xx, nm=nm, w=w):
-                        return self.call(nm, xx, w, sa, sb)
-                full = run(x)
-                fulls[label] = full
-                diff = {}
-                for m in BI_MS:
-                    xm = x[:m].clone()  # fresh allocation: no aliasing with x
-                    o = run(xm)
-                    diff[m] = int((o != full[:m]).any(dim=1).sum().item())
-                rows.append(dict(n=n, k=k, impl=label, diff_rows=diff,
-                                 total=sum(diff.values())))
-            # per-M mix: each M on its own chosen tactic, against the M=2048 choice
-            for mix_name, pick in mix.items():
-                ref_name = pick(2048, n, k)
-                full = fulls.get(ref_name)
-                if full is None:
-                    continue
-                diff = {}
-                used = {}
-                for m in BI_MS:
-                    nm = pick(m, n, k)
-                    used[m] = nm
-                    o = self.call(nm, x[:m].clone(), w, sa, sb)
-                    diff[m] = int((o != full[:m]).any(dim=1).sum().item())
-                rows.append(dict(n=n, k=k, impl=f"mix:{mix_name}", diff_rows=diff,
-                                 total=sum(diff.values()), used=used))
-            # all tactics agree with each other bitwise on the full batch?
-            base = fulls[bf16_names[0]]
-            differ = [nm for nm in bf16_names if not t.equal(fulls[nm], base)]
-            rows.append(dict(n=n, k=k, impl="cross_tactic_M2048", total=len(differ),
-                             differing=differ))
-            self.p(f"bi {n}x{k}: done")
-        self.results["bi"] = rows
-        return rows
 
 
-def _bi_mix_only(self, names, mix):
-    sa, sb = self.scales()
-    rows = []
-    for (n, k) in SHAPES:
-        x = self.fp8(2048, k)
-        w = self.fp8(n, k)
-        for mix_name, pick in mix.items():
-            full = self.call(pick(2048, n, k), x, w, sa, sb)
-            diff, used = {}, {}
-            for m in BI_MS:
-                nm = pick(m, n, k)
-                used[m] = nm
-                o = self.call(nm, x[:m].clone(), w, sa, sb)
-                diff[m] = int((o != full[:m]).any(dim=1).sum().item())
-            rows.append(dict(n=n, k=k, impl=f"mix:{mix_name}", diff_rows=diff,
-                             total=sum(diff.values()), used=used))
-    self.results["bi_mix"] = rows
-
-
-Runner.bi_mix_only = _bi_mix_only
-
-
-def run(bundle: str, out: str, phases: list[str], exclude: list[str],
-        perf_budget_s: float = 420.0) -> None:
+def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool,
+        budget_s: float) -> None:
     os.makedirs(out, exist_ok=True)
-    r = Runner(bundle, out)
+    r = Runner(bundle, out, fake)
     torch = r.torch
     torch.manual_seed(0)
+    t_start = time.time()
     names = [x for x in r.fns if x not in exclude]
     r.results["excluded_after_hang"] = exclude
-    if exclude:
-        r.p(f"excluded (hung in an earlier attempt): {exclude}")
-    r.p(f"device {r.results['device']} sms={r.results['sms']} torch {torch.__version__}; "
-        f"loaded {len(names)} tactics in {r.load_ms:.1f} ms")
-    t_start = time.time()
+    r.p(f"device {r.results.get('device', 'cpu (fake)')} torch {torch.__version__}; "
+        f"{len(names)} kernels loaded in {r.load_ms:.1f} ms; set {r.manifest['set']}")
     jpath = os.path.join(out, "hopper_fp8.json")
 
     def dump():
         with open(jpath, "w") as f:
             json.dump(r.results, f, indent=1, default=str)
 
+    shapes = [tuple(s) for s in r.manifest["shapes"]]
+    if fake:  # small stand-ins for two seed shapes, with their plans
+        shapes = [(272, 400), (256, 1040)]
+        r.manifest["plan"]["272x400"] = r.manifest["plan"]["4096x4096"]
+        r.manifest["plan"]["256x1040"] = r.manifest["plan"]["2688x4096"]
+    plain = [x for x in names if r.is_plain(x)]
     if "correct" in phases:
         r.correct(names)
         dump()
-    heur = r.manifest["heuristic"]
-    r.results["heuristic_top1"] = {key: v[0] for key, v in heur.items() if v}
     if "bi" in phases:
-        r.bi(names, {"heuristic": lambda m, n, k: heur[f"{m}x{n}x{k}"][0]})
+        r.bi(names, shapes, MS if not fake else [1, 2, 7, 64, FULL_M])
         dump()
     if "perf" in phases:
-        r.perf(names, deadline=t_start + perf_budget_s, heur=heur)
+        plan = r.manifest["plan"]
+        if r.manifest["set"] == "wide":
+            def pick(n, k, m):
+                return [x for x in plain if not (r.is_cta(x) and m > 1024)]
+            ms = MS
+        else:
+            def pick(n, k, m):
+                return plan[f"{n}x{k}"]["by_m"][str(m)]
+            ms = MS
+        if fake:
+            ms = [1, 64]
+        r.perf(shapes, ms, pick, t_start + budget_s)
         dump()
-        measured_best = {}
-        for row in r.results["perf"]:
-            if row["impl"].startswith("cublas"):
-                continue
-            key = (row["m"], row["n"], row["k"])
-            if key not in measured_best or row["us"] < measured_best[key][1]:
-                measured_best[key] = (row["impl"], row["us"])
-
-        def pick(m, n, k):
-            import math
-            mm = min(PERF_MS, key=lambda q: abs(math.log(q) - math.log(m)))
-            return measured_best[(mm, n, k)][0]
-        if "bi" in phases:
-            keep = r.results["bi"]
-            r.bi_mix_only(names, {"measured_best": pick})
-            r.results["bi"] = keep + r.results.pop("bi_mix")
-            dump()
     r.results["wall_seconds"] = round(time.time() - t_start, 1)
     dump()
-    summarize(r.results, r.p)
+    summarize(r.results, r.manifest, r.p)
 
 
-def summarize(res, p) -> None:
+# ====================================================================================
+# summary tables
+# ====================================================================================
+
+def _gm(xs):
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def summarize(res, manifest, p) -> None:
     p("")
     p("=" * 100)
     if "correct" in res:
-        p("CORRECTNESS (rel = ||out - ref64|| / ||ref64||; worst over problems per tactic)")
+        p("CORRECTNESS (rel = ||out - ref64|| / ||ref64||, worst over problems)")
         worst = {}
         for row in res["correct"]:
-            w = worst.setdefault(row["tactic"], dict(rel=0.0, written=True, same=True, n=0,
-                                                     eq1=0, eq0=0))
+            w = worst.setdefault(row["kernel"], dict(rel=0.0, written=True, same=True, cls=""))
             w["rel"] = max(w["rel"], row["rel"])
             w["written"] &= bool(row["all_written"])
-            if row["same_as_first"] is not None:
-                w["same"] &= bool(row["same_as_first"])
-            w["eq1"] += int(bool(row.get("fast1_eq")))
-            w["eq0"] += int(bool(row.get("fast0_eq")))
-            w["n"] += 1
-        bad = [k for k, v in worst.items() if not (v["written"] and v["rel"] < 2e-2)]
-        p(f"  tactics checked: {len(worst)}; failing: {len(bad)} {bad[:6]}")
-        rels = sorted(v["rel"] for k, v in worst.items() if not k.startswith("scaled_mm"))
+            w["same"] &= bool(row["same_as_class_first"])
+            w["cls"] = row["cls"]
+        ours = {k: v for k, v in worst.items() if v["cls"] != "cublas"}
+        bad = [k for k, v in ours.items() if not (v["written"] and v["rel"] < 2e-2)]
+        notsame = [k for k, v in ours.items() if not v["same"]]
+        rels = sorted(v["rel"] for v in ours.values())
+        p(f"  kernels: {len(ours)}; failing (rel >= 2e-2 or unwritten): {len(bad)} {bad[:4]}")
         if rels:
-            p(f"  ours: worst rel err max {rels[-1]:.3e}, median {statistics.median(rels):.3e}; "
-              f"all outputs written (NaN poison gone): "
-              f"{all(v['written'] for v in worst.values())}")
+            p(f"  worst rel max {rels[-1]:.3e}, median {statistics.median(rels):.3e}")
+        p(f"  kernels not bitwise equal to their class's first kernel: {len(notsame)} "
+          f"{notsame[:4]}")
         for k, v in worst.items():
-            if k.startswith("scaled_mm"):
-                p(f"  {k:40s} worst rel {v['rel']:.3e}")
-        ndiff = [k for k, v in worst.items() if not k.startswith("scaled_mm") and not v["same"]]
-        p(f"  tactics NOT bitwise equal to the first tactic of their dtype: {len(ndiff)} "
-          f"{ndiff[:5]}")
-        eqs = [(k, v["eq1"], v["eq0"], v["n"]) for k, v in worst.items()
-               if not k.startswith("scaled_mm")]
-        if eqs:
-            p(f"  problems bitwise equal to scaled_mm fast1/fast0 (first tactic): "
-              f"{eqs[0][1]}/{eqs[0][3]}, {eqs[0][2]}/{eqs[0][3]}")
+            if v["cls"] == "cublas":
+                p(f"  {k:34s} worst rel {v['rel']:.3e}")
+        eq = {}
+        for row in res["correct"]:
+            if "eq_fast1" in row:
+                e = eq.setdefault(row["cls"], [0, 0, 0])
+                e[0] += row["eq_fast1"]
+                e[1] += row["eq_fast0"]
+                e[2] += 1
+        for cls, (e1, e0, n) in sorted(eq.items()):
+            p(f"  class {cls}: bitwise equal to scaled_mm fast1 {e1}/{n}, fast0 {e0}/{n}")
     if "bi" in res:
-        p("BATCH INVARIANCE (rows of x[:M] differing from the M=2048 output; M in "
-          f"{BI_MS}; summed)")
-        by_impl = {}
+        p(f"BATCH INVARIANCE (rows of x[:M] differing from the M={FULL_M} output, summed over"
+          f" M in {MS}; cross = rows differing from the class's first kernel at the same M)")
+        shapes = sorted({(row["n"], row["k"]) for row in res["bi"]},
+                        key=lambda s: [tuple(x) for x in manifest["shapes"]].index(s)
+                        if list(s) in manifest["shapes"] else 0)
+        by = {}
         for row in res["bi"]:
-            by_impl.setdefault(row["impl"], {})[(row["n"], row["k"])] = row["total"]
-        hdr = "  impl".ljust(46) + "".join(f"{n}x{k}".rjust(12) for n, k in SHAPES)
-        p(hdr)
-        ours = [k for k in by_impl if not k.startswith(("scaled_mm", "mix:", "cross"))]
-        tot_ours = sum(sum(by_impl[k].values()) for k in ours)
-        p(f"  {'all ' + str(len(ours)) + ' tactics (sum)':44s}" + "".join(
-            str(sum(by_impl[k].get(s, 0) for k in ours)).rjust(12) for s in SHAPES))
-        for k in by_impl:
-            if k.startswith(("scaled_mm", "mix:", "cross")):
-                p(f"  {k:44s}" + "".join(str(by_impl[k].get(s, '-')).rjust(12) for s in SHAPES))
-        p(f"  => our tactics: {tot_ours} differing rows in total")
+            key = row["cls"] if row["impl"] not in ("plan_mix",) and row["cls"] else row["impl"]
+            if row["impl"] == "plan_mix":
+                key = "plan_mix"
+            d = by.setdefault(key, {}).setdefault((row["n"], row["k"]), [0, 0, 0])
+            d[0] += row["total"]
+            d[1] += row.get("cross_total", 0)
+            d[2] += 1
+        p("  " + "impl (kernels)".ljust(30) + "".join(f"{n}x{k}".rjust(12) for n, k in shapes))
+        for key in sorted(by, key=str):
+            cells = []
+            for s in shapes:
+                d = by[key].get(s)
+                cells.append("-" if d is None else (f"{d[0]}/{d[1]}" if key.startswith("k128")
+                                                    else str(d[0])))
+            nk = max(v[2] for v in by[key].values())
+            p(f"  {(key + f' ({nk})')[:30]:30s}" + "".join(c.rjust(12) for c in cells))
+        p("  (k128.* cells: seeds' method rows / cross-kernel rows within the class)")
     if "perf" in res:
-        p("THROUGHPUT (us per GEMM, bf16 out; ratio = cuBLAS fast-accum time / ours)")
         by = {}
         for row in res["perf"]:
-            by.setdefault((row["m"], row["n"], row["k"]), {})[row["impl"]] = row["us"]
-        # pinned: the single tactic with best geomean ratio at M >= 1024 over all shapes
-        import math
-        big = [key for key in by if key[0] >= 1024]
-        common = None
-        for key in big:
-            ks = {k for k in by[key] if not k.startswith("cublas")}
-            common = ks if common is None else common & ks
-        common = sorted(common or [])
-
-        def gm(tn):
-            logs = [math.log(by[key]["cublas_fast1"] / by[key][tn]) for key in big]
-            return math.exp(sum(logs) / len(logs))
-        pinned = max(common, key=gm) if common else None
-        p(f"  pinned tactic (best geomean ratio at M>=1024, all four shapes): {pinned}"
-          + (f" geomean {gm(pinned):.2f}" if pinned else ""))
-        p("      M  N x K        cuBLAS1  cuBLAS0     best ratio   pinned ratio    heur ratio"
-          "  TFLOP/s  best tactic")
-        h1 = res.get("heuristic_top1", {})
-        for key in sorted(by, key=lambda x: (x[1], x[2], x[0])):
-            d = by[key]
-            tact = [x for x in d if not x.startswith("cublas")]
-            best = min(tact, key=lambda x: d[x])
-            m, n, k = key
-            tf = 2 * m * n * k / d[best] / 1e6
-            pv = d.get(pinned)
-            pin_s = f"{pv:9.1f}{d['cublas_fast1'] / pv:6.2f}" if pv else f"{'-':>9}{'-':>6}"
-            hv = d.get(h1.get(f"{m}x{n}x{k}"))
-            pin_s += f"{hv:8.1f}{d['cublas_fast1'] / hv:6.2f}" if hv else f"{'-':>8}{'-':>6}"
-            p(f"  {m:5d}  {n}x{k}".ljust(20) + f"{d['cublas_fast1']:9.1f}{d['cublas_fast0']:9.1f}"
-              f"{d[best]:9.1f}{d['cublas_fast1'] / d[best]:6.2f}" + pin_s + f"{tf:9.0f}  {best}")
+            cell = by.setdefault((row["n"], row["k"]), {}).setdefault(row["m"], {})
+            cell[row["impl"]] = row["us"]
+        plan = manifest.get("plan", {})
+        p("THROUGHPUT (us per GEMM, bf16 out; r1/r0 = cuBLAS fast-accum on/off time / ours)")
+        p("      M  N x K          cuB1     cuB0    plan   r1    r0      best   r1b  plan kernel")
+        allr1, allr0 = [], []
+        for (n, k), bym in by.items():
+            pl = plan.get(f"{n}x{k}", {}).get("by_m", {})
+            for m in sorted(bym):
+                d = bym[m]
+                ours = {x: v for x, v in d.items() if not x.startswith("cublas")}
+                if not ours:
+                    continue
+                first = (pl.get(str(m)) or [None])[0]
+                best = min(ours, key=ours.get)
+                pv = ours.get(first)
+                r1 = d["cublas_fast1"] / pv if pv else float("nan")
+                r0 = d["cublas_fast0"] / pv if pv else float("nan")
+                if pv and manifest.get("set") == "final":
+                    allr1.append(r1)
+                    allr0.append(r0)
+                p(f"  {m:5d}  {n}x{k}".ljust(22) + f"{d['cublas_fast1']:8.1f} "
+                  f"{d['cublas_fast0']:8.1f} " + (f"{pv:7.1f} {r1:5.2f} {r0:5.2f}" if pv else
+                                                  f"{'-':>7} {'-':>5} {'-':>5}") +
+                  f"  {ours[best]:8.1f}  {d['cublas_fast1'] / ours[best]:5.2f}  {first}")
+        if allr1:
+            p(f"  plan's first choice: geomean r1 {_gm(allr1):.3f} (min {min(allr1):.2f}), "
+              f"geomean r0 {_gm(allr0):.3f} (min {min(allr0):.2f}); points {len(allr1)}; "
+              f"r1 < 0.9: {sum(x < 0.9 for x in allr1)}; r0 < 1.0: {sum(x < 1.0 for x in allr0)}")
     p(f"wall {res.get('wall_seconds')} s")
+
+
+def profile(bundle: str, name: str, m: int, n: int, k: int, reps: int) -> None:
+    """Launch one kernel `reps` times on fresh data (for ncu: profile the last launch)."""
+    r = Runner(bundle, os.environ.get("OUT", "/tmp"), fake=False)
+    sa, sb = r.scales()
+    a, b = r.fp8(m, k), r.fp8(n, k)
+    if name.startswith("cublas"):
+        for _ in range(reps):
+            r.scaled_mm(a, b, sa, sb, name.endswith("1"))
+    else:
+        out = r.torch.empty(m, n, dtype=r.torch.bfloat16, device=r.dev)
+        for _ in range(reps):
+            r.call(name, a, b, sa, sb, out)
+    r.sync()
 
 
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
-    b.add_argument("--out", default=".gpubundle")
-    b.add_argument("--set", default="full", choices=["smoke", "full"])
+    b.add_argument("--out", required=True)
+    b.add_argument("--set", default="final", choices=["wide", "final"])
     b.add_argument("--jobs", type=int, default=2)
+    b.add_argument("--top", type=int, default=3, help="plan choices per M kept (final)")
+    b.add_argument("--dry", action="store_true", help="manifest only, no compile")
     r = sub.add_parser("run")
-    r.add_argument("--bundle", default=".gpubundle")
+    r.add_argument("--bundle", default=HERE)
     r.add_argument("--out", default=os.environ.get("OUT", "/tmp/hopper_fp8_out"))
-    r.add_argument("--phases", default="correct,perf,bi")
-    r.add_argument("--exclude", default="", help="comma-separated tactic names to skip")
-    r.add_argument("--perf-budget", type=float, default=420.0,
-                   help="seconds from start after which perf times only the top tactics")
+    r.add_argument("--phases", default="correct,bi,perf")
+    r.add_argument("--exclude", default="", help="comma-separated kernel names to skip")
+    r.add_argument("--budget", type=float, default=400.0,
+                   help="seconds from start after which perf stops")
+    r.add_argument("--fake", action="store_true", help="CPU dry run of the driver")
     c = sub.add_parser("_compile")
     c.add_argument("jobs_json")
+    pr = sub.add_parser("profile")
+    pr.add_argument("--bundle", default=HERE)
+    pr.add_argument("--kernel", required=True, help="kernel name, or cublas_fast1/0")
+    pr.add_argument("--mnk", required=True, help="M,N,K")
+    pr.add_argument("--reps", type=int, default=3)
     s = sub.add_parser("summarize")
     s.add_argument("json")
+    s.add_argument("manifest")
     a = ap.parse_args()
     if a.cmd == "build":
-        build(a.out, a.set, a.jobs)
+        build(a.out, a.set, a.jobs, a.top, a.dry)
     elif a.cmd == "_compile":
         _compile_worker(a.jobs_json)
+    elif a.cmd == "profile":
+        m, n, k = (int(x) for x in a.mnk.split(","))
+        profile(a.bundle, a.kernel, m, n, k, a.reps)
     elif a.cmd == "summarize":
-        with open(a.json) as f:
-            summarize(json.load(f), print)
+        with open(a.json) as f, open(a.manifest) as g:
+            summarize(json.load(f), json.load(g), print)
     else:
         run(a.bundle, a.out, a.phases.split(","), [x for x in a.exclude.split(",") if x],
-            a.perf_budget)
+            a.fake, a.budget)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
 # Hopper FP8 GEMM family: build the GPU bundle here, run the check there.
 #
-#   here (CPU, venv):   bench/gpu/run_hopper_fp8.sh build [smoke|full]
-#       -> .gpubundle/: one .so per tactic, manifest.json, libcute_dsl_runtime.so,
-#          the cp312 apache-tvm-ffi wheel. (.gpubundle is in .git/info/exclude.)
-#   there (H200, via the device tool, carry [".gpubundle"]):
-#                        bash bench/gpu/run_hopper_fp8.sh gpu [phases] [extra args]
-#       -> installs the tvm-ffi wheel into /tmp/site, runs hopper_fp8_check.py run,
-#          retries without a tactic that hung the GPU; logs and JSON under $OUT.
+#   here (CPU, venv):   bench/gpu/run_hopper_fp8.sh build [wide|final] [DIR]
+#       -> DIR (default .gpubundle, listed in .git/info/exclude): kernels/*.so, manifest.json,
+#          hopper_fp8_check.py, this script, client/cached_client (the launcher),
+#          libcute_dsl_runtime.so, the cp312 apache-tvm-ffi wheel.
+#   there (H200, via the device tool, carry [DIR]):
+#                        bash DIR/run_hopper_fp8.sh gpu [phases] [extra args]
+#       -> installs the tvm-ffi wheel into /tmp/site, runs hopper_fp8_check.py run on the
+#          bundle the script sits in, retries without a kernel that hung the GPU; logs and
+#          JSON under $OUT.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
-BUNDLE=.gpubundle
 mode=${1:-build}
 
 if [[ $mode == build ]]; then
-  set_name=${2:-full}
+  cd "$(dirname "$0")/../.."
+  set_name=${2:-final}
+  BUNDLE=${3:-.gpubundle}
   PY=${PYTHON:-.venv/bin/python}
-  grep -qx '/.gpubundle/' .git/info/exclude 2>/dev/null || echo '/.gpubundle/' >> .git/info/exclude
-  rm -rf "$BUNDLE"
-  CUTE_DSL_ARCH=sm_90a "$PY" bench/gpu/hopper_fp8_check.py build --out "$BUNDLE" --set "$set_name" --jobs "${JOBS:-2}"
+  if [[ $BUNDLE == .gpubundle ]]; then
+    grep -qx '/.gpubundle/' .git/info/exclude 2>/dev/null || echo '/.gpubundle/' >> .git/info/exclude
+  fi
+  CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/hopper_fp8_check.py build --out "$BUNDLE" \
+    --set "$set_name" --jobs "${JOBS:-2}"
   if ! ls "$BUNDLE"/apache_tvm_ffi-*.whl >/dev/null 2>&1; then
     ver=$("$PY" -c 'import importlib.metadata as m; print(m.version("apache-tvm-ffi"))')
     cache=${TVM_FFI_WHEEL_CACHE:-/tmp/hopper_fp8_wheels}
@@ -34,27 +38,29 @@ if [[ $mode == build ]]; then
 fi
 
 if [[ $mode == gpu ]]; then
-  phases=${2:-correct,perf,bi}
+  BUNDLE=$(cd "$(dirname "$0")" && pwd)
+  phases=${2:-correct,bi,perf}
   shift || true; shift || true
   OUT=${OUT:-/tmp/hopper_fp8_out}
   mkdir -p "$OUT"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$BUNDLE"/apache_tvm_ffi-*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/nvidia-smi.txt" || true
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
+    | tee "$OUT/nvidia-smi.txt" || true
   exclude=""
   for attempt in 1 2 3; do
     rm -f "$OUT/progress"
-    if python3 bench/gpu/hopper_fp8_check.py run --bundle "$BUNDLE" --out "$OUT" \
+    if python3 "$BUNDLE/hopper_fp8_check.py" run --bundle "$BUNDLE" --out "$OUT" \
          --phases "$phases" --exclude "$exclude" "$@"; then
       exit 0
     fi
     hung=$(cat "$OUT/progress" 2>/dev/null || true)
     if [[ -z $hung ]]; then echo "check failed (not a hang); giving up"; exit 1; fi
-    echo "tactic $hung hung or crashed; retrying without it"
+    echo "kernel $hung hung or crashed; retrying without it"
     exclude=${exclude:+$exclude,}$hung
   done
   exit 1
 fi
-echo "usage: $0 build [smoke|full] | gpu [phases]" >&2
+echo "usage: $0 build [wide|final] [DIR] | gpu [phases] [args]" >&2
 exit 2

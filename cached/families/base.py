@@ -36,6 +36,12 @@ class Family(abc.ABC):
     arches: tuple[str, ...]
     reduction_order_m_independent: bool = False
 
+    def reduction_class(self, params: Mapping[str, Any]) -> str | None:
+        """The reduction-order class of the tactic ``params`` (a short stable id), or None
+        for a family that declares none. Tactics of one class give bitwise-equal results
+        at every M; a batch-invariant plan never mixes classes."""
+        return None
+
     def check_arch(self, arch: str) -> None:
         if arch not in self.arches:
             raise InvalidTactic(

@@ -61,10 +61,11 @@ def summarize(per_tactic: dict[str, dict[int, int]], mix: dict[int, int],
 
 
 def hopper_fp8_runner(n: int, k: int, device: str = "cuda", seed: int = 0) -> Run:
-    """Fixed Gaussian FP8 inputs for (FULL_M, K) x (N, K); run(fn, M) uses x[:M]."""
+    """Fixed Gaussian FP8 inputs for (FULL_M, K) x (N, K); run((fn, params), M) uses
+    x[:M] (a split-K tactic gets a workspace sized for FULL_M)."""
     import torch
 
-    from .hopper_fp8 import gemm
+    from .hopper_fp8 import alloc_workspace, gemm
 
     g = torch.Generator(device=device).manual_seed(seed)
     a = torch.randn(FULL_M, k, device=device, generator=g).to(torch.float8_e4m3fn)
@@ -72,14 +73,24 @@ def hopper_fp8_runner(n: int, k: int, device: str = "cuda", seed: int = 0) -> Ru
     a_scale = torch.tensor([0.5], device=device)
     b_scale = torch.tensor([0.25], device=device)
 
-    def run(fn: Any, m: int) -> Any:
+    buffers: dict[str, Any] = {}
+
+    def run(kernel: Any, m: int) -> Any:
+        fn, params = kernel
+        key = repr(sorted(params.items()))
+        if key not in buffers:
+            buffers[key] = alloc_workspace([params], FULL_M, n, device)
+        ws, cnt = buffers[key]
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
-        return gemm(fn, a[:m], b, a_scale, b_scale, torch.bfloat16, out=out)
+        return gemm(fn, a[:m], b, a_scale, b_scale, torch.bfloat16, out=out, params=params,
+                    workspace=ws, counters=cnt)
 
     return run
 
 
 RUNNERS = {"cached.hopper_fp8": hopper_fp8_runner}
+#: plan options per family: a certification covers one reduction-order class per (N, K)
+PLAN_OPTIONS: dict[str, dict] = {"cached.hopper_fp8": {"batch_invariant": True}}
 
 
 def certify(client: Any, family: str, shapes: Sequence[tuple[int, int]], limit: int | None,
@@ -93,13 +104,18 @@ def certify(client: Any, family: str, shapes: Sequence[tuple[int, int]], limit: 
     arch = f"sm_{props.major}{props.minor}a"
     records = []
     for n, k in shapes:
-        plans = {m: client.plan(family, (m, n, k), arch, props.multi_processor_count)
+        plans = {m: client.plan(family, (m, n, k), arch, props.multi_processor_count,
+                                PLAN_OPTIONS.get(family))
                  for m in SEED_MS}
         tactics = plans[FULL_M][:limit] if limit else plans[FULL_M]
         run = RUNNERS[family](n, k)
-        per_tactic = {_name(r): invariance(run, client.load(r)) for r in tactics}
-        mix = mix_invariance(run, lambda m, plans=plans: client.load(plans[m][0]))
-        cross = cross_tactic(run, [client.load(r) for r in tactics])
+
+        def kernel(r: Any) -> tuple[Any, dict]:
+            return client.load(r), dict(r.params)
+
+        per_tactic = {_name(r): invariance(run, kernel(r)) for r in tactics}
+        mix = mix_invariance(run, lambda m, plans=plans: kernel(plans[m][0]))
+        cross = cross_tactic(run, [kernel(r) for r in tactics])
         rec = {"family": family, "n": n, "k": k, "device": props.name, "arch": arch,
                "tactics": [dict(r.params) for r in tactics], "ms": list(SEED_MS),
                "rows_differing": summarize(per_tactic, mix, cross),

@@ -3,12 +3,75 @@
 ``fn`` is the TVM-FFI function ``Client.load`` returns for a ``cached.hopper_fp8``
 request (or ``tvm_ffi.load_module(path)[symbol]``). torch is imported lazily, so
 importing this module is cheap.
+
+Split-K tactics with ``split_mode="cta"`` need two buffers from the caller, so that a
+call allocates nothing beyond its output (and can be captured in a CUDA graph):
+
+* ``workspace``: float32, at least ``workspace_bytes(params, m, n)`` bytes, for the
+  fp32 partial sums; no initial value is needed.
+* ``counters``: int32, at least ``counter_elems(params, m, n)`` elements, **zero-filled
+  once** when allocated; every launch leaves them at zero again (the last unit of each
+  output tile resets its counter), so no memset per call.
+
+Both sizes grow with M: allocate once for the largest M (and every tactic) a caller
+serves, e.g. with :func:`alloc_workspace`. One pair of buffers serves one launch at a
+time: GEMMs that may run concurrently (other streams) need their own pair. Every other
+tactic (``splits=1`` or ``split_mode="serial"``) needs neither; the launcher then passes
+placeholders that the kernel never touches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+#: The largest workspace one launch can address (the kernel indexes it with int32).
+MAX_WORKSPACE_ELEMS = 2**31 - 1
+
+
+def _uses_workspace(params: Mapping[str, Any]) -> bool:
+    return int(params.get("splits", 1)) > 1 and params.get("split_mode", "serial") == "cta"
+
+
+def _tiles(params: Mapping[str, Any], m: int, n: int) -> int:
+    tm, tn = int(params.get("tile_m", 128)), int(params.get("tile_n", 128))
+    return -(-m // tm) * -(-n // tn)
+
+
+def workspace_bytes(params: Mapping[str, Any], m: int, n: int) -> int:
+    """Bytes of fp32 workspace a launch of tactic ``params`` on an (m, n) output needs:
+    one tile_m x tile_n fp32 partial per output tile and split for ``split_mode="cta"``,
+    0 for every other tactic. Pure; grows monotonically with m and n."""
+    if m < 0 or n < 0:
+        raise ValueError(f"m and n must be >= 0, got m={m}, n={n}")
+    if not _uses_workspace(params):
+        return 0
+    tm, tn = int(params["tile_m"]), int(params["tile_n"])
+    return _tiles(params, m, n) * int(params["splits"]) * tm * tn * 4
+
+
+def counter_elems(params: Mapping[str, Any], m: int, n: int) -> int:
+    """int32 counters a launch needs (one per output tile for ``split_mode="cta"``, else
+    0). Zero-fill them once at allocation; launches leave them at zero."""
+    if m < 0 or n < 0:
+        raise ValueError(f"m and n must be >= 0, got m={m}, n={n}")
+    return _tiles(params, m, n) if _uses_workspace(params) else 0
+
+
+def alloc_workspace(params: Iterable[Mapping[str, Any]], max_m: int, n: int, device: Any):
+    """(workspace, counters) large enough for every tactic in ``params`` at any M up to
+    ``max_m`` on an output of width ``n``: float32 and zero-filled int32 CUDA tensors
+    (at least one element each). Allocate once, e.g. when a plan is built."""
+    import torch
+
+    ps = list(params)
+    ws = max([workspace_bytes(p, max_m, n) for p in ps] + [4]) // 4
+    cnt = max([counter_elems(p, max_m, n) for p in ps] + [1])
+    if ws > MAX_WORKSPACE_ELEMS:
+        raise ValueError(f"workspace of {ws} float32 elements is over the kernel's limit "
+                         f"{MAX_WORKSPACE_ELEMS}; serve M <= {max_m} with fewer splits")
+    return (torch.empty(ws, dtype=torch.float32, device=device),
+            torch.zeros(cnt, dtype=torch.int32, device=device))
 
 _FP8_NAMES = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 _OUT_NAMES = ("bfloat16", "float16")
@@ -82,6 +145,40 @@ def check_gemm_args(a, b, a_scale, b_scale, out_dtype, out=None) -> tuple[int, i
     return m, n, k
 
 
+def check_workspace(params: Mapping[str, Any] | None, m: int, n: int, device: Any,
+                    workspace: Any | None, counters: Any | None) -> None:
+    """Raise ValueError unless the buffers suit tactic ``params`` at (m, n)."""
+    import torch
+
+    if params is None:
+        if workspace is not None or counters is not None:
+            raise ValueError("workspace/counters given without params: pass the tactic's "
+                             "params so the launcher can check their sizes")
+        return
+    if not _uses_workspace(params):
+        return
+    need_ws = workspace_bytes(params, m, n) // 4
+    need_cnt = counter_elems(params, m, n)
+    if workspace is None or counters is None:
+        raise ValueError(
+            f"tactic splits={params.get('splits')} split_mode='cta' needs a float32 workspace "
+            f"of >= {need_ws} elements and zero-filled int32 counters of >= {need_cnt} "
+            f"(workspace_bytes / counter_elems; alloc_workspace allocates both once)")
+    if need_ws > MAX_WORKSPACE_ELEMS:
+        raise ValueError(f"M={m}: the workspace would need {need_ws} float32 elements, over "
+                         f"the kernel's limit {MAX_WORKSPACE_ELEMS}; use a serial tactic")
+    for name, t, dt, need in (("workspace", workspace, torch.float32, need_ws),
+                              ("counters", counters, torch.int32, need_cnt)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dt or t.dim() != 1:
+            raise ValueError(f"{name} must be a 1-D {dt} tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)}")
+        if not t.is_contiguous() or t.device != device:
+            raise ValueError(f"{name} must be contiguous and on {device}")
+        if t.numel() < need:
+            raise ValueError(f"{name} has {t.numel()} elements; M={m}, N={n} needs {need} "
+                             f"(allocate for the largest M once: alloc_workspace)")
+
+
 def gemm(
     fn: Callable[..., Any],
     a,
@@ -90,17 +187,28 @@ def gemm(
     b_scale,
     out_dtype,
     out: Any | None = None,
+    *,
+    params: Mapping[str, Any] | None = None,
+    workspace: Any | None = None,
+    counters: Any | None = None,
 ):
     """C = cvt((a @ b.T) * (a_scale * b_scale)) with the compiled kernel `fn`.
 
     a (M, K) and b (N, K): float8 CUDA tensors, K contiguous; a_scale, b_scale: 1-element
     float32 CUDA tensors; out_dtype: torch.bfloat16 or torch.float16 (must match the dtype
-    the tactic was compiled for). Runs on the current torch stream; no host sync.
+    the tactic was compiled for). ``params``: the tactic's params (from its request);
+    required with ``workspace``/``counters``, which a ``split_mode="cta"`` tactic needs
+    (module doc). Runs on the current torch stream; no host sync, no allocation when
+    ``out`` is given.
     """
     import torch
 
     m, n, _ = check_gemm_args(a, b, a_scale, b_scale, out_dtype, out)
+    check_workspace(params, m, n, a.device, workspace, counters)
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    fn(a, b, out, a_scale.reshape(1), b_scale.reshape(1))
+    sa = a_scale.reshape(1)
+    if workspace is None:  # placeholders: only split_mode="cta" kernels read them
+        workspace, counters = sa, sa.view(torch.int32)
+    fn(a, b, out, sa, b_scale.reshape(1), workspace, counters)
     return out

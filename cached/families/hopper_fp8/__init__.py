@@ -7,24 +7,32 @@ workers, and the launcher lives in the client (cached_client.hopper_fp8, torch).
 
 from .tactics import (
     FAMILY,
+    REDUCTION_CLASSES,
     REDUCTION_ORDER,
     REDUCTION_ORDER_M_INDEPENDENT,
+    SPLIT_CHOICES,
     TARGET_ARCH,
     TILE_K,
     HopperFp8Tactic,
+    choose_split,
     enumerate_tactics,
+    reduction_class_id,
     smem_bytes,
     tactic_from_params,
 )
 
 __all__ = [
     "FAMILY",
+    "REDUCTION_CLASSES",
     "REDUCTION_ORDER",
     "REDUCTION_ORDER_M_INDEPENDENT",
+    "SPLIT_CHOICES",
     "TARGET_ARCH",
     "TILE_K",
     "HopperFp8Tactic",
+    "choose_split",
     "enumerate_tactics",
+    "reduction_class_id",
     "smem_bytes",
     "tactic_from_params",
 ]

@@ -12,7 +12,7 @@ import sys
 
 from .tactics import TARGET_ARCH, HopperFp8Tactic
 
-EXPORTED_SIGNATURE = "fn(a, b, c, a_scale, b_scale) -> None"
+EXPORTED_SIGNATURE = "fn(a, b, c, a_scale, b_scale, workspace, counters) -> None"
 
 
 def _ensure_arch_env() -> None:
@@ -39,7 +39,7 @@ def compile_to_object(
     -L<site>/tvm_ffi/lib -ltvm_ffi``) and ``tvm_ffi.load_module("k.so")[symbol]`` it is
     called as::
 
-        fn(a, b, c, a_scale, b_scale)      # returns None; launches on torch's current stream
+        fn(a, b, c, a_scale, b_scale, workspace, counters)   # returns None; torch's stream
 
     with torch CUDA tensors:
       a        (M, K) float8_e4m3fn (float8_e5m2 for ab_dtype="e5m2"), row-major (K contiguous)
@@ -47,10 +47,18 @@ def compile_to_object(
       c        (M, N) bfloat16 / float16 per tactic.out_dtype, row-major, written entirely
       a_scale  (1,) float32 on the same device
       b_scale  (1,) float32 on the same device
-    computing c = cvt((a @ b.T) * (a_scale * b_scale)). M, N, K are runtime values; all
-    data pointers must be 16-byte aligned, N and K multiples of 16, M >= 1 (the launcher
-    in cached_client.hopper_fp8 checks these). The stream is TVM-FFI's environment stream, i.e. the
-    caller's current torch stream, so the call is CUDA-graph capturable.
+      workspace (W,) float32, W >= workspace_bytes(params, M, N) / 4 (split_mode "cta"
+               only; any float32 tensor otherwise): fp32 partials, no initial value needed
+      counters (C,) int32, C >= counter_elems(params, M, N) (split_mode "cta" only; any
+               int32 tensor otherwise): zero-filled once when allocated, and left at zero
+               by every launch (the last unit of a tile resets its counter)
+    computing c = cvt((a @ b.T) * (a_scale * b_scale)). workspace_bytes / counter_elems
+    are in cached_client.hopper_fp8. A "cta" kernel given smaller buffers writes nothing
+    (no out-of-bounds access). One workspace serves one launch at a time (stream order).
+    M, N, K are runtime values; a, b, c must be 16-byte aligned, N and K multiples of 16,
+    M >= 1 (the launcher in cached_client.hopper_fp8 checks these). The stream is
+    TVM-FFI's environment stream, i.e. the caller's current torch stream, so the call is
+    CUDA-graph capturable.
 
     `max_active_clusters` (e.g. 132 // cluster_size on an H200) is baked into the grid
     size: grid = min(#tiles, max_active_clusters * cluster_size) CTAs.
@@ -79,11 +87,13 @@ def compile_to_object(
     c = fake(c_dtype, (m, n), stride_order=(1, 0), assumed_align=16)
     sa = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4)
     sb = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4)
+    ws = fake(cutlass.Float32, (cute.sym_int(),), assumed_align=4)
+    cnt = fake(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
     kern = HopperFp8GemmKernel(tactic)
     compiled = cute.compile(
-        kern, a, b, c, sa, sb, max_active_clusters, stream,
+        kern, a, b, c, sa, sb, ws, cnt, max_active_clusters, stream,
         options="--enable-tvm-ffi",
     )
     from .tactics import SMEM_CAPACITY_BYTES, STATIC_SMEM_BYTES, smem_bytes

@@ -1,9 +1,14 @@
 """Family ``cached.hopper_fp8``: the project's own sm_90a FP8 GEMM, served by the daemon.
 
-Every tactic reduces over K in one order (``tactics.REDUCTION_ORDER``), so the family
-declares its reduction order M-independent and the batch-invariant policy may mix its
-tactics across M. ``max_active_clusters`` comes from the request (an H200: 132 SMs),
-never from a GPU query in the daemon.
+Every tactic belongs to one reduction-order class (``reduction_class``: K tile,
+accumulation mode, split count S with its fixed order; see ``tactics``). Within a class
+the result of a row does not depend on M, so a batch-invariant plan may mix the tactics
+of one class across M, never two classes. ``max_active_clusters`` comes from the
+request (an H200: 132 SMs), never from a GPU query in the daemon.
+
+Plan options: ``out_dtype``, ``ab_dtype``; ``batch_invariant: true`` (only the class
+``tactics.choose_split(N, K, sm_count)`` picks, the same for every M);
+``reduction_class: "<id>"`` (only that class; wins over ``batch_invariant``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,32 @@ class HopperFp8(Family):
     arches = ("sm_90a",)
     reduction_order_m_independent = tactics.REDUCTION_ORDER_M_INDEPENDENT
 
+    def reduction_class(self, params: Mapping[str, Any]) -> str:
+        """e.g. ``"k128.acc1.s4.fixed"``; raises InvalidTactic for invalid params."""
+        try:
+            return tactics.tactic_from_params(params).reduction_class
+        except (TypeError, ValueError) as exc:
+            raise InvalidTactic(str(exc)) from None
+
+    def plan_splits(self, shape: tuple[int, int, int], sm_count: int,
+                    options: Mapping[str, Any]) -> int | None:
+        """S of the one class the options ask for, or None (every class)."""
+        bi = options.get("batch_invariant", False)
+        if not isinstance(bi, bool):
+            raise InvalidTactic(f"option batch_invariant must be true or false, got {bi!r}")
+        rc = options.get("reduction_class")
+        if rc is not None:
+            if not isinstance(rc, str):
+                raise InvalidTactic(f"option reduction_class must be a string, got {rc!r}")
+            try:
+                return tactics.splits_of_class(rc)
+            except ValueError as exc:
+                raise InvalidTactic(str(exc)) from None
+        if bi:
+            _, n, k = shape
+            return tactics.choose_split(n, k, sm_count)
+        return None
+
     def canonical_params(self, params: Mapping[str, Any], arch: str) -> dict:
         try:
             return tactics.tactic_from_params(params).to_params()
@@ -46,7 +77,9 @@ class HopperFp8(Family):
         ab_dtype = require(options, "ab_dtype", tactics.AB_DTYPES, "e4m3")
         m, n, k = shape
         try:
-            space = tactics.enumerate_tactics(m, n, k, out_dtype, ab_dtype, num_sms=sm_count)
+            splits = self.plan_splits(shape, sm_count, options)
+            space = tactics.enumerate_tactics(m, n, k, out_dtype, ab_dtype, num_sms=sm_count,
+                                              splits=splits)
         except ValueError as exc:
             raise InvalidTactic(str(exc)) from None
         return [KernelRequest(family=self.name, params=t.to_params(), arch=arch,
@@ -64,4 +97,5 @@ class HopperFp8(Family):
         object_path = workdir / f"{kernel_name}.o"
         compile_to_object(tactic, request.max_active_clusters, str(object_path), symbol)
         return BuiltObject(kernel_name, symbol, object_path,
-                           {"reduction_order": tactics.REDUCTION_ORDER})
+                           {"reduction_order": tactic.reduction_order,
+                            "reduction_class": tactic.reduction_class})

@@ -18,7 +18,20 @@ Structure (one CTA = 1 producer warpgroup + 1 or 2 consumer warpgroups):
 M, N, K are symbolic: out-of-range rows/columns are zero-filled by TMA loads and
 clipped by TMA stores, so one compiled kernel serves every shape (N, K multiples of 16).
 
-The reduction order is that of tactics.REDUCTION_ORDER, for every tactic.
+Split-K (tactic.splits = S > 1; the reduction-order class is tactics.reduction_class):
+the K tiles are cut into S contiguous ranges, range s = [s*kt//S, (s+1)*kt//S) of the
+kt = ceil(K/128) K tiles. Each range is accumulated from zero into its own fp32
+partial p_s, and the partials are summed in one fixed order, ((0 + p_0) + p_1) + ...,
+before the scale and the conversion. Two ways to run the same arithmetic:
+  * split_mode "serial": one CTA walks all S ranges of its tile and keeps the running
+    sum in a second register accumulator (no workspace);
+  * split_mode "cta": the persistent schedule has S work units per output tile (the
+    scheduler's L mode is the split index). Each unit writes the valid rows of its
+    partial to the fp32 workspace, fences, and bumps the tile's counter; the unit that
+    sees S-1 (the last to arrive) reads the S partials back in split order, sums them,
+    resets the counter to 0 and runs the epilogue. No unit waits for another, so any
+    schedule is deadlock-free; the counters are left at zero for the next launch.
+Either way a row's result depends only on (K, S), never on M or on which CTA computed it.
 """
 
 from __future__ import annotations
@@ -74,6 +87,11 @@ class HopperFp8GemmKernel:
         self.num_mcast_b = self.cluster_shape_mn[0]
         self.buffer_align = 1024
         self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+        self.splits = tactic.splits
+        self.split_cta = tactic.splits > 1 and tactic.split_mode == "cta"
+        self.split_serial = tactic.splits > 1 and tactic.split_mode == "serial"
+        # work units per output tile in the persistent schedule
+        self.units_per_tile = tactic.splits if self.split_cta else 1
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self, a_dtype, b_dtype, c_dtype, a_layout, b_layout, c_layout):
@@ -121,6 +139,8 @@ class HopperFp8GemmKernel:
         c: cute.Tensor,
         a_scale: cute.Tensor,
         b_scale: cute.Tensor,
+        workspace: cute.Tensor,
+        counters: cute.Tensor,
         max_active_clusters: cutlass.Constexpr,
         stream,
     ):
@@ -144,7 +164,7 @@ class HopperFp8GemmKernel:
 
         # persistent schedule over (M tiles, N tiles, 1)
         gc = cute.zipped_divide(c, tiler=(tm, tn))
-        num_ctas_mnl = (*gc[(0, (None, None))].shape, 1)
+        num_ctas_mnl = (*gc[(0, (None, None))].shape, self.units_per_tile)
         sched_params = utils.PersistentTileSchedulerParams(
             num_ctas_mnl, (*self.cluster_shape_mn, 1), self.swizzle, self.raster_along_m
         )
@@ -155,6 +175,8 @@ class HopperFp8GemmKernel:
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            # split_mode "cta": the counter value the arriving unit saw, for all its threads
+            flag: cute.struct.MemRange[cutlass.Int32, 4]
             sA: cute.struct.Align[
                 cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_staged)],
                 self.buffer_align,
@@ -174,7 +196,7 @@ class HopperFp8GemmKernel:
 
         self.kernel(
             tma_a, tA, tma_b, tB, tma_c, tC,
-            a_scale, b_scale,
+            a_scale, b_scale, workspace, counters,
             self.tiled_mma, self.cta_layout_mnk,
             self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
             sched_params,
@@ -198,6 +220,8 @@ class HopperFp8GemmKernel:
         mC: cute.Tensor,
         mAScale: cute.Tensor,
         mBScale: cute.Tensor,
+        mWs: cute.Tensor,
+        mCnt: cute.Tensor,
         tiled_mma: cute.TiledMma,
         cta_layout_mnk: cute.Layout,
         a_smem_staged: cute.ComposedLayout,
@@ -292,7 +316,12 @@ class HopperFp8GemmKernel:
                     crd = work.tile_idx
                     tAgA_t = tAgA[(None, crd[0], None)]
                     tBgB_t = tBgB[(None, crd[1], None)]
-                    for kt in range(k_tiles):
+                    k_begin = 0
+                    k_end = k_tiles
+                    if cutlass.const_expr(self.split_cta):
+                        k_begin = crd[2] * k_tiles // self.splits
+                        k_end = (crd[2] + 1) * k_tiles // self.splits
+                    for kt in range(k_begin, k_end):
                         ab_pipe.producer_acquire(prod_state)
                         bar = ab_pipe.producer_get_barrier(prod_state)
                         cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[(None, prod_state.index)],
@@ -317,8 +346,6 @@ class HopperFp8GemmKernel:
             release_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.stages
             )
-            num_k_blocks = cute.size(tCrA, mode=[2])
-
             # scale, read once on the device; applied once per element after the K loop
             scale = mAScale[0] * mBScale[0]
 
@@ -334,11 +361,15 @@ class HopperFp8GemmKernel:
             tiled_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
             thr_r2s = tiled_r2s.get_slice(tidx - self.threads_per_wg)
             tRS_sC = thr_r2s.partition_D(sC)
-            tRS_acc = tiled_r2s.retile(acc)
+            # split_mode "serial": the running sum over the splits lives in a second
+            # accumulator, which the epilogue reads
+            acc_sum = acc
+            if cutlass.const_expr(self.split_serial):
+                acc_sum = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
+            tRS_acc = tiled_r2s.retile(acc_sum)
             rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
             tRS_rF = cute.make_rmem_tensor(rC_shape, self.acc_dtype)
             tRS_rC = cute.make_rmem_tensor(rC_shape, self.c_dtype)
-            frag_size = cute.size(tRS_rF)
 
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=self.epi_stages,
@@ -347,65 +378,172 @@ class HopperFp8GemmKernel:
                 ),
             )
 
+            sFlag = storage.flag.get_tensor(cute.make_layout(4))
+            frag = cute.size(acc)
+            ctid = tidx - self.threads_per_wg  # 0 .. num_mma_threads-1
+            tiles_m = cute.size(gC, mode=[2])
+            tiles_n = cute.size(gC, mode=[3])
+            cC = cute.make_identity_tensor(mC.shape)
+            gcC = cute.local_tile(cC, (tm, tn), (None, None))
+            slot_elems = tm * tn
+            ws_ok = True
+            if cutlass.const_expr(self.split_cta):
+                # a workspace or counter buffer smaller than the launcher's
+                # workspace_bytes()/counter_elems(): compute nothing, write nothing
+                ws_ok = (mWs.shape[0] >= tiles_m * tiles_n * (self.splits * slot_elems)) and (
+                    mCnt.shape[0] >= tiles_m * tiles_n)
+
             while work.is_valid_tile:
                 crd = work.tile_idx
                 gC_t = gC[(None, None, crd[0], crd[1])]
-
-                acc.fill(0.0)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.fence()
 
-                # first K tile: nothing to release yet
-                ab_pipe.consumer_wait(read_state)
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    kc = (None, None, kb, read_state.index)
-                    cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
-                cute.nvgpu.warpgroup.commit_group()
-                read_state.advance()
-
-                for _kt in range(1, k_tiles):
-                    ab_pipe.consumer_wait(read_state)
-                    for kb in cutlass.range_constexpr(num_k_blocks):
-                        kc = (None, None, kb, read_state.index)
-                        cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
-                    cute.nvgpu.warpgroup.commit_group()
-                    # the previous K tile's wgmma has retired: give its stage back
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    ab_pipe.consumer_release(release_state)
-                    release_state.advance()
-                    read_state.advance()
-
-                cute.nvgpu.warpgroup.wait_group(0)
-                ab_pipe.consumer_release(release_state)
-                release_state.advance()
-
-                # ------------------------------------------------------ epilogue
-                gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
-                bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-                    tma_c, 0, cute.make_layout(1),
-                    cute.group_modes(sC, 0, 2), gC_epi,
-                )
-                epi_num = cute.size(gC_epi, mode=[1])
-                epi_shape = gC_epi.shape[1]
-                epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-                prev_epi = sched.num_tiles_executed * epi_num
-                for e in cutlass.range_constexpr(epi_num):
-                    for v in cutlass.range_constexpr(frag_size):
-                        tRS_rF[v] = tRS_acc[e * frag_size + v]
-                    vals = tRS_rF.load() * scale
-                    tRS_rC.store(vals.to(self.c_dtype))
-                    buf = (prev_epi + e) % self.epi_stages
-                    cute.copy(tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    self.epi_barrier.arrive_and_wait()
-                    if warp_idx == self.epi_store_warp:
-                        cute.copy(tma_c, bSG_sC[(None, buf)],
-                                  bSG_gC[(None, epi_layout.get_hier_coord(e))])
-                        store_pipe.producer_commit()
-                        store_pipe.producer_acquire()
-                    self.epi_barrier.arrive_and_wait()
+                if cutlass.const_expr(self.split_serial):
+                    acc_sum.fill(0.0)
+                    for seg in range(self.splits):
+                        read_state, release_state = self.mainloop(
+                            ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
+                            seg * k_tiles // self.splits, (seg + 1) * k_tiles // self.splits,
+                            True,
+                        )
+                        for v in cutlass.range_constexpr(frag):
+                            acc_sum[v] = acc_sum[v] + acc[v]
+                    self.epilogue(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
+                                  store_pipe, scale, sched.num_tiles_executed, warp_idx)
+                elif cutlass.const_expr(self.split_cta):
+                    split = crd[2]
+                    read_state, release_state = self.mainloop(
+                        ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
+                        split * k_tiles // self.splits, (split + 1) * k_tiles // self.splits,
+                        True,
+                    )
+                    if ws_ok:
+                        tile_lin = crd[0] + crd[1] * tiles_m
+                        # threads whose fragment lies wholly outside (M, N) skip the
+                        # round trip: at decode sizes most of the tile is padding. The
+                        # others move their whole fragment (inside this tile's slot), with
+                        # no per-element branch, so the loads below can all be in flight.
+                        tCcC = thr_mma.partition_C(gcC[(None, None, crd[0], crd[1])])
+                        any_valid = cute.elem_less(tCcC[0], mC.shape)
+                        for v in cutlass.range_constexpr(1, frag):
+                            any_valid = any_valid | cute.elem_less(tCcC[v], mC.shape)
+                        own = (tile_lin * self.splits + split) * slot_elems + ctid
+                        if any_valid:
+                            for v in cutlass.range_constexpr(frag):
+                                mWs[own + v * self.num_mma_threads] = acc[v]
+                        # release: the barrier orders every thread's partial before thread
+                        # 0's acq_rel atomic (cumulativity); the last unit's atomic acquires
+                        # them, and its barrier orders its threads' loads after that.
+                        self.epi_barrier.arrive_and_wait()
+                        if ctid == 0:
+                            sFlag[0] = cute.arch.atomic_add(
+                                mCnt.iterator + tile_lin, cutlass.Int32(1),
+                                sem="acq_rel", scope="gpu",
+                            )
+                        self.epi_barrier.arrive_and_wait()
+                        if sFlag[0] == self.splits - 1:
+                            # last unit of this tile: sum the partials in split order
+                            acc.fill(0.0)
+                            if any_valid:
+                                for s in cutlass.range_constexpr(self.splits):
+                                    base = (tile_lin * self.splits + s) * slot_elems + ctid
+                                    for v in cutlass.range_constexpr(frag):
+                                        acc[v] = acc[v] + cute.arch.load(
+                                            mWs.iterator + (base + v * self.num_mma_threads),
+                                            cutlass.Float32, cop="cg",
+                                        )
+                            if ctid == 0:
+                                mCnt[tile_lin] = cutlass.Int32(0)
+                            self.epilogue(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC,
+                                          tiled_r2s, store_pipe, scale,
+                                          sched.num_tiles_executed, warp_idx)
+                else:
+                    read_state, release_state = self.mainloop(
+                        ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
+                        0, k_tiles, False,
+                    )
+                    self.epilogue(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
+                                  store_pipe, scale, sched.num_tiles_executed, warp_idx)
 
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
 
             store_pipe.producer_tail()
+
+    # ---------------------------------------------------------------- device helpers
+    @cute.jit
+    def mainloop(self, ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
+                 k_begin, k_end, may_be_empty: cutlass.Constexpr):
+        """acc = the sum over K tiles [k_begin, k_end) from zero, in K order, one wgmma
+        batch in flight; every stage read is released. Returns the pipeline states."""
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        acc.fill(0.0)
+        cute.nvgpu.warpgroup.fence()
+        if cutlass.const_expr(may_be_empty):
+            if k_end > k_begin:
+                read_state, release_state = self.k_loop(
+                    ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
+                    k_begin, k_end, num_k_blocks)
+        else:
+            read_state, release_state = self.k_loop(
+                ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
+                k_begin, k_end, num_k_blocks)
+        return read_state, release_state
+
+    @cute.jit
+    def k_loop(self, ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
+               k_begin, k_end, num_k_blocks: cutlass.Constexpr):
+        # first K tile: nothing to release yet
+        ab_pipe.consumer_wait(read_state)
+        for kb in cutlass.range_constexpr(num_k_blocks):
+            kc = (None, None, kb, read_state.index)
+            cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
+        cute.nvgpu.warpgroup.commit_group()
+        read_state.advance()
+
+        for _kt in range(k_begin + 1, k_end):
+            ab_pipe.consumer_wait(read_state)
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                kc = (None, None, kb, read_state.index)
+                cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            # the previous K tile's wgmma has retired: give its stage back
+            cute.nvgpu.warpgroup.wait_group(1)
+            ab_pipe.consumer_release(release_state)
+            release_state.advance()
+            read_state.advance()
+
+        cute.nvgpu.warpgroup.wait_group(0)
+        ab_pipe.consumer_release(release_state)
+        release_state.advance()
+        return read_state, release_state
+
+    @cute.jit
+    def epilogue(self, tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
+                 store_pipe, scale, tiles_executed, warp_idx):
+        """scale, convert, stage through shared memory (stmatrix) and TMA-store one tile."""
+        frag_size = cute.size(tRS_rF)
+        gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
+        bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+            tma_c, 0, cute.make_layout(1),
+            cute.group_modes(sC, 0, 2), gC_epi,
+        )
+        epi_num = cute.size(gC_epi, mode=[1])
+        epi_shape = gC_epi.shape[1]
+        epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        prev_epi = tiles_executed * epi_num
+        for e in cutlass.range_constexpr(epi_num):
+            for v in cutlass.range_constexpr(frag_size):
+                tRS_rF[v] = tRS_acc[e * frag_size + v]
+            vals = tRS_rF.load() * scale
+            tRS_rC.store(vals.to(self.c_dtype))
+            buf = (prev_epi + e) % self.epi_stages
+            cute.copy(tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.epi_barrier.arrive_and_wait()
+            if warp_idx == self.epi_store_warp:
+                cute.copy(tma_c, bSG_sC[(None, buf)],
+                          bSG_gC[(None, epi_layout.get_hier_coord(e))])
+                store_pipe.producer_commit()
+                store_pipe.producer_acquire()
+            self.epi_barrier.arrive_and_wait()

@@ -8,19 +8,31 @@ This module is imported by the daemon's main process: it must not import cutlass
 or torch. It only knows the arithmetic of the tactic space (shared-memory budget,
 register budget, a wave/padding cost model) and the canonical parameter encoding.
 
-Reduction order
----------------
-Every tactic reduces every output element over K in the same order: the CTA owns
-the whole K range (no split-K, no stream-K), walks it in K tiles of ``TILE_K`` = 128
-elements from k = 0 upwards, and inside a K tile issues four wgmma k32 instructions
-in k order into one fp32 register accumulator that starts at zero (no second
-"promotion" accumulator, no periodic flush). After the last K tile the accumulator is
-multiplied once by (a_scale * b_scale), computed in fp32, and rounded to the output
-type (round to nearest even). Tile M / tile N / cluster shape / raster / swizzle /
-stage count change which CTA computes an element and when, never the arithmetic that
-produces it. So the family's result for a row does not depend on M (batch invariant),
-and all tactics of the family agree bitwise with each other (checked on an H200 by
-bench/gpu/hopper_fp8_check.py).
+Reduction-order classes
+-----------------------
+Every tactic belongs to one reduction-order class, named by ``reduction_class(t)``,
+e.g. ``"k128.acc1.s4.fixed"``: the K tile (128), the accumulation mode (``acc1``: one
+fp32 wgmma accumulator per K range, no periodic promotion) and the split count S with
+its fixed order. For a problem with kt = ceil(K / 128) K tiles, split s owns the K tiles
+[s*kt//S, (s+1)*kt//S); inside it, the CTA walks its K tiles from the lowest upwards and
+issues four wgmma k32 per K tile, in k order, into an fp32 register accumulator that
+starts at zero, giving the partial p_s. For S = 1 the result is p_0 (today's family);
+for S > 1 it is ((0 + p_0) + p_1) + ... + p_(S-1), summed in fp32 in split order. Then
+the sum is multiplied once by (a_scale * b_scale), computed in fp32, and rounded to the
+output type (round to nearest even).
+
+Tile M / tile N / cluster shape / raster / swizzle / stage count / split mode change
+which CTA computes an element and when, never the arithmetic that produces it. So within
+a class every tactic gives bitwise the same result, for every M (batch invariant); two
+classes differ and are never mixed by a batch-invariant plan. The split mode is how the
+S partials are run: ``serial`` (one CTA walks all S ranges of a tile and keeps the
+running sum in a second register accumulator: no workspace, a pipeline drain per range
+boundary) or ``cta`` (S work units per tile, partials through a caller-provided fp32
+workspace, reduced in split order by the unit that arrives last; see kernel.py). Checked
+on an H200 by bench/gpu/hopper_fp8_check.py.
+
+Choosing S: ``choose_split(n, k, sm_count)`` depends on N, K and the device only, never
+on M, so a batch-invariant plan for one (N, K) uses one class for every M.
 """
 
 from __future__ import annotations
@@ -35,7 +47,11 @@ TARGET_ARCH = "sm_90a"
 TILE_K = 128  # FP8 K tile: 4 x wgmma k32. Fixed for every tactic (see module doc).
 WGMMA_K = 32
 REDUCTION_ORDER = "k_tile=128,wgmma_k=32,full_k_per_cta,fp32_acc_single,scale_after"
-REDUCTION_ORDER_M_INDEPENDENT = True
+REDUCTION_ORDER_M_INDEPENDENT = True  # within each reduction-order class
+ACC_MODE = "acc1"  # one fp32 wgmma accumulator per K range (no periodic promotion)
+
+SPLIT_CHOICES = (1, 2, 4, 8, 16)
+SPLIT_MODES = ("serial", "cta")
 
 TILE_M_CHOICES = (64, 128, 256)
 TILE_N_CHOICES = (64, 128, 192, 256)
@@ -81,6 +97,8 @@ PARAM_KEYS = (
     "stages",
     "out_dtype",
     "ab_dtype",
+    "splits",
+    "split_mode",
 )
 
 
@@ -97,6 +115,30 @@ def epilogue_tile(tile_m: int, tile_n: int) -> tuple[int, int]:
 
 def acc_regs_per_thread(tile_m: int, tile_n: int) -> int:
     return tile_m * tile_n // (num_consumer_warpgroups(tile_m) * THREADS_PER_WARPGROUP)
+
+
+def acc_sets(splits: int, split_mode: str) -> int:
+    """fp32 accumulator copies a consumer thread holds: 2 for a serial split (the
+    running sum beside the current range's partial), else 1."""
+    return 2 if splits > 1 and split_mode == "serial" else 1
+
+
+def reduction_class_id(splits: int) -> str:
+    """The stable id of the reduction-order class with S = ``splits`` (module doc)."""
+    return f"k{TILE_K}.{ACC_MODE}.s{splits}.fixed"
+
+
+REDUCTION_CLASSES = tuple(reduction_class_id(s) for s in SPLIT_CHOICES)
+
+
+def splits_of_class(class_id: str) -> int:
+    """Inverse of reduction_class_id; ValueError for an id this family does not have."""
+    for s in SPLIT_CHOICES:
+        if reduction_class_id(s) == class_id:
+            return s
+    raise ValueError(
+        f"unknown {FAMILY} reduction class {class_id!r}; classes: {', '.join(REDUCTION_CLASSES)}"
+    )
 
 
 def _stage_bytes(tile_m: int, tile_n: int) -> int:
@@ -127,14 +169,17 @@ def max_stages_for(tile_m: int, tile_n: int, out_dtype: str = "bfloat16") -> int
     return min(MAX_STAGES, free // _stage_bytes(tile_m, tile_n))
 
 
-def tile_is_feasible(tile_m: int, tile_n: int, out_dtype: str = "bfloat16") -> tuple[bool, str]:
-    if acc_regs_per_thread(tile_m, tile_n) > MAX_ACC_REGS_PER_THREAD:
+def tile_is_feasible(tile_m: int, tile_n: int, out_dtype: str = "bfloat16",
+                     sets: int = 1) -> tuple[bool, str]:
+    """Whether the tile fits registers (``sets`` accumulator copies) and shared memory."""
+    if sets * acc_regs_per_thread(tile_m, tile_n) > MAX_ACC_REGS_PER_THREAD:
+        what = "" if sets == 1 else f" x {sets} (a serial split keeps a running sum)"
         return False, (
-            f"tile {tile_m}x{tile_n} needs {acc_regs_per_thread(tile_m, tile_n)} fp32 "
+            f"tile {tile_m}x{tile_n} needs {acc_regs_per_thread(tile_m, tile_n)}{what} fp32 "
             f"accumulator registers per consumer thread "
             f"({num_consumer_warpgroups(tile_m)} consumer warpgroup(s)); the limit is "
             f"{MAX_ACC_REGS_PER_THREAD} (consumer budget {CONSUMER_MAX_REGS} regs/thread). "
-            f"Use a smaller tile_n or tile_m=128."
+            f"Use a smaller tile, tile_m=128, or split_mode 'cta'."
         )
     if max_stages_for(tile_m, tile_n, out_dtype) < MIN_STAGES:
         return False, (
@@ -157,6 +202,10 @@ class HopperFp8Tactic:
       stages           A/B shared-memory pipeline depth
       out_dtype        "bfloat16" or "float16"
       ab_dtype         "e4m3" (float8_e4m3fn) or "e5m2" (float8_e5m2), both A and B
+      splits           S in SPLIT_CHOICES: K split count of the reduction-order class
+      split_mode       "serial" (one CTA sums its tile's S ranges in registers) or "cta"
+                       (S work units per tile, reduced through a workspace; needs S > 1
+                       and cluster 1x1). Same arithmetic either way (module doc).
     """
 
     tile_m: int = 128
@@ -168,6 +217,8 @@ class HopperFp8Tactic:
     stages: int = 0  # 0 in a constructor call means "the most that fit"; see normalized()
     out_dtype: str = "bfloat16"
     ab_dtype: str = "e4m3"
+    splits: int = 1
+    split_mode: str = "serial"
 
     # -- derived facts -------------------------------------------------------------
     @property
@@ -188,13 +239,22 @@ class HopperFp8Tactic:
 
     @property
     def reduction_order(self) -> str:
-        return REDUCTION_ORDER
+        if self.splits == 1:
+            return REDUCTION_ORDER
+        return (f"k_tile={TILE_K},wgmma_k={WGMMA_K},splits={self.splits}:balanced_k_tile_ranges,"
+                f"fp32_acc_single_per_range,fp32_sum_in_split_order_from_zero,scale_after")
+
+    @property
+    def reduction_class(self) -> str:
+        return reduction_class_id(self.splits)
 
     @property
     def name(self) -> str:
+        split = f"_k{self.splits}{self.split_mode[0]}" if self.splits > 1 else ""
         return (
             f"m{self.tile_m}n{self.tile_n}_c{self.cluster_m}x{self.cluster_n}"
             f"_r{self.raster}_s{self.swizzle}_st{self.stages}_{self.ab_dtype}_{self.out_dtype}"
+            f"{split}"
         )
 
     # -- validation / encoding -------------------------------------------------------
@@ -212,7 +272,7 @@ class HopperFp8Tactic:
         def bad(msg: str) -> None:
             raise ValueError(f"invalid {FAMILY} tactic {self.to_params()}: {msg}")
 
-        for f in ("tile_m", "tile_n", "cluster_m", "cluster_n", "swizzle", "stages"):
+        for f in ("tile_m", "tile_n", "cluster_m", "cluster_n", "swizzle", "stages", "splits"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool):
                 bad(f"{f} must be an int, got {type(v).__name__}")
@@ -230,7 +290,16 @@ class HopperFp8Tactic:
             bad(f"out_dtype must be one of {OUT_DTYPES}")
         if self.ab_dtype not in AB_DTYPES:
             bad(f"ab_dtype must be one of {AB_DTYPES}")
-        ok, why = tile_is_feasible(self.tile_m, self.tile_n, self.out_dtype)
+        if self.splits not in SPLIT_CHOICES:
+            bad(f"splits must be one of {SPLIT_CHOICES}")
+        if self.split_mode not in SPLIT_MODES:
+            bad(f"split_mode must be one of {SPLIT_MODES}")
+        if self.split_mode == "cta" and self.splits == 1:
+            bad("split_mode 'cta' needs splits > 1 (splits=1 is one unit per tile: use 'serial')")
+        if self.split_mode == "cta" and self.cluster_size != 1:
+            bad("split_mode 'cta' needs cluster_m = cluster_n = 1")
+        ok, why = tile_is_feasible(self.tile_m, self.tile_n, self.out_dtype,
+                                   acc_sets(self.splits, self.split_mode))
         if not ok:
             bad(why)
         top = max_stages_for(self.tile_m, self.tile_n, self.out_dtype)
@@ -271,61 +340,144 @@ def smem_bytes(t: HopperFp8Tactic) -> int:
 # Enumeration and the cost model
 # --------------------------------------------------------------------------------------
 
-# Microseconds one CTA spends per 128-deep K tile, by (tile_m, tile_n), cluster (1,1),
-# swizzle 1: the median over 24 problems (M in 1..8192, four LLM weight shapes) of
-# time / waves / k_tiles, measured on an H200 by bench/gpu/hopper_fp8_check.py (2026-11-30).
-# Small-M problems fit the same per-tile cost (they are latency/issue bound per CTA, not
-# bandwidth bound), so one table serves decode and prefill.
+# Microseconds one CTA spends per 128-deep K tile, by (tile_m, tile_n) and M regime
+# (M <= 64, M <= 1024, larger): the median over the H200 "wide" run (14 (N, K) shapes x
+# 14 M, bench/gpu/hopper_fp8_check.py, 2026-11-30) of (time - 2.5 us) / waves / K tiles,
+# for S = 1, cluster 1x1, swizzle 1. 64x192, 128x64 and 256x64 were not timed at S = 1:
+# interpolated from their neighbours.
 US_PER_K_TILE = {
-    (64, 64): 0.203, (64, 128): 0.293, (64, 192): 0.364, (64, 256): 0.428,
-    (128, 64): 0.342, (128, 128): 0.412, (128, 192): 0.618, (128, 256): 0.776,
-    (256, 64): 0.586, (256, 128): 0.812, (256, 192): 1.176,
+    (64, 64): (0.291, 0.184, 0.197),
+    (64, 128): (0.253, 0.284, 0.286),
+    (64, 192): (0.300, 0.340, 0.360),
+    (64, 256): (0.344, 0.397, 0.417),
+    (128, 64): (0.330, 0.270, 0.330),
+    (128, 128): (0.397, 0.368, 0.415),
+    (128, 192): (0.479, 0.518, 0.629),
+    (128, 256): (0.619, 0.670, 0.819),
+    (256, 64): (0.550, 0.550, 0.600),
+    (256, 128): (0.666, 0.672, 0.817),
+    (256, 192): (0.925, 0.964, 1.205),
 }
 
+# Fitted on the same run (bench/gpu/hopper_fp8_fit.py): the constants that rank each
+# class's measured tactics best (geometric mean of first choice / best 1.035 over 588
+# (shape, M, class) points before the recorded winners below).
+HBM_BYTES_PER_US = 4.2e6  # unique bytes (A, B, C and 'cta' partials) per us, whole chip
+DRAIN_K_TILES = 0.5  # serial split: one range boundary (pipeline drain) in K-tile times
+CTA_FIXED_US = 4.0  # split_mode 'cta': partial stores, counter atomic, barriers, last sum
+CTA_REDUCE_US_PER_KB = 0.1  # last unit of a tile: reading the S partials (L2), per KB
+LAUNCH_US = 2.5  # fixed per launch (prologue, first loads, last store)
+CTA_PAST_ONE_WAVE_US = 1e9  # rank a 'cta' split that needs two waves or more last
 
-def estimate_us(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int = H200_NUM_SMS) -> float:
-    """Model time: full waves of CTAs (padding of the last wave and of the cluster grid
-    counted) x K tiles x the measured per-K-tile cost of the tile shape."""
+
+def _regime(m: int) -> int:
+    return 0 if m <= 64 else (1 if m <= 1024 else 2)
+
+
+def _per_k_tile_us(tile_m: int, tile_n: int, m: int) -> float:
+    per = US_PER_K_TILE.get((tile_m, tile_n))
+    if per is None:  # a tile shape not measured: scale from operand bytes per K tile
+        return 0.0032 * (tile_m + tile_n) * max(1.0, tile_m * tile_n / 16384)
+    return per[_regime(m)]
+
+
+def work_units(t: HopperFp8Tactic, m: int, n: int) -> int:
+    """Work units of the persistent schedule: output tiles (padded to whole clusters),
+    times S for split_mode 'cta'."""
     tiles_m = -(-m // t.tile_m)
     tiles_n = -(-n // t.tile_n)
     ctas = (-(-tiles_m // t.cluster_m) * t.cluster_m) * (-(-tiles_n // t.cluster_n) * t.cluster_n)
+    return ctas * (t.splits if t.split_mode == "cta" else 1)
+
+
+def estimate_us(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int = H200_NUM_SMS) -> float:
+    """Model time in microseconds.
+
+    Compute side: waves of work units (padding of the last wave and of the cluster grid
+    counted) x the K tiles one unit walks x the measured per-K-tile cost of the tile
+    shape; a serial split adds one pipeline drain per range boundary, a 'cta' split the
+    partial round trip and the last unit's fixed-order sum (and is ranked last when its
+    units need more than one wave). Memory side: the unique bytes (A, B, C, partials)
+    over the chip's bandwidth. The larger of the two, plus launch cost.
+    """
     slots = (num_sms // t.cluster_size) * t.cluster_size
-    waves = -(-ctas // slots)
-    per = US_PER_K_TILE.get((t.tile_m, t.tile_n))
-    if per is None:  # a tile shape not measured yet: scale from operand bytes per K tile
-        per = 0.0032 * (t.tile_m + t.tile_n) * max(1.0, t.tile_m * t.tile_n / 16384)
-    return waves * -(-k // TILE_K) * per
+    units = work_units(t, m, n)
+    waves = -(-units // slots)
+    kt = -(-k // TILE_K)
+    per = _per_k_tile_us(t.tile_m, t.tile_n, m)
+    partial_bytes = 0
+    if t.split_mode == "cta" and t.splits > 1:
+        if waves > 1:  # 'cta' exists to fill one wave; past that 'serial' has the same
+            return CTA_PAST_ONE_WAVE_US + waves  # parallelism without the round trip
+        rows = min(m, t.tile_m)
+        compute = (waves * -(-kt // t.splits) * per + CTA_FIXED_US
+                   + t.splits * rows * t.tile_n * 4 / 1024 * CTA_REDUCE_US_PER_KB)
+        rows_moved = m if m <= t.tile_m else -(-m // t.tile_m) * t.tile_m
+        partial_bytes = 2 * t.splits * rows_moved * n * 4
+    else:
+        compute = waves * (kt + (t.splits - 1) * DRAIN_K_TILES) * per
+    memory = (n * k + m * k + 2 * m * n + partial_bytes) / HBM_BYTES_PER_US
+    return max(compute, memory) + LAUNCH_US
 
 
 def _cost(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int) -> tuple:
     """Smaller is better: model time, then (measured) preferences: no cluster, swizzle 1
     (clusters and swizzle 8 won only a few percent at M=8192 and lost up to 2x at small M
-    because of padded, empty tiles), raster along M, then larger tiles."""
+    because of padded, empty tiles), raster along M, fewer work units (less partial
+    traffic), then larger tiles."""
     return (
         round(estimate_us(t, m, n, k, num_sms), 3),
         t.cluster_size > 1,
         SWIZZLE_CHOICES.index(t.swizzle),
         CLUSTER_CHOICES.index((t.cluster_m, t.cluster_n)),
         RASTER_CHOICES.index(t.raster),
+        work_units(t, m, n),
         -t.tile_n,
         -t.tile_m,
     )
 
 
-def enumerate_tactics(
-    m: int,
-    n: int,
-    k: int,
-    out_dtype: str = "bfloat16",
-    ab_dtype: str = "e4m3",
-    num_sms: int = H200_NUM_SMS,
-) -> list[HopperFp8Tactic]:
-    """All feasible tactics for (m, n, k), best-first by the wave/padding cost model
-    (estimate_us, then the tie-breaks of _cost).
+# Split tactics (S > 1) the family plans: 'cta' on the decode tiles (one M tile row; the
+# N tile width sets how many units fill the chip) and 'serial' on the tiles that fit two
+# accumulators and won somewhere in the H200 wide run (bench/gpu/hopper_fp8_check.py).
+SPLIT_CTA_TILES = ((64, 64), (64, 128), (64, 192), (64, 256), (128, 128), (128, 256))
+SPLIT_SERIAL_TILES = ((64, 64, "m"), (64, 128, "m"), (64, 192, "m"), (128, 64, "m"),
+                      (128, 128, "m"), (128, 128, "n"), (128, 192, "m"), (128, 192, "n"))
 
-    The order is deterministic (total order on the cost tuple). Every tactic carries the
-    same reduction order (REDUCTION_ORDER), so any subset is batch-invariant as a set.
+
+def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
+                 splits: int | None = None) -> list[HopperFp8Tactic]:
+    """Every tactic the family plans, for one split count S or (None) for all of them.
+
+    S = 1: every feasible tile x cluster x raster x swizzle (264). S > 1: split_mode
+    'cta' on SPLIT_CTA_TILES and 'serial' on SPLIT_SERIAL_TILES, cluster 1x1, swizzle 1
+    (14 per S: clusters and swizzles lost at small M in the S = 1 measurements).
     """
+    out: list[HopperFp8Tactic] = []
+    for sp in SPLIT_CHOICES if splits is None else (splits,):
+        if sp == 1:
+            for tm in TILE_M_CHOICES:
+                for tn in TILE_N_CHOICES:
+                    if not tile_is_feasible(tm, tn, out_dtype)[0]:
+                        continue
+                    stages = max_stages_for(tm, tn, out_dtype)
+                    for cm, cn in CLUSTER_CHOICES:
+                        for raster in RASTER_CHOICES:
+                            for swz in SWIZZLE_CHOICES:
+                                out.append(HopperFp8Tactic(tm, tn, cm, cn, raster, swz, stages,
+                                                           out_dtype, ab_dtype))
+            continue
+        for tm, tn in SPLIT_CTA_TILES:
+            out.append(HopperFp8Tactic(tm, tn, 1, 1, "m", 1, max_stages_for(tm, tn, out_dtype),
+                                       out_dtype, ab_dtype, sp, "cta"))
+        for tm, tn, raster in SPLIT_SERIAL_TILES:
+            out.append(HopperFp8Tactic(tm, tn, 1, 1, raster, 1,
+                                       max_stages_for(tm, tn, out_dtype), out_dtype, ab_dtype,
+                                       sp, "serial"))
+    return out
+
+
+def _check_problem(m: int, n: int, k: int, out_dtype: str, ab_dtype: str) -> None:
     for name, v in (("m", m), ("n", n), ("k", k)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -335,19 +487,104 @@ def enumerate_tactics(
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
     if ab_dtype not in AB_DTYPES:
         raise ValueError(f"ab_dtype must be one of {AB_DTYPES}, got {ab_dtype!r}")
-    out: list[HopperFp8Tactic] = []
-    for tm in TILE_M_CHOICES:
-        for tn in TILE_N_CHOICES:
-            if not tile_is_feasible(tm, tn, out_dtype)[0]:
-                continue
-            stages = max_stages_for(tm, tn, out_dtype)
-            for cm, cn in CLUSTER_CHOICES:
-                for raster in RASTER_CHOICES:
-                    for swz in SWIZZLE_CHOICES:
-                        out.append(HopperFp8Tactic(tm, tn, cm, cn, raster, swz, stages,
-                                                   out_dtype, ab_dtype))
+
+
+def recorded_key(t: HopperFp8Tactic) -> str:
+    """Short name of a cluster-1x1, swizzle-1 tactic in a recorded table, e.g. '64x128mc'
+    (tile, raster, then 'c' or 's' for the split mode of S > 1)."""
+    mode = t.split_mode[0] if t.splits > 1 else ""
+    return f"{t.tile_m}x{t.tile_n}{t.raster}{mode}"
+
+
+def _from_key(key: str, splits: int, out_dtype: str, ab_dtype: str) -> HopperFp8Tactic:
+    tile, rest = key[:-1 if splits == 1 else -2], key[-1 if splits == 1 else -2:]
+    tm, tn = (int(x) for x in tile.split("x"))
+    mode = {"c": "cta", "s": "serial"}[rest[1]] if splits > 1 else "serial"
+    return HopperFp8Tactic(tm, tn, 1, 1, rest[0], 1, 0, out_dtype, ab_dtype, splits,
+                           mode).normalized()
+
+
+def _load_recorded() -> dict:
+    from . import h200_winners
+
+    return {(h200_winners.SM_COUNT, n, k): per for (n, k), per in h200_winners.WINNERS.items()}
+
+
+#: (sm_count, N, K) -> {S: ((M, key, us), ...)}: the best measured tactic per M and class
+#: on a device (h200_winners.py, from the H200 wide run). The plan ranks it first for
+#: that (N, K) on that device; every other (N, K) is ranked by the model alone.
+RECORDED_WINNERS: dict = _load_recorded()
+
+
+def _recorded_first(m: int, n: int, k: int, splits: int | None, num_sms: int, out_dtype: str,
+                    ab_dtype: str) -> list[HopperFp8Tactic]:
+    per = RECORDED_WINNERS.get((num_sms, n, k))
+    if not per:
+        return []
+    found = []
+    for sp, row in per.items():
+        if splits is not None and sp != splits:
+            continue
+        # the M bucket: the smallest recorded M >= m (the largest one past the end)
+        hit = next((r for r in row if r[0] >= m), row[-1])
+        found.append((hit[2], _from_key(hit[1], sp, out_dtype, ab_dtype)))
+    return [t for _, t in sorted(found, key=lambda x: x[0])]
+
+
+def enumerate_tactics(
+    m: int,
+    n: int,
+    k: int,
+    out_dtype: str = "bfloat16",
+    ab_dtype: str = "e4m3",
+    num_sms: int = H200_NUM_SMS,
+    splits: int | None = None,
+) -> list[HopperFp8Tactic]:
+    """The tactics of tactic_space(splits) for (m, n, k), best-first: the recorded winner
+    of each class for this device and (N, K), if any (RECORDED_WINNERS), then the cost
+    model's order (estimate_us, then the tie-breaks of _cost).
+
+    The order is deterministic (total order on the cost tuple). With ``splits`` given,
+    every tactic is of one reduction-order class, so any subset is batch-invariant as a
+    set; with splits=None the list mixes classes (not batch-invariant across M).
+    """
+    _check_problem(m, n, k, out_dtype, ab_dtype)
+    if splits is not None and splits not in SPLIT_CHOICES:
+        raise ValueError(f"splits must be one of {SPLIT_CHOICES}, got {splits!r}")
+    out = tactic_space(out_dtype, ab_dtype, splits)
     out.sort(key=lambda t: (_cost(t, m, n, k, num_sms), t.name))
+    first = _recorded_first(m, n, k, splits, num_sms, out_dtype, ab_dtype)
+    if first:
+        names = {t.name for t in first}
+        out = first + [t for t in out if t.name not in names]
     return out
+
+
+# choose_split, derived from the H200 wide run (bench/gpu/hopper_fp8_fit.py): per (N, K),
+# the class whose best kernel per M gives the highest geometric-mean speed over the 14 M.
+# S = 8 and 16 never won (the 'cta' round trip and the serial drains cost more than the
+# extra parallelism gives), S = 2 and 4 won where each split still walks >= 28 K tiles
+# (K >= 3584 S); below that S = 1 was best or within noise.
+SPLIT_MAX = 4
+SPLIT_MIN_K_PER_SPLIT = 3584  # 28 K tiles of 128
+SPLIT_TILE_N = 256  # the widest decode tile: N tiles x S must fit one wave
+
+
+def choose_split(n: int, k: int, sm_count: int = H200_NUM_SMS) -> int:
+    """S of the reduction-order class a batch-invariant plan uses for (N, K) on a device
+    with ``sm_count`` SMs: the largest S <= SPLIT_MAX with K >= SPLIT_MIN_K_PER_SPLIT * S
+    and ceil(N / SPLIT_TILE_N) * S <= sm_count. Depends on N, K and the device only,
+    never on M."""
+    for name, v in (("n", n), ("k", k), ("sm_count", sm_count)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    tiles = -(-n // SPLIT_TILE_N)
+    best = 1
+    for sp in SPLIT_CHOICES[1:]:
+        if sp > SPLIT_MAX or k < SPLIT_MIN_K_PER_SPLIT * sp or tiles * sp > sm_count:
+            break
+        best = sp
+    return best
 
 
 def default_tactic(m: int, n: int, k: int, out_dtype: str = "bfloat16") -> HopperFp8Tactic:

@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Check the split rule and the cost model of cached.hopper_fp8 against an H200 "wide" run.
+
+    python bench/gpu/hopper_fp8_fit.py RESULT [--sms 132] [--model-only]
+        [--write-table PATH] [--write-csv PATH]
+
+RESULT is $OUT/hopper_fp8.json of `hopper_fp8_check.py run` on a "wide" bundle (every
+kernel timed at every shape and M), or its CSV form (--write-csv), kept as
+docs/results/h200_hopper_fp8_wide.csv. For each (N, K) it prints, per reduction-order class
+S, the geometric mean and the minimum over M of cuBLAS(fast accumulation)'s time over the
+best measured kernel of the class, and marks the S that `tactics.choose_split` picks.
+Then, for the plan's class, how close the plan's first choice per M (`enumerate_tactics`,
+the family's model) comes to the best measured kernel of that class; a first choice the
+run did not time is listed as unmeasured. --model-only ranks without the recorded
+winners (tactics.RECORDED_WINNERS), which is how the plan ranks an (N, K) nobody measured.
+--write-table writes those recorded winners (the best measured tactic per (N, K), M and
+class S in 1, 2, 4) as cached/families/hopper_fp8/h200_winners.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.join(REPO, "client"), REPO]
+
+from cached.families.hopper_fp8 import tactics as T  # noqa: E402
+
+
+def _gm(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def compact(name: str) -> str:
+    """'m64n128_c1x1_rm_s1_st8_e4m3_bfloat16_k4c' -> '64x128.m.c.4' (cuBLAS rows as is);
+    only cluster-1x1, swizzle-1 bf16/e4m3 kernels, which is what a wide run times."""
+    if name.startswith("cublas"):
+        return name
+    t = T.HopperFp8Tactic(*_fields(name)).normalized()
+    mode = "c" if t.split_mode == "cta" else "s"
+    return f"{t.tile_m}x{t.tile_n}.{t.raster}.{mode}.{t.splits}"
+
+
+def _fields(name: str) -> tuple:
+    parts = name.split("_")
+    tm, tn = parts[0][1:].split("n")
+    assert parts[1] == "c1x1" and parts[3] == "s1" and "e4m3_bfloat16" in name, name
+    s, mode = 1, "serial"
+    if parts[-1].startswith("k"):
+        s, mode = int(parts[-1][1:-1]), {"c": "cta", "s": "serial"}[parts[-1][-1]]
+    return (int(tm), int(tn), 1, 1, parts[2][1], 1, 0, "bfloat16", "e4m3", s, mode)
+
+
+def expand(key: str) -> str:
+    if key.startswith("cublas"):
+        return key
+    tile, raster, mode, s = key.split(".")
+    tm, tn = (int(x) for x in tile.split("x"))
+    return T.HopperFp8Tactic(tm, tn, 1, 1, raster, 1, 0, "bfloat16", "e4m3", int(s),
+                             {"c": "cta", "s": "serial"}[mode]).normalized().name
+
+
+def load(path: str):
+    """{(N, K): {M: {kernel name: us}}} from a run's hopper_fp8.json or a CSV written by
+    --write-csv (docs/results/h200_hopper_fp8_wide.csv)."""
+    by = {}
+    if path.endswith(".csv"):
+        with open(path) as f:
+            next(f)
+            for line in f:
+                m, n, k, key, us = line.strip().split(",")
+                by.setdefault((int(n), int(k)), {}).setdefault(int(m), {})[expand(key)] = float(us)
+    else:
+        with open(path) as f:
+            res = json.load(f)
+        for row in res["perf"]:
+            cell = by.setdefault((row["n"], row["k"]), {}).setdefault(row["m"], {})
+            cell[row["impl"]] = row["us"]
+    return by, {t.name: t for t in T.tactic_space()}
+
+
+def write_csv(by, path: str) -> None:
+    with open(path, "w") as f:
+        f.write("m,n,k,kernel,us\n")
+        for (n, k), bym in by.items():
+            for m, d in sorted(bym.items()):
+                for name, us in d.items():
+                    if name.startswith("cublas") or "_e4m3_bfloat16" in name:
+                        f.write(f"{m},{n},{k},{compact(name)},{us:.4f}\n")
+
+
+def splits_of(name: str) -> int:
+    tail = name.rsplit("_", 1)[-1]
+    return int(tail[1:-1]) if tail.startswith("k") and tail[-1] in "cs" else 1
+
+
+def plain(name: str) -> bool:
+    return "_e4m3_bfloat16" in name
+
+
+def write_table(by, space, path: str, source: str) -> None:
+    """The best measured tactic of the family's space per (N, K), M and class S <= 4."""
+    table = {}
+    for (n, k), bym in sorted(by.items()):
+        for s in (1, 2, 4):
+            row = []
+            for m, d in sorted(bym.items()):
+                ks = [x for x in d if x in space and space[x].splits == s]
+                if not ks:
+                    continue
+                best = min(ks, key=d.get)
+                row.append((m, T.recorded_key(space[best]), round(d[best], 1)))
+            if row:
+                table.setdefault((n, k), {})[s] = tuple(row)
+    lines = ['"""Recorded H200 winners of cached.hopper_fp8 (generated; do not edit).',
+             "",
+             f"By bench/gpu/hopper_fp8_fit.py --write-table from {os.path.basename(source)} (the",
+             "wide run of bench/gpu/hopper_fp8_check.py on an H200, 132 SMs, 2026-11-30): per",
+             "(N, K) and reduction-order class S, per M: (M, tactic key, measured us). A key is",
+             "tactics.recorded_key(t): tile, raster and, for S > 1, split mode.",
+             '"""', "", "SM_COUNT = 132", "", "WINNERS = {"]
+    for (n, k), per in table.items():
+        lines.append(f"    ({n}, {k}): {{")
+        for s, row in per.items():
+            lines.append(f"        {s}: (")
+            for i in range(0, len(row), 3):
+                lines.append("            " + " ".join(f"({m}, {key!r}, {us})," for m, key, us
+                                                       in row[i:i + 3]))
+            lines.append("        ),")
+        lines.append("    },")
+    lines.append("}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {path}: {len(table)} shapes")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("json")
+    ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--model-only", action="store_true")
+    ap.add_argument("--write-table")
+    ap.add_argument("--write-csv")
+    a = ap.parse_args()
+    by, space = load(a.json)
+    if a.write_csv:
+        write_csv(by, a.write_csv)
+        return 0
+    if a.write_table:
+        write_table(by, space, a.write_table, a.json)
+        return 0
+    if a.model_only:
+        T.RECORDED_WINNERS.clear()
+    classes = T.SPLIT_CHOICES
+    print("per (N, K): cuBLAS-fast / best-of-class, geomean over M (min); * = choose_split")
+    print("  N x K        " + "".join(f"{'S=' + str(s):>14}" for s in classes) + "   best")
+    lost = []
+    for (n, k), bym in by.items():
+        score = {}
+        for s in classes:
+            r = []
+            for d in bym.values():
+                ks = [x for x in d if not x.startswith("cublas") and plain(x) and splits_of(x) == s]
+                if not ks:
+                    break
+                r.append(d["cublas_fast1"] / min(d[x] for x in ks))
+            else:
+                score[s] = (_gm(r), min(r))
+        pick = T.choose_split(n, k, a.sms)
+        best = max(score, key=lambda s: score[s][0])
+        cells = "".join(
+            (f"{score[s][0]:6.3f} ({score[s][1]:.2f})" + ("*" if s == pick else " ")).rjust(14)
+            if s in score else f"{'-':>14}" for s in classes)
+        print(f"  {n}x{k}".ljust(15) + cells + f"   S={best}")
+        if pick in score:
+            lost.append(score[pick][0] / score[best][0])
+    print(f"choose_split vs the best class per shape: geomean of (rule's score / best score) "
+          f"{_gm(lost):.3f}, worst {min(lost):.3f}")
+    print()
+    print("plan's first choice vs the best measured kernel of its class (time ratio >= 1)")
+    ratios, unmeasured = [], []
+    for (n, k), bym in by.items():
+        s = T.choose_split(n, k, a.sms)
+        for m, d in sorted(bym.items()):
+            plan = T.enumerate_tactics(m, n, k, splits=s, num_sms=a.sms)
+            first = plan[0].name
+            ks = [x for x in d if not x.startswith("cublas") and plain(x) and splits_of(x) == s]
+            if not ks:
+                continue
+            best = min(ks, key=d.get)
+            if first not in d:
+                unmeasured.append((m, n, k, first))
+                # the best-ranked measured tactic stands in
+                first = next((t.name for t in plan if t.name in d), None)
+                if first is None:
+                    continue
+            ratios.append(d[first] / d[best])
+            if a.verbose or d[first] / d[best] > 1.08:
+                print(f"  {m:5d} {n}x{k}: plan {first} {d[first]:.1f} us, best {best} "
+                      f"{d[best]:.1f} us ({d[first] / d[best]:.2f}x)")
+    print(f"plan/best: geomean {_gm(ratios):.3f}, worst {max(ratios):.3f}, points {len(ratios)}; "
+          f"first choices the run did not time: {len(unmeasured)}")
+    for u in unmeasured[:20]:
+        print("  unmeasured:", u)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
