@@ -4,13 +4,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
 ARGS ?=
 
-.PHONY: setup setup-test serve test bench clean
+.PHONY: setup setup-test setup-vllm serve test bench clean
 
 setup: $(STAMP)
 
-setup-test: $(TEST_STAMP)
+setup-test: $(TEST_STAMP) $(VLLM_STAMP)
+
+setup-vllm: $(VLLM_STAMP)
 
 # The daemon: a C linker (kernels are linked into .so files) and the pinned toolchain.
 # torch's CPU build comes from PyTorch's CPU index (TORCH_INDEX=URL in the environment: a mirror).
@@ -31,6 +36,19 @@ $(TEST_STAMP): $(STAMP) requirements-dev.txt
 	$(BIN)/pip install -q -r requirements-dev.txt
 	touch $(TEST_STAMP)
 
+# The second environment, as a vLLM 0.33.0 user has it: vLLM's pins of FlashInfer, the DSL
+# and TVM-FFI, vLLM itself without its GPU dependencies, and cached-client as the only
+# project package. requirements-vllm.txt is a complete lock (hence --no-deps); the import
+# at the end checks it.
+$(VLLM_STAMP): requirements-vllm.txt client/pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q torch==2.13.0
+	$(VLLM_BIN)/pip install -q --no-deps -r requirements-vllm.txt
+	$(VLLM_BIN)/pip install -q --no-deps vllm==0.33.0
+	$(VLLM_BIN)/pip install -q --no-deps -e client
+	$(VLLM_BIN)/python -c "import vllm.plugins, vllm.model_executor.kernels.linear" >/dev/null
+	touch $(VLLM_STAMP)
+
 serve: setup
 	$(BIN)/cached serve $(ARGS)
 
@@ -42,4 +60,4 @@ bench: setup-test
 	$(BIN)/python bench/run_all.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache
