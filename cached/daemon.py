@@ -96,7 +96,8 @@ class Daemon:
             "workers": pool.size, "workers_alive": pool.alive, "workers_ready": pool.ready,
             "workers_idle": pool.idle, "worker_restarts": pool.restarts,
             "connections": self.server.connections,
-            "errors": {k.split(".", 1)[1]: v for k, v in c.items() if k.startswith("errors.")},
+            "errors": {k.split(".", 1)[1]: v for k, v in c.items()
+                       if k.startswith("errors.") and v},
             "families": by_family,
             "last_failures": list(self.stats.failures),
             "uptime_s": round(time.time() - self.started, 1),

@@ -376,5 +376,5 @@ def test_zeroing_needs_publish_rights_and_a_closed_socket_says_why(d, shared, pe
         result = _as_peer(peer_uid, "stats", "--socket", path)
     finally:
         closed.close()
-    assert result.returncode == 2 and "permission denied" in result.stderr
+    assert result.returncode == 2 and f"{path}: Permission denied" in result.stderr
     assert "cached-clients" in result.stderr

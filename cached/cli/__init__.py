@@ -84,8 +84,8 @@ def unreachable_hint(path: str) -> str | None:
             return (f"no daemon is running on {path} ({why})\n"
                     + START_HINT.replace("${env}", f"${SOCKET_ENV}"))
         if exc.errno == errno.EACCES:
-            return (f"{path}: permission denied: this user may not use the daemon's socket; "
-                    "join its group (cached-clients under systemd: usermod -aG "
+            return (f"cannot connect to {path}: {why}: this user may not use the daemon's "
+                    "socket; join its group (cached-clients under systemd: usermod -aG "
                     "cached-clients USER, then log in again)")
         return None
     else:
