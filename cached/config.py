@@ -24,6 +24,7 @@ import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -41,20 +42,50 @@ class ConfigError(ValueError):
 # -- parsers: each takes a raw value (flag or env string, TOML value) and validates it ----
 
 
+SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+              "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+"""Size suffixes, lower case: decimal (``20G``, ``20GB``: 20*10^9 bytes) as ccache and disk
+vendors count, binary with an ``i`` (``20Gi``, ``20GiB``: 20*2^30 bytes); a trailing ``B``
+is optional."""
+MAX_SIZE = 1 << 60
+
+
 def parse_size(value: Any) -> int:
-    """Bytes from an int or a string such as ``500M``, ``20GiB``, ``1.5G``; 0 = no limit."""
+    """Bytes from an int or a string such as ``500MB``, ``20GiB``, ``1.5G`` (see
+    :data:`SIZE_UNITS`: G is 10^9, GiB is 2^30); 0 means no limit."""
     if isinstance(value, bool):
         raise ConfigError(f"expected a size, got {value!r}")
     if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"a size cannot be negative: {value}")
+        if not 0 <= value <= MAX_SIZE:
+            raise ConfigError(f"a size must be between 0 and {MAX_SIZE} bytes, got {value}")
         return value
     text = str(value).strip().lower().replace(" ", "")
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+)([kmgt]?)(i?b?)", text)
-    if not match:
-        raise ConfigError(f"expected a size such as 500M or 20GiB, got {value!r}")
-    number, unit, _ = match.groups()
-    return int(float(number) * 1024 ** " kmgt".index(unit or " "))
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)([kmgt]?i?)b?", text)
+    if not match or match.group(2) == "i":
+        raise ConfigError(f"expected a size such as 500MB, 20GB (10^9 bytes each) or 20GiB "
+                          f"(2^30 bytes each), got {value!r}")
+    number, unit = match.groups()
+    size = int(Decimal(number) * SIZE_UNITS[unit])
+    if size > MAX_SIZE:
+        raise ConfigError(f"a size must be at most {MAX_SIZE} bytes, got {value!r}")
+    return size
+
+
+def size_text(n: float) -> str:
+    """Bytes as an operator reads them, the unit said: a whole number of decimal or binary
+    units when ``n`` is one (``20 GB``, ``20 GiB``; the larger unit wins), else binary with
+    one decimal (``55.8 MiB``)."""
+    n = int(n)
+    exact = [(n // size, unit) for unit, size in SIZE_UNITS.items()
+             if unit and n >= size and n % size == 0]
+    if exact:
+        count, unit = min(exact)  # the fewest units: the largest unit that divides n
+        return f"{count} {unit[0].upper() if unit != 'k' else 'k'}{unit[1:]}B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def _integer(value: Any) -> int:
@@ -209,12 +240,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("job_timeout", _positive_seconds, lambda: 300.0,
            "seconds one compilation may take before its worker is replaced", True,
            metavar="SECONDS"),
-    Option("log_level", _level, lambda: "info", "debug, info, warning or error", True),
+    Option("log_level", _level, lambda: "info",
+           "least severe log events written: debug, info, warning or error", True,
+           metavar="LEVEL"),
     Option("socket_mode", _mode, lambda: 0o660,
            "file mode of the socket the daemon creates (octal, at most 0777)", metavar="MODE"),
     Option("max_bytes", parse_size, lambda: 0,
-           "store budget in bytes, e.g. 20G (0: unlimited); LRU eviction keeps it", True,
-           metavar="SIZE"),
+           "store budget: 20GB is 20*10^9 bytes, 20GiB 20*2^30 (0: unlimited); least "
+           "recently used kernels are evicted to keep it", True, metavar="SIZE"),
     Option("max_files", _count, lambda: 0,
            "store budget in blob files, two per entry (0: unlimited)", True, metavar="N"),
     Option("evict_grace", _seconds, lambda: 30.0,
@@ -398,15 +431,32 @@ def format_table(settings: Settings) -> str:
     rows = []
     for row in settings.rows():
         value = row["value"]
-        if row["name"] == "socket_mode":
+        if BY_NAME[row["name"]].parse is parse_size:
+            value = f"{size_text(value)} ({value} bytes)" if value else "0 (no limit)"
+        elif row["name"] == "socket_mode":
             value = f"0{value:o}"
         elif value is None:
             value = "auto" if row["name"] == "workers" else "-"
         elif isinstance(value, tuple):
             value = ",".join(map(str, value)) or "-"
         mark = "" if row["reloadable"] else "  (restart to change)"
-        rows.append((row["name"], str(value), row["source"] + mark))
-    widths = [max(len(r[i]) for r in rows) for i in range(2)]
+        rows.append((row["name"], _printable(str(value)), row["source"] + mark))
+    name_width = max(len(r[0]) for r in rows)
+    value_width = min(VALUE_COLUMN, max(len(r[1]) for r in rows))
     lines = [f"config file: {settings.file or '(none)'} ({settings.file_source})"]
-    lines += [f"{n:<{widths[0]}}  {v:<{widths[1]}}  {s}" for n, v, s in rows]
+    for name, value, source in rows:
+        if len(value) > value_width:  # its source goes under the source column
+            lines += [f"{name:<{name_width}}  {value}", f"{'':<{name_width + value_width + 2}}"
+                      f"  {source}"]
+        else:
+            lines.append(f"{name:<{name_width}}  {value:<{value_width}}  {source}")
     return "\n".join(lines)
+
+
+VALUE_COLUMN = 40
+"""The widest value ``cached config`` keeps on its row; a longer one gets a row to itself."""
+
+
+def _printable(text: str) -> str:
+    """``text`` on one line: control characters written as escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

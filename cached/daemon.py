@@ -15,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,8 @@ class Daemon:
                  reload_settings: Callable[[], Settings] | None = None) -> None:
         self.settings = settings
         self.started = time.time()
+        self.version = toolchain.daemon_version()
+        self.versions = toolchain.versions()  # readable, fixed for the process's life
         self.remote = _make_remote(settings)  # first: a bad key file stops us before any I/O
         store_root = Path(settings.store)
         self.store = Store(store_root, Budget(settings.max_bytes, settings.max_files,
@@ -78,9 +81,11 @@ class Daemon:
         self._stop = asyncio.Event()
 
     def snapshot(self) -> dict:
-        """The statistics ``cached stats --json`` and ``GET /stats`` report."""
+        """The statistics ``cached stats --json`` reports (``GET /stats`` and the page show
+        :func:`cached.httpapp.public_stats` of it); counters since ``stats --zero``."""
         store, pool, jobs = self.store.snapshot(), self.pool.snapshot(), self.scheduler.snapshot()
-        c = self.stats.counters
+        counters, by_family = self.stats.view(families.names())  # since `stats --zero`
+        c = Counter(counters)
         return {
             "entries": store.entries, "bytes": store.bytes, "hits": c["hits"],
             "misses": c["misses"], "compiles": c["compiles"], "failures": c["failures"],
@@ -91,10 +96,13 @@ class Daemon:
             "workers": pool.size, "workers_alive": pool.alive, "workers_ready": pool.ready,
             "workers_idle": pool.idle, "worker_restarts": pool.restarts,
             "connections": self.server.connections,
-            "errors": {k.split(".", 1)[1]: v for k, v in c.items() if k.startswith("errors.")},
-            "families": {f: dict(v) for f, v in self.stats.by_family.items()},
+            "errors": {k.split(".", 1)[1]: v for k, v in c.items()
+                       if k.startswith("errors.") and v},
+            "families": by_family,
             "last_failures": list(self.stats.failures),
             "uptime_s": round(time.time() - self.started, 1),
+            "started": round(self.started, 3), "stats_zeroed_at": self.stats.zeroed_at,
+            "version": self.version, "versions": self.versions,
             "toolchain": toolchain.fingerprint_digest(self.identity.toolchain),
             "serve_only": self.settings.serve_only,
             "store": self.settings.store, "socket": self.socket_path,

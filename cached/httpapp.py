@@ -1,5 +1,13 @@
 """The HTTP endpoint: health and statistics as JSON, Prometheus metrics and an operator's
-page. It serves no artifact bytes."""
+page. It serves no artifact bytes.
+
+What HTTP may show: any local user can reach it (it has no peer credentials, and on
+127.0.0.1 every user of the node is local), while the socket admits only the peers its
+mode and ``allow_uid``/``allow_gid`` admit. So HTTP shows counts, states, sizes, versions
+and family names; never filesystem paths, kernel keys or parameters, compiler messages, the
+fleet tier's URL or key ids (:func:`public_stats`, an allowlist: a key added to the
+snapshot stays off HTTP until it is added here). The socket's ``stats`` has everything.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,37 @@ from collections.abc import Callable
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
+
+PUBLIC_KEYS = (
+    "entries", "bytes", "hits", "misses", "compiles", "failures", "remote_hits",
+    "compile_seconds", "in_flight", "queued", "running", "workers", "workers_alive",
+    "workers_ready", "workers_idle", "worker_restarts", "connections", "errors", "families",
+    "uptime_s", "started", "stats_zeroed_at", "version", "versions", "toolchain",
+    "serve_only", "http", "max_bytes", "max_files", "evictions", "evicted_bytes",
+    "over_budget", "client_fallbacks", "draining",
+)
+"""The snapshot's keys HTTP shows as they are (counts, states, versions, family names)."""
+PUBLIC_REMOTE_KEYS = (
+    "state", "since", "read_only", "hits", "misses", "rejected", "published", "errors",
+    "skipped", "publish_queue", "publish_dropped", "bytes_in", "bytes_out",
+    "compression_ratio", "retry_in_s",
+)
+"""The fleet tier's keys HTTP shows (not its URL, key ids or last error text)."""
+REDACTED = ("paths, kernel keys and parameters, compiler messages and the fleet tier's "
+            "address are shown over the socket only: cached stats")
+
+
+def public_stats(snapshot: dict) -> dict:
+    """What ``GET /stats`` and the page show of a ``Daemon.snapshot()``: the
+    :data:`PUBLIC_KEYS`, the fleet tier's :data:`PUBLIC_REMOTE_KEYS`, and of each kept
+    failure its time and family only."""
+    out = {k: snapshot[k] for k in PUBLIC_KEYS if k in snapshot}
+    remote = snapshot.get("remote") or {}
+    out["remote"] = {k: remote[k] for k in PUBLIC_REMOTE_KEYS if k in remote}
+    out["last_failures"] = [{"time": f.get("time"), "family": f.get("family")}
+                            for f in snapshot.get("last_failures", [])]
+    out["redacted"] = REDACTED
+    return out
 
 
 def make_app(stats_fn: Callable[[], dict], ready_fn: Callable[[], bool],
@@ -19,7 +58,7 @@ def make_app(stats_fn: Callable[[], dict], ready_fn: Callable[[], bool],
 
     @app.get("/stats")
     def stats() -> dict:
-        return stats_fn()
+        return public_stats(stats_fn())
 
     if metrics_fn is not None:
         from .metrics import CONTENT_TYPE
@@ -32,6 +71,7 @@ def make_app(stats_fn: Callable[[], dict], ready_fn: Callable[[], bool],
     def page() -> HTMLResponse:
         from .page import render
 
-        return HTMLResponse(render(stats_fn()), headers={"Cache-Control": "no-store"})
+        return HTMLResponse(render(public_stats(stats_fn())),
+                            headers={"Cache-Control": "no-store"})
 
     return app

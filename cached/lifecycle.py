@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import config
+from .config import size_text
 from .log import event
 from .store import Budget
 from .systemd import listen_fds, notify, watchdog_interval
@@ -29,15 +30,6 @@ from .systemd import listen_fds, notify, watchdog_interval
 log = logging.getLogger("cached.daemon")
 
 STATUS_EVERY_S = 5.0
-
-
-def size_text(n: float) -> str:
-    """Bytes as an operator reads them (binary units, say which)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 class Lifecycle:

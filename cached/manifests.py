@@ -99,8 +99,12 @@ def find(name: str) -> Path:
         for candidate in (directory / name, directory / f"{name}.toml"):
             if candidate.exists():
                 return candidate
-    shipped = sorted(p.stem for d in SEARCH_DIRS if d.is_dir() for p in d.glob("*.toml"))
-    raise ManifestError(f"no manifest {name!r}; shipped: {', '.join(shipped) or 'none'}")
+    raise ManifestError(f"no manifest {name!r}; shipped: {', '.join(shipped()) or 'none'}")
+
+
+def shipped() -> list[str]:
+    """Names of the manifests in :data:`SEARCH_DIRS` (what ``--manifest NAME`` finds)."""
+    return sorted({p.stem for d in SEARCH_DIRS if d.is_dir() for p in d.glob("*.toml")})
 
 
 def _positive(value: Any, what: str) -> int:

@@ -1,17 +1,19 @@
 """``GET /metrics``: the daemon's state in Prometheus text format (prometheus-client).
 
 Nothing is counted twice: a collector renders, at scrape time, the daemon's counters
-(:class:`cached.stats.Stats`, compile-time histograms included) and its components'
-snapshots (store, pool, scheduler). Metric names and what to alert on are in
-docs/operations.md.
+(:class:`cached.stats.Stats`, monotonic whatever ``stats --zero`` did, with its compile
+and get-latency histograms) for every registered family, its components' snapshots (store,
+pool, scheduler) and the process's own ``process_*`` metrics. Metric names and what to
+alert on are in docs/operations.md.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -20,7 +22,19 @@ from prometheus_client.core import (
 )
 
 from . import toolchain
+from .families import names as registered_families
 from .stats import Stats
+
+HISTOGRAM_METRICS = (
+    ("cached_compile_duration_seconds", "Compile time of stored kernels, in the worker.",
+     "compile_seconds"),
+    ("cached_hit_duration_seconds", "Latency of get requests answered from the store: "
+     "request decoded to reply ready.", "hit_seconds"),
+    ("cached_miss_duration_seconds", "Latency of get requests that missed, until served: "
+     "waiting for a compilation (its own or one in flight) or a fleet-tier fetch.",
+     "miss_seconds"),
+)
+"""(metric, help, Stats histogram) of every histogram exported."""
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -32,12 +46,15 @@ class _Collector:
     def collect(self) -> Iterator[Metric]:
         d = self.daemon
         stats: Stats = d.stats
-        families = sorted(stats.by_family)
+        # monotonic since the start (stats --zero does not reset what Prometheus sees);
+        # every registered family has its series, zero until it has traffic
+        counters, by_family = stats.view(registered_families(), since_zero=False)
+        names = sorted(by_family)
 
         def per_family(name: str, doc: str, counter: str) -> Metric:
             m = CounterMetricFamily(name, doc, labels=["family"])
-            for f in families:
-                m.add_metric([f], float(stats.by_family[f][counter]))
+            for f in names:
+                m.add_metric([f], float(by_family[f][counter]))
             return m
 
         yield per_family("cached_hits", "Requests answered from the store.", "hits")
@@ -49,15 +66,14 @@ class _Collector:
         yield per_family("cached_client_fallbacks",
                          "In-process compilations clients reported while the daemon was "
                          "unusable to them.", "client_fallbacks")
-        hist = HistogramMetricFamily("cached_compile_duration_seconds",
-                                     "Compile time of stored kernels, in the worker.",
-                                     labels=["family"])
-        for f in families:
-            buckets, total = stats.histogram(f)
-            hist.add_metric([f], buckets, total)
-        yield hist
+        for metric, doc, histogram in HISTOGRAM_METRICS:
+            hist = HistogramMetricFamily(metric, doc, labels=["family"])
+            for f in names:
+                buckets, total = stats.histogram(f, histogram)
+                hist.add_metric([f], buckets, total)
+            yield hist
         errors = CounterMetricFamily("cached_errors", "Error replies by code.", labels=["code"])
-        for key, value in sorted(stats.counters.items()):
+        for key, value in sorted(counters.items()):
             if key.startswith("errors."):
                 errors.add_metric([key.split(".", 1)[1]], float(value))
         yield errors
@@ -100,17 +116,21 @@ class _Collector:
                                 value=d.server.connections)
         yield GaugeMetricFamily("cached_start_time_seconds",
                                 "Unix time the daemon started.", value=d.started)
-        yield from _remote_metrics(getattr(d, "remote", None), stats, families)
-        info = GaugeMetricFamily("cached_build_info", "The toolchain this daemon builds with.",
-                                 labels=["toolchain"])
-        info.add_metric([toolchain.fingerprint_digest(d.identity.toolchain)], 1)
+        yield from _remote_metrics(getattr(d, "remote", None), by_family)
+        labels = {"version": d.version,
+                  "toolchain": toolchain.fingerprint_digest(d.identity.toolchain),
+                  **{re.sub(r"[^a-zA-Z0-9_]", "_", k): v for k, v in d.versions.items()}}
+        info = GaugeMetricFamily("cached_build_info", "Always 1: this daemon's version, the "
+                                 "digest of its toolchain (as in stats) and the versions in it.",
+                                 labels=list(labels))
+        info.add_metric(list(labels.values()), 1)
         yield info
 
 
 REMOTE_STATES = ("connecting", "up", "down", "full")
 
 
-def _remote_metrics(remote: Any, stats: Stats, families: list[str]) -> Iterator[Metric]:
+def _remote_metrics(remote: Any, by_family: dict[str, dict[str, float]]) -> Iterator[Metric]:
     """The fleet tier (cached/remote.py, docs/fleet.md); nothing when it is off."""
     if remote is None:
         return
@@ -124,8 +144,8 @@ def _remote_metrics(remote: Any, stats: Stats, families: list[str]) -> Iterator[
     hits = CounterMetricFamily("cached_remote_hits",
                                "Local misses answered from the fleet tier (not compiled).",
                                labels=["family"])
-    for f in families:
-        hits.add_metric([f], float(stats.by_family[f]["remote_hits"]))
+    for f, counts in sorted(by_family.items()):
+        hits.add_metric([f], float(counts["remote_hits"]))
     yield hits
     ops = CounterMetricFamily("cached_remote_operations",
                               "Fleet tier operations by result.", labels=["result"])
@@ -143,7 +163,9 @@ def _remote_metrics(remote: Any, stats: Stats, families: list[str]) -> Iterator[
 
 
 def make_metrics(daemon: Any) -> Callable[[], bytes]:
-    """A function that renders the daemon's metrics in the Prometheus text format."""
+    """A function that renders the daemon's metrics in the Prometheus text format, with
+    the process's own (``process_*``: CPU, memory, open files, start time)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(daemon))
+    ProcessCollector(registry=registry)
     return lambda: generate_latest(registry)

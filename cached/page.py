@@ -1,7 +1,9 @@
 """``GET /``: one self-contained HTML page for an operator's browser.
 
-Rendered on the server from the same snapshot as ``/stats``: no script, no stylesheet or
-font from anywhere else, and a ``<meta http-equiv="refresh">`` so it refreshes itself.
+Rendered on the server from the same redacted snapshot as ``/stats`` over HTTP
+(:func:`cached.httpapp.public_stats`: counts, no paths or compiler messages): no script,
+no stylesheet or font from anywhere else, and a ``<meta http-equiv="refresh">`` so it
+refreshes itself.
 """
 
 from __future__ import annotations
@@ -9,6 +11,9 @@ from __future__ import annotations
 import html
 import socket
 import time
+
+from .config import size_text
+from .stats import duration_text
 
 REFRESH_S = 5
 
@@ -26,16 +31,9 @@ table{border-collapse:collapse;background:#fff}
 td,th{border:1px solid #ddd;padding:.25em .6em;text-align:right}
 th{background:#f0f0f0}td:first-child,th:first-child{text-align:left}
 pre{white-space:pre-wrap;margin:0;font-size:.85em;max-width:70em}
-.bad{color:#c33}.none{color:#888}
+.bad{color:#c33}.none{color:#888}tr.idle td{color:#999}
+code{font-size:.95em}
 """
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _ratio(hits: float, misses: float) -> str:
@@ -49,13 +47,13 @@ def _tile(ident: str, value: str, label: str, extra: str = "") -> str:
 
 
 def render(s: dict) -> str:
-    """The page for one ``Daemon.snapshot()``."""
+    """The page for one snapshot as HTTP shows it (:func:`cached.httpapp.public_stats`)."""
     e = html.escape
     max_bytes = s.get("max_bytes") or 0
     if max_bytes:
         used = s["bytes"] / max_bytes
         cls = "bad" if used > 1 else "warn" if used > 0.9 else ""
-        budget = f"of {_size(max_bytes)} budget ({100 * used:.0f}%)"
+        budget = f"of {size_text(max_bytes)} budget ({100 * used:.0f}%)"
         width = min(100, 100 * used)
         bar = f'<div class="bar"><i class="{cls}" style="width:{width:.0f}%"></i></div>'
     else:
@@ -66,8 +64,9 @@ def render(s: dict) -> str:
         _tile("running", str(s["running"]), "compiling now"),
         _tile("queued", str(s["queued"]), "queued"),
         _tile("workers", f"{s['workers_ready']}/{s['workers']}",
-              f"workers ready ({s['workers_alive']} alive, {s['worker_restarts']} restarts)"),
-        _tile("store-size", _size(s["bytes"]), budget, bar),
+              f"workers ready ({s.get('workers_idle', 0)} idle, {s['workers_alive']} alive, "
+              f"{s['worker_restarts']} restarts)"),
+        _tile("store-size", size_text(s["bytes"]), budget, bar),
         _tile("entries", str(s["entries"]),
               "entries" + (f" (max {s['max_files'] // 2})" if s.get("max_files") else "")),
         _tile("compiles", str(s["compiles"]), f"compiled, {s['failures']} failed"),
@@ -77,41 +76,56 @@ def render(s: dict) -> str:
     rows = []
     for family, c in sorted(s.get("families", {}).items()):
         compiles = c.get("compiles", 0)
-        mean = c.get("compile_seconds", 0) / compiles if compiles else 0
+        mean = f"{c.get('compile_seconds', 0) / compiles:.2f}" if compiles else "-"
+        idle = not (c.get("hits") or c.get("misses") or c.get("client_fallbacks"))
+        row_class = ' class="idle"' if idle else ""
         rows.append(
-            f"<tr><td>{e(family)}</td><td>{c.get('hits', 0)}</td><td>{c.get('misses', 0)}</td>"
+            f"<tr{row_class}><td>{e(family)}</td>"
+            f"<td>{c.get('hits', 0)}</td><td>{c.get('misses', 0)}</td>"
             f"<td>{_ratio(c.get('hits', 0), c.get('misses', 0))}</td><td>{compiles}</td>"
-            f"<td>{c.get('failures', 0)}</td><td>{mean:.2f}</td>"
+            f"<td>{c.get('failures', 0)}</td><td>{mean}</td>"
             f"<td>{c.get('client_fallbacks', 0)}</td></tr>")
     families = (
         "<table id=\"families\"><tr><th>family</th><th>hits</th><th>misses</th>"
         "<th>hit ratio</th><th>compiled</th><th>failed</th><th>mean compile s</th>"
         "<th>client fallbacks</th></tr>" + "".join(rows) + "</table>"
-        if rows else '<p class="none" id="families">no requests yet</p>')
+        if rows else '<p class="none" id="families">no families registered</p>')
     failures = []
     for f in reversed(s.get("last_failures", [])):
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(f.get("time", 0)))
-        failures.append(f"<tr><td>{e(when)}</td><td>{e(str(f.get('family', '')))}</td>"
-                        f"<td><pre>{e(str(f.get('message', ''))[:2000])}</pre></td></tr>")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(f.get("time") or 0))
+        failures.append(f"<tr><td>{e(when)}</td><td>{e(str(f.get('family', '')))}</td></tr>")
     failure_html = (
-        "<table id=\"failures\"><tr><th>time</th><th>family</th><th>message</th></tr>"
+        "<table id=\"failures\"><tr><th>time</th><th>family</th></tr>"
         + "".join(failures) + "</table>"
         if failures else '<p class="none" id="failures">no compile failures</p>')
-    errors = ", ".join(f"{e(k)}: {v}" for k, v in sorted(s.get("errors", {}).items()))
+    errors = ", ".join(f"{e(k)}: {v}" for k, v in sorted(s.get("errors", {}).items()) if v)
+    versions = " &middot; ".join(f"{e(k)} {e(str(v))}"
+                                 for k, v in (s.get("versions") or {}).items())
+    host = e(socket.gethostname())
+    started = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.get("started") or 0))
+    zeroed = s.get("stats_zeroed_at")
+    since = (f"counts since {e(time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(zeroed)))} "
+             "(zeroed)" if zeroed else "counts since start")
+    state = "draining" if s.get("draining") else "serve-only" if s.get("serve_only") \
+        else "serving"
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="refresh" content="{REFRESH_S}">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>cached on {e(socket.gethostname())}</title><style>{STYLE}</style></head>
+<title>cached on {host}</title><style>{STYLE}</style></head>
 <body>
-<h1>cached on {e(socket.gethostname())}</h1>
-<div class="sub">toolchain {e(str(s.get("toolchain", "")))} &middot; up {s.get("uptime_s", 0):.0f} s
-&middot; store {e(str(s.get("store", "")))} &middot; socket {e(str(s.get("socket", "")))}
-&middot; refreshes every {REFRESH_S} s &middot; <a href="/metrics">metrics</a>
+<h1>cached on {host}</h1>
+<div class="sub" id="about"><span id="state">{state}</span> &middot;
+<span id="uptime">up {duration_text(s.get("uptime_s", 0))}</span> (since {e(started)})
+&middot; {since} &middot; refreshes every {REFRESH_S} s &middot; <a href="/metrics">metrics</a>
 &middot; <a href="/stats">stats (JSON)</a></div>
+<div class="sub" id="versions">cached {e(str(s.get("version", "unknown")))} &middot;
+{versions} &middot; toolchain digest {e(str(s.get("toolchain", "")))}</div>
 <div class="tiles">{"".join(tiles)}</div>
 <h2>Families</h2>{families}
 <h2>Errors by code</h2><p id="errors">{errors or '<span class="none">none</span>'}</p>
 <h2>Last compile failures</h2>{failure_html}
+<p class="sub" id="redacted">Paths, kernel parameters and compiler messages are not shown
+over HTTP: run <code>cached stats</code> on the node (its socket checks who asks).</p>
 </body></html>
 """

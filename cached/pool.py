@@ -127,7 +127,9 @@ class Pool:
 
     @property
     def idle(self) -> int:
-        return self._idle.qsize()
+        """Ready workers not running a job: those on the idle queue and the one the
+        dispatcher has taken from it while it waits for a job to give it."""
+        return max(0, self.ready - self.busy)
 
     def snapshot(self) -> PoolSnapshot:
         return PoolSnapshot(self.size, self.alive, self.ready, self.idle, self.busy,

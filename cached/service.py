@@ -1,8 +1,8 @@
-"""The core ops: what ``hello``, ``get``, ``prefetch``, ``plan``, ``stats``, ``list``,
-``report``, ``gc``, ``verify`` and ``flashinfer_artifacts`` do, in terms of the scheduler
-and the store. Each handler takes its op's decoded request (cached_client.protocol) and
-returns its reply type; blocking store work (hashing blobs, eviction, verification) runs
-off the event loop.
+"""The core ops: what ``hello``, ``get``, ``prefetch``, ``plan``, ``stats``, ``zero_stats``,
+``list``, ``report``, ``gc``, ``verify`` and ``flashinfer_artifacts`` do, in terms of the
+scheduler and the store. Each handler takes its op's decoded request
+(cached_client.protocol) and returns its reply type; blocking store work (hashing blobs,
+eviction, verification) runs off the event loop.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ log = logging.getLogger("cached.service")
 FLASHINFER_FAMILIES = ("flashinfer.mm_fp4", "flashinfer.bi.bmm_fp8", "flashinfer.bi.mm_fp4",
                        "flashinfer.jit")
 LIST_FIELDS = ("key", "family", "kernel_name", "arch", "sm_count", "max_active_clusters",
-               "params", "size", "compile_seconds", "created", "last_used", "hits")
+               "params", "size", "compile_seconds", "created", "last_used", "hits", "toolchain")
 
 
 class Service:
@@ -46,13 +47,21 @@ class Service:
             serve_only=self.scheduler.pool.size == 0, may_publish=self.access.may_publish(peer))
 
     async def get(self, m: p.GetRequest, peer: Peer) -> p.GetReply | tuple[p.GetReply, bytes]:
+        """The artifact; its latency (decoded request to reply, seconds) goes into the
+        ``hit_seconds`` or ``miss_seconds`` histogram of its family."""
+        started = time.perf_counter()
         entry, origin = await self.scheduler.get(
             m.request, PRIORITIES[m.priority], m.deadline_ms / 1000, m.toolchain)
+        reply: p.GetReply | tuple[p.GetReply, bytes]
         if m.transfer == "bytes":
             data = await asyncio.get_running_loop().run_in_executor(
                 None, self.store.read_library, entry)
-            return p.GetReply(artifact=self.scheduler.artifact(entry, origin, False)), data
-        return p.GetReply(artifact=self.scheduler.artifact(entry, origin))
+            reply = p.GetReply(artifact=self.scheduler.artifact(entry, origin, False)), data
+        else:
+            reply = p.GetReply(artifact=self.scheduler.artifact(entry, origin))
+        self.stats.observe("hit_seconds" if origin == "hit" else "miss_seconds",
+                           m.request.family, time.perf_counter() - started)
+        return reply
 
     async def prefetch(self, m: p.PrefetchRequest, peer: Peer) -> p.PrefetchReply:
         return p.PrefetchReply(**self.scheduler.prefetch(m.requests))
@@ -63,6 +72,14 @@ class Service:
 
     async def stats_(self, m: p.Empty, peer: Peer) -> p.StatsReply:
         return p.StatsReply(stats=self.snapshot())
+
+    async def zero_stats(self, m: p.Empty, peer: Peer) -> p.ZeroStatsReply:
+        """The statistics as they were, then their counters started from zero (in one
+        step of the event loop: nothing is counted in between)."""
+        before = self.snapshot()
+        zeroed_at = self.stats.zero()
+        event(log, logging.INFO, "stats.zeroed", uid=peer.uid, pid=peer.pid)
+        return p.ZeroStatsReply(stats=before, zeroed_at=zeroed_at)
 
     async def list_(self, m: p.Empty, peer: Peer) -> p.ListReply:
         return p.ListReply(entries=[{k: r[k] for k in LIST_FIELDS} for r in self.store.rows()])
@@ -117,6 +134,6 @@ class Service:
 
     def ops(self) -> dict[str, Handler]:
         return {"hello": self.hello, "get": self.get, "prefetch": self.prefetch,
-                "plan": self.plan, "stats": self.stats_, "list": self.list_,
-                "report": self.report, "gc": self.gc, "verify": self.verify,
+                "plan": self.plan, "stats": self.stats_, "zero_stats": self.zero_stats,
+                "list": self.list_, "report": self.report, "gc": self.gc, "verify": self.verify,
                 "flashinfer_artifacts": self.flashinfer_artifacts}

@@ -47,6 +47,14 @@ def fingerprint_digest(value: str | None = None) -> str:
     return hashlib.sha256((value or fingerprint()).encode()).hexdigest()[:16]
 
 
+def daemon_version() -> str:
+    """This daemon's own version, from the ``cached`` distribution's metadata."""
+    try:
+        return importlib.metadata.version("cached")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def versions() -> dict[str, str]:
     """Readable versions of the parts of the stack, for hello and stats."""
     out = {"python": sys.version.split()[0]}

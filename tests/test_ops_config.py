@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,16 +13,48 @@ import pytest
 from conftest import ROOT, run_cli
 
 from cached import families, manifests
-from cached.config import ConfigError, parse_size
+from cached.config import ConfigError, parse_size, size_text
 
 
-def test_sizes_parse_like_an_operator_writes_them():
-    assert parse_size("500M") == 500 << 20
-    assert parse_size("20GiB") == 20 << 30
-    assert parse_size("1.5g") == int(1.5 * (1 << 30))
-    assert parse_size(4096) == 4096 and parse_size("0") == 0
-    with pytest.raises(ConfigError):
-        parse_size("lots")
+def test_sizes_mean_what_they_say_gb_is_decimal_gib_binary():
+    assert parse_size("20 GB") == parse_size("20G") == parse_size("20gb") == 20 * 10**9
+    assert parse_size("20 GiB") == parse_size("20Gi") == parse_size("20gib") == 20 * 2**30
+    assert parse_size("500MB") == 500 * 10**6 and parse_size("500MiB") == 500 * 2**20
+    assert parse_size("1.5GiB") == 3 * 2**29 and parse_size("1.5G") == 1_500_000_000
+    assert parse_size("64kB") == 64_000 and parse_size("64KiB") == 65_536
+    assert parse_size(4096) == 4096 and parse_size("0") == 0 and parse_size("512B") == 512
+    for bad in ("lots", "5i", "-1", "1e3", "20 GiBB", True, -4096, 1 << 61):
+        with pytest.raises(ConfigError, match="size"):
+            parse_size(bad)
+    # printed with the unit said, exact when it is a whole number of units
+    assert size_text(20 * 10**9) == "20 GB" and size_text(20 * 2**30) == "20 GiB"
+    assert size_text(58_513_584) == "55.8 MiB" and size_text(0) == "0 B"
+
+
+def test_config_prints_sizes_with_their_unit_and_keeps_columns_aligned(tmp_path: Path):
+    long_store = str(tmp_path / ("a-rather-long-directory-name-" * 4) / "store")
+    args = ["--store", long_store, "--max-bytes", "20GB", "--remote",
+            "redis://cache.example.internal:6379/0", "--allow-uid", "1000"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHED_")}
+    doc = json.loads(subprocess.run([sys.executable, "-m", "cached", "config", "--json", *args],
+                                    env=env, capture_output=True, text=True,
+                                    check=True).stdout)
+    text = subprocess.run([sys.executable, "-m", "cached", "config", *args], env=env,
+                          capture_output=True, text=True, check=True).stdout.splitlines()
+    rows = {r["name"]: r for r in doc["options"]}
+    assert rows["max_bytes"]["value"] == 20 * 10**9
+    assert any(re.match(r"max_bytes\s+20 GB \(20000000000 bytes\)\s+flag --max-bytes$", line)
+               for line in text)
+    starts = set()
+    for row in doc["options"]:
+        source = row["source"] + ("" if row["reloadable"] else "  (restart to change)")
+        line = next(line for line in text if line.endswith(source) and (
+            line.startswith(row["name"] + " ") or not line[0].strip()))
+        starts.add(len(line) - len(source))
+    assert len(starts) == 1, starts  # every source starts in one column
+    assert any(line.startswith("store ") and line.endswith(long_store) for line in text)
+    text_gib = run_cli("config", "--max-bytes", "20GiB").stdout
+    assert re.search(r"^max_bytes\s+20 GiB \(21474836480 bytes\)", text_gib, re.M)
 
 
 def test_flag_beats_env_beats_file_beats_default_and_config_says_which(tmp_path: Path):
@@ -31,7 +64,7 @@ def test_flag_beats_env_beats_file_beats_default_and_config_says_which(tmp_path:
     env = {**os.environ, "CACHED_MAX_BYTES": "2G", "CACHED_LOG_LEVEL": "warning",
            "CACHED_CONFIG": str(config)}
     out = subprocess.run([sys.executable, "-m", "cached", "config", "--json",
-                          "--max-bytes", "3G"], env=env, capture_output=True, text=True,
+                          "--max-bytes", "3GiB"], env=env, capture_output=True, text=True,
                          check=True).stdout
     doc = json.loads(out)
     rows = {r["name"]: r for r in doc["options"]}

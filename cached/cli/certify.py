@@ -8,6 +8,8 @@ import json
 
 from cached_client import Client
 
+from . import argtypes
+
 
 def _shape_nk(text: str) -> tuple[int, int]:
     try:
@@ -22,14 +24,16 @@ def _shape_nk(text: str) -> tuple[int, int]:
 def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     certify = sub.add_parser("certify", parents=[common],
                              help="measure batch invariance on this GPU and record it")
-    certify.add_argument("--family", required=True, help="the family to certify, e.g. "
-                         "cached.hopper_fp8")
+    certify.add_argument("--family", required=True, metavar="NAME",
+                         help="the family to certify, e.g. cached.hopper_fp8")
     certify.add_argument("--shape", type=_shape_nk, action="append", required=True,
-                         help="N,K (repeatable)")
-    certify.add_argument("--limit", type=int, default=None,
+                         metavar="N,K", help="weight shape N,K (repeatable)")
+    certify.add_argument("--limit", type=argtypes.count(), default=None, metavar="N",
                          help="certify the first N tactics of the M=2048 plan")
-    certify.add_argument("--no-record", action="store_true")
-    certify.add_argument("--json", action="store_true")
+    certify.add_argument("--no-record", action="store_true",
+                         help="measure only; do not record the result in the daemon")
+    certify.add_argument("--json", action="store_true",
+                         help="one JSON object per shape")
     certify.set_defaults(run=cmd_certify)
 
 

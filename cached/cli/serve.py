@@ -19,7 +19,7 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     config.add_flags(serve)
     serve.set_defaults(run=cmd_serve)
     show = sub.add_parser("config", help="print the effective configuration and sources",
-                          description="Print every setting `cached serve` would use with "
+                          description="Print every setting cached serve would use with "
                           "these flags, and where each value came from.")
     config.add_flags(show)
     show.add_argument("--json", action="store_true", help="one JSON object")

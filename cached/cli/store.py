@@ -9,33 +9,57 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 from cached_client import Client
 from cached_client import protocol as p
 
-from .. import config
+from .. import config, toolchain
+from ..stats import duration_text
+from . import argtypes
 
 
 def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    for name, text, run in (("stats", "print daemon statistics", cmd_stats),
-                            ("ls", "list stored kernels", cmd_ls)):
-        parser = sub.add_parser(name, parents=[common], help=text)
-        parser.add_argument("--json", action="store_true")
-        parser.set_defaults(run=run)
+    stats = sub.add_parser("stats", parents=[common], help="print daemon statistics",
+                           description="Hits and misses, compilations, workers, the store "
+                           "against its budget, where the daemon keeps things, its version "
+                           "and uptime, and one row per family. Counts run from the daemon's "
+                           "start or the last --zero.")
+    stats.add_argument("--json", action="store_true",
+                       help="the daemon's statistics as one JSON object")
+    stats.add_argument("--zero", action="store_true",
+                       help="print the statistics, then start their counts from zero "
+                            "(needs publish rights; /metrics counters go on)")
+    stats.set_defaults(run=cmd_stats)
+    ls = sub.add_parser("ls", parents=[common], help="list stored kernels",
+                        description="One row per stored kernel, by family and kernel name.")
+    ls.add_argument("--family", metavar="NAME", help="only this family's kernels")
+    ls.add_argument("--arch", metavar="ARCH", help="only kernels for this arch, e.g. sm_100a")
+    ls.add_argument("--toolchain", metavar="WHICH",
+                    help="only kernels built with: current (the daemon's toolchain), other "
+                         "(any other: left from an upgrade), a digest prefix as ls and stats "
+                         "show it, or text in the toolchain, e.g. nvidia-cutlass-dsl==4.8.1")
+    ls.add_argument("--json", action="store_true",
+                    help="a JSON list of the rows, params as objects")
+    ls.set_defaults(run=cmd_ls)
     gc = sub.add_parser("gc", parents=[common], help="evict least recently used entries now")
     verify = sub.add_parser("verify", parents=[common],
                             help="recheck every stored blob against its digest")
     for parser in (gc, verify):
-        parser.add_argument("--store", type=Path, default=None,
-                            help="work on this store directly instead of through the daemon")
-        parser.add_argument("--json", action="store_true")
-    gc.add_argument("--max-bytes", default=None, help="budget for this run (default: the "
-                    "daemon's, or the configuration's with --store)")
-    gc.add_argument("--max-files", type=int, default=None)
-    gc.add_argument("--grace", type=float, default=None,
+        parser.add_argument("--store", type=Path, default=None, metavar="DIR",
+                            help="work on this store directly instead of through the daemon "
+                                 "(the daemon stopped)")
+        parser.add_argument("--json", action="store_true", help="the report as one JSON object")
+    gc.add_argument("--max-bytes", type=argtypes.size, default=None, metavar="SIZE",
+                    help="budget for this run, e.g. 500MB or 2GiB (default: the daemon's, or "
+                         "the configuration's with --store)")
+    gc.add_argument("--max-files", type=argtypes.count(0), default=None, metavar="N",
+                    help="blob-file budget for this run, two per entry (default: configured)")
+    gc.add_argument("--grace", type=argtypes.seconds(), default=None, metavar="SECONDS",
                     help="seconds of recent use that protect an entry (default: configured)")
-    gc.add_argument("--config", metavar="FILE", default=None)
+    gc.add_argument("--config", metavar="FILE", default=None,
+                    help="with --store: the TOML configuration whose budget applies")
     gc.set_defaults(run=cmd_gc)
     verify.set_defaults(run=cmd_verify)
     export = sub.add_parser("export", parents=[common],
@@ -43,42 +67,170 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     export.add_argument("--flashinfer-cache", type=Path, default=None, metavar="DIR",
                         help="FlashInfer's FLASHINFER_JIT_DIR (the cached_ops folder); default: "
                              "the current environment's")
-    export.add_argument("--family", default=None, help="only this family's artifacts")
-    export.add_argument("--json", action="store_true")
+    export.add_argument("--family", metavar="NAME", default=None,
+                        help="only this family's artifacts")
+    export.add_argument("--json", action="store_true", help="the report as one JSON object")
     export.set_defaults(run=cmd_export)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    stats = Client(args.socket, timeout=10).stats()
+    client = Client(args.socket, timeout=10)
+    zeroed_at = None
+    if args.zero:
+        reply = client.zero_stats()
+        stats, zeroed_at = reply.stats, reply.zeroed_at
+    else:
+        stats = client.stats()
     if args.json:
         print(json.dumps(stats))
-        return 0
-    for key in ("entries", "bytes", "hits", "misses", "compiles", "failures", "in_flight",
-                "queued", "running", "workers_alive", "worker_restarts", "uptime_s"):
-        print(f"{key:<16} {stats[key]}")
-    for key in ("max_bytes", "evictions", "client_fallbacks"):  # budget and fallbacks
-        if key in stats:
-            print(f"{key:<16} {stats[key]}")
-    tier = stats.get("remote") or {}
-    if tier.get("state", "disabled") != "disabled":  # the fleet tier (docs/fleet.md)
-        print(f"{'remote':<16} {tier['state']} {tier['url']}"
-              f"{' read-only' if tier['read_only'] else ''}: {stats.get('remote_hits', 0)} "
-              f"hits, {tier['misses']} misses, {tier['rejected']} rejected, "
-              f"{tier['published']} published, {tier['errors']} errors")
-    for failure in stats["last_failures"]:
-        print(f"failure          {failure['family']} {failure['message'][:200]}")
+    else:
+        print(format_stats(stats))
+    if zeroed_at is not None:
+        print(f"Statistics zeroed at {_when(zeroed_at)}", file=sys.stderr if args.json
+              else sys.stdout)
     return 0
+
+
+def _percent(part: float, whole: float) -> str:
+    return f"({100 * part / whole:.2f}%)" if whole else ""
+
+
+def _when(unix: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
+
+
+def _columns(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
+    """Rows of cells padded to aligned columns (those in ``right`` right-aligned)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.rjust(w) if i in right else cell.ljust(w)
+                      for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+            for row in rows]
+
+
+def format_stats(s: dict) -> str:
+    """``cached stats``: ccache -s's layout, from one statistics object (stats --json)."""
+    requests = s["hits"] + s["misses"]
+    width = len(str(requests))
+    out: list[tuple[str, str]] = [
+        ("Requests", str(requests)),
+        ("  Hits", f"{s['hits']:>{width}} / {requests} {_percent(s['hits'], requests)}"),
+        ("  Misses", f"{s['misses']:>{width}} / {requests} "
+                     f"{_percent(s['misses'], requests)}"),
+    ]
+    if s.get("remote_hits"):
+        out.append(("    From the fleet tier", str(s["remote_hits"])))
+    compiles = s["compiles"]
+    mean = f", {s.get('compile_seconds', 0) / compiles:.2f} s mean" if compiles else ""
+    out += [
+        ("Compilations", f"{compiles} stored, {s['failures']} failed{mean}"),
+        ("Queue", f"{s['queued']} queued, {s['running']} compiling, {s['in_flight']} in flight"),
+        ("Workers", f"{s.get('workers_ready', 0)}/{s.get('workers', 0)} ready, "
+                    f"{s.get('workers_idle', 0)} idle, {s['worker_restarts']} restarts"
+                    + (" (serve-only: no compiler)" if s.get("serve_only") else "")),
+        ("Store", ""),
+    ]
+    max_bytes = s.get("max_bytes") or 0
+    size = config.size_text(s["bytes"])
+    if max_bytes:
+        size += f" / {config.size_text(max_bytes)} {_percent(s['bytes'], max_bytes)}"
+        size += " OVER BUDGET" if s.get("over_budget") else ""
+    else:
+        size += " (no budget)"
+    entries = str(s["entries"])
+    if s.get("max_files"):
+        limit = s["max_files"] // 2
+        entries += f" / {limit} {_percent(s['entries'], limit)}"
+    out += [("  Size", size), ("  Entries", entries),
+            ("  Evictions", f"{s.get('evictions', 0)} "
+                            f"({config.size_text(s.get('evicted_bytes', 0))} freed)")]
+    tier = s.get("remote") or {}
+    if tier.get("state", "disabled") != "disabled":  # the fleet tier (docs/fleet.md)
+        out.append(("Fleet tier", f"{tier['state']} {tier['url']}"
+                    f"{' read-only' if tier['read_only'] else ''}: {tier['hits']} hits, "
+                    f"{tier['misses']} misses, {tier['rejected']} rejected, "
+                    f"{tier['published']} published, {tier['errors']} errors"))
+    errors = ", ".join(f"{code} {n}" for code, n in sorted(s.get("errors", {}).items()) if n)
+    out += [("Client fallbacks", str(s.get("client_fallbacks", 0))),
+            ("Errors", errors or "none"),
+            ("Location", ""), ("  Store", str(s.get("store", ""))),
+            ("  Socket", str(s.get("socket", ""))),
+            ("  HTTP", s.get("http") or "off")]
+    versions = s.get("versions") or {}
+    ordered = sorted(versions, key=lambda name: (name != "python", name))  # python first
+    out += [("Version", f"cached {s.get('version', 'unknown')}"),
+            ("Toolchain", ", ".join(f"{k} {versions[k]}" for k in ordered)
+             + f" (digest {s['toolchain']})")]
+    started = s.get("started", time.time() - s["uptime_s"])
+    state = "draining" if s.get("draining") else "serving"
+    out.append(("Uptime", f"{duration_text(s['uptime_s'])} (since {_when(started)}), "
+                          f"{state}"))
+    zeroed = s.get("stats_zeroed_at")
+    out.append(("Counting since", f"zeroed {_when(zeroed)}" if zeroed else "start"))
+    label = max(len(k) for k, _ in out) + 2
+    lines = [f"{k + ':' if v else k + ':':<{label}}{v}".rstrip() for k, v in out]
+    lines += ["", *_family_table(s.get("families", {}))]
+    failures = s.get("last_failures", [])
+    if failures:
+        lines += ["", f"Last compile failures ({len(failures)} kept, newest first):"]
+        for f in list(reversed(failures))[:10]:
+            message = " ".join(str(f.get("message", "")).split())[:200]
+            lines.append(f"  {_when(f.get('time', 0))}  {f.get('family', '')} "
+                         f"{str(f.get('key', ''))[:12]}: {message}")
+    return "\n".join(lines)
+
+
+def _family_table(families: dict) -> list[str]:
+    rows = [("Family", "Hits", "Misses", "Hit %", "Compiled", "Failed", "Mean s", "Fallbacks")]
+    for name, c in sorted(families.items()):
+        hits, misses, compiles = c.get("hits", 0), c.get("misses", 0), c.get("compiles", 0)
+        total = hits + misses
+        rows.append((name, str(hits), str(misses),
+                     f"{100 * hits / total:.2f}%" if total else "-", str(compiles),
+                     str(c.get("failures", 0)),
+                     f"{c.get('compile_seconds', 0) / compiles:.2f}" if compiles else "-",
+                     str(c.get("client_fallbacks", 0))))
+    return _columns(rows, right=set(range(1, 8)))
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    entries = Client(args.socket, timeout=10).list()
+    client = Client(args.socket, timeout=10)
+    entries = client.list()
+    current = None
+    if args.toolchain in ("current", "other"):
+        current = client.stats()["toolchain"]
+    rows = []
+    for e in entries:
+        digest = toolchain.fingerprint_digest(e["toolchain"]) if "toolchain" in e else ""
+        if args.family and e["family"] != args.family or args.arch and e["arch"] != args.arch:
+            continue
+        if args.toolchain and not _toolchain_matches(args.toolchain, e.get("toolchain", ""),
+                                                     digest, current):
+            continue
+        params = e["params"]
+        rows.append({**e, "params": json.loads(params) if isinstance(params, str) else params})
+    rows.sort(key=lambda e: (e["family"], e["kernel_name"]))
     if args.json:
-        print(json.dumps(entries))
+        print(json.dumps(rows))
         return 0
-    for e in sorted(entries, key=lambda e: (e["family"], e["kernel_name"])):
-        print(f"{e['key'][:12]}  {e['family']:<20} {e['arch']:<8} {e['size']:>8}  "
-              f"{e['hits']:>5} hits  {e['kernel_name']}")
+    table = [("KEY", "FAMILY", "ARCH", "SIZE", "HITS", "LAST USED", "TOOLCHAIN", "KERNEL")]
+    for e in rows:
+        table.append((e["key"][:12], e["family"], e["arch"], config.size_text(e["size"]),
+                      str(e["hits"]), _when(e["last_used"])[:16] if e.get("last_used") else "-",
+                      toolchain.fingerprint_digest(e["toolchain"])[:8] if e.get("toolchain")
+                      else "-", e["kernel_name"]))
+    print("\n".join(_columns(table, right={3, 4})))
+    total = sum(e["size"] for e in rows)
+    print(f"{len(rows)} kernel{'s' if len(rows) != 1 else ''}, {config.size_text(total)}"
+          + (f" (of {len(entries)} stored)" if len(rows) != len(entries) else ""))
     return 0
+
+
+def _toolchain_matches(which: str, fingerprint: str, digest: str, current: str | None) -> bool:
+    if which == "current":
+        return digest == current
+    if which == "other":
+        return digest != current
+    return digest.startswith(which) or which in fingerprint
 
 
 def _print_json_or(args: argparse.Namespace, report: dict, text: str) -> None:
@@ -86,14 +238,9 @@ def _print_json_or(args: argparse.Namespace, report: dict, text: str) -> None:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    try:
-        max_bytes = None if args.max_bytes is None else config.parse_size(args.max_bytes)
-    except config.ConfigError as exc:
-        print(f"cached gc: --max-bytes: {exc}", file=sys.stderr)
-        return 2
     if args.store is None:
         reply = Client(args.socket, timeout=600).gc(p.GcRequest(
-            max_bytes=max_bytes, max_files=args.max_files, grace=args.grace))
+            max_bytes=args.max_bytes, max_files=args.max_files, grace=args.grace))
         report = reply.to_wire()
     else:
         from ..store import Store
@@ -101,7 +248,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         settings = config.resolve(config_flag=args.config)
         store = Store(args.store)
         try:
-            limits = {"max_bytes": settings.max_bytes if max_bytes is None else max_bytes,
+            limits = {"max_bytes": settings.max_bytes if args.max_bytes is None
+                      else args.max_bytes,
                       "max_files": settings.max_files if args.max_files is None
                       else args.max_files}
             grace = settings.evict_grace if args.grace is None else args.grace
@@ -109,10 +257,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
             report["entries"], report["bytes"] = store.totals()
         finally:
             store.close()
-    budget = (f"{report['max_bytes']} bytes" if report.get("max_bytes") else "no byte budget")
+    budget = (f"of a {config.size_text(report['max_bytes'])} budget"
+              if report.get("max_bytes") else "no byte budget")
     _print_json_or(args, report,
-                   f"evicted {report['evicted']} entries ({report['freed_bytes']} bytes); "
-                   f"store: {report['entries']} entries, {report['bytes']} bytes ({budget}); "
+                   f"evicted {report['evicted']} entries "
+                   f"({config.size_text(report['freed_bytes'])}); store: {report['entries']} "
+                   f"entries, {config.size_text(report['bytes'])} ({budget}); "
                    f"{report['blocked']} skipped as in use")
     return 0
 
@@ -131,7 +281,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             report = store.verify()
         finally:
             store.close()
-    text = [f"{report['verified']}/{report['checked']} entries verified ({report['bytes']} bytes), "
+    text = [f"{report['verified']}/{report['checked']} entries verified "
+            f"({config.size_text(report['bytes'])}), "
             f"{len(report['bad'])} bad (dropped), {report['orphan_blobs']} unreferenced blobs, "
             f"{report['tmp_entries']} temporaries, in {report['seconds']}s"]
     text += [f"  bad: {b['key'][:16]} {b['family']}: {b['reason']}" for b in report["bad"]]

@@ -6,14 +6,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
 from cached_client import Client, KernelRequest
 from cached_client import protocol as p
+from cached_client.errors import CachedError
 from cached_client.transport import Connection
 
-from .. import manifests
+from .. import families, manifests
+from . import argtypes, progress
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -37,35 +41,88 @@ def _option(text: str) -> tuple[str, object]:
         return name, value
 
 
+WARM_DESCRIPTION = """\
+Compile kernels at pre-warm priority (a client waiting for a kernel goes first): a
+family's tactic space for some shapes (--family, --arch, --shape), a model's manifest
+(--manifest), or a list of kernel requests (--requests, e.g. what cached ls --json printed
+on another node). Kernels already stored count as cached and are not compiled again."""
+
+
+def _epilog() -> str:
+    def listing(title: str, names: list[str]) -> list[str]:
+        return [title, *textwrap.wrap(", ".join(names) or "none", 86, initial_indent="  ",
+                                      subsequent_indent="  ")]
+
+    return "\n".join([
+        *listing("families of this installation (--family NAME):", families.names()),
+        *listing("shipped manifests (--manifest NAME):", manifests.shipped()),
+        "exit status: 0 every kernel stored; 1 some failed (listed on stderr); 2 a usage",
+        "  or daemon error"])
+
+
 def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     warm = sub.add_parser("warm", parents=[common],
-                          help="compile a family's tactic space, or a model's manifest")
-    warm.add_argument("--manifest", metavar="FILE",
+                          help="compile a family's tactic space, or a model's manifest",
+                          description=WARM_DESCRIPTION, epilog=_epilog(),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = warm.add_argument_group("what to warm")
+    what.add_argument("--manifest", metavar="FILE",
                       help="a pre-warm manifest (a path or a shipped name, e.g. llama-3.1-8b)")
-    warm.add_argument("--target", action="append", default=[],
-                      help="with --manifest: only this target (repeatable)")
-    warm.add_argument("--skip-missing", action="store_true",
+    what.add_argument("--target", action="append", default=[], metavar="ARCH",
+                      help="with --manifest: only this target, e.g. sm_100a (repeatable)")
+    what.add_argument("--skip-missing", action="store_true",
                       help="with --manifest: skip builds whose family this daemon lacks")
-    warm.add_argument("--plan-only", action="store_true",
+    what.add_argument("--plan-only", action="store_true",
                       help="with --manifest: count the kernels, compile nothing")
-    warm.add_argument("--family", help="family (required without --manifest)")
-    warm.add_argument("--arch", help="target arch (required without --manifest)")
-    warm.add_argument("--shape", type=_shape, action="append",
-                      help="M,N,K (repeatable; required without --manifest)")
-    warm.add_argument("--sm-count", type=int, default=None)
-    warm.add_argument("--option", type=_option, action="append", default=[],
-                      help="family plan option NAME=VALUE, e.g. quant=mxfp4, out_dtype=float16")
-    warm.add_argument("--limit", type=int, default=None, help="only the first N tactics")
-    warm.add_argument("--json", action="store_true")
-    warm.add_argument("--timeout", type=float, default=3600.0)
+    what.add_argument("--requests", metavar="FILE",
+                      help="kernel requests as JSON: a list of objects with family, arch, "
+                           "sm_count, max_active_clusters and params (what cached ls "
+                           "--json prints), or one object per line; - reads stdin")
+    what.add_argument("--family", metavar="NAME",
+                      help="the family (required without --manifest or --requests; with "
+                           "them: only this family's kernels)")
+    what.add_argument("--arch", metavar="ARCH",
+                      help="target arch, e.g. sm_100a (required with --family alone; with "
+                           "--requests: only this arch's kernels)")
+    what.add_argument("--shape", type=_shape, action="append", metavar="M,N,K",
+                      help="GEMM shape (repeatable; required with --family)")
+    what.add_argument("--sm-count", type=argtypes.count(1, argtypes.MAX_SM_COUNT),
+                      default=None, metavar="N",
+                      help="SMs of the target GPU (default: the arch's usual part, e.g. 148 "
+                           "for sm_100a)")
+    what.add_argument("--option", type=_option, action="append", default=[],
+                      metavar="NAME=VALUE",
+                      help="family plan option, e.g. quant=mxfp4, out_dtype=float16 "
+                           "(repeatable)")
+    what.add_argument("--limit", type=argtypes.count(), default=None, metavar="N",
+                      help="only the first N tactics (of each shape's plan, or per manifest "
+                           "build)")
+    how = warm.add_argument_group("output")
+    how.add_argument("--json", action="store_true",
+                     help="print the result as one JSON object on stdout")
+    how.add_argument("--progress", choices=progress.MODES, default="auto",
+                     help="on stderr: a bar (rate, ETA, last kernel) on a terminal, lines "
+                          "elsewhere (auto, the default), or off")
+    how.add_argument("--progress-every", type=argtypes.count(), default=50, metavar="N",
+                     help="lines mode: a line every N kernels (default 50) ...")
+    how.add_argument("--progress-interval", type=argtypes.seconds(0.1, 3600), default=10.0,
+                     metavar="SECONDS", help="... or every SECONDS, whichever comes first "
+                     "(default 10)")
+    warm.add_argument("--timeout", type=argtypes.seconds(0, positive=True),
+                      default=3600.0, metavar="SECONDS",
+                      help="give up waiting after this many seconds (default 3600); "
+                           "compilations already queued go on in the daemon")
     warm.set_defaults(run=cmd_warm)
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
     if args.manifest:
         return warm_manifest(args)
+    if args.requests:
+        return warm_requests(args)
     if not (args.family and args.arch and args.shape):
-        print("cached warm: needs --family, --arch and --shape, or --manifest", file=sys.stderr)
+        print("cached warm: needs --family, --arch and --shape, or --manifest, or --requests",
+              file=sys.stderr)
         return 2
     started = time.monotonic()
     client = Client(args.socket, timeout=args.timeout)
@@ -76,10 +133,53 @@ def cmd_warm(args: argparse.Namespace) -> int:
     requests = list(dict.fromkeys(requests))
     if args.limit is not None:
         requests = requests[: args.limit]
-    counts = warm(client.socket_path, requests, args.timeout,
-                  progress=sys.stderr.isatty() and not args.json)
+    counts = warm(client.socket_path, requests, args.timeout, _progress(args, len(requests)))
     counts["seconds"] = round(time.monotonic() - started, 3)
     return report_warm(counts, args.json)
+
+
+def warm_requests(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    try:
+        requests = read_requests(args.requests)
+    except (OSError, ValueError, CachedError) as exc:
+        print(f"cached warm: --requests {args.requests}: {exc}", file=sys.stderr)
+        return 2
+    if args.family:
+        requests = [r for r in requests if r.family == args.family]
+    if args.arch:
+        requests = [r for r in requests if r.arch == args.arch]
+    if args.limit is not None:
+        requests = requests[: args.limit]
+    client = Client(args.socket, timeout=args.timeout)
+    counts = warm(client.socket_path, requests, args.timeout, _progress(args, len(requests)))
+    counts["seconds"] = round(time.monotonic() - started, 3)
+    return report_warm(counts, args.json)
+
+
+def read_requests(source: str) -> list[KernelRequest]:
+    """Kernel requests from a JSON list or JSON lines (``-``: stdin), de-duplicated, in
+    order; ValueError or InvalidArgument names the entry that is not one."""
+    text = sys.stdin.read() if source == "-" else Path(source).read_text()
+    stripped = text.strip()
+    if stripped.startswith("["):
+        items = json.loads(stripped)
+    else:
+        items = [json.loads(line) for line in stripped.splitlines() if line.strip()]
+    out = []
+    for index, item in enumerate(items):
+        try:
+            out.append(KernelRequest.from_wire(item))
+        except CachedError as exc:
+            raise ValueError(f"entry {index}: {exc.message}") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"entry {index}: {exc}") from None
+    return list(dict.fromkeys(out))
+
+
+def _progress(args: argparse.Namespace, total: int) -> progress.Progress:
+    return progress.Progress(total, args.progress, sys.stderr, args.progress_every,
+                             args.progress_interval)
 
 
 def warm_manifest(args: argparse.Namespace) -> int:
@@ -116,8 +216,7 @@ def warm_manifest(args: argparse.Namespace) -> int:
             for pending in summary["pending"]:
                 print(f"  pending (no family yet): {pending}")
         return 0
-    counts = warm(client.socket_path, requests, args.timeout,
-                  progress=sys.stderr.isatty() and not args.json)
+    counts = warm(client.socket_path, requests, args.timeout, _progress(args, len(requests)))
     counts.update(summary, seconds=round(time.monotonic() - started, 3))
     return report_warm(counts, args.json, f"{manifest.model}: ")
 
@@ -136,30 +235,39 @@ def report_warm(counts: dict, as_json: bool, label: str = "") -> int:
 
 
 def warm(socket_path: str, requests: list[KernelRequest], timeout: float,
-         progress: bool = False) -> dict:
-    """Ask for every request at pre-warm priority on one pipelined connection and wait."""
+         shown: progress.Progress | None = None) -> dict:
+    """Ask for every request at pre-warm priority on one pipelined connection and wait;
+    ``shown`` hears of each reply and is closed at the end."""
     deadline = time.monotonic() + timeout
     counts: dict = {"compiled": 0, "cached": 0, "remote": 0, "failed": 0, "errors": []}
     deadline_ms = min(p.MAX_DEADLINE_MS, int(timeout * 1000))
-    with Connection(socket_path, deadline) as conn:
-        for i, request in enumerate(requests):
-            body = p.GetRequest(request=request, priority="prewarm", deadline_ms=deadline_ms)
-            conn.send({"v": p.PROTOCOL_VERSION, "id": i, "op": "get", **body.to_wire()},
-                      deadline)
-        for done in range(1, len(requests) + 1):
-            reply, _ = conn.receive(deadline)
-            if reply.get("ok"):
-                origin = reply["artifact"]["origin"]
-                counts[{"hit": "cached", "remote": "remote"}.get(origin, "compiled")] += 1
-            else:
-                counts["failed"] += 1
-                counts["errors"].append(reply.get("error", {}).get("message", "")[:300])
-            if progress:
-                bar = "#" * (30 * done // len(requests))
-                sys.stderr.write(f"\r[{bar:<30}] {done}/{len(requests)}")
-                sys.stderr.flush()
-    if progress:
-        sys.stderr.write("\n")
+    try:
+        with Connection(socket_path, deadline) as conn:
+            for i, request in enumerate(requests):
+                body = p.GetRequest(request=request, priority="prewarm",
+                                    deadline_ms=deadline_ms)
+                conn.send({"v": p.PROTOCOL_VERSION, "id": i, "op": "get", **body.to_wire()},
+                          deadline)
+            for _ in requests:
+                reply, _ = conn.receive(deadline)
+                if reply.get("ok"):
+                    artifact = reply["artifact"]
+                    outcome = {"hit": "cached", "remote": "remote"}.get(artifact["origin"],
+                                                                       "compiled")
+                    kernel = str(artifact.get("kernel_name", ""))
+                else:
+                    outcome = "failed"
+                    counts["errors"].append(reply.get("error", {}).get("message", "")[:300])
+                    index = reply.get("id")
+                    family = (requests[index].family if isinstance(index, int)
+                              and 0 <= index < len(requests) else "?")
+                    kernel = f"{family} (failed)"
+                counts[outcome] += 1
+                if shown is not None:
+                    shown.done(outcome, kernel)
+    finally:
+        if shown is not None:
+            shown.close()
     if not counts["errors"]:
         del counts["errors"]
     return counts

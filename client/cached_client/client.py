@@ -168,6 +168,10 @@ class Client:
     def stats(self, timeout: float | None = None) -> dict:
         return self._call("stats", None, p.StatsReply, timeout).stats
 
+    def zero_stats(self, timeout: float | None = None) -> p.ZeroStatsReply:
+        """The statistics as they were; ``cached stats`` counts from zero after this."""
+        return self._call("zero_stats", None, p.ZeroStatsReply, timeout)
+
     def list(self, timeout: float | None = None) -> list[dict]:
         return self._call("list", None, p.ListReply, timeout).entries
 

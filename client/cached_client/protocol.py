@@ -329,6 +329,14 @@ class StatsReply(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ZeroStatsReply(Message):
+    """The statistics just before they were zeroed, and when that was (Unix seconds)."""
+
+    stats: dict = wire(Obj())
+    zeroed_at: float = wire(Number(0, 1e11))
+
+
+@dataclass(frozen=True, kw_only=True)
 class ListReply(Message):
     entries: list = wire(List(Obj()))
 
@@ -513,6 +521,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
        "queue compilations behind waiting clients; answers at once"),
     Op("plan", PlanRequest, PlanReply, False, "a family's tactic space for one shape"),
     Op("stats", Empty, StatsReply, False, "the daemon's statistics (cached stats --json)"),
+    Op("zero_stats", Empty, ZeroStatsReply, True,
+       "the statistics, then their counters start from zero (cached stats --zero)"),
     Op("list", Empty, ListReply, False, "one row per stored kernel"),
     Op("report", ReportRequest, Empty, False,
        "kernels a client compiled in-process while the daemon was unusable to it"),
