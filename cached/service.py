@@ -50,7 +50,7 @@ class Service:
             m.request, PRIORITIES[m.priority], m.deadline_ms / 1000, m.toolchain)
         if m.transfer == "bytes":
             data = await asyncio.get_running_loop().run_in_executor(
-                None, self.store.read_library, entry)
+                self.store.readers, self.store.read_library, entry)
             return p.GetReply(artifact=self.scheduler.artifact(entry, origin, False)), data
         return p.GetReply(artifact=self.scheduler.artifact(entry, origin))
 
