@@ -6,12 +6,14 @@ method), per tactic and for the tactic mix an autotuner would choose across M. T
 batch-invariant policy may allow a tactic set only with a record of 0 differing rows on
 that device (or a family that declares its reduction order M-independent).
 
-Records live in the store's index database, table ``certifications``. Ops:
+Records live in the store's index database, table ``certifications``, read and written
+off the event loop. Ops:
 ``certify_record`` (publish permission) and ``certifications``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -80,10 +82,12 @@ class Certifications:
                              peer: Peer) -> p.CertifyRecordReply:
         record = validate(m.record)
         record["recorded_by_uid"] = peer.uid
-        return p.CertifyRecordReply(record_id=self.record(record))
+        record_id = await asyncio.get_running_loop().run_in_executor(None, self.record, record)
+        return p.CertifyRecordReply(record_id=record_id)
 
     async def certifications(self, m: p.FamilyFilter, peer: Peer) -> p.CertificationsReply:
-        return p.CertificationsReply(certifications=self.rows(m.family))
+        rows = await asyncio.get_running_loop().run_in_executor(None, self.rows, m.family)
+        return p.CertificationsReply(certifications=rows)
 
     def ops(self) -> dict[str, Handler]:
         return {"certify_record": self.certify_record, "certifications": self.certifications}

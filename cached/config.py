@@ -251,7 +251,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_files", _count, lambda: 0,
            "store budget in blob files, two per entry (0: unlimited)", True, metavar="N"),
     Option("evict_grace", _seconds, lambda: 30.0,
-           "an entry served or stored within this many seconds is never evicted", True,
+           "entries served or stored within this many seconds are evicted last", True,
            metavar="SECONDS"),
     Option("drain_timeout", _seconds, lambda: 30.0,
            "on SIGTERM, seconds running compilations get to finish", True, metavar="SECONDS"),

@@ -4,6 +4,12 @@ Start order: store opened (index read into memory), workers spawned (they import
 toolchain in the background), socket listening (hits are served at once), the start-up
 scan and the HTTP endpoint. The daemon never touches a GPU: device facts come from
 requests, and compilation is cross-compilation for the requested arch.
+
+Everything that can make the store unusable is found before anything is bound: a store
+path that is not a writable directory, an index that is not this program's SQLite
+database, a budget smaller than a kernel it holds, an unusable ``identity.json`` on a
+serve-only node. Each is a :class:`config.ConfigError` (``cached serve`` prints one line
+and exits 2).
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class Daemon:
         store_root = Path(settings.store)
         self.store = Store(store_root, Budget(settings.max_bytes, settings.max_files,
                                               settings.evict_grace))
+        self.store.check_budget()
         self.stats = Stats()
         if settings.serve_only:
             self.identity = Identity.pinned(store_root)
@@ -89,6 +96,7 @@ class Daemon:
         return {
             "entries": store.entries, "bytes": store.bytes, "hits": c["hits"],
             "misses": c["misses"], "compiles": c["compiles"], "failures": c["failures"],
+            "persist_failures": c["persist_failures"],
             "remote_hits": c["remote_hits"],
             "remote": self.remote.snapshot() if self.remote else {"state": "disabled"},
             "compile_seconds": round(c["compile_seconds"], 3),
@@ -141,7 +149,7 @@ class Daemon:
             await loop.run_in_executor(None, self.remote.close)
         if self._http is not None:
             self._http.should_exit = True
-        self.store.close()
+        await loop.run_in_executor(None, self.store.close)  # a locked index waits there
         try:
             if not self.lifecycle.inherited:  # systemd owns a socket it passed
                 os.unlink(self.socket_path)
@@ -157,10 +165,17 @@ class Daemon:
         return self.pool.size == 0 or self.pool.alive > 0
 
     async def _flush_loop(self) -> None:
+        """Every FLUSH_INTERVAL_S: expire uploads, check the index file is still there
+        (a vanished or replaced index is rebuilt, :meth:`Store.check_index`) and write
+        batched counts and deletions, off the event loop."""
         while True:
             await asyncio.sleep(FLUSH_INTERVAL_S)
             self.uploads.expire()
-            await asyncio.get_running_loop().run_in_executor(None, self.store.flush)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.store.flush)
+            except Exception as exc:  # noqa: BLE001 -- the next round tries again
+                event(log, logging.ERROR, "store.flush_failed",
+                      error=f"{type(exc).__name__}: {exc}"[:300])
 
     def _start_http(self) -> None:
         address = self.settings.http_address

@@ -17,7 +17,8 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
 
 PUBLIC_KEYS = (
-    "entries", "bytes", "hits", "misses", "compiles", "failures", "remote_hits",
+    "entries", "bytes", "hits", "misses", "compiles", "failures", "persist_failures",
+    "remote_hits",
     "compile_seconds", "in_flight", "queued", "running", "workers", "workers_alive",
     "workers_ready", "workers_idle", "worker_restarts", "connections", "errors", "families",
     "uptime_s", "started", "stats_zeroed_at", "version", "versions", "toolchain",

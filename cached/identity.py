@@ -16,9 +16,14 @@ from pathlib import Path
 from cached_client.errors import InvalidTactic
 
 from . import families, toolchain
+from .config import ConfigError
 from .families.base import Family
 
 FILENAME = "identity.json"
+
+
+class IdentityError(ConfigError):
+    """``identity.json`` is missing or unusable on a serve-only node (one line, at start)."""
 
 
 @dataclass
@@ -35,14 +40,28 @@ class Identity:
 
     @classmethod
     def pinned(cls, store_root: Path) -> Identity:
+        """The identity a compiling daemon pinned in the store; :class:`IdentityError` if
+        the file is missing, unreadable or not ``{"toolchain": str, "sources": {name:
+        hex}}``."""
         path = Path(store_root) / FILENAME
         try:
-            doc = json.loads(path.read_text())
+            doc = json.loads(path.read_bytes())
         except FileNotFoundError:
-            raise FileNotFoundError(
+            raise IdentityError(
                 f"{path} is missing: a serve-only daemon needs a store built by a compiling "
                 "daemon (which writes it)") from None
-        return cls(doc["toolchain"], dict(doc["sources"]), live=False)
+        except (OSError, ValueError) as exc:
+            raise IdentityError(f"{path} cannot be read as JSON ({exc}): copy it again from "
+                                "the store of the build node") from None
+        sources = doc.get("sources") if isinstance(doc, dict) else None
+        if (not isinstance(doc, dict) or not isinstance(doc.get("toolchain"), str)
+                or not isinstance(sources, dict)
+                or not all(isinstance(k, str) and isinstance(v, str)
+                           for k, v in sources.items())):
+            raise IdentityError(f"{path} is not an identity file (expected an object with "
+                                "'toolchain': text and 'sources': {family: digest}): copy it "
+                                "again from the store of the build node")
+        return cls(doc["toolchain"], dict(sources), live=False)
 
     def save(self, store_root: Path) -> None:
         path = Path(store_root) / FILENAME

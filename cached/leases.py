@@ -132,7 +132,7 @@ class Leases:
         may_publish = self.access.may_publish(peer)
         waited = False
         while True:
-            entry = self.scheduler.store.lookup(key)
+            entry = await self.scheduler.lookup(key)
             if entry is not None:
                 self.stats.count("writeback.hits_after_wait" if waited else "writeback.hits")
                 return p.LeaseReply(state="hit",

@@ -63,6 +63,9 @@ class _Collector:
         yield per_family("cached_compile_failures",
                          "Compilations that failed (compiler error, worker died or overran).",
                          "failures")
+        yield per_family("cached_persist_failures",
+                         "Kernels compiled but not stored (disk full, budget): served to "
+                         "their waiters unstored.", "persist_failures")
         yield per_family("cached_client_fallbacks",
                          "In-process compilations clients reported while the daemon was "
                          "unusable to them.", "client_fallbacks")

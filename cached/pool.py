@@ -169,6 +169,10 @@ class Pool:
     async def acquire(self) -> _Worker:
         return await self._idle.get()
 
+    def release(self, w: _Worker) -> None:
+        """Give back an acquired worker that ran nothing (its job failed before starting)."""
+        self._idle.put_nowait(w)
+
     async def run_on(self, w: _Worker, kind: str, payload: dict,
                      timeout: float | None = None) -> Any:
         """Run one job on an acquired worker and give it back (or replace it)."""

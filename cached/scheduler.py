@@ -5,7 +5,14 @@ Invariants:
   waiters or processes; every waiter gets that job's result or its error;
 - priority: a job some client waits on (interactive) runs before pre-warm work, and a
   queued pre-warm job is promoted when a client starts waiting on it;
-- a waiter's deadline bounds only its own wait; the job goes on and is stored.
+- a waiter's deadline bounds only its own wait; the job goes on and is stored;
+- every failure of a job (its work directory cannot be made, the worker dies, the build
+  fails) reaches every waiter as ``compile_failed``, is counted and logged, and gives the
+  worker back;
+- persistence is best effort: a kernel built but refused by the store (disk or inodes
+  full, a budget smaller than the kernel) still reaches that job's waiters, origin
+  ``unstored``, served from the job's work directory (kept ``UNSTORED_HOLD_S``);
+- store lookups (blob hashing) run on the store's reader threads, never on the loop.
 """
 
 from __future__ import annotations
@@ -39,11 +46,14 @@ from .identity import Identity
 from .log import event
 from .pool import JobError, Pool, WorkerFailed
 from .stats import Stats
-from .store import Entry, Store, row_for
+from .store import Entry, PersistFailed, Store, row_for
 
 log = logging.getLogger("cached.scheduler")
 
 INTERACTIVE, PREWARM = 0, 1
+UNSTORED_HOLD_S = 120.0
+"""How long the work directory of an unstored kernel outlives its job (seconds): its
+waiters open the files by path within that time."""
 PRIORITIES = {"interactive": INTERACTIVE, "prewarm": PREWARM}
 
 
@@ -57,7 +67,7 @@ class Job:
     state: str = "queued"
     plan: dict | None = None  # a planning job (no key, no store) when set
     enqueued: float = field(default_factory=time.monotonic)
-    origin: str = "compiled"  # or "remote": fetched from the fleet tier, not compiled
+    origin: str = "compiled"  # "remote": from the fleet tier; "unstored": not persisted
 
 
 @dataclass(frozen=True)
@@ -154,7 +164,7 @@ class Scheduler:
                   ) -> tuple[Entry, str]:
         """The stored entry for a request and whether it was a ``hit`` or ``compiled``."""
         family, request, key = self.resolve(request, expected_toolchain)
-        entry = self.store.lookup(key)
+        entry = await self.lookup(key)
         if entry is not None:
             self.stats.count("hits", family.name)
             return entry, "hit"
@@ -169,6 +179,14 @@ class Scheduler:
                 f"kernel {key[:16]} was not ready within {timeout:.1f}s (job {job.state}); "
                 "it keeps compiling and a later request will find it"
             ) from None
+
+    async def lookup(self, key: str) -> Entry | None:
+        """The verified stored entry for ``key``; blobs are hashed on the store's reader
+        threads (a FIFO, a link or a slow disk never stalls the event loop)."""
+        if not self.store.contains(key):
+            return None
+        return await asyncio.get_running_loop().run_in_executor(
+            self.store.readers, self.store.lookup, key)
 
     def prefetch(self, wires: list[Any]) -> dict:
         """Queue every request not stored or in flight as pre-warm work; answers at once."""
@@ -331,50 +349,85 @@ class Scheduler:
     async def _run(self, worker: Any, job: Job) -> None:
         loop = asyncio.get_running_loop()
         name = job.family.name
-        workdir = self.store.workdir()
+        workdir: Path | None = None
+        handed = False  # the worker went to run_on, which gives it back or replaces it
         self.running += 1
         started = time.monotonic()
         try:
+            workdir = await loop.run_in_executor(None, self.store.workdir)
+            handed = True
             result = await self.pool.run_on(
                 worker, "build", {"request": job.request.to_wire(), "workdir": str(workdir)}
             )
-            entry = await loop.run_in_executor(None, self._publish, job, result)
+            entry, job.origin = await loop.run_in_executor(None, self._publish, job, result)
         except Exception as exc:  # noqa: BLE001 -- every waiter must hear why, whatever broke
-            if isinstance(exc, JobError):
+            if not handed:
+                self.pool.release(worker)
+            if isinstance(exc, (JobError, CompileFailed)):
                 message = exc.message
             elif isinstance(exc, (WorkerFailed, OSError)):
                 message = str(exc)
             else:
-                message = f"internal error while publishing: {type(exc).__name__}: {exc}"
+                message = f"internal error: {type(exc).__name__}: {exc}"
+            if workdir is None:
+                message = f"its work directory could not be made: {message}"
             self.stats.count("failures", name)
             self.stats.fail({"time": time.time(), "family": name, "key": job.key,
                              "params": dict(job.request.params), "message": message})
             event(log, logging.ERROR, "compile.failed", family=name, key=job.key[:16],
                   error=message[:500])
-            job.future.set_exception(CompileFailed(f"{name} {_describe(job.request)}: {message}"))
+            if not job.future.done():  # (a drain may have answered already)
+                job.future.set_exception(
+                    CompileFailed(f"{name} {_describe(job.request)}: {message}"))
         else:
             self.stats.count("compiles", name)
             self.stats.count("compile_seconds", name, result["compile_seconds"])
             event(log, logging.INFO, "compile.done", family=name, key=job.key[:16],
                   kernel=result["kernel_name"], compile_s=result["compile_seconds"],
                   wall_s=round(time.monotonic() - started, 3),
-                  waited_s=round(started - job.enqueued, 3))
-            job.future.set_result(entry)
-            if self.remote is not None:  # background; never blocks this request
+                  waited_s=round(started - job.enqueued, 3), origin=job.origin)
+            if not job.future.done():
+                job.future.set_result(entry)
+            if self.remote is not None and job.origin == "compiled":  # background
                 self.remote.publish(job.key, entry.row, entry.object_path, entry.library_path)
         finally:
             job.state = "done"
             self.running -= 1
             self.inflight.pop(job.key, None)
-            shutil.rmtree(workdir, ignore_errors=True)
+            if workdir is not None:
+                self._remove_later(workdir, UNSTORED_HOLD_S if job.origin == "unstored" else 0)
 
-    def _publish(self, job: Job, result: dict) -> Entry:
+    def _remove_later(self, workdir: Path, delay: float) -> None:
+        """Remove a job's work directory now (off the loop) or after ``delay`` seconds."""
+        loop = asyncio.get_running_loop()
+
+        def remove() -> None:
+            loop.run_in_executor(None, shutil.rmtree, workdir, True)
+
+        if delay:
+            loop.call_later(delay, remove)
+        else:
+            remove()
+
+    def _publish(self, job: Job, result: dict) -> tuple[Entry, str]:
+        """Store the built kernel: (entry, ``compiled``); when the store cannot take it,
+        (the unstored entry, ``unstored``), counted and logged."""
         row = row_for(job.key, job.request, kernel_name=result["kernel_name"],
                       symbol=result["symbol"], toolchain=self.identity.toolchain,
                       source_sha256=self.identity.source(job.family),
                       compile_seconds=result["compile_seconds"],
                       meta={**result["meta"], "runtime_library": toolchain.RUNTIME_LIBRARY_NAME})
-        return self.store.publish(row, Path(result["object_path"]), Path(result["library_path"]))
+        files = Path(result["object_path"]), Path(result["library_path"])
+        try:
+            return self.store.publish(row, *files), "compiled"
+        except PersistFailed as exc:
+            entry = self.store.unstored(row, *files, exc)
+            self.stats.count("persist_failures", job.family.name)
+            event(log, logging.ERROR, "compile.unstored", family=job.family.name,
+                  key=job.key[:16], kernel=result["kernel_name"], error=exc.message[:300],
+                  served_from=str(entry.library_path.parent),
+                  hold_s=UNSTORED_HOLD_S)
+            return entry, "unstored"
 
     def artifact(self, entry: Entry, origin: str, paths: bool = True) -> p.Artifact:
         """How the protocol describes a stored entry (with its blob paths unless not)."""

@@ -55,7 +55,7 @@ class Service:
         reply: p.GetReply | tuple[p.GetReply, bytes]
         if m.transfer == "bytes":
             data = await asyncio.get_running_loop().run_in_executor(
-                None, self.store.read_library, entry)
+                self.store.readers, self.store.read_library, entry)
             reply = p.GetReply(artifact=self.scheduler.artifact(entry, origin, False)), data
         else:
             reply = p.GetReply(artifact=self.scheduler.artifact(entry, origin))

@@ -28,7 +28,7 @@ HISTOGRAMS = {"compile_seconds": COMPILE_BUCKETS, "hit_seconds": HIT_BUCKETS,
 """Every histogram by name: ``compile_seconds`` is observed by ``count`` (the counter of
 the same name is its sum); ``hit_seconds`` and ``miss_seconds`` by :meth:`Stats.observe`."""
 FAMILY_COUNTERS = ("hits", "misses", "compiles", "failures", "compile_seconds",
-                   "client_fallbacks", "remote_hits", "deadline_exceeded")
+                   "client_fallbacks", "remote_hits", "deadline_exceeded", "persist_failures")
 """Per-family counters every family reports, zero until counted."""
 
 

@@ -10,32 +10,40 @@ Invariants: a blob is written to ``tmp/``, fsynced, made read-only and renamed i
 ``blobs/`` before any index row names it, so a crash at any instant leaves either no
 entry or a whole one. Every read recomputes the blob's sha256; a row whose blob is
 missing or wrong is dropped (and the blob removed), never served. Store paths derive
-only from digests, never from client input. Hit counts and last-use times are kept in
-memory and written back in batches (:meth:`Store.flush`).
+only from digests (64 lowercase hex digits, checked on every row read from the index),
+never from client input. Blobs are opened without following links and read only when
+they are regular files of the recorded size; nothing here chmods or unlinks through a
+link. The index is never waited on by a read: rows live in memory, and hit counts,
+last-use times and deletions are written back in batches (:meth:`Store.flush`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
+import math
 import os
+import re
 import shutil
 import sqlite3
+import stat
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import sqlite_utils
-from cached_client.errors import IntegrityError
+from cached_client.errors import CompileFailed, IntegrityError
 from cached_client.keys import KernelRequest
-from cached_client.loader import sha256_file
 
+from .config import ConfigError
 from .log import event
 
 log = logging.getLogger("cached.store")
@@ -49,12 +57,45 @@ COLUMNS = {
 }
 
 SUFFIXES = {"object": ".o", "library": ".so"}
+INDEX_NAME = "index.sqlite"
+HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_CHUNK = 1 << 20
+_OPEN_BLOB = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class StoreError(ConfigError):
+    """The store directory or its index cannot be used (raised when the store is opened,
+    before the daemon binds anything); the message says what to do."""
+
+
+class PersistFailed(CompileFailed):
+    """The store could not take an entry (disk or inodes full, read-only, an I/O or index
+    error, or an entry larger than the whole budget). Nothing of it is indexed; files
+    already moved into ``blobs/`` are unreferenced and verified like any other blob;
+    ``moved`` maps each built file's path that publish had already moved (or found
+    stored) to its digest."""
+
+    def __init__(self, message: str, moved: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.moved = dict(moved or {})
+
+
+class BadBlob(Exception):
+    """A blob that cannot be served; ``remove``: what sits at its name is certainly not
+    the blob (not a regular file, a link, unreadable, wrong digest) and may go."""
+
+    def __init__(self, reason: str, remove: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.remove = remove
 
 
 @dataclass(frozen=True)
 class Budget:
     """How much the store may hold (0: unlimited) and how recently used an entry must be
-    to be safe from eviction (seconds)."""
+    to be spared by eviction (seconds). The limits are hard: when sparing recent entries
+    would leave the store over budget, the least recently used of them go too."""
 
     max_bytes: int = 0
     max_files: int = 0
@@ -88,13 +129,48 @@ def row_for(key: str, request: KernelRequest, *, kernel_name: str, symbol: str,
     }
 
 
+def check_row(row: Mapping[str, Any]) -> str | None:
+    """Why an index row cannot be trusted (None when it can): every key and digest is 64
+    lowercase hex digits, every column has its type, sizes add up, JSON columns parse."""
+    for name in ("key", "object_sha256", "library_sha256"):
+        value = row.get(name)
+        if not isinstance(value, str) or not HEX64.match(value):
+            return f"{name} is not 64 lowercase hex digits: {str(value)[:80]!r}"
+    for name, kind in COLUMNS.items():
+        value = row.get(name)
+        if kind is str and name != "meta" and not isinstance(value, str):
+            return f"{name} is not text: {str(value)[:80]!r}"
+        if kind is int and (not isinstance(value, int) or isinstance(value, bool)
+                            or value < 0):
+            return f"{name} is not a non-negative integer: {str(value)[:80]!r}"
+        if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                              or not math.isfinite(value)):
+            return f"{name} is not a finite number: {str(value)[:80]!r}"
+    if row["size"] != row["object_size"] + row["library_size"]:
+        return "size is not object_size + library_size"
+    for name in ("params", "meta"):
+        value = row.get(name)
+        if value is None and name == "meta":
+            continue
+        try:
+            parsed = json.loads(value) if isinstance(value, str) else None
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            return f"{name} is not a JSON object"
+    return None
+
+
 @dataclass(frozen=True)
 class Entry:
-    """One index row, with paths to its verified blobs."""
+    """One index row, with paths to its verified blobs. An *unstored* entry (a kernel the
+    store could not take, see :meth:`Store.unstored`) is in no index; its paths are in the
+    compilation's work directory and ``library_data`` holds the library's bytes."""
 
     row: dict
     object_path: Path
     library_path: Path
+    library_data: bytes | None = field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> str:
@@ -102,7 +178,10 @@ class Entry:
 
 
 class Store:
-    """Blobs and index under ``root``, kept within ``budget`` (see :meth:`evict`)."""
+    """Blobs and index under ``root``, kept within ``budget`` (see :meth:`evict`).
+
+    Raises :class:`StoreError` when the root is not a writable directory or the index is
+    not a usable SQLite database."""
 
     def __init__(self, root: Path, budget: Budget | None = None) -> None:
         self.root = Path(root)
@@ -113,25 +192,178 @@ class Store:
         self._in_use: Callable[[], Iterable[str]] = tuple
         self.blob_dir = self.root / "blobs"
         self.tmp_dir = self.root / "tmp"
-        for d in (self.root, self.blob_dir, self.tmp_dir):
-            d.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.RLock()
-        conn = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False,
-                               isolation_level=None, timeout=30)
-        self.db = sqlite_utils.Database(conn)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.entries = self.db.table("entries")
-        if not self.entries.exists():
-            self.entries.create(COLUMNS, pk="key")
-        self._rows: dict[str, dict] = {r["key"]: r for r in self.entries.rows}
+        self.index_path = self.root / INDEX_NAME
+        self._check_root()
+        self._lock = threading.RLock()  # the in-memory rows
+        self._db_lock = threading.RLock()  # the index connection
         self._touched: set[str] = set()
-        self._db_lock = threading.RLock()
+        self._deleted: set[str] = set()  # dropped or evicted keys not yet deleted from the index
+        self.index_created = not self.index_path.exists()
+        self._open_index()
+        self._rows: dict[str, dict] = self._load_rows()
         self._opened = time.time()
+        self.readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="store-read")
+        """Threads for blob hashing (lookups, library reads): they never touch the index,
+        so a lookup never queues behind a write waiting for SQLite's lock."""
+
+    # -- opening -----------------------------------------------------------------------
+
+    def _check_root(self) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"store path {self.root} is not a directory; point --store at "
+                             "a directory (it is created if missing)")
+        try:
+            for d in (self.root, self.blob_dir, self.tmp_dir):
+                d.mkdir(parents=True, exist_ok=True)
+            probe_fd, probe = tempfile.mkstemp(prefix=".probe-", dir=self.tmp_dir)
+            os.close(probe_fd)
+            os.unlink(probe)
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            raise StoreError(f"store {self.root} is not a writable directory ({why}): the "
+                             "daemon writes its index, blobs and temporaries there; give it "
+                             "a writable directory it owns") from None
+
+    def _open_index(self) -> None:
+        """Open (or create) the index; remember which file it is (:meth:`check_index`)."""
+        try:
+            conn = sqlite3.connect(self.index_path, check_same_thread=False,
+                                   isolation_level=None, timeout=30)
+            self.db = sqlite_utils.Database(conn)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.entries = self.db.table("entries")
+            if not self.entries.exists():
+                self.entries.create(COLUMNS, pk="key")
+            missing = set(COLUMNS) - set(self.entries.columns_dict)
+        except sqlite3.Error as exc:
+            raise StoreError(f"index {self.index_path} is not a usable SQLite database "
+                             f"({exc}); move it aside to start with an empty index (the "
+                             "blobs are kept; kernels are compiled again on request)") from None
+        if missing:
+            raise StoreError(f"index {self.index_path} has a table 'entries' without "
+                             f"column(s) {', '.join(sorted(missing))}: it is not this "
+                             "program's index; move it aside")
+        st = os.stat(self.index_path)
+        self._index_id = (st.st_dev, st.st_ino)
+
+    def _load_rows(self) -> dict[str, dict]:
+        """The index's rows, each checked (:func:`check_row`); a bad row is deleted from
+        the index and logged, never trusted."""
+        rows: dict[str, dict] = {}
+        bad: list[int] = []
+        try:
+            for row in self.db.query("SELECT rowid AS _rowid, * FROM entries"):
+                rowid = row.pop("_rowid")
+                reason = check_row(row)
+                if reason is None:
+                    rows[row["key"]] = row
+                    continue
+                bad.append(rowid)
+                event(log, logging.ERROR, "store.row_invalid", rowid=rowid,
+                      key=str(row.get("key"))[:80], reason=reason)
+            if bad:
+                with self.write():
+                    self.db.conn.executemany("DELETE FROM entries WHERE rowid = ?",
+                                             [(r,) for r in bad])
+        except sqlite3.Error as exc:
+            raise StoreError(f"index {self.index_path} cannot be read ({exc}); move it aside "
+                             "to start with an empty index (the blobs are kept)") from None
+        return rows
+
+    def check_index(self) -> str | None:
+        """Whether the index file is still the one this store opened. If it vanished or was
+        replaced (a new file at its path), log it, set the replacement aside and write a
+        new index from this store's own copy (every table, read through the connection
+        still open on the old file; the rows in memory win), then carry on. Returns what
+        happened (``vanished``, ``replaced``) or None."""
+        why = self._index_changed()
+        if why is None:
+            return None
+        with self._db_lock:
+            why = self._index_changed()
+            if why is None:
+                return None
+            event(log, logging.ERROR, "store.index_lost", index=str(self.index_path),
+                  reason=why, rows=len(self._rows),
+                  action="rebuilding it from the daemon's own copy")
+            try:
+                self._rebuild_index(why)
+            except (OSError, sqlite3.Error, StoreError) as exc:  # retried at the next check
+                event(log, logging.ERROR, "store.index_rebuild_failed",
+                      error=f"{type(exc).__name__}: {exc}"[:300])
+        return why
+
+    def _index_changed(self) -> str | None:
+        try:
+            st = os.stat(self.index_path)
+        except FileNotFoundError:
+            return "vanished"
+        except OSError:
+            return None  # cannot tell; the next check will
+        return None if (st.st_dev, st.st_ino) == self._index_id else "replaced"
+
+    def _rebuild_index(self, why: str) -> None:
+        fresh = self.tmp_dir / f"index-rebuild-{os.getpid()}.sqlite"
+        with contextlib.suppress(FileNotFoundError):
+            fresh.unlink()
+        try:
+            self.db.execute("VACUUM INTO ?", [str(fresh)])  # every table of the old file
+        except sqlite3.Error as exc:
+            event(log, logging.WARNING, "store.index_copy_failed", error=str(exc)[:300])
+            with contextlib.suppress(FileNotFoundError):
+                fresh.unlink()
+        with self._lock:
+            rows = [dict(r) for r in self._rows.values()]
+        copy = sqlite_utils.Database(sqlite3.connect(fresh, isolation_level=None))
+        try:
+            table = copy.table("entries")
+            if not table.exists():
+                table.create(COLUMNS, pk="key")
+            copy.execute("BEGIN")
+            copy.execute("DELETE FROM entries")
+            table.insert_all(rows, pk="key", replace=True)
+            copy.execute("COMMIT")
+        finally:
+            copy.conn.close()
+        self.db.conn.close()
+        try:
+            if why == "replaced":
+                aside = f"{INDEX_NAME}.replaced-{int(time.time())}"
+                for suffix in ("", "-wal", "-shm"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.replace(self.root / (INDEX_NAME + suffix),
+                                   self.root / (aside + suffix))
+                event(log, logging.WARNING, "store.index_set_aside",
+                      path=str(self.root / aside))
+            else:
+                for suffix in ("-wal", "-shm"):  # the old file's, now without it
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.root / (INDEX_NAME + suffix))
+            os.replace(fresh, self.index_path)
+            _fsync_dir(self.root)
+        finally:
+            self._open_index()  # the new file, or whatever is there if the swap failed
+        event(log, logging.WARNING, "store.index_rebuilt", index=str(self.index_path),
+              rows=len(rows), reason=why)
 
     def set_budget(self, budget: Budget) -> None:
         """Change the budget (SIGHUP); the next publish or :meth:`evict` applies it."""
         self.budget = budget
+
+    def check_budget(self) -> None:
+        """StoreError if the budget cannot hold one of the entries already stored (or one
+        entry's two files): a budget smaller than one kernel is a configuration error."""
+        b = self.budget
+        if b.max_files == 1:
+            raise StoreError("max_files 1 cannot hold one kernel (two files: object and "
+                             "library); use 0 (unlimited) or at least 2")
+        with self._lock:
+            largest = max((r["size"] for r in self._rows.values()), default=0)
+        if b.max_bytes and largest > b.max_bytes:
+            raise StoreError(f"max_bytes {b.max_bytes} is smaller than a kernel this store "
+                             f"holds ({largest} bytes): the budget could not keep even one; "
+                             "raise --max-bytes (0: unlimited)")
 
     def protect(self, in_use: Callable[[], Iterable[str]]) -> None:
         """Never evict the keys ``in_use()`` names (kernels being compiled or fetched)."""
@@ -142,14 +374,56 @@ class Store:
         return StoreSnapshot(entries, size, self.budget.max_bytes, self.budget.max_files,
                              self.evictions, self.evicted_bytes, self.over_budget)
 
-    # -- reading -----------------------------------------------------------------------
+    # -- blobs, never through a link ----------------------------------------------------
 
     def blob_path(self, sha256: str, kind: str) -> Path:
         """Where the blob of ``kind`` (object or library) with this digest lives."""
+        if not HEX64.match(sha256):
+            raise ValueError(f"not a sha256 digest: {sha256[:80]!r}")
         return self.blob_dir / sha256[:2] / f"{sha256}{SUFFIXES[kind]}"
 
+    def _shard(self, sha256: str) -> int:
+        """A descriptor of the blob's shard directory, opened without following a link."""
+        return os.open(self.blob_dir / sha256[:2], _OPEN_DIR)
+
+    def read_blob(self, sha256: str, kind: str, size: int | None = None,
+                  keep: bool = False) -> bytes | None:
+        """Check the blob of this digest: opened without following links, read only if it
+        is a regular file (of ``size`` bytes when given), hashed. Returns its bytes when
+        ``keep``; raises :class:`BadBlob` saying why it cannot be served."""
+        label = f"{kind} blob {sha256[:12]}"
+        name = self.blob_path(sha256, kind).name
+        try:
+            shard = self._shard(sha256)
+        except FileNotFoundError:
+            raise BadBlob(f"{label} is missing", False) from None
+        except OSError as exc:
+            raise BadBlob(f"{label}: its directory is not a plain directory "
+                          f"({exc.strerror})", False) from None
+        try:
+            return _read_regular(shard, name, label, size, sha256, keep)
+        finally:
+            os.close(shard)
+
+    def remove_blob(self, sha256: str, kind: str) -> None:
+        """Remove whatever sits at the blob's name (a file, link, FIFO or directory) without
+        following a link; nothing else is touched, no mode is changed."""
+        name = self.blob_path(sha256, kind).name
+        try:
+            shard = self._shard(sha256)
+        except OSError:
+            return
+        try:
+            _remove_at(shard, name)
+        finally:
+            os.close(shard)
+
+    # -- reading -----------------------------------------------------------------------
+
     def lookup(self, key: str) -> Entry | None:
-        """The entry for ``key`` after checking both blobs' digests; None if absent or bad."""
+        """The entry for ``key`` after checking both blobs' digests; None if absent or bad.
+        Hashes blobs: call it off the event loop (:attr:`readers`). Never waits on the
+        index."""
         row = self._rows.get(key)
         if row is None:
             return None
@@ -161,30 +435,40 @@ class Store:
             self._touched.add(key)
         return self._verified(row)
 
-    def _verified(self, row: dict) -> Entry | None:
-        paths = {}
-        for kind in ("object", "library"):
+    def blob_problem(self, row: Mapping[str, Any]) -> str | None:
+        """Why the row's blobs cannot be served (removing what is certainly not a blob at
+        their names), or None when both verify."""
+        for kind in SUFFIXES:
             sha = row[f"{kind}_sha256"]
-            path = self.blob_path(sha, kind)
             try:
-                actual = sha256_file(path)
-            except FileNotFoundError:
-                self.drop(row["key"], f"{kind} blob {sha[:12]} is missing")
-                return None
-            if actual != sha:
-                self.drop(row["key"], f"{kind} blob {sha[:12]} has digest {actual[:12]}")
-                self._remove_blob(path)
-                return None
-            paths[kind] = path
-        return Entry(dict(row), paths["object"], paths["library"])
+                self.read_blob(sha, kind, row[f"{kind}_size"])
+            except BadBlob as bad:
+                if bad.remove:
+                    self.remove_blob(sha, kind)
+                return bad.reason
+        return None
+
+    def _verified(self, row: dict) -> Entry | None:
+        reason = self.blob_problem(row)
+        if reason is not None:
+            self.drop(row["key"], reason)
+            return None
+        return Entry(dict(row), self.blob_path(row["object_sha256"], "object"),
+                     self.blob_path(row["library_sha256"], "library"))
 
     def read_library(self, entry: Entry) -> bytes:
         """The library blob's bytes, checked against its digest once more as read."""
-        data = entry.library_path.read_bytes()
-        if hashlib.sha256(data).hexdigest() != entry.row["library_sha256"]:
-            self.drop(entry.key, "library blob changed while being read")
+        if entry.library_data is not None:
+            return entry.library_data
+        try:
+            data = self.read_blob(entry.row["library_sha256"], "library",
+                                  entry.row["library_size"], keep=True)
+        except BadBlob as bad:
+            self.drop(entry.key, f"while being read: {bad.reason}")
             raise IntegrityError(f"the stored library of {entry.key[:12]} changed while being "
-                                 "read; it was dropped, and the next request rebuilds it")
+                                 "read; it was dropped, and the next request rebuilds it"
+                                 ) from None
+        assert data is not None
         return data
 
     def contains(self, key: str) -> bool:
@@ -202,35 +486,121 @@ class Store:
     # -- writing -----------------------------------------------------------------------
 
     def workdir(self) -> Path:
-        """A fresh directory under tmp/ for one compilation (same filesystem as blobs/)."""
-        return Path(tempfile.mkdtemp(prefix="job-", dir=self.tmp_dir))
+        """A fresh directory under tmp/ for one compilation (same filesystem as blobs/);
+        tmp/ itself is made again if it was removed. Raises OSError (no space or inodes,
+        read-only) for the caller to report."""
+        try:
+            return Path(tempfile.mkdtemp(prefix="job-", dir=self.tmp_dir))
+        except FileNotFoundError:
+            self.tmp_dir.mkdir(parents=True, exist_ok=True)
+            event(log, logging.WARNING, "store.tmp_recreated", path=str(self.tmp_dir))
+            return Path(tempfile.mkdtemp(prefix="job-", dir=self.tmp_dir))
 
     def publish(self, row: dict, object_file: Path, library_file: Path) -> Entry:
-        """Move two built files into blobs/ and commit their index row; atomic per step."""
+        """Move two built files into blobs/ and commit their index row; atomic per step.
+        Evicts down to the budget first (hard: see :meth:`evict`). Raises
+        :class:`PersistFailed` when the store cannot take the entry; the built files then
+        stay where they are unless already moved into blobs/ (see :meth:`unstored`)."""
         row = dict(row)
-        for kind, path in (("object", object_file), ("library", library_file)):
-            sha, size = self._commit_blob(Path(path), kind)
-            row[f"{kind}_sha256"], row[f"{kind}_size"] = sha, size
-        now = time.time()
-        row.update(size=row["object_size"] + row["library_size"], created=now, last_used=now,
-                   hits=0)
-        for name in ("params", "meta"):
-            if not isinstance(row.get(name), str):
-                row[name] = json.dumps(row.get(name, {}), sort_keys=True)
-        with self.write(), self._lock:
-            self.evict(incoming=row)  # room first, under the same lock
-            self.entries.insert(row, pk="key", replace=True)
-            self._rows[row["key"]] = row
+        moved: dict[str, str] = {}
+        try:
+            prepared = {kind: _prepare(Path(path)) for kind, path in
+                        (("object", object_file), ("library", library_file))}
+            size = sum(s for _, s in prepared.values())
+            self._check_fits(size)
+            for kind, path in (("object", object_file), ("library", library_file)):
+                sha, nbytes = prepared[kind]
+                self._place(Path(path), sha, kind)
+                moved[str(path)] = sha
+                row[f"{kind}_sha256"], row[f"{kind}_size"] = sha, nbytes
+            now = time.time()
+            row.update(size=size, created=now, last_used=now, hits=0)
+            for name in ("params", "meta"):
+                if not isinstance(row.get(name), str):
+                    row[name] = json.dumps(row.get(name, {}), sort_keys=True)
+            self.check_index()
+            with self.write(), self._lock:
+                self.evict(incoming=row)  # room first, under the same lock
+                deleted = self._write_deletes()
+                self.entries.insert(row, pk="key", replace=True)
+                self._rows[row["key"]] = row
+                self._deleted.discard(row["key"])
+            self._deleted.difference_update(deleted)
+        except (OSError, sqlite3.Error) as exc:
+            event(log, logging.ERROR, "store.persist_failed", key=row["key"][:16],
+                  error=f"{type(exc).__name__}: {exc}"[:300])
+            raise PersistFailed(f"the store could not take this kernel: {exc}", moved) from exc
+        except PersistFailed as exc:
+            exc.moved = moved
+            raise
         return Entry(dict(row), self.blob_path(row["object_sha256"], "object"),
                      self.blob_path(row["library_sha256"], "library"))
+
+    def _check_fits(self, size: int) -> None:
+        b = self.budget
+        if (b.max_bytes and size > b.max_bytes) or b.max_files == 1:
+            event(log, logging.ERROR, "store.budget_too_small", entry_bytes=size,
+                  max_bytes=b.max_bytes, max_files=b.max_files)
+            raise PersistFailed(
+                f"this kernel ({size} bytes, two files) does not fit the whole store budget "
+                f"(max_bytes {b.max_bytes}, max_files {b.max_files}); raise the budget "
+                "(0: unlimited)")
+
+    def unstored(self, row: dict, object_file: Path, library_file: Path,
+                 failed: PersistFailed | None = None) -> Entry:
+        """An entry for a built kernel the store could not take, for the waiters of the one
+        job that built it: served from where its files are now (the work directory, or
+        blobs/ for a file publish had already moved), checked like a blob, with the
+        library's bytes held here. Indexed nowhere; its files are made readable (0444, the
+        work directory 0711) like blobs; the caller removes the work directory later."""
+        row = dict(row)
+        paths: dict[str, Path] = {}
+        data: dict[str, bytes] = {}
+        for kind, path in (("object", Path(object_file)), ("library", Path(library_file))):
+            try:
+                fd = os.open(path, _OPEN_BLOB)
+            except FileNotFoundError:
+                fd = None
+            if fd is not None:
+                try:
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode):
+                        raise PersistFailed(f"the built {kind} file is not a regular file")
+                    data[kind] = _read_all(fd)
+                    os.fchmod(fd, 0o444)
+                finally:
+                    os.close(fd)
+                paths[kind] = path
+                sha = hashlib.sha256(data[kind]).hexdigest()
+            else:  # publish moved it into blobs/ before failing: find it by digest
+                sha = failed.moved.get(str(path), "") if failed is not None else ""
+                try:
+                    kept = self.read_blob(sha, kind, keep=True) if sha else None
+                except BadBlob:
+                    kept = None
+                if kept is None:
+                    raise PersistFailed(f"the built {kind} file is gone: {failed}")
+                data[kind], paths[kind] = kept, self.blob_path(sha, kind)
+            row[f"{kind}_sha256"], row[f"{kind}_size"] = sha, len(data[kind])
+        with contextlib.suppress(OSError):
+            fd = os.open(Path(library_file).parent, _OPEN_DIR)
+            try:
+                os.fchmod(fd, 0o711)
+            finally:
+                os.close(fd)
+        now = time.time()
+        row.update(size=row["object_size"] + row["library_size"], created=now,
+                   last_used=now, hits=0)
+        return Entry(row, paths["object"], paths["library"], data["library"])
 
     @contextlib.contextmanager
     def write(self) -> Iterator[sqlite_utils.Database]:
         """One write transaction on the index database (side tables use it too) that takes
         SQLite's write lock up front (BEGIN IMMEDIATE), so another process holding the
-        index makes us wait (busy timeout), not fail."""
-        conn = self.db.conn
+        index makes us wait (busy timeout), not fail. Blocks: never call it on the event
+        loop."""
         with self._db_lock:
+            conn = self.db.conn
             if conn.in_transaction:
                 yield self.db
                 return
@@ -246,80 +616,146 @@ class Store:
 
     @contextlib.contextmanager
     def read(self) -> Iterator[sqlite_utils.Database]:
-        """The index database for a side table's read, serialized with this store's writes."""
+        """The index database for a side table's read, serialized with this store's writes.
+        Blocks: never call it on the event loop."""
         with self._db_lock:
             yield self.db
 
-    def _commit_blob(self, path: Path, kind: str) -> tuple[str, int]:
-        with open(path, "rb+") as f:
-            data = f.read()
-            os.fsync(f.fileno())
-        sha = hashlib.sha256(data).hexdigest()
-        dest = self.blob_path(sha, kind)
-        if dest.exists() and sha256_file(dest) == sha:
+    def _place(self, path: Path, sha: str, kind: str) -> None:
+        """Move a prepared file to its blob name; an identical blob already there is kept
+        (the file is dropped), anything else at that name is replaced."""
+        shard = self.blob_dir / sha[:2]
+        try:
+            st = os.lstat(shard)
+        except FileNotFoundError:
+            shard.mkdir(exist_ok=True)
+        else:
+            if not stat.S_ISDIR(st.st_mode):  # a link or file where a shard belongs
+                shard.unlink()
+                shard.mkdir()
+        try:
+            self.read_blob(sha, kind, os.stat(path).st_size)
+        except BadBlob as bad:
+            if bad.remove:
+                self.remove_blob(sha, kind)
+        else:
             path.unlink()
-            return sha, len(data)
-        dest.parent.mkdir(exist_ok=True)
-        os.chmod(path, 0o444)
+            return
+        dest = self.blob_path(sha, kind)
         os.replace(path, dest)
         _fsync_dir(dest.parent)
-        return sha, len(data)
 
     def drop(self, key: str, reason: str) -> None:
+        """Forget ``key`` now (memory); its index row goes at the next :meth:`flush`, so a
+        drop never waits on the index."""
         with self._lock:
             if self._rows.pop(key, None) is None:
                 return
             self._touched.discard(key)
-        with self.write():
-            self.entries.delete_where("key = ?", [key])
+            self._deleted.add(key)
         event(log, logging.WARNING, "store.entry_dropped", key=key[:16], reason=reason)
 
-    def _remove_blob(self, path: Path) -> None:
-        try:
-            os.chmod(path, 0o644)
-            path.unlink()
-        except FileNotFoundError:
-            pass
+    def _write_deletes(self) -> set[str]:
+        """Inside a write transaction: delete the index rows of keys dropped or evicted
+        (unless published again since); returns the keys handled."""
+        with self._lock:
+            gone = {k for k in self._deleted if k not in self._rows}
+            handled = set(self._deleted)
+        if gone:
+            self.db.conn.executemany("DELETE FROM entries WHERE key = ?",
+                                     [(k,) for k in gone])
+        return handled
 
     def flush(self) -> int:
-        """Write batched hit counts and last-use times to the index; returns rows written."""
+        """Check the index is still there (:meth:`check_index`), then write batched hit
+        counts, last-use times and deletions; returns rows written. Blocks: call it off
+        the event loop."""
+        self.check_index()
         with self._lock:
             touched = [(r["hits"], r["last_used"], k) for k in self._touched
                        if (r := self._rows.get(k)) is not None]
             self._touched.clear()
-        if touched:
+            pending = bool(self._deleted)
+        if not touched and not pending:
+            return 0
+        try:
             with self.write():
-                self.db.conn.executemany(
-                    "UPDATE entries SET hits = ?, last_used = ? WHERE key = ?", touched
-                )
-        return len(touched)
+                deleted = self._write_deletes()
+                if touched:
+                    self.db.conn.executemany(
+                        "UPDATE entries SET hits = ?, last_used = ? WHERE key = ?", touched)
+        except sqlite3.Error as exc:  # counts and deletions wait for the next flush
+            with self._lock:
+                self._touched.update(k for _, _, k in touched)
+            event(log, logging.WARNING, "store.flush_failed", error=str(exc)[:300])
+            return 0
+        with self._lock:
+            self._deleted.difference_update(deleted)
+        return len(touched) + len(deleted)
 
     def close(self) -> None:
         self.flush()
+        self.readers.shutdown(wait=False, cancel_futures=True)
         self.db.conn.close()
 
     # -- start-up scan -----------------------------------------------------------------
 
+    def _blob_files(self) -> Iterator[tuple[str, os.stat_result]]:
+        """(name, lstat) of every entry in the shard directories (links never followed)."""
+        try:
+            shards = list(os.scandir(self.blob_dir))
+        except OSError:
+            return
+        for shard in shards:
+            if not shard.is_dir(follow_symlinks=False):
+                continue
+            with contextlib.suppress(OSError), os.scandir(shard.path) as it:
+                for item in it:
+                    yield item.name, item.stat(follow_symlinks=False)
+
+    def _referenced(self) -> set[str]:
+        with self._lock:
+            return {f"{r[f'{k}_sha256']}{SUFFIXES[k]}" for r in self._rows.values()
+                    for k in SUFFIXES}
+
     def scan(self) -> dict[str, Any]:
-        """Drop rows whose blobs are missing or wrong, delete stray temporaries and
-        unreferenced blobs older than this store's opening. Safe to run while serving."""
+        """Drop rows whose blobs are missing or wrong (each logged; a bad blob never stops
+        the scan), delete stray temporaries and unreferenced blobs older than this store's
+        opening. Unreferenced blobs are kept when the index is empty or was created at this
+        opening: an index that lost its rows says nothing about the blobs. Safe to run
+        while serving."""
         started = time.monotonic()
-        report = {"checked": 0, "dropped": 0, "tmp_removed": 0, "orphans_removed": 0}
+        report = {"checked": 0, "dropped": 0, "tmp_removed": 0, "orphans_removed": 0,
+                  "orphans_kept": 0}
         for row in self.rows():
             report["checked"] += 1
             if self._rows.get(row["key"]) is not None and self._verified(row) is None:
                 report["dropped"] += 1
-        for child in self.tmp_dir.iterdir():
-            if child.stat().st_mtime < self._opened:
-                shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink()
-                report["tmp_removed"] += 1
-        with self._lock:
-            referenced = {self.blob_path(r[f"{k}_sha256"], k).name
-                          for r in self._rows.values() for k in SUFFIXES}
-        for path in self.blob_dir.glob("*/*"):
-            if path.name not in referenced and path.stat().st_mtime < self._opened:
-                self._remove_blob(path)
-                report["orphans_removed"] += 1
+        with contextlib.suppress(OSError), os.scandir(self.tmp_dir) as it:
+            for child in it:
+                with contextlib.suppress(OSError):
+                    if child.stat(follow_symlinks=False).st_mtime < self._opened:
+                        if child.is_dir(follow_symlinks=False):
+                            shutil.rmtree(child.path, ignore_errors=True)
+                        else:
+                            os.unlink(child.path)
+                        report["tmp_removed"] += 1
+        referenced = self._referenced()
+        trust_index = not self.index_created and bool(referenced)
+        for name, st in list(self._blob_files()):
+            if name in referenced or st.st_mtime >= self._opened:
+                continue
+            sha, _, suffix = name.partition(".")
+            kind = {v: k for k, v in SUFFIXES.items()}.get("." + suffix)
+            if not trust_index or not HEX64.match(sha) or kind is None:
+                report["orphans_kept"] += 1
+                continue
+            self.remove_blob(sha, kind)
+            report["orphans_removed"] += 1
+        if report["orphans_kept"] and not trust_index:
+            event(log, logging.WARNING, "store.orphans_kept", blobs=report["orphans_kept"],
+                  reason="the index is empty or was created at this start; blobs are never "
+                  "deleted on the word of an empty index")
         report["seconds"] = round(time.monotonic() - started, 3)
         level = logging.WARNING if report["dropped"] or report["orphans_removed"] else logging.INFO
         event(log, level, "store.scan_done", **report)
@@ -332,14 +768,16 @@ class Store:
         """Remove least recently used entries until the index, plus the ``incoming`` row
         about to be published, fits ``max_bytes`` and ``max_files`` (two blob files per
         entry); a blob another entry (or the incoming one) shares stays. Never removes
-        the incoming key, a key :meth:`protect`'s callable names (being
-        compiled), or an entry used within ``grace`` seconds: :meth:`lookup` stamps
-        ``last_used`` before it verifies, so an entry just handed out by path (a client
-        may be about to open it) stays. Rows leave the index under the lock before their
-        blobs go, so a concurrent lookup either sees a fresh row or none."""
+        the incoming key or a key :meth:`protect`'s callable names (being compiled).
+        Entries used within ``grace`` seconds go last: with the configured budget (no
+        limits passed) the limit is hard and they go too, oldest first, when nothing else
+        is left to evict; with limits passed (a one-off ``gc``) they stay. Rows leave the
+        in-memory index under the lock before their blobs go, so a concurrent lookup
+        either sees a fresh row or none; their index rows go at the next write."""
         configured = max_bytes is None and max_files is None  # not a one-off gc budget
         max_bytes = self.budget.max_bytes if max_bytes is None else max_bytes
         max_files = self.budget.max_files if max_files is None else max_files
+        hard = configured and grace is None
         grace = self.budget.grace if grace is None else grace
         report: dict[str, Any] = {"evicted": 0, "freed_bytes": 0, "blocked": 0}
         if not max_bytes and not max_files:
@@ -357,31 +795,41 @@ class Store:
                 return bool((max_bytes and size + incoming_bytes > max_bytes)
                             or (max_files and files + incoming_files > max_files))
 
-            victims = []
-            if over():
-                for row in sorted(self._rows.values(), key=lambda r: r["last_used"]):
-                    if not over():
-                        break
-                    if row["key"] in protected or now - row["last_used"] < grace:
-                        report["blocked"] += 1
-                        continue
+            victims: list[dict] = []
+            recent: list[dict] = []
+            for row in sorted(self._rows.values(), key=lambda r: r["last_used"]):
+                if not over():
+                    break
+                if row["key"] in protected:
+                    report["blocked"] += 1
+                elif now - row["last_used"] < grace:
+                    recent.append(row)
+                else:
                     victims.append(row)
                     size -= row["size"]
                     files -= 2
+            for row in recent:  # oldest first; only as many as the hard limit needs
+                if not over():
+                    break
+                if hard:
+                    victims.append(row)
+                    size -= row["size"]
+                    files -= 2
+                else:
+                    report["blocked"] += 1
             for row in victims:
                 self._rows.pop(row["key"], None)
                 self._touched.discard(row["key"])
+                self._deleted.add(row["key"])
             if victims:
-                self.db.conn.executemany("DELETE FROM entries WHERE key = ?",
-                                         [(r["key"],) for r in victims])
-                referenced = {self.blob_path(r[f"{k}_sha256"], k)
-                              for r in [*self._rows.values(), *([incoming] if incoming else [])]
-                              for k in SUFFIXES}
+                referenced = self._referenced() | (
+                    {f"{incoming[f'{k}_sha256']}{SUFFIXES[k]}" for k in SUFFIXES}
+                    if incoming else set())
                 for row in victims:
                     for kind in SUFFIXES:
-                        path = self.blob_path(row[f"{kind}_sha256"], kind)
-                        if path not in referenced:
-                            self._remove_blob(path)
+                        sha = row[f"{kind}_sha256"]
+                        if f"{sha}{SUFFIXES[kind]}" not in referenced:
+                            self.remove_blob(sha, kind)
             still_over = over()
             if configured:
                 self.over_budget = still_over
@@ -391,17 +839,20 @@ class Store:
         self.evicted_bytes += report["freed_bytes"]
         if victims:
             event(log, logging.INFO, "store.evicted", entries=report["evicted"],
-                  bytes=report["freed_bytes"], max_bytes=max_bytes, max_files=max_files)
+                  bytes=report["freed_bytes"], max_bytes=max_bytes, max_files=max_files,
+                  within_grace=sum(1 for r in victims if now - r["last_used"] < grace))
         if still_over:
             event(log, logging.WARNING, "store.over_budget", bytes=size + incoming_bytes,
                   files=files + incoming_files, max_bytes=max_bytes, max_files=max_files,
-                  blocked=report["blocked"], reason="every remaining entry is in use or "
-                  "within the eviction grace period")
+                  blocked=report["blocked"], reason="every remaining entry is being compiled"
+                  if hard else "every remaining entry is in use or within the grace period")
         return report
 
     def verify(self) -> dict[str, Any]:
-        """Recheck every entry's blobs against their digests; drop the bad ones (and
-        their blobs). Also counts unreferenced blobs and leftover temporaries."""
+        """Recheck every entry's blobs against their digests; report and drop each bad one
+        (removing what sits at a bad blob's name unless it may be a good blob) and go on:
+        a FIFO, a link, a directory or an unreadable file is a bad entry, never a hang or
+        an abort. Also counts unreferenced blobs and leftover temporaries."""
         started = time.monotonic()
         report: dict[str, Any] = {"checked": 0, "verified": 0, "bad": [], "bytes": 0,
                                   "orphan_blobs": 0, "tmp_entries": 0}
@@ -409,35 +860,116 @@ class Store:
             if self._rows.get(row["key"]) is None:
                 continue  # evicted meanwhile
             report["checked"] += 1
-            reason = None
-            for kind in SUFFIXES:
-                sha = row[f"{kind}_sha256"]
-                try:
-                    actual = sha256_file(self.blob_path(sha, kind))
-                except FileNotFoundError:
-                    reason = f"{kind} blob {sha[:12]} is missing"
-                    break
-                if actual != sha:
-                    reason = f"{kind} blob {sha[:12]} has digest {actual[:12]}"
-                    break
+            reason = self.blob_problem(row)
             if reason is None:
                 report["verified"] += 1
                 report["bytes"] += row["size"]
-            elif self._rows.get(row["key"]) is not None:
-                report["bad"].append({"key": row["key"], "family": row["family"],
-                                      "reason": reason})
-                self._verified(row)  # drops the row and removes a wrong blob
-        with self._lock:
-            referenced = {self.blob_path(r[f"{k}_sha256"], k).name
-                          for r in self._rows.values() for k in SUFFIXES}
-        report["orphan_blobs"] = sum(1 for p in self.blob_dir.glob("*/*")
-                                     if p.name not in referenced)
-        report["tmp_entries"] = sum(1 for _ in self.tmp_dir.iterdir())
+                continue
+            report["bad"].append({"key": row["key"], "family": row["family"],
+                                  "reason": reason})
+            self.drop(row["key"], reason)
+        referenced = self._referenced()
+        report["orphan_blobs"] = sum(1 for name, _ in self._blob_files()
+                                     if name not in referenced)
+        with contextlib.suppress(OSError):
+            report["tmp_entries"] = sum(1 for _ in os.scandir(self.tmp_dir))
         report["seconds"] = round(time.monotonic() - started, 3)
         event(log, logging.WARNING if report["bad"] else logging.INFO, "store.verify_done",
               checked=report["checked"], verified=report["verified"], bad=len(report["bad"]),
               orphan_blobs=report["orphan_blobs"])
         return report
+
+
+def _mode_name(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _read_all(fd: int) -> bytes:
+    parts = []
+    while chunk := os.read(fd, _CHUNK):
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _read_regular(shard: int, name: str, label: str, size: int | None, sha256: str,
+                  keep: bool) -> bytes | None:
+    try:
+        st = os.stat(name, dir_fd=shard, follow_symlinks=False)
+    except FileNotFoundError:
+        raise BadBlob(f"{label} is missing", False) from None
+    if not stat.S_ISREG(st.st_mode):  # refused before anything is opened
+        raise BadBlob(f"{label} is {_mode_name(st.st_mode)}, not a regular file", True)
+    try:
+        fd = os.open(name, _OPEN_BLOB, dir_fd=shard)
+    except FileNotFoundError:
+        raise BadBlob(f"{label} is missing", False) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BadBlob(f"{label} is a symbolic link, not a regular file", True) from None
+        raise BadBlob(f"{label} cannot be opened: {exc.strerror}", True) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadBlob(f"{label} is {_mode_name(st.st_mode)}, not a regular file", True)
+        if size is not None and st.st_size != size:
+            raise BadBlob(f"{label} is {st.st_size} bytes, not the {size} recorded", False)
+        digest = hashlib.sha256()
+        parts = []
+        total = 0
+        try:
+            while chunk := os.read(fd, _CHUNK):
+                total += len(chunk)
+                if size is not None and total > size:
+                    raise BadBlob(f"{label} grew past the {size} bytes recorded", False)
+                digest.update(chunk)
+                if keep:
+                    parts.append(chunk)
+        except OSError as exc:
+            raise BadBlob(f"{label} cannot be read: {exc.strerror}", False) from None
+    finally:
+        os.close(fd)
+    actual = digest.hexdigest()
+    if actual != sha256:
+        raise BadBlob(f"{label} has digest {actual[:12]}", True)
+    return b"".join(parts) if keep else None
+
+
+def _remove_at(directory: int, name: str) -> None:
+    try:
+        st = os.stat(name, dir_fd=directory, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    try:
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(name, dir_fd=directory)
+        else:
+            os.unlink(name, dir_fd=directory)
+    except FileNotFoundError:
+        pass
+
+
+def _prepare(path: Path) -> tuple[str, int]:
+    """Digest and size of a built file, fsynced and made read-only (0444) through its
+    descriptor (opened without following a link; only a regular file)."""
+    fd = os.open(path, _OPEN_BLOB)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path.name} is not a regular file")
+        digest = hashlib.sha256()
+        size = 0
+        while chunk := os.read(fd, _CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+        os.fsync(fd)
+        os.fchmod(fd, 0o444)
+    finally:
+        os.close(fd)
+    return digest.hexdigest(), size
 
 
 def _fsync_dir(path: Path) -> None:

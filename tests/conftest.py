@@ -18,11 +18,12 @@ SHAPE = (256, 1024, 7168)
 
 
 class DaemonProcess:
-    """``cached serve`` in a subprocess; ``client()`` talks to it over its socket."""
+    """``cached serve`` in a subprocess; ``client()`` talks to it over its socket. ``wrap``:
+    a command that runs it (e.g. ``setpriv`` dropping capabilities)."""
 
     def __init__(self, tmp: Path, workers: int = 2, job_timeout: float = 120.0,
                  store: Path | None = None, extra_env: dict | None = None,
-                 extra_args: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None, wrap: list[str] | None = None) -> None:
         self.tmp = tmp
         self.store = store or tmp / "store"
         self.socket = str(tmp / "cached.sock")
@@ -30,7 +31,7 @@ class DaemonProcess:
         env = {**os.environ, "CACHED_TEST_FAMILIES": "1", **(extra_env or {})}
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cached", "serve", "--store", str(self.store),
+            [*(wrap or []), sys.executable, "-m", "cached", "serve", "--store", str(self.store),
              "--socket", self.socket, "--http", "127.0.0.1:0", "--workers", str(workers),
              "--job-timeout", str(job_timeout), *(extra_args or [])],
             env=env, stdout=self._log, stderr=subprocess.STDOUT,

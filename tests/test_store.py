@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 from cached.store import Store
 
 
-def publish(store: Store, key: str, payload: bytes = b"x"):
+def K(name: str) -> str:
+    """The store key a test names ``name`` (keys are sha256 hex digests)."""
+    return hashlib.sha256(name.encode()).hexdigest()
+
+
+def publish(store: Store, name: str, payload: bytes = b"x"):
+    key = K(name)
     work = store.workdir()
     (work / "k.o").write_bytes(b"object" + payload)
     (work / "k.so").write_bytes(b"library" + payload)
@@ -24,10 +31,10 @@ def test_publish_then_lookup_survives_reopen(tmp_path):
     entry = publish(store, "k1")
     assert entry.library_path.read_bytes() == b"libraryx"
     assert oct(entry.library_path.stat().st_mode & 0o777) == "0o444"
-    assert store.lookup("k1").row["hits"] == 1
+    assert store.lookup(K("k1")).row["hits"] == 1
     store.close()
     again = Store(tmp_path)
-    assert again.lookup("k1").row["hits"] == 2
+    assert again.lookup(K("k1")).row["hits"] == 2
     assert again.rows()[0]["params"] == '{"a": 1}'
 
 
@@ -38,10 +45,10 @@ def test_flipped_byte_is_detected_dropped_and_never_served(tmp_path):
     data = bytearray(entry.library_path.read_bytes())
     data[0] ^= 0xFF
     entry.library_path.write_bytes(bytes(data))
-    assert store.lookup("k1") is None
-    assert not store.contains("k1")
+    assert store.lookup(K("k1")) is None
+    assert not store.contains(K("k1"))
     assert not entry.library_path.exists()
-    assert Store(tmp_path).lookup("k1") is None
+    assert Store(tmp_path).lookup(K("k1")) is None
 
 
 def test_missing_blob_drops_the_row(tmp_path):
@@ -49,7 +56,7 @@ def test_missing_blob_drops_the_row(tmp_path):
     entry = publish(store, "k1")
     os.chmod(entry.object_path, 0o644)
     entry.object_path.unlink()
-    assert store.lookup("k1") is None
+    assert store.lookup(K("k1")) is None
     assert store.totals() == (0, 0)
 
 
@@ -73,7 +80,7 @@ def test_scan_repairs_rows_and_removes_temporaries_and_orphans(tmp_path):
     assert report["dropped"] == 1 and report["tmp_removed"] == 1
     assert report["orphans_removed"] >= 1
     assert not stray.exists() and not orphan.exists()
-    assert reopened.lookup("good").library_path == good.library_path
+    assert reopened.lookup(K("good")).library_path == good.library_path
 
 
 def test_identical_bytes_are_stored_once(tmp_path):

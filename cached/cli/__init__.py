@@ -19,6 +19,7 @@ from cached_client.errors import CachedError, DaemonUnavailable
 from cached_client.paths import SOCKET_ENV, default_socket_path
 
 from .. import toolchain
+from ..config import ConfigError
 from . import certify, serve, store, warm
 
 MODULES = (serve, warm, store, certify)
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cached {args.command}: {hint}", file=sys.stderr)
         else:
             print(f"cached {args.command}: {exc.code}: {exc.message}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:  # an offline command on an unusable store, a bad setting
+        print(f"cached {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

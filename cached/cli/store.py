@@ -122,7 +122,9 @@ def format_stats(s: dict) -> str:
     compiles = s["compiles"]
     mean = f", {s.get('compile_seconds', 0) / compiles:.2f} s mean" if compiles else ""
     out += [
-        ("Compilations", f"{compiles} stored, {s['failures']} failed{mean}"),
+        ("Compilations", f"{compiles} stored, {s['failures']} failed{mean}"
+                         + (f", {s['persist_failures']} served unstored (store full)"
+                            if s.get("persist_failures") else "")),
         ("Queue", f"{s['queued']} queued, {s['running']} compiling, {s['in_flight']} in flight"),
         ("Workers", f"{s.get('workers_ready', 0)}/{s.get('workers', 0)} ready, "
                     f"{s.get('workers_idle', 0)} idle, {s['worker_restarts']} restarts"

@@ -2,14 +2,18 @@
 ``CACHED_TEST_FAMILIES=1`` is set in the daemon's environment.
 
 ``action``: ``sleep`` (hang for ``seconds``), ``crash`` (the worker SIGKILLs itself),
-``fail`` (raise, as a compiler error would). ``tag`` makes otherwise equal requests
-distinct keys.
+``fail`` (raise, as a compiler error would), ``build`` (compile a tiny C object with gcc,
+in well under a second, holding ``bytes`` bytes of constant data: a real kernel-sized
+artifact for tests of the store; the same request always builds the same bytes). ``tag``
+makes otherwise equal requests distinct keys (and, for ``build``, distinct bytes).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +24,8 @@ from cached_client.keys import KernelRequest
 
 from .base import BuiltObject, Family, require
 
+MAX_BUILD_BYTES = 16 << 20
+
 
 class FaultFamily(Family):
     name = "cached.test.fault"
@@ -29,10 +35,15 @@ class FaultFamily(Family):
         seconds = params.get("seconds", 0)
         if not isinstance(seconds, (int, float)) or not 0 <= seconds <= 3600:
             raise InvalidTactic("seconds must be a number in [0, 3600]")
+        size = params.get("bytes", 0)
+        if (not isinstance(size, int) or isinstance(size, bool)
+                or not 0 <= size <= MAX_BUILD_BYTES):
+            raise InvalidTactic(f"bytes must be an integer in [0, {MAX_BUILD_BYTES}]")
         return {
-            "action": require(params, "action", ("sleep", "crash", "fail")),
+            "action": require(params, "action", ("sleep", "crash", "fail", "build")),
             "seconds": float(seconds),
             "tag": str(params.get("tag", "")),
+            "bytes": size,
         }
 
     def source_sha256(self) -> str:
@@ -43,8 +54,23 @@ class FaultFamily(Family):
 
     def build(self, request: KernelRequest, workdir: Path) -> BuiltObject:
         action = request.params["action"]
+        if action == "build":
+            return _build(request.params["tag"], request.params["bytes"], workdir)
         if action == "sleep":
             time.sleep(request.params["seconds"])
         if action == "crash":
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected failure ({action}, tag={request.params['tag']!r})")
+
+
+def _build(tag: str, size: int, workdir: Path) -> BuiltObject:
+    """A real object file: one exported function and ``size`` bytes of data derived from
+    ``tag`` (so distinct tags give distinct digests)."""
+    name = "cached_test_" + hashlib.sha256(tag.encode()).hexdigest()[:16]
+    seed = int(hashlib.sha256(tag.encode()).hexdigest()[:2], 16) | 1
+    source = (f"__attribute__((used)) static const unsigned char data[{max(size, 1)}] = "
+              f"{{{seed}}};\nint {name}(void) {{ return data[0]; }}\n")
+    path = workdir / f"{name}.o"
+    subprocess.run(["gcc", "-c", "-O1", "-fPIC", "-x", "c", "-", "-o", str(path)],
+                   input=source, text=True, check=True, capture_output=True)
+    return BuiltObject(name, name, path, {"bytes": size})

@@ -265,7 +265,7 @@ class Artifact(Message):
     object_sha256: str = wire(Str(64))
     toolchain: str = wire(Str(1 << 16))
     runtime_library: dict = wire(Obj())
-    origin: str = wire(Str(16), "hit", "hit, compiled, remote or fallback")
+    origin: str = wire(Str(16), "hit", "hit, compiled, remote, unstored or fallback")
     compile_seconds: float = wire(Number(), 0.0)
     source_sha256: str = wire(Str(64), "")
     library_size: int = wire(Int(), 0)
