@@ -1,8 +1,11 @@
 """Compile the whole tactic space of cached.hopper_fp8 (every reduction-order class) for
 sm_90a through a fresh daemon, and report counts and time. `make test` compiles one tactic
-per (tile, cluster) of the S = 1 class and every split tactic; this is the whole space.
+per (tile, cluster) of the S = 1 class, every unswapped split tactic and one swap_ab tactic
+per code path; this is the whole space (392 tactics, the 72 swap_ab ones included).
 
-    .venv/bin/python bench/compile_hopper.py [--workers N]
+    .venv/bin/python bench/compile_hopper.py [--workers N] [--swap-only]
+
+--swap-only compiles the 72 swap_ab tactics alone.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from cached.families.hopper_fp8 import tactics as T
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--swap-only", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         daemon = Daemon(Path(tmp), workers=args.workers)
@@ -33,6 +37,8 @@ def main() -> int:
             for class_id in T.REDUCTION_CLASSES:
                 requests += client.plan("cached.hopper_fp8", (4096, 4096, 4096), "sm_90a",
                                         options={"reduction_class": class_id})
+            if args.swap_only:
+                requests = [r for r in requests if r.params["swap_ab"]]
             started = time.monotonic()
             counts = warm(daemon.socket, requests, 7200)
             counts["seconds"] = round(time.monotonic() - started, 1)

@@ -33,8 +33,22 @@ def _env() -> dict[str, str]:
 # ---------------------------------------------------------------------- enumeration
 
 def test_enumeration_size_and_budget():
-    ts = enumerate_tactics(4096, 4096, 4096, splits=1)
-    # 11 feasible tiles (256x256 dropped) x 3 clusters x 2 rasters x 4 swizzles
+    every = enumerate_tactics(4096, 4096, 4096, splits=1)
+    # 11 feasible tiles (256x256 dropped) x 3 clusters x 2 rasters x 4 swizzles, and the
+    # 8 swap_ab tiles
+    assert len(every) == 272 and len({t.name for t in every}) == 272
+    swapped = [t for t in every if t.swap_ab]
+    assert {(t.tile_m, t.tile_n) for t in swapped} == {
+        (tm, tn) for tm in (8, 16, 32, 64) for tn in (64, 128)}
+    for t in swapped:
+        assert t.cluster_size == 1 and t.name.endswith("_sw")
+        assert t.stages == min(T.SWAP_MAX_STAGES, T.max_stages_for(t.tile_m, t.tile_n,
+                                                                   swap_ab=True))
+        assert smem_bytes(t) <= T.SMEM_CAPACITY_BYTES
+        # the weight rows are the wgmma M side: 64 -> one consumer warpgroup, 128 -> two
+        assert t.consumer_warpgroups == (1 if t.tile_n == 64 else 2)
+        assert t.reduction_class == "k128.acc1.s1.fixed"
+    ts = [t for t in every if not t.swap_ab]
     assert len(ts) == 264
     assert len({t.name for t in ts}) == len(ts)
     tiles = {(t.tile_m, t.tile_n) for t in ts}
@@ -55,20 +69,23 @@ def test_enumeration_size_and_budget():
 
 def test_split_space():
     """S > 1: 'cta' on six decode tiles, 'serial' on eight tiles that fit two
-    accumulators; 320 tactics over the five classes."""
+    accumulators, both modes on the eight swap_ab tiles; 392 tactics over the five
+    classes."""
     for s in T.SPLIT_CHOICES[1:]:
         ts = T.tactic_space(splits=s)
-        cta = [t for t in ts if t.split_mode == "cta"]
-        serial = [t for t in ts if t.split_mode == "serial"]
+        cta = [t for t in ts if t.split_mode == "cta" and not t.swap_ab]
+        serial = [t for t in ts if t.split_mode == "serial" and not t.swap_ab]
         assert len(cta) == 6 and len(serial) == 8
+        for mode in T.SPLIT_MODES:
+            assert len([t for t in ts if t.swap_ab and t.split_mode == mode]) == 8
         assert all(t.cluster_size == 1 and t.splits == s for t in ts)
         for t in serial:
             assert 2 * T.acc_regs_per_thread(t.tile_m, t.tile_n) <= T.MAX_ACC_REGS_PER_THREAD
         for t in ts:
             t.validate()
     space = T.tactic_space()
-    assert len(space) == 320 == len({t.name for t in space})
-    assert len(enumerate_tactics(4096, 4096, 4096)) == 320
+    assert len(space) == 392 == len({t.name for t in space})
+    assert len(enumerate_tactics(4096, 4096, 4096)) == 392
 
 
 def test_reduction_order_constants():
@@ -96,6 +113,15 @@ def test_reduction_class_round_trips_through_canonical_params():
             assert "split_mode" in params and cid.endswith(f".s{t.splits}.fixed")
     # params written before split-K existed are S = 1
     assert fam.reduction_class({"tile_m": 128, "tile_n": 128}) == "k128.acc1.s1.fixed"
+    # params written before swap_ab existed are unswapped; swapping the operands keeps the
+    # class (bitwise equal on an H200: docs/benchmarks.md)
+    assert tactic_from_params({"tile_m": 128, "tile_n": 128}).swap_ab is False
+    for s in T.SPLIT_CHOICES:
+        for mode in ("serial", "cta") if s > 1 else ("serial",):
+            p = {"tile_m": 8, "tile_n": 64, "swap_ab": True, "splits": s, "split_mode": mode}
+            canon = fam.canonical_params(p, "sm_90a")
+            assert canon["swap_ab"] is True and fam.reduction_class(canon) == \
+                T.reduction_class_id(s)
     with pytest.raises(ValueError, match="unknown hopper_fp8_gemm reduction class"):
         T.splits_of_class("k128.acc1.s3.fixed")
     from cached_client.errors import InvalidTactic
@@ -129,19 +155,22 @@ def test_choose_split_depends_on_n_k_and_device_only():
     import inspect
 
     assert list(inspect.signature(T.choose_split).parameters) == ["n", "k", "sm_count"]
-    for n in (512, 2112, 2688, 4096, 4608, 7168, 8192, 14336, 28672, 57344):
+    for n in (512, 1024, 2112, 2688, 4096, 4608, 7168, 8192, 14336, 28672, 57344):
         for k in (512, 1536, 2304, 4096, 7168, 14336, 28672):
             s = T.choose_split(n, k, 132)
             assert s in T.SPLIT_CHOICES and s <= T.SPLIT_MAX
-            # every split walks at least 28 K tiles, and N tiles x S fit one wave
+            # every split walks at least 28 K tiles, and the decode CTAs (one per 64 weight
+            # rows and split) fill at most half the SMs
             assert s == 1 or k >= T.SPLIT_MIN_K_PER_SPLIT * s
-            assert s == 1 or -(-n // T.SPLIT_TILE_N) * s <= 132
-    # what the H200 wide run picked (docs/benchmarks.md): seeds S = 1, long K splits
+            assert s == 1 or -(-n // T.SPLIT_TILE_N) * s * T.SPLIT_SM_SHARE <= 132
+    # what the H200 wide run picked (docs/benchmarks.md): with the swap_ab decode tiles,
+    # S = 1 but for the narrowest long-K projection
     assert [T.choose_split(n, k, 132) for n, k in (
         (4096, 4096), (2688, 4096), (4608, 2688), (14336, 4096), (4096, 14336),
-        (5120, 25600), (8192, 28672), (2112, 7168), (4096, 512))] == [1, 1, 1, 1, 4, 4, 4, 2, 1]
-    # fewer SMs: fewer units fit one wave
-    assert T.choose_split(8192, 28672, 64) == 2 and T.choose_split(8192, 28672, 32) == 1
+        (5120, 25600), (8192, 28672), (2112, 7168), (4096, 512))] == [1, 1, 1, 1, 1, 1, 1, 2, 1]
+    # fewer SMs: fewer splits; a narrower N with a long K: more
+    assert T.choose_split(2112, 7168, 64) == 1
+    assert T.choose_split(1024, 28672, 132) == 4 and T.choose_split(1024, 28672, 64) == 2
     for bad in ((0, 4096, 132), (4096, 4096, 0), (4096.0, 4096, 132)):
         with pytest.raises(ValueError):
             T.choose_split(*bad)
@@ -197,6 +226,10 @@ def test_register_and_smem_feasibility():
     assert T.num_consumer_warpgroups(64) == 1 and T.num_consumer_warpgroups(256) == 2
     # the most that fit for 128x256: 4 stages of 48 KB
     assert T.max_stages_for(128, 256) == 4
+    # swap_ab: 9 KB stages (64 weight rows + 8 tokens), capped at 16; 24 KB ones: 9
+    assert T.max_stages_for(8, 64, swap_ab=True) == T.SWAP_MAX_STAGES == 16
+    assert T.max_stages_for(64, 128, swap_ab=True) == 9
+    assert T.acc_regs_per_thread(8, 128, swap_ab=True) == 4  # two warpgroups of 64 x 8
 
 
 # ---------------------------------------------------------------------- encoding
@@ -238,6 +271,13 @@ def test_stages_default_to_most_that_fit():
         ({"splits": 4, "split_mode": "cta", "cluster_m": 2}, "cluster_m = cluster_n = 1"),
         ({"tile_m": 128, "tile_n": 256, "splits": 2}, "serial split keeps a running sum"),
         ({"splits": "4"}, "int"),
+        ({"swap_ab": True}, "tile_m must be one of (8, 16, 32, 64) with swap_ab"),
+        ({"swap_ab": True, "tile_m": 8, "tile_n": 256}, "tile_n must be one of (64, 128)"),
+        ({"swap_ab": True, "tile_m": 8, "tile_n": 64, "cluster_m": 2},
+         "swap_ab needs cluster_m = cluster_n = 1"),
+        ({"swap_ab": 1}, "swap_ab must be true or false"),
+        ({"swap_ab": True, "tile_m": 8, "tile_n": 64, "stages": 17}, "stages must be in [2, 16]"),
+        ({"tile_m": 8, "tile_n": 64}, "tile_m must be one of (64, 128, 256)"),
     ],
 )
 def test_validation_errors(params, words):
@@ -286,6 +326,8 @@ def test_plan_batch_invariant_is_one_class_for_every_m():
         for m in MANIFEST_MS:
             reqs = fam.plan((m, n, k), "sm_90a", 132, {"batch_invariant": True})
             assert reqs and {_class(r) for r in reqs} == {want}, (m, n, k)
+            # the class's swap_ab tactics are in the plan, beside the unswapped ones
+            assert {r.params["swap_ab"] for r in reqs} == {True, False}
             # best-first by the family's model, the same order enumerate_tactics gives
             names = [tactic_from_params(r.params).name for r in reqs]
             assert names == [t.name for t in enumerate_tactics(
@@ -298,7 +340,7 @@ def test_plan_reduction_class_option_and_default():
 
     fam = HopperFp8()
     every = fam.plan((16, 4096, 4096), "sm_90a", 132, {})
-    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 320
+    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 392
     for cid in T.REDUCTION_CLASSES:
         reqs = fam.plan((16, 4096, 4096), "sm_90a", 132, {"reduction_class": cid})
         assert {_class(r) for r in reqs} == {cid}
@@ -350,6 +392,10 @@ def test_workspace_sizes():
         assert workspace_bytes(p, 8192, 4096) == 0 and counter_elems(p, 8192, 4096) == 0
     sizes = [workspace_bytes(cta, m, 2688) for m in MANIFEST_MS]
     assert sizes == sorted(sizes)  # monotonic in M: allocate once for the largest M
+    # swap_ab: tile_m is still the tile along M (8 tokens), tile_n along N (64 weight rows)
+    sw = T.HopperFp8Tactic(8, 64, splits=4, split_mode="cta", swap_ab=True).normalized()
+    assert workspace_bytes(sw.to_params(), 1, 4096) == 64 * 4 * 8 * 64 * 4
+    assert counter_elems(sw.to_params(), 9, 4096) == 2 * 64
     with pytest.raises(ValueError):
         workspace_bytes(cta, -1, 16)
 
@@ -467,7 +513,9 @@ def test_every_tile_and_cluster_compiles_for_sm90a_through_the_daemon(daemon):
     client = daemon.client()
     requests = client.plan("cached.hopper_fp8", (4096, 4096, 4096), "sm_90a",
                            options={"reduction_class": class_id})
-    assert len(requests) == 264 and {r.max_active_clusters for r in requests} == {132, 66}
+    assert len(requests) == 272 and {r.max_active_clusters for r in requests} == {132, 66}
+    requests = [r for r in requests if not r.params["swap_ab"]]  # the next test has them
+    assert len(requests) == 264
     by_shape: dict = {}
     for r in requests:
         p = r.params
@@ -505,7 +553,8 @@ def test_split_tactics_compile_for_sm90a_through_the_daemon(daemon):
 
     client = daemon.client()
     requests = [KernelRequest(family="cached.hopper_fp8", params=t.to_params(), arch="sm_90a",
-                              sm_count=132, max_active_clusters=132) for t in _split_variants()]
+                              sm_count=132, max_active_clusters=132)
+                for t in _split_variants() if not t.swap_ab]
     assert len(requests) == 56
     client.prefetch(requests)
     for r in requests:
@@ -515,3 +564,39 @@ def test_split_tactics_compile_for_sm90a_through_the_daemon(daemon):
     entries = client.list()
     names = {e["kernel_name"] for e in entries}
     assert len(names) == 56 and all("_k" in nm for nm in names)
+
+
+def _swap_variants() -> list:
+    """swap_ab tactics, one per distinct code path: S = 1 and both split modes, one and
+    two consumer warpgroups (64 or 128 weight rows), every token tile (the wgmma N: 8,
+    16, 32, 64), and e5m2/fp16 (the whole space, 72: bench/compile_hopper.py)."""
+    H = HopperFp8Tactic
+    return [t.normalized() for t in (
+        H(8, 64, swap_ab=True),
+        H(64, 128, swap_ab=True),
+        H(16, 128, splits=2, split_mode="serial", swap_ab=True),
+        H(32, 64, splits=4, split_mode="cta", swap_ab=True),
+        H(8, 128, splits=8, split_mode="cta", swap_ab=True),
+        H(64, 64, splits=16, split_mode="serial", swap_ab=True),
+        H(16, 64, 1, 1, "m", 1, 0, "float16", "e5m2", 4, "cta", True),
+    )]
+
+
+def test_swap_tactics_compile_for_sm90a_through_the_daemon(daemon):
+    """The swap_ab variants (see _swap_variants), compiled by the daemon's workers."""
+    from cached_client.keys import KernelRequest
+
+    variants = _swap_variants()
+    space = {t.name for t in T.tactic_space("float16", "e5m2") + T.tactic_space()}
+    assert all(t.name in space for t in variants)
+    client = daemon.client()
+    requests = [KernelRequest(family="cached.hopper_fp8", params=t.to_params(), arch="sm_90a",
+                              sm_count=132, max_active_clusters=132) for t in variants]
+    client.prefetch(requests)
+    for r in requests:
+        art = client.get(r, timeout=900)
+        path = art.library_path or art.object_path
+        assert path and os.path.getsize(path) > 1000
+    names = {e["kernel_name"] for e in client.list()}
+    assert len(names) == len(variants) and all(nm.split("_mac")[0].endswith("_sw")
+                                               for nm in names)

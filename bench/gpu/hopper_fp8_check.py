@@ -10,7 +10,8 @@
   run (there: Python 3.12, torch CUDA, tvm_ffi from the carried wheel; no cutlass):
       python DIR/hopper_fp8_check.py run --bundle DIR --out $OUT [--phases correct,bi,perf]
     correct: float64 reference on fresh data (M, N, K ragged; K not a multiple of S x 128),
-      NaN-poisoned outputs, bitwise equality inside each reduction-order class.
+      NaN-poisoned outputs, bitwise equality inside each reduction-order class (the
+      swap_ab kernels against the unswapped first kernel of their class).
     bi: the seeds' method (x[:M] vs the first M rows of the M=2048 output, bitwise) for
       every kernel, for the plan's per-M mix and for torch._scaled_mm (fast accumulation
       on and off), M in MS; kernels of one class compared with each other at every M.
@@ -34,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 SEEDS = [(4096, 4096), (2688, 4096), (4608, 2688), (14336, 4096)]  # (N, K)
 # From manifests/*.toml (TP applied): each model's smallest-N and largest-K projections and
@@ -60,6 +62,12 @@ def class_of(params: dict) -> str:
     return f"k128.acc1.s{params.get('splits', 1)}.fixed"
 
 
+def group_of(params: dict) -> str:
+    """The class, with the swap_ab kernels apart (their cross-kernel rows are the
+    evidence that swapping the operands keeps the class)."""
+    return class_of(params) + (" swap_ab" if params.get("swap_ab") else "")
+
+
 # ====================================================================================
 # build (here)
 # ====================================================================================
@@ -80,10 +88,23 @@ def _wide_tactics():
         for tm, tn, r in [(64, 128, "m"), (64, 192, "m"), (128, 128, "m"), (128, 192, "m"),
                           (128, 128, "n"), (128, 192, "n")]:
             out.append(T(tm, tn, raster=r, splits=s, split_mode="serial"))
+    # swap_ab (tokens on the wgmma N side), after the unswapped kernels (each class's first
+    # kernel is unswapped): every tile in S = 1, 2, 4 (both split modes), one per mode in
+    # S = 8, 16 (class equality)
+    for s in (1, 2, 4):
+        for mode in (("serial",) if s == 1 else ("serial", "cta")):
+            for tm in (8, 16, 32, 64):
+                for tn in (64, 128):
+                    out.append(T(tm, tn, splits=s, split_mode=mode, swap_ab=True))
+    for s in (8, 16):
+        out += [T(8, 64, splits=s, split_mode="cta", swap_ab=True),
+                T(64, 128, splits=s, split_mode="serial", swap_ab=True)]
     # other dtypes (correctness and class equality only)
     out += [T(64, 128, out_dtype="float16", ab_dtype="e5m2", splits=4, split_mode="cta"),
             T(128, 128, out_dtype="float16", ab_dtype="e5m2", splits=4, split_mode="serial"),
-            T(128, 256, 2, 1, "m", 1, 0, "float16", "e5m2")]
+            T(128, 256, 2, 1, "m", 1, 0, "float16", "e5m2"),
+            T(16, 64, out_dtype="float16", ab_dtype="e5m2", splits=4, split_mode="cta",
+              swap_ab=True)]
     return [t.normalized() for t in out]
 
 
@@ -109,18 +130,26 @@ def _final_tactics(plan):
 
     by_name = {t.name: t for t in tactic_space()}
     chosen = {}
+    # an unswapped kernel leads each class, so the swapped ones are compared with it
+    for t in [T(64, 128)] + [T(64, 128, splits=s, split_mode="cta") for s in (2, 4, 8, 16)]:
+        t = t.normalized()
+        chosen[t.name] = t
     for p in plan.values():
         for names in p["by_m"].values():
             for nm in names:
                 chosen[nm] = by_name[nm]
     # every class has a kernel of each mode (invariance of every class), other dtypes
-    extra = [T(64, 128), T(128, 128)]
+    extra = [T(64, 128), T(128, 128), T(8, 64, swap_ab=True), T(64, 128, swap_ab=True)]
     for s in (2, 4, 8, 16):
         extra += [T(64, 128, splits=s, split_mode="cta"),
-                  T(128, 128, splits=s, split_mode="serial")]
+                  T(128, 128, splits=s, split_mode="serial"),
+                  T(8, 64, splits=s, split_mode="cta", swap_ab=True),
+                  T(64, 128, splits=s, split_mode="serial", swap_ab=True)]
     extra += [T(64, 128, out_dtype="float16", ab_dtype="e5m2", splits=4, split_mode="cta"),
               T(128, 128, out_dtype="float16", ab_dtype="e5m2", splits=4, split_mode="serial"),
-              T(128, 256, 2, 1, "m", 1, 0, "float16", "e5m2")]
+              T(128, 256, 2, 1, "m", 1, 0, "float16", "e5m2"),
+              T(16, 64, out_dtype="float16", ab_dtype="e5m2", splits=4, split_mode="cta",
+                swap_ab=True)]
     for t in extra:
         t = t.normalized()
         chosen.setdefault(t.name, t)
@@ -140,7 +169,19 @@ def _compile_worker(jobs_json: str) -> None:
               flush=True)
 
 
-def build(out: str, which: str, jobs: int, top: int, dry: bool = False) -> None:
+def _codegen_constants() -> dict:
+    """The tactics.py values the kernel's code is generated from (besides the params)."""
+    from cached.families.hopper_fp8 import tactics as T
+
+    return {k: getattr(T, k) for k in (
+        "TILE_K", "EPI_STAGES", "CONSUMER_MAX_REGS", "SWAP_EPI_BYTES", "MBAR_REGION_BYTES",
+        "STATIC_SMEM_BYTES", "BUFFER_ALIGN_BYTES")} | {
+        "epilogue_tiles": [list(T.epilogue_tile(m, n)) for m in T.TILE_M_CHOICES
+                           for n in T.TILE_N_CHOICES]}
+
+
+def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
+          reuse_code: bool = False) -> None:
     _repo_on_path()
     os.makedirs(os.path.join(out, "obj"), exist_ok=True)
     os.makedirs(os.path.join(out, "kernels"), exist_ok=True)
@@ -158,15 +199,27 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False) -> None:
         entries.append({"name": t.name, "params": t.to_params(), "symbol": sym,
                         "so": f"kernels/{sym}.so", "obj": os.path.join(out, "obj", f"{sym}.o"),
                         "mac": NUM_SMS // t.cluster_size, "class": t.reduction_class})
+    from cached import toolchain
     from cached.families.hopper_fp8.family import HopperFp8
 
     src = HopperFp8().source_sha256()
+    here = os.path.join(REPO, "cached", "families", "hopper_fp8")
+    # what the object code is made of: the kernel and the compile step; tactics.py adds
+    # the cost model, which changes the plan, never a kernel (its codegen constants are
+    # checked equal below)
+    code_sha = toolchain.hash_files(tuple(Path(here, f) for f in ("kernel.py", "compile.py")))
     old = {}
     mpath = os.path.join(out, "manifest.json")
-    if os.path.exists(mpath):  # reuse objects of an earlier build: same sources and params
+    if os.path.exists(mpath):  # reuse objects of an earlier build: same code and params
         with open(mpath) as f:
             prev_manifest = json.load(f)
-        if prev_manifest.get("source_sha256") == src:
+        same = prev_manifest.get("source_sha256") == src
+        if not same and reuse_code and prev_manifest.get("code_sha256") == code_sha and \
+                prev_manifest.get("codegen_constants") == _codegen_constants():
+            print("reusing kernels built from other tactics.py sources: kernel.py, compile.py "
+                  "and tactics.py's codegen constants are unchanged")
+            same = True
+        if same:
             for e in prev_manifest["kernels"]:
                 old[json.dumps(e["params"], sort_keys=True)] = e
     todo = []
@@ -213,7 +266,8 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False) -> None:
     if not dry and not os.path.exists(os.path.join(out, "libcute_dsl_runtime.so")):
         shutil.copy2(os.path.join(rt_dir, "libcute_dsl_runtime.so"), out)
     shutil.copy2(__file__, os.path.join(out, "hopper_fp8_check.py"))
-    shutil.copy2(os.path.join(HERE, "run_hopper_fp8.sh"), os.path.join(out, "run_hopper_fp8.sh"))
+    for script in ("run_hopper_fp8.sh", "hopper_fp8_ncu.sh"):
+        shutil.copy2(os.path.join(HERE, script), os.path.join(out, script))
     cdst = os.path.join(out, "client", "cached_client")
     shutil.rmtree(cdst, ignore_errors=True)
     shutil.copytree(os.path.join(REPO, "client", "cached_client"), cdst,
@@ -224,7 +278,8 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False) -> None:
             os.remove(os.path.join(out, "kernels", f))
     with open(mpath, "w") as f:
         json.dump({"set": which, "kernels": entries, "plan": plan, "shapes": SHAPES,
-                   "source_sha256": src,
+                   "source_sha256": src, "code_sha256": code_sha,
+                   "codegen_constants": _codegen_constants(),
                    "num_sms": NUM_SMS, "compiled_now": len(todo),
                    "compile_wall_seconds": round(wall, 1)}, f, indent=1)
     print(f"{which}: {len(entries)} kernels ({len(todo)} compiled now, {wall:.0f} s wall, "
@@ -338,6 +393,9 @@ class Runner:
     def is_plain(self, name):
         return self.meta[name]["out_dtype"] == "bfloat16" and self.meta[name]["ab_dtype"] == "e4m3"
 
+    def is_swap(self, name):
+        return bool(self.meta[name].get("swap_ab"))
+
     def is_cta(self, name):
         return self.meta[name]["split_mode"] == "cta" and self.meta[name]["splits"] > 1
 
@@ -430,6 +488,7 @@ class Runner:
                 same = bool(t.equal(out, d["first"][cls][1]))
                 eq = {f"eq_fast{int(fa)}": bool(t.equal(out, c)) for fa, c in d["cub"].items()}
                 rows.append(dict(m=m, n=n, k=k, kernel=name, cls=cls, rel=rel,
+                                 swap=bool(self.meta[name].get("swap_ab")),
                                  all_written=written, same_as_class_first=same, **eq))
                 if not (written and rel < 2e-2 and same):
                     self.p(f"  FAIL {name} {m}x{n}x{k}: rel={rel:.3g} written={written} "
@@ -480,7 +539,8 @@ class Runner:
                 self.watchdog("")
                 rows.append(dict(n=n, k=k, impl=label, cls=cls, diff_rows=diff,
                                  total=sum(diff.values()), cross_class_rows=cross,
-                                 cross_total=sum(cross.values())))
+                                 cross_total=sum(cross.values()),
+                                 group=group_of(self.meta[label]) if cls else None))
             # the plan's per-M mix: each M on the plan's first choice for that M
             p = plan.get(f"{n}x{k}")
             if p:
@@ -612,7 +672,12 @@ def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool
         plan = r.manifest["plan"]
         if r.manifest["set"] == "wide":
             def pick(n, k, m):
-                return [x for x in plain if not (r.is_cta(x) and m > 1024)]
+                # classes S <= 4 (S = 8, 16 never came close: docs/benchmarks.md); 'cta'
+                # only up to M = 1024; swap_ab only up to M = 256, but for its largest
+                # tile (64 tokens x 128 weight rows) at every M
+                return [x for x in plain if r.meta[x]["splits"] <= 4
+                        and not (r.is_cta(x) and m > 1024) and not (
+                            r.is_swap(x) and m > 256 and r.meta[x]["tile_m"] != 64)]
             ms = MS
         else:
             def pick(n, k, m):
@@ -657,6 +722,12 @@ def summarize(res, manifest, p) -> None:
             p(f"  worst rel max {rels[-1]:.3e}, median {statistics.median(rels):.3e}")
         p(f"  kernels not bitwise equal to their class's first kernel: {len(notsame)} "
           f"{notsame[:4]}")
+        sw = {row["kernel"] for row in res["correct"] if row.get("swap")}
+        sw_same = sum(1 for row in res["correct"] if row.get("swap") and
+                      row["same_as_class_first"])
+        sw_all = sum(1 for row in res["correct"] if row.get("swap"))
+        p(f"  swap_ab kernels: {len(sw)}; (kernel, problem) pairs bitwise equal to the "
+          f"unswapped first kernel of their class: {sw_same}/{sw_all}")
         for k, v in worst.items():
             if v["cls"] == "cublas":
                 p(f"  {k:34s} worst rel {v['rel']:.3e}")
@@ -677,14 +748,15 @@ def summarize(res, manifest, p) -> None:
                         if list(s) in manifest["shapes"] else 0)
         by = {}
         for row in res["bi"]:
-            key = row["cls"] if row["impl"] not in ("plan_mix",) and row["cls"] else row["impl"]
+            key = (row.get("group") or row["cls"]) if row["impl"] not in ("plan_mix",) and \
+                row["cls"] else row["impl"]
             if row["impl"] == "plan_mix":
                 key = "plan_mix"
             d = by.setdefault(key, {}).setdefault((row["n"], row["k"]), [0, 0, 0])
             d[0] += row["total"]
             d[1] += row.get("cross_total", 0)
             d[2] += 1
-        p("  " + "impl (kernels)".ljust(30) + "".join(f"{n}x{k}".rjust(12) for n, k in shapes))
+        p("  " + "impl (kernels)".ljust(38) + "".join(f"{n}x{k}".rjust(12) for n, k in shapes))
         for key in sorted(by, key=str):
             cells = []
             for s in shapes:
@@ -692,7 +764,7 @@ def summarize(res, manifest, p) -> None:
                 cells.append("-" if d is None else (f"{d[0]}/{d[1]}" if key.startswith("k128")
                                                     else str(d[0])))
             nk = max(v[2] for v in by[key].values())
-            p(f"  {(key + f' ({nk})')[:30]:30s}" + "".join(c.rjust(12) for c in cells))
+            p(f"  {(key + f' ({nk})')[:38]:38s}" + "".join(c.rjust(12) for c in cells))
         p("  (k128.* cells: seeds' method rows / cross-kernel rows within the class)")
     if "perf" in res:
         by = {}
@@ -753,6 +825,9 @@ def main():
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--top", type=int, default=3, help="plan choices per M kept (final)")
     b.add_argument("--dry", action="store_true", help="manifest only, no compile")
+    b.add_argument("--reuse-code", action="store_true",
+                   help="reuse the bundle's kernels across a tactics.py change that leaves "
+                        "kernel.py, compile.py and the codegen constants as they were")
     r = sub.add_parser("run")
     r.add_argument("--bundle", default=HERE)
     r.add_argument("--out", default=os.environ.get("OUT", "/tmp/hopper_fp8_out"))
@@ -773,7 +848,7 @@ def main():
     s.add_argument("manifest")
     a = ap.parse_args()
     if a.cmd == "build":
-        build(a.out, a.set, a.jobs, a.top, a.dry)
+        build(a.out, a.set, a.jobs, a.top, a.dry, a.reuse_code)
     elif a.cmd == "_compile":
         _compile_worker(a.jobs_json)
     elif a.cmd == "profile":

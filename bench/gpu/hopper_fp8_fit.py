@@ -2,17 +2,20 @@
 """Check the split rule and the cost model of cached.hopper_fp8 against an H200 "wide" run.
 
     python bench/gpu/hopper_fp8_fit.py RESULT [--sms 132] [--model-only]
-        [--write-table PATH] [--write-csv PATH]
+        [--write-table PATH] [--write-csv PATH] [--per-k-tile]
 
 RESULT is $OUT/hopper_fp8.json of `hopper_fp8_check.py run` on a "wide" bundle (every
 kernel timed at every shape and M), or its CSV form (--write-csv), kept as
-docs/results/h200_hopper_fp8_wide.csv. For each (N, K) it prints, per reduction-order class
-S, the geometric mean and the minimum over M of cuBLAS(fast accumulation)'s time over the
-best measured kernel of the class, and marks the S that `tactics.choose_split` picks.
+docs/results/h200_hopper_fp8_swap_wide.csv (the wide run with the swap_ab tiles, which
+the recorded winners come from; h200_hopper_fp8_wide.csv is the run before them). For
+each (N, K) it prints, per reduction-order class S, the geometric mean and the minimum
+over M of cuBLAS(fast accumulation)'s time over the best measured kernel of the class,
+and marks the S that `tactics.choose_split` picks.
 Then, for the plan's class, how close the plan's first choice per M (`enumerate_tactics`,
 the family's model) comes to the best measured kernel of that class; a first choice the
 run did not time is listed as unmeasured. --model-only ranks without the recorded
 winners (tactics.RECORDED_WINNERS), which is how the plan ranks an (N, K) nobody measured.
+--per-k-tile prints the per-K-tile costs the model's tables hold, from the run.
 --write-table writes those recorded winners (the best measured tactic per (N, K), M and
 class S in 1, 2, 4) as cached/families/hopper_fp8/h200_winners.py.
 """
@@ -36,32 +39,36 @@ def _gm(xs):
 
 
 def compact(name: str) -> str:
-    """'m64n128_c1x1_rm_s1_st8_e4m3_bfloat16_k4c' -> '64x128.m.c.4' (cuBLAS rows as is);
-    only cluster-1x1, swizzle-1 bf16/e4m3 kernels, which is what a wide run times."""
+    """'m64n128_c1x1_rm_s1_st8_e4m3_bfloat16_k4c' -> '64x128.m.c.4', and with swap_ab
+    ('..._k4c_sw') 'w64x128.m.c.4' (cuBLAS rows as is); only cluster-1x1, swizzle-1
+    bf16/e4m3 kernels with the most stages that fit, which is what a wide run times."""
     if name.startswith("cublas"):
         return name
     t = T.HopperFp8Tactic(*_fields(name)).normalized()
+    assert t.name == name, (t.name, name)
     mode = "c" if t.split_mode == "cta" else "s"
-    return f"{t.tile_m}x{t.tile_n}.{t.raster}.{mode}.{t.splits}"
+    return f"{'w' if t.swap_ab else ''}{t.tile_m}x{t.tile_n}.{t.raster}.{mode}.{t.splits}"
 
 
 def _fields(name: str) -> tuple:
-    parts = name.split("_")
+    swap = name.endswith("_sw")
+    parts = name.removesuffix("_sw").split("_")
     tm, tn = parts[0][1:].split("n")
     assert parts[1] == "c1x1" and parts[3] == "s1" and "e4m3_bfloat16" in name, name
     s, mode = 1, "serial"
     if parts[-1].startswith("k"):
         s, mode = int(parts[-1][1:-1]), {"c": "cta", "s": "serial"}[parts[-1][-1]]
-    return (int(tm), int(tn), 1, 1, parts[2][1], 1, 0, "bfloat16", "e4m3", s, mode)
+    return (int(tm), int(tn), 1, 1, parts[2][1], 1, 0, "bfloat16", "e4m3", s, mode, swap)
 
 
 def expand(key: str) -> str:
     if key.startswith("cublas"):
         return key
-    tile, raster, mode, s = key.split(".")
+    swap = key.startswith("w")
+    tile, raster, mode, s = key.removeprefix("w").split(".")
     tm, tn = (int(x) for x in tile.split("x"))
     return T.HopperFp8Tactic(tm, tn, 1, 1, raster, 1, 0, "bfloat16", "e4m3", int(s),
-                             {"c": "cta", "s": "serial"}[mode]).normalized().name
+                             {"c": "cta", "s": "serial"}[mode], swap).normalized().name
 
 
 def load(path: str):
@@ -94,7 +101,7 @@ def write_csv(by, path: str) -> None:
 
 
 def splits_of(name: str) -> int:
-    tail = name.rsplit("_", 1)[-1]
+    tail = name.removesuffix("_sw").rsplit("_", 1)[-1]
     return int(tail[1:-1]) if tail.startswith("k") and tail[-1] in "cs" else 1
 
 
@@ -121,7 +128,8 @@ def write_table(by, space, path: str, source: str) -> None:
              f"By bench/gpu/hopper_fp8_fit.py --write-table from {os.path.basename(source)} (the",
              "wide run of bench/gpu/hopper_fp8_check.py on an H200, 132 SMs, 2026-11-30): per",
              "(N, K) and reduction-order class S, per M: (M, tactic key, measured us). A key is",
-             "tactics.recorded_key(t): tile, raster and, for S > 1, split mode.",
+             "tactics.recorded_key(t): 'w' for swap_ab, tile, raster and, for S > 1, split",
+             "mode.",
              '"""', "", "SM_COUNT = 132", "", "WINNERS = {"]
     for (n, k), per in table.items():
         lines.append(f"    ({n}, {k}): {{")
@@ -138,6 +146,36 @@ def write_table(by, space, path: str, source: str) -> None:
     print(f"wrote {path}: {len(table)} shapes")
 
 
+def per_k_tile(by, space, sms: int) -> None:
+    """Per tile shape of the S = 1 kernels and M regime (M <= 64, <= 1024, larger): the
+    median over the run of (time - LAUNCH_US) / waves / K tiles, the model's
+    US_PER_K_TILE and SWAP_US_PER_K_TILE (printed as Python literals)."""
+    import statistics
+
+    samples: dict = {}
+    for (n, k), bym in by.items():
+        for m, d in bym.items():
+            for name, us in d.items():
+                t = space.get(name)
+                if t is None or t.splits != 1 or t.cluster_size != 1 or t.swizzle != 1 \
+                        or t.raster != "m":
+                    continue
+                waves = -(-T.work_units(t, m, n) // sms)
+                kt = -(-k // T.TILE_K)
+                reg = 0 if m <= 64 else (1 if m <= 1024 else 2)
+                samples.setdefault((t.swap_ab, t.tile_m, t.tile_n), {}).setdefault(
+                    reg, []).append((us - T.LAUNCH_US) / waves / kt)
+    for swap in (False, True):
+        print("SWAP_US_PER_K_TILE = {" if swap else "US_PER_K_TILE = {")
+        for (sw, tm, tn), regs in sorted(samples.items()):
+            if sw != swap:
+                continue
+            cells = ", ".join(f"{statistics.median(regs[r]):.3f}" if r in regs else "None"
+                              for r in range(3))
+            print(f"    ({tm}, {tn}): ({cells}),")
+        print("}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("json")
@@ -146,8 +184,12 @@ def main() -> int:
     ap.add_argument("--model-only", action="store_true")
     ap.add_argument("--write-table")
     ap.add_argument("--write-csv")
+    ap.add_argument("--per-k-tile", action="store_true")
     a = ap.parse_args()
     by, space = load(a.json)
+    if a.per_k_tile:
+        per_k_tile(by, space, a.sms)
+        return 0
     if a.write_csv:
         write_csv(by, a.write_csv)
         return 0

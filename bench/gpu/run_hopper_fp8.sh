@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Hopper FP8 GEMM family: build the GPU bundle here, run the check there.
 #
-#   here (CPU, venv):   bench/gpu/run_hopper_fp8.sh build [wide|final] [DIR]
+#   here (CPU, venv):   bench/gpu/run_hopper_fp8.sh build [wide|final] [DIR] [build args]
 #       -> DIR (default .gpubundle, listed in .git/info/exclude): kernels/*.so, manifest.json,
 #          hopper_fp8_check.py, this script, client/cached_client (the launcher),
 #          libcute_dsl_runtime.so, the cp312 apache-tvm-ffi wheel.
@@ -22,7 +22,7 @@ if [[ $mode == build ]]; then
     grep -qx '/.gpubundle/' .git/info/exclude 2>/dev/null || echo '/.gpubundle/' >> .git/info/exclude
   fi
   CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/hopper_fp8_check.py build --out "$BUNDLE" \
-    --set "$set_name" --jobs "${JOBS:-2}"
+    --set "$set_name" --jobs "${JOBS:-2}" "${@:4}"
   if ! ls "$BUNDLE"/apache_tvm_ffi-*.whl >/dev/null 2>&1; then
     ver=$("$PY" -c 'import importlib.metadata as m; print(m.version("apache-tvm-ffi"))')
     cache=${TVM_FFI_WHEEL_CACHE:-/tmp/hopper_fp8_wheels}

@@ -13,11 +13,13 @@ call allocates nothing beyond its output (and can be captured in a CUDA graph):
   once** when allocated; every launch leaves them at zero again (the last unit of each
   output tile resets its counter), so no memset per call.
 
-Both sizes grow with M: allocate once for the largest M (and every tactic) a caller
-serves, e.g. with :func:`alloc_workspace`. One pair of buffers serves one launch at a
-time: GEMMs that may run concurrently (other streams) need their own pair. Every other
-tactic (``splits=1`` or ``split_mode="serial"``) needs neither; the launcher then passes
-placeholders that the kernel never touches.
+``tile_m`` / ``tile_n`` in the params are the tile along the output's M and N for every
+tactic, the ``swap_ab`` ones (weight rows on the MMA's M side) included, so these sizes
+need no other field. Both sizes grow with M: allocate once for the largest M (and every
+tactic) a caller serves, e.g. with :func:`alloc_workspace`. One pair of buffers serves one
+launch at a time: GEMMs that may run concurrently (other streams) need their own pair.
+Every other tactic (``splits=1`` or ``split_mode="serial"``) needs neither; the launcher
+then passes placeholders that the kernel never touches.
 """
 
 from __future__ import annotations

@@ -32,6 +32,15 @@ before the scale and the conversion. Two ways to run the same arithmetic:
     resets the counter to 0 and runs the epilogue. No unit waits for another, so any
     schedule is deadlock-free; the counters are left at zero for the next launch.
 Either way a row's result depends only on (K, S), never on M or on which CTA computed it.
+
+Swap-AB (tactic.swap_ab, decode tiles): the same kernel on exchanged operands. The weight
+B (N, K) is the MMA's A operand (tile_n rows on the wgmma M side), the tokens A (M, K)
+its B operand (tile_m = 8..64 on the wgmma N side), and the output is addressed through
+an (N, M) view of C with strides (1, N). The K walk, the splits and their sum are the
+ones above. The epilogue multiplies by the scale and converts exactly as the TMA
+epilogue does, then stores each element from registers to global memory, guarded by the
+output bounds (at decode sizes C is a few KB, so the scattered stores cost nothing next
+to the weight stream).
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from .tactics import (
     TILE_K,
     HopperFp8Tactic,
     epilogue_tile,
+    mma_tile,
     num_consumer_warpgroups,
 )
 
@@ -71,17 +81,20 @@ class HopperFp8GemmKernel:
         self.acc_dtype = cutlass.Float32
         self.cluster_shape_mn = (tactic.cluster_m, tactic.cluster_n)
         self.swizzle = tactic.swizzle
-        self.raster_along_m = tactic.raster == "m"
+        self.swap = tactic.swap_ab
+        # raster names the output dimension walked first; the kernel's M is N when swapped
+        self.raster_along_m = (tactic.raster == "m") != self.swap
         self.stages = tactic.stages
-        self.tile_shape_mnk = (tactic.tile_m, tactic.tile_n, TILE_K)
-        self.num_mma_wg = num_consumer_warpgroups(tactic.tile_m)
+        self.tile_shape_mnk = (*mma_tile(tactic.tile_m, tactic.tile_n, self.swap), TILE_K)
+        self.num_mma_wg = num_consumer_warpgroups(self.tile_shape_mnk[0])
         self.atom_layout_mnk = (self.num_mma_wg, 1, 1)
         self.threads_per_wg = 128
         self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
         self.threads_per_cta = (1 + self.num_mma_wg) * self.threads_per_wg
         self.producer_warp = 0
         self.epi_store_warp = 4  # first warp of the first consumer warpgroup
-        self.epi_tile = epilogue_tile(tactic.tile_m, tactic.tile_n)
+        # swap_ab stores from registers: its C buffer is a never-used 8x64 placeholder
+        self.epi_tile = (8, 64) if self.swap else epilogue_tile(tactic.tile_m, tactic.tile_n)
         self.epi_stages = EPI_STAGES
         self.num_mcast_a = self.cluster_shape_mn[1]
         self.num_mcast_b = self.cluster_shape_mn[0]
@@ -118,7 +131,8 @@ class HopperFp8GemmKernel:
         self.a_smem_staged = staged(a_dtype, a_layout, tm, tk, self.stages)
         self.b_smem_staged = staged(b_dtype, b_layout, tn, tk, self.stages)
         em, en = self.epi_tile
-        self.epi_smem_staged = staged(c_dtype, c_layout, em, en, self.epi_stages)
+        self.epi_smem_staged = staged(c_dtype, c_layout, em, en,
+                                      1 if self.swap else self.epi_stages)
 
     @staticmethod
     def _tma_load(tensor, smem_staged, tile, mcast):
@@ -130,6 +144,13 @@ class HopperFp8GemmKernel:
         return cute.nvgpu.cpasync.make_tiled_tma_atom(
             op, tensor, cute.slice_(smem_staged, (None, None, 0)), tile, num_multicast=mcast
         )
+
+    def _operands(self, a, b, c):
+        """(MMA A operand, MMA B operand, output as the MMA sees it): (a, b, c), or for
+        swap_ab (b, a, the (N, M) view of c with strides (1, N))."""
+        if not self.swap:
+            return a, b, c
+        return b, a, cute.make_tensor(c.iterator, cute.select(c.layout, mode=[1, 0]))
 
     @cute.jit
     def __call__(
@@ -144,26 +165,31 @@ class HopperFp8GemmKernel:
         max_active_clusters: cutlass.Constexpr,
         stream,
     ):
-        self.a_dtype = a.element_type
-        self.b_dtype = b.element_type
+        # c_out: what the TMA store / the epilogue writes (c, or its transposed view)
+        opa, opb, c_out = self._operands(a, b, c)
+        self.a_dtype = opa.element_type
+        self.b_dtype = opb.element_type
         self.c_dtype = c.element_type
-        a_layout = utils.LayoutEnum.from_tensor(a)
-        b_layout = utils.LayoutEnum.from_tensor(b)
+        a_layout = utils.LayoutEnum.from_tensor(opa)
+        b_layout = utils.LayoutEnum.from_tensor(opb)
+        # (swap_ab: the layout of c itself, for the placeholder C buffer only)
         self.c_layout = utils.LayoutEnum.from_tensor(c)
         self._setup(self.a_dtype, self.b_dtype, self.c_dtype, a_layout, b_layout, self.c_layout)
 
         tm, tn, tk = self.tile_shape_mnk
-        tma_a, tA = self._tma_load(a, self.a_smem_staged, (tm, tk), self.num_mcast_a)
-        tma_b, tB = self._tma_load(b, self.b_smem_staged, (tn, tk), self.num_mcast_b)
-        tma_c, tC = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
-            c,
-            cute.slice_(self.epi_smem_staged, (None, None, 0)),
-            self.epi_tile,
-        )
+        tma_a, tA = self._tma_load(opa, self.a_smem_staged, (tm, tk), self.num_mcast_a)
+        tma_b, tB = self._tma_load(opb, self.b_smem_staged, (tn, tk), self.num_mcast_b)
+        tma_c, tC = tma_a, c_out  # swap_ab: no TMA store; tma_a stands in, never used
+        if cutlass.const_expr(not self.swap):
+            tma_c, tC = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+                c,
+                cute.slice_(self.epi_smem_staged, (None, None, 0)),
+                self.epi_tile,
+            )
 
-        # persistent schedule over (M tiles, N tiles, 1)
-        gc = cute.zipped_divide(c, tiler=(tm, tn))
+        # persistent schedule over (M tiles, N tiles, 1) of the MMA's output
+        gc = cute.zipped_divide(c_out, tiler=(tm, tn))
         num_ctas_mnl = (*gc[(0, (None, None))].shape, self.units_per_tile)
         sched_params = utils.PersistentTileSchedulerParams(
             num_ctas_mnl, (*self.cluster_shape_mn, 1), self.swizzle, self.raster_along_m
@@ -349,38 +375,44 @@ class HopperFp8GemmKernel:
             # scale, read once on the device; applied once per element after the K loop
             scale = mAScale[0] * mBScale[0]
 
-            # epilogue partitions: registers -> smem (stmatrix) -> gmem (TMA)
-            copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
-                self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
-            )
-            copy_atom_c = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4),
-                self.c_dtype,
-            )
-            tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
-            tiled_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
-            thr_r2s = tiled_r2s.get_slice(tidx - self.threads_per_wg)
-            tRS_sC = thr_r2s.partition_D(sC)
             # split_mode "serial": the running sum over the splits lives in a second
             # accumulator, which the epilogue reads
             acc_sum = acc
             if cutlass.const_expr(self.split_serial):
                 acc_sum = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
-            tRS_acc = tiled_r2s.retile(acc_sum)
-            rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
-            tRS_rF = cute.make_rmem_tensor(rC_shape, self.acc_dtype)
-            tRS_rC = cute.make_rmem_tensor(rC_shape, self.c_dtype)
+            # epilogue partitions: registers -> smem (stmatrix) -> gmem (TMA); swap_ab
+            # stores from registers (epilogue_direct) and needs none of them
+            tiled_r2s = tRS_sC = tRS_acc = tRS_rF = tRS_rC = store_pipe = None
+            if cutlass.const_expr(not self.swap):
+                copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
+                    self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
+                )
+                copy_atom_c = cute.make_copy_atom(
+                    cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4),
+                    self.c_dtype,
+                )
+                tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
+                tiled_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
+                thr_r2s = tiled_r2s.get_slice(tidx - self.threads_per_wg)
+                tRS_sC = thr_r2s.partition_D(sC)
+                tRS_acc = tiled_r2s.retile(acc_sum)
+                rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+                tRS_rF = cute.make_rmem_tensor(rC_shape, self.acc_dtype)
+                tRS_rC = cute.make_rmem_tensor(rC_shape, self.c_dtype)
 
-            store_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stages,
-                producer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.num_mma_threads
-                ),
-            )
+                store_pipe = pipeline.PipelineTmaStore.create(
+                    num_stages=self.epi_stages,
+                    producer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread, self.num_mma_threads
+                    ),
+                )
 
             sFlag = storage.flag.get_tensor(cute.make_layout(4))
             frag = cute.size(acc)
             ctid = tidx - self.threads_per_wg  # 0 .. num_mma_threads-1
+            # this thread's own slice of the tiled MMA (thr_mma is its warpgroup's: the
+            # coordinates of the warpgroup's first thread), for the register epilogue
+            thr_c = tiled_mma.get_slice(ctid)
             tiles_m = cute.size(gC, mode=[2])
             tiles_n = cute.size(gC, mode=[3])
             cC = cute.make_identity_tensor(mC.shape)
@@ -408,8 +440,9 @@ class HopperFp8GemmKernel:
                         )
                         for v in cutlass.range_constexpr(frag):
                             acc_sum[v] = acc_sum[v] + acc[v]
-                    self.epilogue(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
-                                  store_pipe, scale, sched.num_tiles_executed, warp_idx)
+                    self.store_tile(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
+                                    store_pipe, scale, sched.num_tiles_executed, warp_idx,
+                                    mC, gcC, crd, thr_c, acc_sum)
                 elif cutlass.const_expr(self.split_cta):
                     split = crd[2]
                     read_state, release_state = self.mainloop(
@@ -454,21 +487,24 @@ class HopperFp8GemmKernel:
                                         )
                             if ctid == 0:
                                 mCnt[tile_lin] = cutlass.Int32(0)
-                            self.epilogue(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC,
-                                          tiled_r2s, store_pipe, scale,
-                                          sched.num_tiles_executed, warp_idx)
+                            self.store_tile(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC,
+                                            tiled_r2s, store_pipe, scale,
+                                            sched.num_tiles_executed, warp_idx,
+                                            mC, gcC, crd, thr_c, acc_sum)
                 else:
                     read_state, release_state = self.mainloop(
                         ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
                         0, k_tiles, False,
                     )
-                    self.epilogue(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
-                                  store_pipe, scale, sched.num_tiles_executed, warp_idx)
+                    self.store_tile(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
+                                    store_pipe, scale, sched.num_tiles_executed, warp_idx,
+                                    mC, gcC, crd, thr_c, acc_sum)
 
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
 
-            store_pipe.producer_tail()
+            if cutlass.const_expr(not self.swap):
+                store_pipe.producer_tail()
 
     # ---------------------------------------------------------------- device helpers
     @cute.jit
@@ -517,6 +553,33 @@ class HopperFp8GemmKernel:
         ab_pipe.consumer_release(release_state)
         release_state.advance()
         return read_state, release_state
+
+    @cute.jit
+    def store_tile(self, tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
+                   store_pipe, scale, tiles_executed, warp_idx, mC, gcC, crd, thr_c, acc):
+        """The epilogue of one output tile: through shared memory and TMA, or (swap_ab)
+        from registers (thr_c: this thread's slice of the tiled MMA)."""
+        if cutlass.const_expr(self.swap):
+            self.epilogue_direct(mC, gC_t, gcC[(None, None, crd[0], crd[1])], thr_c, acc,
+                                 scale)
+        else:
+            self.epilogue(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
+                          store_pipe, scale, tiles_executed, warp_idx)
+
+    @cute.jit
+    def epilogue_direct(self, mC, gC_t, gcC_t, thr_c, acc, scale):
+        """scale and convert as epilogue() does (fp32 product, then round to the output
+        type), and store each element of this thread's fragment that lies inside mC.
+        thr_c must be the thread's own MMA slice: its partition_C gives the positions of
+        the accumulator's registers, in their order."""
+        tCgC_t = thr_c.partition_C(gC_t)
+        tCcC_t = thr_c.partition_C(gcC_t)
+        rC = cute.make_rmem_tensor(acc.shape, self.c_dtype)
+        vals = acc.load() * scale
+        rC.store(vals.to(self.c_dtype))
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            if cute.elem_less(tCcC_t[v], mC.shape):
+                tCgC_t[v] = rC[v]
 
     @cute.jit
     def epilogue(self, tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,

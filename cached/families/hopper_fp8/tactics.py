@@ -21,10 +21,23 @@ for S > 1 it is ((0 + p_0) + p_1) + ... + p_(S-1), summed in fp32 in split order
 the sum is multiplied once by (a_scale * b_scale), computed in fp32, and rounded to the
 output type (round to nearest even).
 
-Tile M / tile N / cluster shape / raster / swizzle / stage count / split mode change
-which CTA computes an element and when, never the arithmetic that produces it. So within
-a class every tactic gives bitwise the same result, for every M (batch invariant); two
-classes differ and are never mixed by a batch-invariant plan. The split mode is how the
+Tile M / tile N / cluster shape / raster / swizzle / stage count / split mode / operand
+swap change which CTA computes an element and when, never the arithmetic that produces it.
+So within a class every tactic gives bitwise the same result, for every M (batch
+invariant); two classes differ and are never mixed by a batch-invariant plan.
+
+Swap-AB (``swap_ab=True``, the decode tiles): the kernel computes C^T = B A^T, the weight
+rows on the wgmma M side (tile_n in SWAP_TILE_N_CHOICES = 64 or 128 rows, one or two
+consumer warpgroups) and the tokens on the wgmma N side (tile_m in SWAP_TILE_M_CHOICES,
+8 to 64), so a decode CTA stages 8-64 token rows instead of 64 and the weights, not the
+tokens, set the number of CTAs. The K order (K tiles, four k32 wgmma per K tile, the S
+ranges and their sum) is the one above; each output element is the same dot product with
+its two operands exchanged inside the MMA. tile_m / tile_n keep their meaning (the tile
+along the output's M and N), so workspace sizes are the same formulas. Whether the MMA's
+accumulation is symmetric in its operands is a hardware fact, checked on an H200 by
+bench/gpu/hopper_fp8_check.py (every swapped kernel against the unswapped kernels of its
+class, fresh data, every M; docs/benchmarks.md): it is, so a swapped tactic is in the
+class of its S. The split mode is how the
 S partials are run: ``serial`` (one CTA walks all S ranges of a tile and keeps the
 running sum in a second register accumulator: no workspace, a pipeline drain per range
 boundary) or ``cta`` (S work units per tile, partials through a caller-provided fp32
@@ -55,6 +68,10 @@ SPLIT_MODES = ("serial", "cta")
 
 TILE_M_CHOICES = (64, 128, 256)
 TILE_N_CHOICES = (64, 128, 192, 256)
+# swap_ab=True: tokens on the wgmma N side, weight rows on its M side
+SWAP_TILE_M_CHOICES = (8, 16, 32, 64)
+SWAP_TILE_N_CHOICES = (64, 128)
+SWAP_MAX_STAGES = 16  # small stages: deeper rings keep more weight bytes in flight
 CLUSTER_CHOICES = ((1, 1), (2, 1), (1, 2))
 RASTER_CHOICES = ("m", "n")
 SWIZZLE_CHOICES = (1, 2, 4, 8)
@@ -72,6 +89,9 @@ BUFFER_ALIGN_BYTES = 1024
 EPI_STAGES = 2
 MAX_STAGES = 8
 MIN_STAGES = 2
+# swap_ab: the epilogue stores from registers; the kernel still declares a 1-stage 8x64
+# C buffer (never used), 1 KB after alignment
+SWAP_EPI_BYTES = 1024
 
 THREADS_PER_WARPGROUP = 128
 # setmaxnreg budget of a consumer warpgroup (producer warpgroup drops to 40):
@@ -99,12 +119,19 @@ PARAM_KEYS = (
     "ab_dtype",
     "splits",
     "split_mode",
+    "swap_ab",
 )
 
 
 def num_consumer_warpgroups(tile_m: int) -> int:
-    """64 -> one warpgroup of 64 rows; 128 -> two of 64 rows; 256 -> two of 128 rows."""
+    """By the tile's wgmma M side (tile_m, or tile_n for swap_ab): 64 -> one warpgroup of
+    64 rows; 128 -> two of 64 rows; 256 -> two of 128 rows."""
     return 1 if tile_m == 64 else 2
+
+
+def mma_tile(tile_m: int, tile_n: int, swap_ab: bool = False) -> tuple[int, int]:
+    """The kernel's (wgmma M side, wgmma N side) tile: (tile_m, tile_n), or swapped."""
+    return (tile_n, tile_m) if swap_ab else (tile_m, tile_n)
 
 
 def epilogue_tile(tile_m: int, tile_n: int) -> tuple[int, int]:
@@ -113,8 +140,9 @@ def epilogue_tile(tile_m: int, tile_n: int) -> tuple[int, int]:
     return rows, min(32, tile_n)
 
 
-def acc_regs_per_thread(tile_m: int, tile_n: int) -> int:
-    return tile_m * tile_n // (num_consumer_warpgroups(tile_m) * THREADS_PER_WARPGROUP)
+def acc_regs_per_thread(tile_m: int, tile_n: int, swap_ab: bool = False) -> int:
+    rows = mma_tile(tile_m, tile_n, swap_ab)[0]
+    return tile_m * tile_n // (num_consumer_warpgroups(rows) * THREADS_PER_WARPGROUP)
 
 
 def acc_sets(splits: int, split_mode: str) -> int:
@@ -146,42 +174,51 @@ def _stage_bytes(tile_m: int, tile_n: int) -> int:
     return (tile_m + tile_n) * TILE_K
 
 
-def _epi_bytes(tile_m: int, tile_n: int, out_dtype: str) -> int:
+def _epi_bytes(tile_m: int, tile_n: int, out_dtype: str, swap_ab: bool = False) -> int:
+    if swap_ab:
+        return SWAP_EPI_BYTES
     em, en = epilogue_tile(tile_m, tile_n)
     raw = em * en * OUT_DTYPE_BYTES[out_dtype] * EPI_STAGES
     return -(-raw // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
 
 
-def smem_bytes_for(tile_m: int, tile_n: int, stages: int, out_dtype: str = "bfloat16") -> int:
+def smem_bytes_for(tile_m: int, tile_n: int, stages: int, out_dtype: str = "bfloat16",
+                   swap_ab: bool = False) -> int:
     """Dynamic shared memory of one CTA: mbarriers + A/B stage buffers + C staging."""
     return (
         STATIC_SMEM_BYTES
         + MBAR_REGION_BYTES
         + stages * _stage_bytes(tile_m, tile_n)
-        + _epi_bytes(tile_m, tile_n, out_dtype)
+        + _epi_bytes(tile_m, tile_n, out_dtype, swap_ab)
     )
 
 
-def max_stages_for(tile_m: int, tile_n: int, out_dtype: str = "bfloat16") -> int:
-    """Most A/B stages that fit the budget (capped at MAX_STAGES); may be < 2."""
-    fixed = STATIC_SMEM_BYTES + MBAR_REGION_BYTES + _epi_bytes(tile_m, tile_n, out_dtype)
+def max_stages_for(tile_m: int, tile_n: int, out_dtype: str = "bfloat16",
+                   swap_ab: bool = False) -> int:
+    """Most A/B stages that fit the budget (capped at MAX_STAGES, SWAP_MAX_STAGES for
+    swap_ab); may be < 2."""
+    fixed = (STATIC_SMEM_BYTES + MBAR_REGION_BYTES
+             + _epi_bytes(tile_m, tile_n, out_dtype, swap_ab))
     free = SMEM_CAPACITY_BYTES - fixed
-    return min(MAX_STAGES, free // _stage_bytes(tile_m, tile_n))
+    cap = SWAP_MAX_STAGES if swap_ab else MAX_STAGES
+    return min(cap, free // _stage_bytes(tile_m, tile_n))
 
 
 def tile_is_feasible(tile_m: int, tile_n: int, out_dtype: str = "bfloat16",
-                     sets: int = 1) -> tuple[bool, str]:
+                     sets: int = 1, swap_ab: bool = False) -> tuple[bool, str]:
     """Whether the tile fits registers (``sets`` accumulator copies) and shared memory."""
-    if sets * acc_regs_per_thread(tile_m, tile_n) > MAX_ACC_REGS_PER_THREAD:
+    regs = acc_regs_per_thread(tile_m, tile_n, swap_ab)
+    if sets * regs > MAX_ACC_REGS_PER_THREAD:
         what = "" if sets == 1 else f" x {sets} (a serial split keeps a running sum)"
         return False, (
-            f"tile {tile_m}x{tile_n} needs {acc_regs_per_thread(tile_m, tile_n)}{what} fp32 "
+            f"tile {tile_m}x{tile_n} needs {regs}{what} fp32 "
             f"accumulator registers per consumer thread "
-            f"({num_consumer_warpgroups(tile_m)} consumer warpgroup(s)); the limit is "
+            f"({num_consumer_warpgroups(mma_tile(tile_m, tile_n, swap_ab)[0])} consumer "
+            f"warpgroup(s)); the limit is "
             f"{MAX_ACC_REGS_PER_THREAD} (consumer budget {CONSUMER_MAX_REGS} regs/thread). "
             f"Use a smaller tile, tile_m=128, or split_mode 'cta'."
         )
-    if max_stages_for(tile_m, tile_n, out_dtype) < MIN_STAGES:
+    if max_stages_for(tile_m, tile_n, out_dtype, swap_ab) < MIN_STAGES:
         return False, (
             f"tile {tile_m}x{tile_n} does not fit {MIN_STAGES} pipeline stages in "
             f"{SMEM_CAPACITY_BYTES} B of shared memory"
@@ -206,6 +243,9 @@ class HopperFp8Tactic:
       split_mode       "serial" (one CTA sums its tile's S ranges in registers) or "cta"
                        (S work units per tile, reduced through a workspace; needs S > 1
                        and cluster 1x1). Same arithmetic either way (module doc).
+      swap_ab          False, or True for the decode tiles: weight rows on the wgmma M
+                       side, tokens on its N side (module doc); tile_m in
+                       SWAP_TILE_M_CHOICES, tile_n in SWAP_TILE_N_CHOICES, cluster 1x1.
     """
 
     tile_m: int = 128
@@ -219,6 +259,7 @@ class HopperFp8Tactic:
     ab_dtype: str = "e4m3"
     splits: int = 1
     split_mode: str = "serial"
+    swap_ab: bool = False
 
     # -- derived facts -------------------------------------------------------------
     @property
@@ -231,7 +272,7 @@ class HopperFp8Tactic:
 
     @property
     def consumer_warpgroups(self) -> int:
-        return num_consumer_warpgroups(self.tile_m)
+        return num_consumer_warpgroups(mma_tile(self.tile_m, self.tile_n, self.swap_ab)[0])
 
     @property
     def threads_per_cta(self) -> int:
@@ -254,16 +295,18 @@ class HopperFp8Tactic:
         return (
             f"m{self.tile_m}n{self.tile_n}_c{self.cluster_m}x{self.cluster_n}"
             f"_r{self.raster}_s{self.swizzle}_st{self.stages}_{self.ab_dtype}_{self.out_dtype}"
-            f"{split}"
+            f"{split}{'_sw' if self.swap_ab else ''}"
         )
 
     # -- validation / encoding -------------------------------------------------------
     def normalized(self) -> HopperFp8Tactic:
         """Return the tactic with stages filled in (0 -> the most that fit), validated."""
         t = self
-        if t.stages == 0 and t.tile_m in TILE_M_CHOICES and t.tile_n in TILE_N_CHOICES \
-                and t.out_dtype in OUT_DTYPES:
-            t = dataclasses.replace(t, stages=max_stages_for(t.tile_m, t.tile_n, t.out_dtype))
+        ms, ns = ((SWAP_TILE_M_CHOICES, SWAP_TILE_N_CHOICES) if t.swap_ab is True
+                  else (TILE_M_CHOICES, TILE_N_CHOICES))
+        if t.stages == 0 and t.tile_m in ms and t.tile_n in ns and t.out_dtype in OUT_DTYPES:
+            t = dataclasses.replace(t, stages=max_stages_for(t.tile_m, t.tile_n, t.out_dtype,
+                                                             t.swap_ab))
         t.validate()
         return t
 
@@ -276,10 +319,22 @@ class HopperFp8Tactic:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool):
                 bad(f"{f} must be an int, got {type(v).__name__}")
-        if self.tile_m not in TILE_M_CHOICES:
-            bad(f"tile_m must be one of {TILE_M_CHOICES}")
-        if self.tile_n not in TILE_N_CHOICES:
-            bad(f"tile_n must be one of {TILE_N_CHOICES}")
+        if not isinstance(self.swap_ab, bool):
+            bad(f"swap_ab must be true or false, got {type(self.swap_ab).__name__}")
+        if self.swap_ab:
+            if self.tile_m not in SWAP_TILE_M_CHOICES:
+                bad(f"tile_m must be one of {SWAP_TILE_M_CHOICES} with swap_ab (the tokens "
+                    f"are the wgmma N side)")
+            if self.tile_n not in SWAP_TILE_N_CHOICES:
+                bad(f"tile_n must be one of {SWAP_TILE_N_CHOICES} with swap_ab (the weight "
+                    f"rows are the wgmma M side)")
+            if self.cluster_size != 1:
+                bad("swap_ab needs cluster_m = cluster_n = 1")
+        else:
+            if self.tile_m not in TILE_M_CHOICES:
+                bad(f"tile_m must be one of {TILE_M_CHOICES}")
+            if self.tile_n not in TILE_N_CHOICES:
+                bad(f"tile_n must be one of {TILE_N_CHOICES}")
         if (self.cluster_m, self.cluster_n) not in CLUSTER_CHOICES:
             bad(f"(cluster_m, cluster_n) must be one of {CLUSTER_CHOICES}")
         if self.raster not in RASTER_CHOICES:
@@ -299,14 +354,16 @@ class HopperFp8Tactic:
         if self.split_mode == "cta" and self.cluster_size != 1:
             bad("split_mode 'cta' needs cluster_m = cluster_n = 1")
         ok, why = tile_is_feasible(self.tile_m, self.tile_n, self.out_dtype,
-                                   acc_sets(self.splits, self.split_mode))
+                                   acc_sets(self.splits, self.split_mode), self.swap_ab)
         if not ok:
             bad(why)
-        top = max_stages_for(self.tile_m, self.tile_n, self.out_dtype)
+        top = max_stages_for(self.tile_m, self.tile_n, self.out_dtype, self.swap_ab)
         if not (MIN_STAGES <= self.stages <= top):
+            used = smem_bytes_for(self.tile_m, self.tile_n, self.stages, self.out_dtype,
+                                  self.swap_ab)
             bad(
                 f"stages must be in [{MIN_STAGES}, {top}] for tile {self.tile_m}x{self.tile_n} "
-                f"({smem_bytes_for(self.tile_m, self.tile_n, self.stages, self.out_dtype)} B of "
+                f"({used} B of "
                 f"shared memory at stages={self.stages}, budget {SMEM_CAPACITY_BYTES} B); "
                 f"pass stages=0 to take the most that fit"
             )
@@ -333,7 +390,7 @@ def tactic_from_params(params: Mapping[str, Any]) -> HopperFp8Tactic:
 
 
 def smem_bytes(t: HopperFp8Tactic) -> int:
-    return smem_bytes_for(t.tile_m, t.tile_n, t.stages, t.out_dtype)
+    return smem_bytes_for(t.tile_m, t.tile_n, t.stages, t.out_dtype, t.swap_ab)
 
 
 # --------------------------------------------------------------------------------------
@@ -359,6 +416,22 @@ US_PER_K_TILE = {
     (256, 192): (0.925, 0.964, 1.205),
 }
 
+# swap_ab tiles, (tile_m = tokens, tile_n = weight rows) -> the same three regimes: the
+# median of the same quantity over the H200 swap_ab wide run (14 (N, K) x M <= 256, and
+# the 64x128 tile at every M; docs/results/h200_hopper_fp8_swap_wide.csv, printed by
+# bench/gpu/hopper_fp8_fit.py --per-k-tile). The small tiles were not timed past M = 256:
+# 1.0 us ranks them behind every measured tile there.
+SWAP_US_PER_K_TILE = {
+    (8, 64): (0.142, 0.087, 1.0),
+    (8, 128): (0.207, 0.172, 1.0),
+    (16, 64): (0.156, 0.128, 1.0),
+    (16, 128): (0.194, 0.218, 1.0),
+    (32, 64): (0.188, 0.158, 1.0),
+    (32, 128): (0.214, 0.261, 1.0),
+    (64, 64): (0.265, 0.200, 0.220),
+    (64, 128): (0.270, 0.307, 0.317),
+}
+
 # Fitted on the same run (bench/gpu/hopper_fp8_fit.py): the constants that rank each
 # class's measured tactics best (geometric mean of first choice / best 1.035 over 588
 # (shape, M, class) points before the recorded winners below).
@@ -374,8 +447,8 @@ def _regime(m: int) -> int:
     return 0 if m <= 64 else (1 if m <= 1024 else 2)
 
 
-def _per_k_tile_us(tile_m: int, tile_n: int, m: int) -> float:
-    per = US_PER_K_TILE.get((tile_m, tile_n))
+def _per_k_tile_us(tile_m: int, tile_n: int, m: int, swap_ab: bool = False) -> float:
+    per = (SWAP_US_PER_K_TILE if swap_ab else US_PER_K_TILE).get((tile_m, tile_n))
     if per is None:  # a tile shape not measured: scale from operand bytes per K tile
         return 0.0032 * (tile_m + tile_n) * max(1.0, tile_m * tile_n / 16384)
     return per[_regime(m)]
@@ -404,7 +477,7 @@ def estimate_us(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int = H200_
     units = work_units(t, m, n)
     waves = -(-units // slots)
     kt = -(-k // TILE_K)
-    per = _per_k_tile_us(t.tile_m, t.tile_n, m)
+    per = _per_k_tile_us(t.tile_m, t.tile_n, m, t.swap_ab)
     partial_bytes = 0
     if t.split_mode == "cta" and t.splits > 1:
         if waves > 1:  # 'cta' exists to fill one wave; past that 'serial' has the same
@@ -443,15 +516,18 @@ def _cost(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int) -> tuple:
 SPLIT_CTA_TILES = ((64, 64), (64, 128), (64, 192), (64, 256), (128, 128), (128, 256))
 SPLIT_SERIAL_TILES = ((64, 64, "m"), (64, 128, "m"), (64, 192, "m"), (128, 64, "m"),
                       (128, 128, "m"), (128, 128, "n"), (128, 192, "m"), (128, 192, "n"))
+# swap_ab tiles (tokens x weight rows), in every class: S = 1, and both split modes for S > 1
+SWAP_TILES = tuple((tm, tn) for tn in SWAP_TILE_N_CHOICES for tm in SWAP_TILE_M_CHOICES)
 
 
 def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
                  splits: int | None = None) -> list[HopperFp8Tactic]:
     """Every tactic the family plans, for one split count S or (None) for all of them.
 
-    S = 1: every feasible tile x cluster x raster x swizzle (264). S > 1: split_mode
-    'cta' on SPLIT_CTA_TILES and 'serial' on SPLIT_SERIAL_TILES, cluster 1x1, swizzle 1
-    (14 per S: clusters and swizzles lost at small M in the S = 1 measurements).
+    S = 1: every feasible tile x cluster x raster x swizzle (264) and the 8 swap_ab tiles
+    (272). S > 1: split_mode 'cta' on SPLIT_CTA_TILES and 'serial' on SPLIT_SERIAL_TILES,
+    cluster 1x1, swizzle 1 (14 per S: clusters and swizzles lost at small M in the S = 1
+    measurements), and both modes on the 8 swap_ab tiles (30 per S; 392 in all).
     """
     out: list[HopperFp8Tactic] = []
     for sp in SPLIT_CHOICES if splits is None else (splits,):
@@ -466,6 +542,7 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
                             for swz in SWIZZLE_CHOICES:
                                 out.append(HopperFp8Tactic(tm, tn, cm, cn, raster, swz, stages,
                                                            out_dtype, ab_dtype))
+            out += _swap_tactics(sp, "serial", out_dtype, ab_dtype)
             continue
         for tm, tn in SPLIT_CTA_TILES:
             out.append(HopperFp8Tactic(tm, tn, 1, 1, "m", 1, max_stages_for(tm, tn, out_dtype),
@@ -474,7 +551,15 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
             out.append(HopperFp8Tactic(tm, tn, 1, 1, raster, 1,
                                        max_stages_for(tm, tn, out_dtype), out_dtype, ab_dtype,
                                        sp, "serial"))
+        out += _swap_tactics(sp, "cta", out_dtype, ab_dtype)
+        out += _swap_tactics(sp, "serial", out_dtype, ab_dtype)
     return out
+
+
+def _swap_tactics(splits: int, mode: str, out_dtype: str, ab_dtype: str
+                  ) -> list[HopperFp8Tactic]:
+    return [HopperFp8Tactic(tm, tn, 1, 1, "m", 1, max_stages_for(tm, tn, out_dtype, True),
+                            out_dtype, ab_dtype, splits, mode, True) for tm, tn in SWAP_TILES]
 
 
 def _check_problem(m: int, n: int, k: int, out_dtype: str, ab_dtype: str) -> None:
@@ -491,17 +576,20 @@ def _check_problem(m: int, n: int, k: int, out_dtype: str, ab_dtype: str) -> Non
 
 def recorded_key(t: HopperFp8Tactic) -> str:
     """Short name of a cluster-1x1, swizzle-1 tactic in a recorded table, e.g. '64x128mc'
-    (tile, raster, then 'c' or 's' for the split mode of S > 1)."""
+    ('w' first for swap_ab, then the tile, raster, and 'c' or 's' for the split mode of
+    S > 1), e.g. 'w8x128mc'."""
     mode = t.split_mode[0] if t.splits > 1 else ""
-    return f"{t.tile_m}x{t.tile_n}{t.raster}{mode}"
+    return f"{'w' if t.swap_ab else ''}{t.tile_m}x{t.tile_n}{t.raster}{mode}"
 
 
 def _from_key(key: str, splits: int, out_dtype: str, ab_dtype: str) -> HopperFp8Tactic:
+    swap = key.startswith("w")
+    key = key[1:] if swap else key
     tile, rest = key[:-1 if splits == 1 else -2], key[-1 if splits == 1 else -2:]
     tm, tn = (int(x) for x in tile.split("x"))
     mode = {"c": "cta", "s": "serial"}[rest[1]] if splits > 1 else "serial"
     return HopperFp8Tactic(tm, tn, 1, 1, rest[0], 1, 0, out_dtype, ab_dtype, splits,
-                           mode).normalized()
+                           mode, swap).normalized()
 
 
 def _load_recorded() -> dict:
@@ -560,31 +648,33 @@ def enumerate_tactics(
     return out
 
 
-# choose_split, derived from the H200 wide run (bench/gpu/hopper_fp8_fit.py): per (N, K),
+# choose_split, derived from the H200 wide runs (bench/gpu/hopper_fp8_fit.py): per (N, K),
 # the class whose best kernel per M gives the highest geometric-mean speed over the 14 M.
-# S = 8 and 16 never won (the 'cta' round trip and the serial drains cost more than the
-# extra parallelism gives), S = 2 and 4 won where each split still walks >= 28 K tiles
-# (K >= 3584 S); below that S = 1 was best or within noise.
+# Before swap_ab, S = 2 and 4 won where each split still walked >= 28 K tiles (decode
+# needed the extra CTAs). With the swap_ab decode tiles (one CTA per 64 weight rows) S = 1
+# wins wherever ceil(N / 64) CTAs already fill a good part of the chip, since S = 1 keeps
+# the large-M tiles free of drains and second accumulators; S = 8 and 16 never won.
 SPLIT_MAX = 4
 SPLIT_MIN_K_PER_SPLIT = 3584  # 28 K tiles of 128
-SPLIT_TILE_N = 256  # the widest decode tile: N tiles x S must fit one wave
+SPLIT_TILE_N = 64  # the swap_ab decode tile's weight rows: one CTA each at S = 1
+SPLIT_SM_SHARE = 2  # split only while the split decode CTAs fill at most 1/2 of the SMs
 
 
 def choose_split(n: int, k: int, sm_count: int = H200_NUM_SMS) -> int:
     """S of the reduction-order class a batch-invariant plan uses for (N, K) on a device
-    with ``sm_count`` SMs: the largest S <= SPLIT_MAX with K >= SPLIT_MIN_K_PER_SPLIT * S
-    and ceil(N / SPLIT_TILE_N) * S <= sm_count. Depends on N, K and the device only,
-    never on M."""
+    with ``sm_count`` SMs: S = 1, doubled while 2S <= SPLIT_MAX, each split keeps
+    K >= SPLIT_MIN_K_PER_SPLIT * 2S and the decode CTAs ceil(N / SPLIT_TILE_N) * 2S fill
+    at most sm_count / SPLIT_SM_SHARE SMs. Depends on N, K and the device only, never on
+    M."""
     for name, v in (("n", n), ("k", k), ("sm_count", sm_count)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     tiles = -(-n // SPLIT_TILE_N)
-    best = 1
-    for sp in SPLIT_CHOICES[1:]:
-        if sp > SPLIT_MAX or k < SPLIT_MIN_K_PER_SPLIT * sp or tiles * sp > sm_count:
-            break
-        best = sp
-    return best
+    s = 1
+    while (2 * s <= SPLIT_MAX and k >= SPLIT_MIN_K_PER_SPLIT * 2 * s
+           and tiles * 2 * s * SPLIT_SM_SHARE <= sm_count):
+        s *= 2
+    return s
 
 
 def default_tactic(m: int, n: int, k: int, out_dtype: str = "bfloat16") -> HopperFp8Tactic:
