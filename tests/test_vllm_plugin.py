@@ -209,6 +209,11 @@ def test_without_certification_on_vllms_flashinfer_pin_the_log_says_why(vllm_run
 
 
 @needs_vllm
+def test_the_kernels_custom_op_traces_with_fake_tensors(vllm_runs):
+    assert vllm_runs["90"][0]["custom_op_fake"] == [[5, 32], "torch.float16"]
+
+
+@needs_vllm
 def test_linear_backend_cached_is_accepted_by_vllms_cli(vllm_runs):
     assert vllm_runs["90"][0]["cli"] == "cached"
     assert vllm_runs["90-vllm"][0]["cli"] == "refused"  # vLLM alone does not know the name

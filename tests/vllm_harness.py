@@ -131,6 +131,17 @@ if hasattr(fu, "bmm_fp8"):
     except Exception as exc:  # noqa: BLE001 -- reported
         out["bmm_backend"] = f"{type(exc).__name__}: {exc}"[:400]
 
+# the kernel's custom op, as torch.compile traces it (fake tensors: shape and dtype only)
+if "cached_client.vllm_kernel" in sys.modules:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a = torch.empty(5, 64, dtype=torch.float8_e4m3fn, device="cuda")
+        b = torch.empty(32, 64, dtype=torch.float8_e4m3fn, device="cuda")
+        s = torch.ones(1, dtype=torch.float32, device="cuda")
+        y = torch.ops.cached.fp8_gemm(a, b, s, s, 0, torch.float16)
+    out["custom_op_fake"] = [list(y.shape), str(y.dtype)]
+
 out["flashinfer_imported"] = "flashinfer" in sys.modules
 out["cuda_initialized"] = torch.cuda.is_initialized()
 sys.stdout.flush()
