@@ -8,6 +8,7 @@ eviction, verification) runs off the event loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -30,6 +31,13 @@ LIST_FIELDS = ("key", "family", "kernel_name", "arch", "sm_count", "max_active_c
                "params", "size", "compile_seconds", "created", "last_used", "hits", "toolchain")
 
 
+@functools.cache
+def reduction_classes() -> dict[str, dict]:
+    """``hello``'s ``reduction_classes``: every family's declared classes (no toolchain is
+    imported: a family module's main-process half is light)."""
+    return {name: families.get(name).reduction_info() for name in families.names()}
+
+
 class Service:
     def __init__(self, scheduler: Scheduler, access: Access, stats: Stats,
                  snapshot: Callable[[], dict]) -> None:
@@ -44,7 +52,8 @@ class Service:
             v=p.PROTOCOL_VERSION, ops=sorted(p.OPS), capabilities=list(p.CAPABILITIES),
             families=families.names(), toolchain=self.scheduler.identity.toolchain,
             versions=toolchain.versions(), runtime_library=toolchain.runtime_library(),
-            serve_only=self.scheduler.pool.size == 0, may_publish=self.access.may_publish(peer))
+            serve_only=self.scheduler.pool.size == 0, may_publish=self.access.may_publish(peer),
+            reduction_classes=reduction_classes())
 
     async def get(self, m: p.GetRequest, peer: Peer) -> p.GetReply | tuple[p.GetReply, bytes]:
         """The artifact; its latency (decoded request to reply, seconds) goes into the
@@ -68,7 +77,10 @@ class Service:
 
     async def plan(self, m: p.PlanRequest, peer: Peer) -> p.PlanReply:
         wires = await self.scheduler.plan(m)
-        return p.PlanReply(requests=[p.Kernel()(w, "requests") for w in wires])
+        requests = [p.Kernel()(w, "requests") for w in wires]
+        family = families.get(m.family)
+        return p.PlanReply(requests=requests,
+                           classes=[family.reduction_class(r.params) for r in requests])
 
     async def stats_(self, m: p.Empty, peer: Peer) -> p.StatsReply:
         return p.StatsReply(stats=self.snapshot())

@@ -12,13 +12,15 @@ from cached_client import policy
 from conftest import DaemonProcess
 
 BI = True
-# (op, quant, arch, backend) -> (kernel, tactics, warning substring or None)
+# (op, quant, arch, backend) -> (kernel, tactics, warning substring or None); without a daemon
+# no family's reduction-order classes are known, so one tactic for every M (with a daemon:
+# test_gemm_plan.py::test_policy_reads_classes_from_hello_not_a_table)
 TABLE = [
     # FP8: FlashInfer's FP8 batch-invariant class where it serves the arch
-    ("bmm", "fp8", "sm_100a", None, "flashinfer.bi.bmm_fp8", "set", None),
-    ("bmm", "fp8", "sm_103a", "auto", "flashinfer.bi.bmm_fp8", "set", None),
-    ("linear", "fp8", "sm_100a", None, "flashinfer.bi.bmm_fp8", "set", None),
-    ("bmm", "fp8", "sm_100a", "cublas", "flashinfer.bi.bmm_fp8", "set",
+    ("bmm", "fp8", "sm_100a", None, "flashinfer.bi.bmm_fp8", "one", None),
+    ("bmm", "fp8", "sm_103a", "auto", "flashinfer.bi.bmm_fp8", "one", None),
+    ("linear", "fp8", "sm_100a", None, "flashinfer.bi.bmm_fp8", "one", None),
+    ("bmm", "fp8", "sm_100a", "cublas", "flashinfer.bi.bmm_fp8", "one",
      "overrides backend='cublas'"),
     # ... vLLM's pin to cutlass when asked for, and on Hopper without the project's family
     ("bmm", "fp8", "sm_100a", "cutlass", "cutlass", "one", None),
@@ -32,8 +34,8 @@ TABLE = [
      "overrides backend='flashinfer-cutedsl'"),
     ("linear", "nvfp4-w4a16", "sm_90a", "marlin", "humming", "one", "overrides backend='marlin'"),
     # W4A4 NVFP4: a batch-invariant class
-    ("linear", "nvfp4-w4a4", "sm_100a", None, "flashinfer.bi.mm_fp4", "set", None),
-    ("linear", "nvfp4-w4a4", "sm_103a", "flashinfer-cutedsl", "flashinfer.bi.mm_fp4", "set",
+    ("linear", "nvfp4-w4a4", "sm_100a", None, "flashinfer.bi.mm_fp4", "one", None),
+    ("linear", "nvfp4-w4a4", "sm_103a", "flashinfer-cutedsl", "flashinfer.bi.mm_fp4", "one",
      "split-K"),
     ("linear", "nvfp4-w4a4", "sm_100a", "cutlass", "cutlass", "one", None),
     ("linear", "nvfp4-w4a4", "sm_90a", None, "humming", "one", "not served on sm_90a"),
@@ -69,13 +71,6 @@ def test_bad_input_and_bmm_is_fp8_only():
             policy.select(*args, True)
 
 
-def test_declared_m_independence_matches_the_families():
-    from cached.families import get
-
-    for name, value in policy.M_INDEPENDENT.items():
-        assert get(name).reduction_order_m_independent is value
-
-
 def test_cli_json_equals_select_and_import_is_light():
     out = subprocess.run([sys.executable, "-m", "cached_client", "select", "--op", "linear",
                           "--quant", "nvfp4-w4a16", "--arch", "sm_100a", "--batch-invariant",
@@ -93,8 +88,10 @@ def test_cli_json_equals_select_and_import_is_light():
 class FakeCertClient:
     """Answers the daemon's ``certifications`` op (cached certify's records)."""
 
-    def __init__(self, records, families=("cached.hopper_fp8",)):
+    def __init__(self, records, families=("cached.hopper_fp8",), classes=None):
         self.records, self.families = records, list(families)
+        self.classes = classes if classes is not None else {
+            "cached.hopper_fp8": {"classes": ["k128.acc1.s1.fixed"], "m_independent": True}}
 
     def certifications(self, family=None, timeout=None):
         return [r for r in self.records if family in (None, r["family"])]
@@ -102,15 +99,16 @@ class FakeCertClient:
     def hello(self, timeout=None):
         from cached_client.protocol import HelloReply
 
-        return HelloReply(v=1, ops=["certifications"], families=self.families)
+        return HelloReply(v=1, ops=["certifications"], families=self.families,
+                          reduction_classes=self.classes)
 
 
-def test_hopper_family_when_the_daemon_has_it_and_certification_rule(monkeypatch):
+def test_hopper_family_when_the_daemon_has_it_and_certification_rule():
     client = FakeCertClient([])
     sel = policy.select("bmm", "fp8", "sm_90a", True, client=client)
     assert sel.kernel == "cached.hopper_fp8" and sel.warnings == [] and sel.tactics == "set"
     # a family that does not declare M-independence needs a 0-row certification on the device
-    monkeypatch.setitem(policy.M_INDEPENDENT, "cached.hopper_fp8", False)
+    client.classes = {"cached.hopper_fp8": {"classes": [], "m_independent": False}}
     assert policy.select("bmm", "fp8", "sm_90a", True, client=client, n=4096, k=4096,
                          device="NVIDIA H200").tactics == "one"
     rec = {"family": "cached.hopper_fp8", "tactics": ["a", "b"], "n": 4096, "k": 4096,

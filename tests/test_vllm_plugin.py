@@ -1,15 +1,22 @@
-"""The vLLM general plugin, loaded the way vLLM's plugin loader loads it: entry points of
-the group ``vllm.general_plugins`` through importlib.metadata, called in several processes."""
+"""The vLLM general plugin. First loaded as vLLM's loader loads it (entry points of the group
+``vllm.general_plugins``) in processes of this environment; then with vLLM 0.33.0's own code
+in the second environment (.venv-vllm, ``make setup-vllm``): its plugin loader and logging
+configuration, ``init_fp8_linear_kernel`` on a CUDA platform of capability 90 and 100 (only
+the capability patched: tests/vllm_harness.py), ``fp8_scaled_mm_is_batch_invariant``, the
+CLI's ``--linear-backend``, the NVFP4 selection and FlashInfer's FP8 bmm backend. The daemon
+is a real ``cached serve`` holding real certification records."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import DaemonProcess
+from conftest import ROOT, DaemonProcess
 
 LOADER = """
 import json, logging, sys
@@ -19,17 +26,21 @@ plugins = {ep.name: ep for ep in entry_points(group="vllm.general_plugins")}
 assert "cached" in plugins, plugins
 plugins["cached"].load()()          # what vllm.plugins.load_general_plugins() does
 from cached_client import flashinfer
-print("RESULT " + json.dumps({"installed": flashinfer.installed(),
-                              "flashinfer_imported": "flashinfer" in sys.modules}))
+result = {"installed_before": flashinfer.installed(),
+          "flashinfer_imported": "flashinfer" in sys.modules}
+if len(sys.argv) > 1:
+    import flashinfer as fi         # the plugin's hooks attach now
+    result["installed_after_import"] = flashinfer.installed()
+print("RESULT " + json.dumps(result))
 """
 
 
-def _run(env: dict) -> tuple[dict, str]:
-    proc = subprocess.run([sys.executable, "-c", LOADER], capture_output=True, text=True,
+def _run(env: dict, *args: str) -> tuple[dict, str]:
+    proc = subprocess.run([sys.executable, "-c", LOADER, *args], capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    logs = [x for x in proc.stderr.splitlines() if x.startswith("cached_client")]
+    logs = [x for x in proc.stderr.splitlines() if x.startswith("vllm.cached")]
     return json.loads(line[7:]), "\n".join(logs)
 
 
@@ -39,28 +50,244 @@ def test_without_a_live_daemon_one_log_line_and_nothing_else(tmp_path, socket):
         socket = str(tmp_path / "not-a-socket")
         open(socket, "w").close()
     result, logs = _run({"CACHED_SOCKET": socket})
-    assert result == {"installed": False, "flashinfer_imported": False}
+    assert result == {"installed_before": False, "flashinfer_imported": False}
     assert len(logs.splitlines()) == 1 and "in-process" in logs
 
 
-def test_with_a_live_daemon_every_process_installs(tmp_path):
+def test_with_a_live_daemon_flashinfer_is_hooked_when_first_imported(tmp_path):
     pytest.importorskip("flashinfer")
     d = DaemonProcess(tmp_path, workers=1)
     try:
         env = {**os.environ, "CACHED_SOCKET": d.socket}
-        procs = [subprocess.Popen([sys.executable, "-c", LOADER], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)]
+        procs = [subprocess.Popen([sys.executable, "-c", LOADER, "import"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=env) for _ in range(3)]
         for p in procs:
             out, err = p.communicate(timeout=300)
             assert p.returncode == 0, err[-3000:]
             line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-            assert json.loads(line[7:]) == {"installed": True, "flashinfer_imported": True}
-            assert "now come from the daemon" in err
+            assert json.loads(line[7:]) == {"installed_before": False,
+                                            "flashinfer_imported": False,
+                                            "installed_after_import": True}
+            assert "CuTe-DSL kernels now come from the daemon" in err
+            assert f"daemon at {d.socket} (toolchain" in err
     finally:
         d.stop()
 
 
-def test_vllm_itself_if_installed(tmp_path):
-    vllm = pytest.importorskip("vllm.plugins")
-    os.environ.pop("CACHED_SOCKET", None)
-    vllm.load_general_plugins()
+# -- with vLLM 0.33.0's own code (.venv-vllm) --------------------------------------------------
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+HARNESS = ROOT / "tests" / "vllm_harness.py"
+H200, H100, B200 = "NVIDIA H200", "NVIDIA H100", "NVIDIA B200"
+CACHED, CUTLASS, FLASHINFER = ("CachedFP8ScaledMMLinearKernel", "CutlassFP8ScaledMMLinearKernel",
+                               "FlashInferFP8ScaledMMLinearKernel")
+needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(),
+                                reason="the vLLM environment: make setup-vllm")
+
+
+def _flashinfer_074(tmp: Path) -> Path:
+    """A directory that puts this environment's FlashInfer (0.7.4, with its batch-invariant
+    classes) ahead of vLLM's pin on the vLLM environment's path, as an upgrade would."""
+    spec = importlib.util.find_spec("flashinfer")
+    site = Path(spec.origin).parents[1]
+    overlay = tmp / "flashinfer-0.7.4"
+    overlay.mkdir()
+    (overlay / "flashinfer").symlink_to(site / "flashinfer")
+    for dist in site.glob("flashinfer_python-*.dist-info"):
+        (overlay / dist.name).symlink_to(dist)
+    return overlay
+
+
+def _harness(cap: int, scenarios: list[dict], env: dict, path: list[Path] = ()) -> subprocess.Popen:
+    full = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PYTHONPATH")}
+    full.update({"VLLM_HAS_FLASHINFER_CUBIN": "1", "PYTHONUNBUFFERED": "1",
+                 "PYTHONPATH": os.pathsep.join([*map(str, path), str(ROOT / "client")]), **env})
+    return subprocess.Popen([str(VLLM_PYTHON), str(HARNESS), str(cap), json.dumps(scenarios)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full)
+
+
+SC90 = [{"bi": 1, "device": H200}, {"bi": 1, "device": H100}, {"bi": 0, "device": H200},
+        {"bi": 0, "backend": "cached"}, {"bi": 1, "device": H200, "backend": "cutlass"}]
+SC100 = [{"bi": 1, "device": B200}, {"bi": 1, "device": H200}, {"bi": 0, "device": B200}]
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(tmp_path_factory):
+    """Every vLLM process of these tests, run two at a time against one daemon."""
+    if not VLLM_PYTHON.exists():
+        pytest.skip("the vLLM environment: make setup-vllm")
+    pytest.importorskip("flashinfer")
+    tmp = tmp_path_factory.mktemp("vllm")
+    d = DaemonProcess(tmp, workers=0)
+    try:
+        c = d.client(timeout=30)
+        for family, device, arch in (("cached.hopper_fp8", H200, "sm_90a"),
+                                     ("flashinfer.bi.bmm_fp8", B200, "sm_100a")):
+            c.certify_record({"family": family, "n": 4096, "k": 4096, "device": device,
+                              "arch": arch, "tactics": [{}], "ms": [1, 2048],
+                              "rows_differing": {"t0": 0, "mix": 0, "cross_tactic": 0}})
+        c.certify_record({"family": "cached.hopper_fp8", "n": 4096, "k": 4096, "device": H100,
+                          "arch": "sm_90a", "tactics": [{}],
+                          "rows_differing": {"t0": 0, "mix": 3, "cross_tactic": 0}})
+        live = {"CACHED_SOCKET": d.socket}
+        fi = _flashinfer_074(tmp)
+        jobs = {
+            "90": (90, SC90, {**live, "VLLM_BATCH_INVARIANT": "1"}, []),
+            "90-vllm": (90, SC90, {"VLLM_PLUGINS": "", "VLLM_BATCH_INVARIANT": "1"}, []),
+            "100-pin": (100, SC100, {**live, "VLLM_BATCH_INVARIANT": "1"}, []),
+            "100": (100, SC100, {**live, "VLLM_BATCH_INVARIANT": "1"}, [fi]),
+            # vLLM alone, started without batch invariance (each scenario sets its own)
+            "100-vllm": (100, SC100, {"VLLM_PLUGINS": "", "VLLM_BATCH_INVARIANT": "0"}, [fi]),
+            "100-nobi": (100, [], {**live, "VLLM_BATCH_INVARIANT": "0"}, [fi]),
+        }
+        results, names = {}, list(jobs)
+        while names:
+            batch, names = names[:2], names[2:]
+            procs = {n: _harness(*jobs[n]) for n in batch}
+            for n, p in procs.items():
+                out, _ = p.communicate(timeout=600)
+                line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+                assert p.returncode == 0 and line, f"{n}:\n{out[-4000:]}"
+                results[n] = (json.loads(line[-1][7:]), out)
+        yield results
+    finally:
+        d.stop()
+
+
+@needs_vllm
+def test_vllms_loader_loads_the_plugin_and_its_lines_show_under_vllms_logging(vllm_runs):
+    result, out = vllm_runs["90"]
+    assert "cached_client.vllm_plugin" in result["plugins"]
+    line = next(x for x in out.splitlines() if "cached: pid" in x)
+    # vLLM's default format: "(MainProcess pid=N) INFO MM-DD hh:mm:ss [file:line] message"
+    assert line.startswith("(MainProcess pid=") and " INFO " in line
+    assert "[vllm_plugin.py:" in line and "daemon at " in line and "(toolchain " in line
+    chosen = [x for x in out.splitlines() if "FP8 linears run cached.hopper_fp8" in x]
+    assert len(chosen) == 2  # once per reason, however many layers ask
+    assert "VLLM_BATCH_INVARIANT=1" in chosen[0] and "certified on NVIDIA H200" in chosen[0]
+    assert "(--linear-backend cached)" in chosen[1]
+    # the plugin is not loaded where vLLM is told to load none
+    assert "cached_client.vllm_plugin" not in vllm_runs["90-vllm"][0]["plugins"]
+
+
+@needs_vllm
+@pytest.mark.parametrize("run,base,index,want", [
+    ("90", "90-vllm", 0, CACHED),         # batch invariant, certified on this device
+    ("90", "90-vllm", 1, None),           # H100's record has 3 differing rows: vLLM's choice
+    ("90", "90-vllm", 2, None),           # no batch invariance: vLLM's choice
+    ("90", "90-vllm", 3, CACHED),         # --linear-backend cached, asked for
+    ("90", "90-vllm", 4, None),           # --linear-backend cutlass stays cutlass
+    ("100", "100-vllm", 0, CACHED),       # FlashInfer 0.7.4: its batch-invariant FP8 class
+    ("100", "100-vllm", 1, None),         # no certification for this device
+    ("100", "100-vllm", 2, None),         # no batch invariance
+    ("100-pin", "100-vllm", 0, None),     # vLLM's FlashInfer pin 0.7.2.post1: not offered
+])
+def test_fp8_linear_selection_at_capability_90_and_100(vllm_runs, run, base, index, want):
+    got = vllm_runs[run][0]["selected"][index]
+    vllm_choice = vllm_runs[base][0]["selected"][index]
+    if want is None:
+        assert got["static_tensor"] == vllm_choice["static_tensor"]
+        assert got["static_tensor"][0] != CACHED
+    else:
+        assert got["static_tensor"] == [want, True]  # fp8_scaled_mm_is_batch_invariant: true
+        if "config_error" in vllm_choice:  # vLLM alone refuses --linear-backend cached
+            assert "linear_backend" in vllm_choice["config_error"]
+        else:
+            assert vllm_choice["static_tensor"][0] in (CUTLASS, FLASHINFER)
+    asked = run == "90" and SC90[index].get("backend") == "cached"
+    if not asked:  # per-token activation scales: not this kernel's, vLLM's choice stands
+        assert got["dynamic_token"] == vllm_choice["dynamic_token"]
+
+
+@needs_vllm
+def test_without_certification_on_vllms_flashinfer_pin_the_log_says_why(vllm_runs):
+    result, out = vllm_runs["100-pin"]
+    assert result["selected"][0]["static_tensor"] == [FLASHINFER, False]
+    assert any("not offered on sm_100a" in x and "FlashInfer 0.7.2.post1" in x
+               and "no flashinfer.batch_invariant" in x for x in out.splitlines())
+
+
+@needs_vllm
+def test_the_kernels_custom_op_traces_with_fake_tensors(vllm_runs):
+    assert vllm_runs["90"][0]["custom_op_fake"] == [[5, 32], "torch.float16"]
+
+
+@needs_vllm
+def test_linear_backend_cached_is_accepted_by_vllms_cli(vllm_runs):
+    assert vllm_runs["90"][0]["cli"] == "cached"
+    assert vllm_runs["90-vllm"][0]["cli"] == "refused"  # vLLM alone does not know the name
+
+
+@needs_vllm
+def test_62192_pins_under_batch_invariance_only(vllm_runs):
+    pinned, vllm_alone = vllm_runs["90"][0], vllm_runs["90-vllm"][0]
+    # FlashInfer's FP8 bmm: vLLM 0.33.0 sends 'auto'; pinned to 'cutlass' under BI
+    assert vllm_alone["bmm_backend"] == ["auto"] and pinned["bmm_backend"] == ["cutlass"]
+    assert any("'cutlass' backend instead of 'auto'" in x and " WARNING " in x
+               for x in vllm_runs["90"][1].splitlines())
+    # W4A16 NVFP4: vLLM 0.33.0 forces a W4A4-only kernel; the pin asks for Humming (not
+    # installed in this environment, so its own reason is given)
+    assert "does not support W4A16" in vllm_alone["w4a16"]
+    assert "runs on HummingNvFp4LinearKernel" in pinned["w4a16"]
+    assert "Humming is not installed" in pinned["w4a16"]
+    # without batch invariance vLLM's choices are untouched
+    nobi, nobi_alone = vllm_runs["100-nobi"][0], vllm_runs["100-vllm"][0]
+    assert nobi["bmm_backend"] == nobi_alone["bmm_backend"] == ["auto"]
+    assert nobi["w4a16"] == nobi_alone["w4a16"] == "FlashInferCuteDslNvFp4W4A16LinearKernel"
+
+
+@needs_vllm
+def test_fp8_selection_neither_imports_flashinfer_nor_initialises_cuda(vllm_runs):
+    for result, _ in vllm_runs.values():
+        assert result["after_fp8_selection"] == {"flashinfer_imported": False,
+                                                 "cuda_initialized": False}
+        assert result["cuda_initialized"] is False
+    # vLLM's own NVFP4 W4A16 selection imports FlashInfer; the plugin's hook attaches then
+    result, out = vllm_runs["100-nobi"]
+    assert result["flashinfer_imported"] is True
+    assert any("cached: FlashInfer 0.7.4: CuTe-DSL kernels now come from the daemon" in x
+               for x in out.splitlines())
+
+
+PROBE = """
+import json, sys
+import torch
+calls = []
+for name in ("_lazy_init", "init", "device_count", "is_available", "get_device_capability",
+             "get_device_properties", "get_device_name", "current_device"):
+    original = getattr(torch.cuda, name)
+    def wrapped(*a, _name=name, _original=original, **k):
+        calls.append(_name)
+        return _original(*a, **k)
+    setattr(torch.cuda, name, wrapped)
+from vllm.config.logging import LoggingConfig
+from vllm.logger import configure_logging
+configure_logging(LoggingConfig())
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+before = {"flashinfer": "flashinfer" in sys.modules, "cuda_calls": sorted(set(calls)),
+          "cuda_initialized": torch.cuda.is_initialized(),
+          "plugin": "cached_client.vllm_plugin" in sys.modules}
+import flashinfer
+print("RESULT " + json.dumps(before), flush=True)
+"""
+
+
+@needs_vllm
+def test_the_plugin_costs_nothing_until_flashinfer_is_imported(tmp_path):
+    d = DaemonProcess(tmp_path, workers=0)
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PYTHONPATH")}
+        env.update({"CACHED_SOCKET": d.socket, "PYTHONPATH": str(ROOT / "client")})
+        proc = subprocess.run([str(VLLM_PYTHON), "-c", PROBE], capture_output=True, text=True,
+                              env=env, timeout=600)
+    finally:
+        d.stop()
+    out = proc.stdout + proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    assert json.loads(line[7:]) == {"flashinfer": False, "cuda_calls": [],
+                                    "cuda_initialized": False, "plugin": True}
+    # the hook attached when FlashInfer was imported: vLLM's pin 0.7.2.post1 lacks what the
+    # integration hooks (cached_client.flashinfer, issue 11), and the line says so
+    assert any("cached: FlashInfer 0.7.2.post1" in x for x in out.splitlines()), out[-3000:]

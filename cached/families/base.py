@@ -42,6 +42,16 @@ class Family(abc.ABC):
         at every M; a batch-invariant plan never mixes classes."""
         return None
 
+    def reduction_classes(self) -> tuple[str, ...]:
+        """Every class id :meth:`reduction_class` can answer (empty: none declared)."""
+        return ()
+
+    def reduction_info(self) -> dict[str, Any]:
+        """What ``hello`` publishes for this family: its class ids and whether a class's
+        reduction order is declared M-independent (``m_independent``)."""
+        return {"classes": list(self.reduction_classes()),
+                "m_independent": bool(self.reduction_order_m_independent)}
+
     def check_arch(self, arch: str) -> None:
         if arch not in self.arches:
             raise InvalidTactic(

@@ -177,6 +177,16 @@ class _BatchInvariantFamily(Family):
 
     b_majors: tuple[str, ...] = ("k",)
 
+    def reduction_class(self, params: Mapping[str, Any]) -> str:
+        """``<in_fmt>.c<chunks>``: FlashInfer's class for a weight shape is its input format
+        and chunk count (every configuration and the split's fixup compute the same bits)."""
+        in_fmt = require(params, "in_fmt", self.in_fmts)
+        return f"{in_fmt}.c{_positive(params, 'chunks', MAX_CHUNKS)}"
+
+    def reduction_classes(self) -> tuple[str, ...]:
+        chunks = [1 << i for i in range(MAX_CHUNKS.bit_length())]
+        return tuple(f"{fmt}.c{c}" for fmt in self.in_fmts for c in chunks)
+
     def canonical_request(self, request: KernelRequest) -> KernelRequest:
         request = super().canonical_request(request)
         if request.params["kind"] == "fixup":  # no persistent grid: one key per device

@@ -180,9 +180,16 @@ class Client:
         options: dict | None = None, timeout: float | None = None,
     ) -> list[KernelRequest]:
         """The family's tactic space for ``shape`` on a target, in its stable order."""
+        return self.plan_reply(family, shape, arch, sm_count, options, timeout).requests
+
+    def plan_reply(
+        self, family: str, shape: tuple[int, int, int], arch: str, sm_count: int | None = None,
+        options: dict | None = None, timeout: float | None = None,
+    ) -> p.PlanReply:
+        """:meth:`plan` with each request's reduction-order class (``reply.classes``)."""
         request = p.PlanRequest(family=family, shape=list(shape), arch=arch,
                                 sm_count=sm_count, options=options or {})
-        return self._call("plan", request, p.PlanReply, timeout).requests
+        return self._call("plan", request, p.PlanReply, timeout)
 
     def prefetch(self, requests: Iterable[KernelRequest],
                  timeout: float | None = None) -> p.PrefetchReply:

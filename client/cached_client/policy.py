@@ -14,12 +14,18 @@ single tactic must serve every M, ``"set"`` when several may). The rules follow 
 - W4A4 NVFP4 linear: a batch-invariant class: ``flashinfer.bi.mm_fp4`` (or ``cutlass``, vLLM's
   batch-invariant CUTLASS kernel, when asked for); Hopper has no FP4 MMA, so W4A16 Humming.
 
-Under batch invariance one (op, N, K, dtype, arch) has one reduction order for every M: a
-set of tactics is allowed only when the family declares its order M-independent
-(:data:`M_INDEPENDENT`) or a certification recorded in the daemon (``certifications`` op,
-written by ``cached certify``) says 0 rows differ for that set on that device; otherwise one
-tactic. Without batch invariance: the requested (or default) backend, with the best tactic per
-M bucket from the autotune results processes share through the daemon (``autotune_get``);
+Under batch invariance one (op, N, K, dtype, arch) has one reduction order for every M.
+The families declare their reduction-order classes, and the daemon publishes them: ``hello``
+(``reduction_classes``: family -> class ids, and whether a class's order is M-independent)
+and ``plan`` (``classes``: the class of each planned tactic). A set of tactics is allowed
+only within one class of a family that declares its classes M-independent, or where a
+certification recorded in the daemon (``certifications`` op, written by ``cached certify``)
+says 0 rows differ for that set on that device; otherwise one tactic. Without a daemon
+nothing is declared, so one tactic. :func:`choose_tactics` picks the tactic per M bucket
+for one (N, K): measured winners shared through the daemon (``autotune_get``) where they
+belong to the plan's class, else the family's plan order; it refuses to mix classes
+(:class:`MixedReductionClasses`). Without batch invariance: the requested (or default)
+backend, with the best tactic per M bucket from the shared autotune results;
 :func:`publish_autotune` is how the process that tuned shares its winners.
 
 Importing this module imports nothing heavy; the daemon is asked only when a client is given.
@@ -28,10 +34,12 @@ Importing this module imports nothing heavy; the daemon is asked only when a cli
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CachedError
+from .keys import KernelRequest
 from .protocol import AutotuneGetRequest, AutotunePutRequest
 
 logger = logging.getLogger("cached_client.policy")
@@ -40,10 +48,6 @@ OPS = ("linear", "bmm")
 QUANTS = ("fp8", "nvfp4-w4a4", "nvfp4-w4a16")
 ARCHES = ("sm_90a", "sm_100a", "sm_103a", "sm_107a")
 FLASHINFER_BI_ARCHES = ("sm_100a", "sm_103a", "sm_107a")
-#: families whose reduction order does not depend on M or on the tactic (declared by the
-#: family: FlashInfer's R3 for its classes; the K-loop of cached.hopper_fp8)
-M_INDEPENDENT = {"flashinfer.bi.bmm_fp8": True, "flashinfer.bi.mm_fp4": True,
-                 "cached.hopper_fp8": True}
 #: backends vLLM's batch-invariant mode accepts as they are, per quantisation
 BI_OK_BACKENDS = {"fp8": ("cutlass",), "nvfp4-w4a16": ("humming",),
                   "nvfp4-w4a4": ("cutlass",)}
@@ -73,6 +77,22 @@ def _check(op: str, quant: str, arch: str) -> None:
         raise ValueError(f"arch must be one of {', '.join(ARCHES)}, got {arch!r}")
     if op == "bmm" and quant != "fp8":
         raise ValueError(f"bmm is served for fp8 only, not {quant}")
+
+
+class MixedReductionClasses(ValueError):
+    """A batch-invariant plan would run tactics of two reduction-order classes."""
+
+
+def reduction_info(client: Any, family: str) -> dict | None:
+    """What the daemon's ``hello`` declares about ``family``'s reduction-order classes
+    (``{"classes": [...], "m_independent": bool}``), or None: no daemon, or none declared."""
+    if client is None:
+        return None
+    try:
+        info = client.hello(timeout=5).reduction_classes.get(family)
+    except CachedError:
+        return None
+    return info if isinstance(info, dict) else None
 
 
 def daemon_families(client: Any) -> list[str] | None:
@@ -124,14 +144,20 @@ def _same(a: Any, b: Any) -> bool:
 
 def tactic_rule(family: str, client: Any = None, n: int | None = None, k: int | None = None,
                 device: str | None = None) -> tuple[str, str]:
-    """("set" | "one", why) for a family under batch invariance."""
-    if M_INDEPENDENT.get(family):
-        return "set", f"{family} declares its reduction order M-independent"
+    """("set" | "one", why) for a family under batch invariance; "set" means several
+    tactics of one reduction-order class."""
+    info = reduction_info(client, family)
+    if info is not None and info.get("m_independent"):
+        classes = info.get("classes") or []
+        return "set", (f"{family} declares its reduction order M-independent within each of "
+                       f"its {len(classes)} reduction-order classes (daemon's hello); one "
+                       "class for every M")
     record = certified(client, family, n, k, device)
     if record is not None:
         return "set", (f"certified on {device}: 0 rows differ for {family} at "
                        f"N={n} K={k} ({record.get('checked_at', '')})")
-    return "one", "no M-independence declared or certified: one tactic for every M"
+    why = "no daemon to ask" if client is None else "no M-independence declared or certified"
+    return "one", f"{why}: one tactic for every M"
 
 
 def select(op: str, quant: str, arch: str, batch_invariant: bool, backend: str | None = None,
@@ -141,7 +167,7 @@ def select(op: str, quant: str, arch: str, batch_invariant: bool, backend: str |
     _check(op, quant, arch)
     if batch_invariant:
         sel = _select_bi(op, quant, arch, backend, client)
-        if sel.kernel in M_INDEPENDENT or sel.kernel.startswith("cached."):
+        if "." in sel.kernel:  # a daemon family (backends are bare names: cutlass, humming)
             sel.tactics, why = tactic_rule(sel.kernel, client, n, k, device)
             sel.reason += f"; {why}"
         else:
@@ -240,3 +266,132 @@ def publish_autotune(client: Any, op: str, n: int, k: int, dtype: str, arch: str
     return client.autotune_put(AutotunePutRequest(
         op_name=op, n=n, k=k, dtype=dtype, arch=arch, device=device, bucket=bucket,
         kernel=kernel, tactic=tactic, time_us=time_us), timeout=10)
+
+
+# -- tactics per M bucket for one (N, K) -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BucketChoice:
+    """The tactic that serves M <= ``upper`` (above the previous bucket's upper; the last
+    bucket serves every larger M too)."""
+
+    upper: int
+    request: KernelRequest
+    reduction_class: str | None
+    source: str  # "autotune" (a winner shared through the daemon) or "plan order"
+
+
+@dataclass
+class TacticChoice:
+    """The tactic per M bucket for one (family, N, K, arch, device); see :func:`choose_tactics`."""
+
+    family: str
+    n: int
+    k: int
+    arch: str
+    batch_invariant: bool
+    buckets: list[BucketChoice]
+    reduction_class: str | None
+    reason: str
+    warnings: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """One line: bucket upper -> tactic name (and where it came from)."""
+        parts = [f"M<={b.upper}: {_tactic_name(b.request)}"
+                 + (" [autotune]" if b.source == "autotune" else "") for b in self.buckets]
+        return ", ".join(parts)
+
+
+def _tactic_name(request: KernelRequest) -> str:
+    p = request.params
+    if "tile_m" in p:  # cached.hopper_fp8
+        split = f" S={p['splits']}{p['split_mode'][0]}" if p.get("splits", 1) > 1 else ""
+        return (f"{p['tile_m']}x{p['tile_n']} c{p['cluster_m']}x{p['cluster_n']} "
+                f"r{p['raster']}{split}")
+    knobs = p.get("knobs")
+    return str(knobs.get("mma_tiler_mn", knobs)) if isinstance(knobs, dict) else str(p)
+
+
+def one_class(choices: Any) -> str | None:
+    """The one reduction-order class of ``choices`` (BucketChoice items, or (request, class)
+    pairs); MixedReductionClasses names the classes when there are several."""
+    classes: dict[str | None, list[str]] = {}
+    for c in choices:
+        request, cls = (c.request, c.reduction_class) if isinstance(c, BucketChoice) else c
+        classes.setdefault(cls, []).append(_tactic_name(request))
+    if len(classes) > 1:
+        shown = "; ".join(f"{cls}: {', '.join(names[:3])}" for cls, names in classes.items())
+        raise MixedReductionClasses(
+            f"a batch-invariant plan must run one reduction-order class for every M, got "
+            f"{len(classes)}: {shown}")
+    return next(iter(classes), None)
+
+
+def choose_tactics(client: Any, family: str, n: int, k: int, arch: str, *,
+                   buckets: Sequence[int], sm_count: int | None = None,
+                   device: str | None = None, batch_invariant: bool = True,
+                   options: dict | None = None, op: str = "linear",
+                   dtype: str = "fp8") -> TacticChoice:
+    """The tactic per M bucket (``buckets``: increasing M upper bounds) for ``family`` at
+    (N, K) on ``arch``, asked of the daemon ``client``.
+
+    Under batch invariance every bucket's plan is asked with ``batch_invariant: true``, so
+    the family answers one reduction-order class for (N, K) (the same for every M; ``plan``
+    replies carry each tactic's class, and a reply of several classes is refused). A bucket
+    runs the winner measured on this node and shared through the daemon (``autotune_get``
+    for ``op``, N, K, ``dtype``, ``arch``, ``device``) when that winner is a tactic of the
+    plan's class, else the plan's first tactic; a winner of another class is skipped with a
+    warning. Without batch invariance each bucket runs its shared winner, else the plan's
+    first tactic, whatever their classes. Raises MixedReductionClasses, ValueError for bad
+    buckets, and the daemon's typed errors (CachedError)."""
+    ups = list(buckets)
+    if not ups or any(not isinstance(u, int) or u < 1 for u in ups) or ups != sorted(set(ups)):
+        raise ValueError(f"buckets must be increasing positive M bounds, got {buckets!r}")
+    opts = dict(options or {})
+    if batch_invariant:
+        opts["batch_invariant"] = True
+    plans = {u: client.plan_reply(family, (u, n, k), arch, sm_count, opts, timeout=60)
+             for u in ups}
+    for u, reply in plans.items():
+        if not reply.requests:
+            raise ValueError(f"{family} plans no tactic for (M, N, K)=({u}, {n}, {k}) on {arch}")
+    class_of = {}
+    for reply in plans.values():
+        classes = reply.classes or [None] * len(reply.requests)
+        class_of.update(zip(reply.requests, classes, strict=True))
+    cls = None
+    if batch_invariant:
+        cls = one_class(class_of.items())
+    winners: dict[int, Any] = {}
+    if device is not None:
+        for r in autotune_results(client, op, n, k, dtype, arch, device):
+            if r.get("kernel") == family:
+                winners[int(r["bucket"])] = r["tactic"]
+    by_params = {_params_key(r.params): r for r in class_of}
+    chosen, warnings = [], []
+    for u in ups:
+        request, source = plans[u].requests[0], "plan order"
+        if u in winners:
+            hit = by_params.get(_params_key(winners[u]))
+            if hit is not None:
+                request, source = hit, "autotune"
+            elif batch_invariant:
+                warnings.append(f"M<={u}: the shared autotune winner {winners[u]!r} is not a "
+                                f"tactic of the class {cls}; using the plan's first")
+        chosen.append(BucketChoice(u, request, class_of.get(request), source))
+    if batch_invariant:
+        one_class(chosen)
+        tuned = sum(c.source == "autotune" for c in chosen)
+        reason = (f"batch invariant: one reduction-order class ({cls}) for every M; "
+                  f"{tuned} of {len(chosen)} buckets from autotune winners shared through the "
+                  "daemon, the rest in the family's plan order")
+    else:
+        reason = "without batch invariance: the fastest tactic per M bucket"
+    return TacticChoice(family, n, k, arch, batch_invariant, chosen, cls, reason, warnings)
+
+
+def _params_key(params: Any) -> str:
+    import json
+
+    return json.dumps(params, sort_keys=True)

@@ -251,6 +251,10 @@ class HelloReply(Message):
     runtime_library: dict = wire(Obj(), {})
     serve_only: bool = wire(Bool(), False)
     may_publish: bool = wire(Bool(), False)
+    reduction_classes: dict = wire(
+        Obj(), {}, "family -> {classes: [class id], m_independent: bool}: the reduction-order "
+        "classes a family's tactics belong to, and whether a class's rows are declared "
+        "independent of M (a batch-invariant plan may then mix the tactics of one class)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,6 +325,14 @@ class PlanRequest(Message):
 @dataclass(frozen=True, kw_only=True)
 class PlanReply(Message):
     requests: list = wire(List(Kernel()))
+    classes: list = wire(List(Optional(Str())), [],
+                         "the reduction-order class of each request (parallel to requests; "
+                         "null for a family that declares none)")
+
+    def __post_init__(self) -> None:
+        if self.classes and len(self.classes) != len(self.requests):
+            raise InvalidArgument(f"classes has {len(self.classes)} entries for "
+                                  f"{len(self.requests)} requests")
 
 
 @dataclass(frozen=True, kw_only=True)

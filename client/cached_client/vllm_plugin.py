@@ -1,25 +1,51 @@
 """vLLM general plugin (entry point group ``vllm.general_plugins``, name ``cached``).
 
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers).
-When ``CACHED_SOCKET`` names a live daemon, FlashInfer's CuTe-DSL kernels come from it
-(:func:`cached_client.flashinfer.install`); otherwise it logs one line and does nothing. It
-never raises: a missing or broken daemon costs compile time, never the worker.
+It asks the daemon at ``$CACHED_SOCKET`` who it is (one ``hello``), logs one line through
+vLLM's logger saying what it installed, and attaches the rest to imports, so that it costs
+nothing where unused (no FlashInfer import, no CUDA call):
+
+* when FlashInfer is first imported (and a daemon is live): FlashInfer's CuTe-DSL kernels
+  come from the daemon (:func:`cached_client.flashinfer.install`);
+* when vLLM's linear-kernel registry is imported: the daemon-backed FP8 kernel class and
+  the W4A16 pin (:func:`cached_client.vllm_kernel.attach_linear`);
+* when ``vllm.config.kernel`` is imported: ``--linear-backend cached`` is accepted;
+* when ``vllm.utils.flashinfer`` is imported, under ``VLLM_BATCH_INVARIANT=1`` on a vLLM that
+  lacks vLLM #62192's pin: FlashInfer's FP8 bmm on ``cutlass`` instead of ``auto``.
+
+Every line goes through ``vllm.logger.init_logger("vllm.cached")`` (vLLM's handler sits on
+the ``vllm`` logger only). It never raises: a missing or broken daemon costs compile time
+and the batch-invariant FP8 path, never the worker.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
+from typing import Any
 
-from .paths import SOCKET_ENV
+from .import_hooks import when_imported
+from .vllm_state import daemon
 
-logger = logging.getLogger("cached_client.vllm")
+LOGGER_NAME = "vllm.cached"
 
-PROBE_TIMEOUT_S = 2.0
+
+def _logger() -> Any:
+    try:
+        from vllm.logger import init_logger
+    except ImportError:  # the plugin's entry point called outside vLLM (tests)
+        return logging.getLogger(LOGGER_NAME)
+    return init_logger(LOGGER_NAME)
+
+
+logger: Any = logging.getLogger(LOGGER_NAME)
 
 
 def register() -> None:
+    global logger
     try:
+        logger = _logger()
         _register()
     except Exception as exc:  # noqa: BLE001 -- never fail the worker
         logger.warning("cached: plugin not installed (%s: %s); FlashInfer compiles in-process",
@@ -27,25 +53,104 @@ def register() -> None:
 
 
 def _register() -> None:
-    path = os.environ.get(SOCKET_ENV)
-    if not path:
-        logger.info("cached: %s is not set; FlashInfer compiles its kernels in-process",
-                    SOCKET_ENV)
+    d = daemon()
+    when_imported("vllm.config.kernel", attach_kernel_config)
+    when_imported("vllm.engine.arg_utils", lambda m: m._compute_kwargs.cache_clear())
+    when_imported("vllm.model_executor.kernels.linear", _attach_linear)
+    when_imported("vllm.utils.flashinfer", attach_flashinfer_utils)
+    bi = os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0")
+    mode = ("VLLM_BATCH_INVARIANT=1: default for FP8 linears where the family is certified "
+            "on this device" if bi else "used with --linear-backend cached")
+    if d.hello is None:
+        logger.info("cached: pid %d: %s; FlashInfer compiles in-process and the FP8 linear "
+                    "kernel 'cached' is unavailable", os.getpid(), d.reason)
         return
-    from .client import Client
-    from .errors import CachedError
+    when_imported("flashinfer", _attach_flashinfer)
+    logger.info("cached: pid %d: daemon at %s (toolchain %s, %d families); FP8 linear kernel "
+                "'cached' registered (%s); FlashInfer kernels from the daemon once FlashInfer "
+                "is imported", os.getpid(), d.socket, d.toolchain(), len(d.hello.families),
+                mode)
 
-    probe = Client(path, timeout=PROBE_TIMEOUT_S, fallback=False)
-    try:
-        hello = probe.hello(timeout=PROBE_TIMEOUT_S)
-    except CachedError as exc:
-        logger.info("cached: no live daemon at %s (%s); FlashInfer compiles in-process",
-                    path, exc.message)
-        return
-    finally:
-        probe.close()
+
+def _attach_linear(module: Any) -> None:
+    from .vllm_kernel import attach_linear
+
+    done = attach_linear(module)
+    logger.debug("cached: attached to vLLM's linear kernels: %s", "; ".join(done))
+
+
+def _attach_flashinfer(module: Any) -> None:
     from . import flashinfer
+    from .gemm_plan import flashinfer_bi_available
 
-    flashinfer.install(path)
-    logger.info("cached: FlashInfer kernels come from the daemon at %s (pid %d, %d families)",
-                path, os.getpid(), len(hello.families))
+    d = daemon()
+    try:
+        flashinfer.install(client=d.client)
+    except Exception as exc:  # noqa: BLE001 -- FlashInfer then compiles as it would alone
+        logger.warning("cached: FlashInfer %s: its kernels are not routed to the daemon "
+                       "(%s: %s); it compiles in-process", _version("flashinfer-python"),
+                       type(exc).__name__, exc)
+        return
+    logger.info("cached: FlashInfer %s: CuTe-DSL kernels now come from the daemon at %s; %s",
+                _version("flashinfer-python"), d.socket, flashinfer_bi_available()[1])
+
+
+def _version(dist: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def attach_kernel_config(kernel_cfg: Any) -> None:
+    """Accept ``cached`` as a ``--linear-backend`` value: ``KernelConfig.linear_backend``'s
+    Literal (validated by pydantic) and argparse's choices, which vLLM derives from it."""
+    import typing
+
+    from pydantic.dataclasses import rebuild_dataclass
+
+    names = typing.get_args(kernel_cfg.LinearBackend)
+    if "cached" in names:
+        return
+    literal = typing.Literal[(*names, "cached")]  # type: ignore[valid-type]
+    kernel_cfg.LinearBackend = literal
+    cls = kernel_cfg.KernelConfig
+    cls.__dataclass_fields__["linear_backend"].type = literal
+    cls.__annotations__["linear_backend"] = literal
+    rebuild_dataclass(cls, force=True)
+    arg_utils = sys.modules.get("vllm.engine.arg_utils")
+    if arg_utils is not None:
+        arg_utils._compute_kwargs.cache_clear()
+
+
+def lacks_bmm_pin(flashinfer_scaled_fp8_mm: Any) -> bool:
+    """Whether vLLM's FlashInfer FP8 GEMM lacks #62192's pin: its source never reads batch
+    invariance before choosing FlashInfer's backend."""
+    import inspect
+
+    return "INVARIANT" not in inspect.getsource(flashinfer_scaled_fp8_mm).upper()
+
+
+def attach_flashinfer_utils(fu: Any) -> None:
+    """Under ``VLLM_BATCH_INVARIANT=1``, where vLLM lacks #62192's pin: FlashInfer's FP8 bmm
+    (``vllm.utils.flashinfer.bmm_fp8``, which vLLM's FP8 linear calls with backend ``auto``)
+    runs ``cutlass``; ``auto`` tunes across cutlass, cuBLAS and cuDNN per M bucket, so rows
+    change with the batch. Without batch invariance nothing changes."""
+    from vllm import envs
+
+    original = getattr(fu, "bmm_fp8", None)
+    if (not envs.VLLM_BATCH_INVARIANT or original is None
+            or getattr(original, "__wrapped__", None) is not None
+            or not lacks_bmm_pin(fu.flashinfer_scaled_fp8_mm)):
+        return
+
+    def bmm_fp8(A: Any, B: Any, A_scale: Any, B_scale: Any, dtype: Any, backend: str) -> Any:
+        return original(A, B, A_scale, B_scale, dtype, "cutlass" if backend == "auto" else backend)
+
+    bmm_fp8.__wrapped__ = original  # type: ignore[attr-defined]
+    fu.bmm_fp8 = bmm_fp8
+    logger.warning_once("cached: VLLM_BATCH_INVARIANT=1: FlashInfer's FP8 bmm runs the "
+                        "'cutlass' backend instead of 'auto' (vLLM #62192's pin, missing in "
+                        "this vLLM)")

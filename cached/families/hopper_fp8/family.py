@@ -40,6 +40,9 @@ class HopperFp8(Family):
         except (TypeError, ValueError) as exc:
             raise InvalidTactic(str(exc)) from None
 
+    def reduction_classes(self) -> tuple[str, ...]:
+        return tactics.REDUCTION_CLASSES
+
     def plan_splits(self, shape: tuple[int, int, int], sm_count: int,
                     options: Mapping[str, Any]) -> int | None:
         """S of the one class the options ask for, or None (every class)."""

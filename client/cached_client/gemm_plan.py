@@ -1,0 +1,273 @@
+"""Batch-invariant FP8 GEMM plans: per weight shape, the tactic per M bucket, loaded once.
+
+A framework-free core for inference processes (the vLLM adapter is one caller):
+
+* :func:`plan_gemm` asks the daemon, for one (op, N, K, dtype, arch, device), which tactic
+  serves each M bucket (:func:`cached_client.policy.choose_tactics`: under batch invariance
+  all of one reduction-order class; shared autotune winners of that class where present,
+  else the family's plan order), then queues every tactic in **one** ``prefetch``.
+* :meth:`GemmPlan.load` gets and loads each tactic (``Client.load``) and allocates the
+  split-K workspace once, for the largest M the plan serves.
+* Calling the loaded plan (:class:`HopperFp8Gemm`) picks the bucket of ``a.shape[0]`` on
+  the host and launches: no daemon round trip, no host sync, no allocation beyond the
+  output (none with ``out=``), so it can be captured in a CUDA graph.
+
+Families: ``cached.hopper_fp8`` on sm_90a; FlashInfer's FP8 batch-invariant class
+(``flashinfer.bi.bmm_fp8``) on SM100+ where this environment's FlashInfer ships
+``flashinfer.batch_invariant`` (:func:`flashinfer_bi_available`, checked without importing
+FlashInfer). Importing this module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import bisect
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import policy
+from .keys import DEFAULT_SM_COUNT, KernelRequest
+
+DEFAULT_MAX_M = 8192
+HOPPER_FAMILY = "cached.hopper_fp8"
+FLASHINFER_BI_FAMILY = "flashinfer.bi.bmm_fp8"
+FLASHINFER_BI_ARCHES = policy.FLASHINFER_BI_ARCHES
+_OUT = {"bfloat16": "bf16", "float16": "f16"}
+_AB = ("e4m3", "e5m2")
+
+
+class PlanUnavailable(RuntimeError):
+    """No family serves this (arch, dtype) in this environment; the message says why."""
+
+
+def buckets_up_to(max_m: int) -> tuple[int, ...]:
+    """M bucket upper bounds: the powers of two below ``max_m``, then ``max_m``."""
+    if not isinstance(max_m, int) or isinstance(max_m, bool) or max_m < 1:
+        raise ValueError(f"max_m must be a positive int, got {max_m!r}")
+    ups, m = [], 1
+    while m < max_m:
+        ups.append(m)
+        m *= 2
+    return (*ups, max_m)
+
+
+def flashinfer_bi_available() -> tuple[bool, str]:
+    """Whether this environment's FlashInfer has its batch-invariant classes, and a sentence
+    saying which FlashInfer it is; FlashInfer is not imported (its import queries CUDA)."""
+    spec = importlib.util.find_spec("flashinfer")
+    if spec is None or not spec.origin:
+        return False, "FlashInfer is not installed"
+    try:
+        version = importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
+    where = Path(spec.origin).parent
+    if (where / "batch_invariant" / "__init__.py").is_file():
+        return True, f"FlashInfer {version} ({where}) has flashinfer.batch_invariant"
+    return False, (f"FlashInfer {version} ({where}) has no flashinfer.batch_invariant "
+                   "(0.7.4 and later have it)")
+
+
+def family_for(arch: str) -> str:
+    """The family that serves batch-invariant FP8 GEMMs on ``arch``; PlanUnavailable says
+    why none does."""
+    if arch == "sm_90a":
+        return HOPPER_FAMILY
+    if arch in FLASHINFER_BI_ARCHES:
+        ok, why = flashinfer_bi_available()
+        if not ok:
+            raise PlanUnavailable(f"no batch-invariant FP8 class for {arch}: {why}")
+        return FLASHINFER_BI_FAMILY
+    raise PlanUnavailable(f"no batch-invariant FP8 family for {arch} (served: sm_90a with "
+                          f"{HOPPER_FAMILY}, {', '.join(FLASHINFER_BI_ARCHES)} with "
+                          f"{FLASHINFER_BI_FAMILY})")
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """What one plan serves: C (M, N) = A (M, K) @ B (N, K)^T for every M."""
+
+    op: str
+    n: int
+    k: int
+    ab_dtype: str  # "e4m3" | "e5m2"
+    out_dtype: str  # "bfloat16" | "float16"
+    arch: str
+    sm_count: int
+    device: str | None  # device name for shared autotune winners, e.g. "NVIDIA H200"
+
+
+@dataclass
+class GemmPlan:
+    """The tactic per M bucket for one :class:`PlanKey`, as the daemon answered it."""
+
+    key: PlanKey
+    family: str
+    choice: policy.TacticChoice
+    max_m: int
+    extra: tuple[KernelRequest, ...] = ()  # kernels the family also needs (split fixups)
+
+    @property
+    def requests(self) -> list[KernelRequest]:
+        """Every kernel the plan loads, each once."""
+        return list(dict.fromkeys([b.request for b in self.choice.buckets] + list(self.extra)))
+
+    def describe(self) -> str:
+        """One line for a log: shape, family, class, tactic per bucket, and why."""
+        k = self.key
+        return (f"N={k.n} K={k.k} {k.ab_dtype}->{k.out_dtype} on {k.arch}: {self.family} "
+                f"class {self.choice.reduction_class}; {self.choice.describe()} "
+                f"({self.choice.reason})")
+
+    def prefetch(self, client: Any) -> Any:
+        """Queue every kernel of the plan in one ``prefetch``; the daemon's PrefetchReply."""
+        return client.prefetch(self.requests, timeout=60)
+
+    def load(self, client: Any, device: Any, timeout: float = 600.0) -> Any:
+        """Get and load every kernel (``Client.load``) and allocate the workspace on
+        ``device`` (a CUDA device); the callable that runs the plan."""
+        if self.family == HOPPER_FAMILY:
+            fns = [client.load(b.request, timeout) for b in self.choice.buckets]
+            return HopperFp8Gemm(self, fns, device)
+        return FlashInferBiGemm(self, client, device)
+
+
+def plan_gemm(client: Any, n: int, k: int, *, arch: str, sm_count: int | None = None,
+              device: str | None = None, out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
+              batch_invariant: bool = True, max_m: int = DEFAULT_MAX_M,
+              op: str = "linear", prefetch: bool = True) -> GemmPlan:
+    """The plan for (op, N, K, dtype, arch, device), asked of the daemon ``client``, its
+    kernels queued in one ``prefetch`` (unless ``prefetch=False``). Raises PlanUnavailable,
+    ValueError for bad arguments, MixedReductionClasses and the daemon's CachedErrors."""
+    if out_dtype not in _OUT:
+        raise ValueError(f"out_dtype must be one of {', '.join(_OUT)}, got {out_dtype!r}")
+    if ab_dtype not in _AB:
+        raise ValueError(f"ab_dtype must be one of {', '.join(_AB)}, got {ab_dtype!r}")
+    family = family_for(arch)
+    sm = sm_count or DEFAULT_SM_COUNT[arch]
+    key = PlanKey(op, n, k, ab_dtype, out_dtype, arch, sm, device)
+    ups = buckets_up_to(max_m)
+    if family == HOPPER_FAMILY:
+        choice = policy.choose_tactics(
+            client, family, n, k, arch, buckets=ups, sm_count=sm, device=device,
+            batch_invariant=batch_invariant, options={"out_dtype": out_dtype,
+                                                     "ab_dtype": ab_dtype},
+            op=op, dtype="fp8")
+        plan = GemmPlan(key, family, choice, max_m)
+    else:
+        plan = _flashinfer_bi_plan(client, key, family, max_m)
+    if prefetch:
+        plan.prefetch(client)
+    return plan
+
+
+def _flashinfer_bi_plan(client: Any, key: PlanKey, family: str, max_m: int) -> GemmPlan:
+    """FlashInfer's class for (N, K): the daemon's plan at max_m holds the configuration
+    FlashInfer's dispatcher picks at each of its token buckets up to max_m (one class, as
+    FlashInfer's R3 declares; checked), and the split fixup when the class is split."""
+    reply = client.plan_reply(family, (max_m, key.n, key.k), key.arch, key.sm_count,
+                              {"dtype": key.ab_dtype, "out_dtype": _OUT[key.out_dtype]},
+                              timeout=120)
+    if not reply.requests:
+        raise PlanUnavailable(f"{family} plans nothing for N={key.n} K={key.k}")
+    classes = reply.classes or [None] * len(reply.requests)
+    cls = policy.one_class(zip(reply.requests, classes, strict=True))
+    gemm = next(r for r in reply.requests if r.params.get("kind") == "gemm")
+    choice = policy.TacticChoice(
+        family, key.n, key.k, key.arch, True,
+        [policy.BucketChoice(max_m, gemm, cls, "FlashInfer's dispatcher")], cls,
+        f"batch invariant: FlashInfer's class {cls}; its dispatcher picks one of the "
+        f"{len(reply.requests)} planned kernels per M within the class (every configuration "
+        "computes the same bits)")
+    return GemmPlan(key, family, choice, max_m, extra=tuple(reply.requests))
+
+
+class HopperFp8Gemm:
+    """A loaded ``cached.hopper_fp8`` plan: ``gemm(a, b, a_scale, b_scale, out=None)``.
+
+    a (M, K) and b (N, K) FP8 (the plan's ab_dtype), K-major; a_scale, b_scale 1-element
+    float32 CUDA tensors; returns C (M, N) in the plan's out_dtype. M picks the bucket
+    (the smallest upper bound >= M; the last bucket above). One workspace serves one launch
+    at a time: GEMMs on concurrent streams need their own loaded plan.
+    """
+
+    def __init__(self, plan: GemmPlan, fns: list[Any], device: Any) -> None:
+        import torch
+
+        from .hopper_fp8 import MAX_WORKSPACE_ELEMS, counter_elems, workspace_bytes
+
+        self.plan = plan
+        self.out_dtype = getattr(torch, plan.key.out_dtype)
+        buckets = plan.choice.buckets
+        self._uppers = [b.upper for b in buckets]
+        self._params = [dict(b.request.params) for b in buckets]
+        self._fns = fns
+        # the workspace of each bucket's tactic at its largest M; the last bucket at max_m
+        tops = [max(b.upper, plan.max_m if i == len(buckets) - 1 else 0)
+                for i, b in enumerate(buckets)]
+        n = plan.key.n
+        ws = max(workspace_bytes(p, m, n) for p, m in zip(self._params, tops, strict=True))
+        cnt = max(counter_elems(p, m, n) for p, m in zip(self._params, tops, strict=True))
+        if ws // 4 > MAX_WORKSPACE_ELEMS:
+            raise ValueError(f"{plan.describe()}: the workspace of {ws} bytes is over the "
+                             "kernel's limit; plan a smaller max_m")
+        self.workspace = torch.empty(max(ws // 4, 1), dtype=torch.float32, device=device)
+        self.counters = torch.zeros(max(cnt, 1), dtype=torch.int32, device=device)
+
+    def bucket(self, m: int) -> int:
+        """The index of the bucket that serves M rows."""
+        return min(bisect.bisect_left(self._uppers, m), len(self._uppers) - 1)
+
+    def tactic(self, m: int) -> dict:
+        """The params of the tactic that runs M rows."""
+        return self._params[self.bucket(m)]
+
+    def __call__(self, a: Any, b: Any, a_scale: Any, b_scale: Any, out: Any = None) -> Any:
+        from .hopper_fp8 import gemm
+
+        i = self.bucket(a.shape[0])
+        return gemm(self._fns[i], a, b, a_scale, b_scale, self.out_dtype, out,
+                    params=self._params[i], workspace=self.workspace, counters=self.counters)
+
+
+class FlashInferBiGemm:
+    """A loaded FlashInfer batch-invariant FP8 plan (SM100+): FlashInfer's
+    ``bmm_fp8_batch_invariant`` (its dispatcher picks the configuration per M, all of one
+    class), its kernels from the daemon through :func:`cached_client.flashinfer.install`
+    (which this installs), the split class's workspace allocated once for max_m, and one
+    run at each power-of-two M up to max_m at load, so that those kernels are loaded before
+    any CUDA-graph capture. Not run on hardware here (the project's GPU is an H200)."""
+
+    def __init__(self, plan: GemmPlan, client: Any, device: Any) -> None:
+        import torch
+
+        from . import flashinfer as fi_hooks
+
+        fi_hooks.install(client=client)
+        from flashinfer.gemm.batch_invariant.api import bmm_fp8_batch_invariant
+        from flashinfer.gemm.batch_invariant.schedule import chunks_for
+
+        self.plan = plan
+        key = plan.key
+        self._run = bmm_fp8_batch_invariant
+        self.out_dtype = getattr(torch, key.out_dtype)
+        self._uppers = list(buckets_up_to(plan.max_m))
+        chunks = chunks_for(key.n, key.k, key.ab_dtype)
+        self.workspace = (torch.empty(chunks * plan.max_m * key.n, dtype=torch.float32,
+                                      device=device) if chunks > 1 else None)
+        fp8 = torch.float8_e4m3fn if key.ab_dtype == "e4m3" else torch.float8_e5m2
+        b = torch.zeros(key.n, key.k, dtype=fp8, device=device)
+        one = torch.ones(1, dtype=torch.float32, device=device)
+        for m in self._uppers:  # load every bucket's kernels now (FlashInfer picks per M)
+            self(torch.zeros(m, key.k, dtype=fp8, device=device), b, one, one)
+
+    def __call__(self, a: Any, b: Any, a_scale: Any, b_scale: Any, out: Any = None) -> Any:
+        import torch
+
+        if out is None:
+            out = torch.empty(a.shape[0], b.shape[0], dtype=self.out_dtype, device=a.device)
+        self._run(a.unsqueeze(0), b.t().unsqueeze(0), a_scale, b_scale, self.out_dtype,
+                  out.unsqueeze(0), workspace=self.workspace)
+        return out

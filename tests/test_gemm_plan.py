@@ -1,0 +1,192 @@
+"""Reduction-order classes through the daemon (``hello``, ``plan``), the policy's one class
+per batch-invariant plan, and the framework-free plan core (cached_client.gemm_plan), against
+a real ``cached serve`` on a real socket. The GPU half (eager vs CUDA graph, the seeds'
+method, float64 reference, timings) is bench/gpu/gemm_plan_check.py on the H200."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from cached_client import Client, gemm_plan, policy
+from cached_client.errors import InvalidArgument
+from cached_client.protocol import AutotunePutRequest, PlanReply
+from conftest import ROOT, DaemonProcess
+
+from cached.families import get as family
+from cached.families.hopper_fp8 import tactics as T
+
+HOPPER = "cached.hopper_fp8"
+H200 = "NVIDIA H200"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = DaemonProcess(tmp_path_factory.mktemp("plan"), workers=0)  # plans in the daemon itself
+    yield d
+    d.stop()
+
+
+class Recording(Client):
+    """A real client that also notes each op it sends."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.ops: list[tuple[str, object]] = []
+
+    def call(self, op, request=None, timeout=None):
+        self.ops.append((op, request))
+        return super().call(op, request, timeout)
+
+
+def test_classes_round_trip_through_hello_and_plan(daemon):
+    c = daemon.client(timeout=60)
+    info = c.hello().reduction_classes
+    assert info[HOPPER] == {"classes": list(T.REDUCTION_CLASSES), "m_independent": True}
+    assert len(info[HOPPER]["classes"]) == 5
+    assert "e4m3.c1" in info["flashinfer.bi.bmm_fp8"]["classes"]
+    assert info["flashinfer.mm_fp4"] == {"classes": [], "m_independent": False}
+    reply = c.plan_reply(HOPPER, (16, 4096, 14336), "sm_90a", 132)
+    assert len(reply.classes) == len(reply.requests) > 0
+    assert len(set(reply.classes)) == 5  # no option: every class of the family
+    for request, cls in zip(reply.requests, reply.classes, strict=True):
+        assert cls == family(HOPPER).reduction_class(request.params)
+    bi = c.plan_reply(HOPPER, (16, 4096, 14336), "sm_90a", 132, {"batch_invariant": True})
+    assert set(bi.classes) == {T.reduction_class_id(T.choose_split(4096, 14336, 132))}
+    # a reply whose classes do not match its requests is refused with the field named
+    with pytest.raises(InvalidArgument, match="classes has 1 entries for 2 requests"):
+        PlanReply.from_wire({"requests": [r.to_wire() for r in reply.requests[:2]],
+                             "classes": ["x"]})
+
+
+def test_policy_reads_classes_from_hello_not_a_table(daemon):
+    assert not hasattr(policy, "M_INDEPENDENT")
+    c = daemon.client(timeout=60)
+    with_daemon = policy.select("bmm", "fp8", "sm_90a", True, client=c)
+    assert (with_daemon.kernel, with_daemon.tactics) == (HOPPER, "set")
+    assert "5 reduction-order classes" in with_daemon.reason
+    without = policy.select("bmm", "fp8", "sm_100a", True)
+    assert without.tactics == "one" and "no daemon to ask" in without.reason
+
+
+def test_policy_refuses_to_mix_classes(daemon):
+    c = daemon.client(timeout=60)
+    s1 = c.plan_reply(HOPPER, (16, 4096, 4096), "sm_90a", 132,
+                      {"reduction_class": T.reduction_class_id(1)})
+    s2 = c.plan_reply(HOPPER, (16, 4096, 4096), "sm_90a", 132,
+                      {"reduction_class": T.reduction_class_id(2)})
+    assert policy.one_class([(s1.requests[0], s1.classes[0]),
+                             (s1.requests[1], s1.classes[1])]) == T.reduction_class_id(1)
+    with pytest.raises(policy.MixedReductionClasses, match="got 2: k128.acc1.s1.fixed"):
+        policy.one_class([(s1.requests[0], s1.classes[0]), (s2.requests[0], s2.classes[0])])
+
+
+def test_tactic_per_bucket_one_class_with_shared_winners_of_that_class(daemon):
+    n, k = 4096, 14336
+    cls = T.reduction_class_id(T.choose_split(n, k, 132))
+    other_cls = next(c for c in T.REDUCTION_CLASSES if c != cls)
+    c = daemon.client(timeout=60)
+    ups = (1, 16, 64, 2048)
+    base = policy.choose_tactics(c, HOPPER, n, k, "sm_90a", buckets=ups, sm_count=132,
+                                 device=H200)
+    assert base.reduction_class == cls and {b.reduction_class for b in base.buckets} == {cls}
+    assert [b.source for b in base.buckets] == ["plan order"] * 4
+    assert [b.upper for b in base.buckets] == list(ups)
+    # a winner of the class for M<=16, and one of another class for M<=64
+    same = c.plan_reply(HOPPER, (16, n, k), "sm_90a", 132, {"reduction_class": cls}).requests[3]
+    other = c.plan_reply(HOPPER, (64, n, k), "sm_90a", 132,
+                         {"reduction_class": other_cls}).requests[0]
+    for bucket, req in ((16, same), (64, other)):
+        assert c.autotune_put(AutotunePutRequest(
+            op_name="linear", n=n, k=k, dtype="fp8", arch="sm_90a", device=H200,
+            bucket=bucket, kernel=HOPPER, tactic=dict(req.params), time_us=10.0))
+    tuned = policy.choose_tactics(c, HOPPER, n, k, "sm_90a", buckets=ups, sm_count=132,
+                                  device=H200)
+    by_upper = {b.upper: b for b in tuned.buckets}
+    assert by_upper[16].source == "autotune" and by_upper[16].request == same
+    assert by_upper[64].source == "plan order" and by_upper[64].reduction_class == cls
+    assert len(tuned.warnings) == 1 and "is not a tactic of the class" in tuned.warnings[0]
+    # without batch invariance each bucket may take its winner, whatever its class
+    free = policy.choose_tactics(c, HOPPER, n, k, "sm_90a", buckets=ups, sm_count=132,
+                                 device=H200, batch_invariant=False)
+    assert {b.upper: b.source for b in free.buckets}[64] == "autotune"
+    assert len({b.reduction_class for b in free.buckets}) >= 2
+    for bad in ((), (4, 2), (0, 8)):
+        with pytest.raises(ValueError, match="increasing positive"):
+            policy.choose_tactics(c, HOPPER, n, k, "sm_90a", buckets=bad)
+
+
+def test_plan_gemm_asks_plans_then_one_prefetch_and_nothing_else(daemon):
+    c = Recording(daemon.socket, timeout=60, fallback=False)
+    plan = gemm_plan.plan_gemm(c, 2688, 4096, arch="sm_90a", sm_count=132, device=H200,
+                               max_m=2048)
+    ops = [op for op, _ in c.ops]
+    assert ops[-1] == "prefetch" and ops.count("prefetch") == 1 and "get" not in ops
+    assert ops.count("plan") == len(gemm_plan.buckets_up_to(2048)) == 12
+    sent = c.ops[-1][1].requests
+    assert len(sent) == len(plan.requests) >= 1
+    assert [b.upper for b in plan.choice.buckets] == list(gemm_plan.buckets_up_to(2048))
+    assert plan.choice.reduction_class == T.reduction_class_id(T.choose_split(2688, 4096, 132))
+    line = plan.describe()
+    assert "N=2688 K=4096" in line and plan.choice.reduction_class in line and "M<=1:" in line
+
+
+def test_loaded_hopper_plan_buckets_and_workspace_for_the_largest_m(daemon):
+    torch = pytest.importorskip("torch")
+    from cached_client.hopper_fp8 import counter_elems, workspace_bytes
+
+    c = daemon.client(timeout=60)
+    n, k = 4096, 14336
+    plan = gemm_plan.plan_gemm(c, n, k, arch="sm_90a", sm_count=132, max_m=512,
+                               prefetch=False)
+    split = T.HopperFp8Tactic(64, 128, splits=4, split_mode="cta").normalized().to_params()
+    buckets = list(plan.choice.buckets)
+    buckets[-1] = policy.BucketChoice(512, buckets[-1].request.__class__(
+        family=HOPPER, params=split, arch="sm_90a", sm_count=132, max_active_clusters=132),
+        buckets[-1].reduction_class, "plan order")
+    plan.choice.buckets = buckets
+    loaded = gemm_plan.HopperFp8Gemm(plan, [None] * len(buckets), "cpu")
+    assert loaded.workspace.numel() * 4 >= workspace_bytes(split, 512, n) > 0
+    assert loaded.counters.numel() >= counter_elems(split, 512, n)
+    assert int(loaded.counters.abs().sum()) == 0 and loaded.workspace.dtype == torch.float32
+    assert [loaded.bucket(m) for m in (1, 2, 3, 256, 257, 512, 10_000)] == [0, 1, 2, 8, 9, 9, 9]
+    assert loaded.tactic(300) == split
+
+
+def test_buckets_and_bad_arguments(daemon):
+    assert gemm_plan.buckets_up_to(1) == (1,)
+    assert gemm_plan.buckets_up_to(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="max_m"):
+            gemm_plan.buckets_up_to(bad)
+    c = daemon.client(timeout=60)
+    with pytest.raises(ValueError, match="out_dtype"):
+        gemm_plan.plan_gemm(c, 4096, 4096, arch="sm_90a", out_dtype="float32")
+    with pytest.raises(gemm_plan.PlanUnavailable, match="sm_80"):
+        gemm_plan.family_for("sm_80")
+
+
+def test_sm100_flashinfer_class_where_flashinfer_has_it(daemon):
+    pytest.importorskip("flashinfer")
+    ok, why = gemm_plan.flashinfer_bi_available()
+    assert ok and "has flashinfer.batch_invariant" in why
+    c = daemon.client(timeout=300)
+    plan = gemm_plan.plan_gemm(c, 4096, 4096, arch="sm_100a", sm_count=148, max_m=256,
+                               prefetch=False)
+    assert plan.family == "flashinfer.bi.bmm_fp8" and plan.choice.reduction_class == "e4m3.c1"
+    assert {family(plan.family).reduction_class(r.params) for r in plan.requests} == {"e4m3.c1"}
+
+
+def test_sm100_is_not_offered_with_vllms_flashinfer_pin():
+    """vLLM 0.33.0 pins FlashInfer 0.7.2.post1, which has no batch-invariant classes."""
+    python = ROOT / ".venv-vllm" / "bin" / "python"
+    if not python.exists():
+        pytest.skip("make setup-vllm builds .venv-vllm")
+    code = ("from cached_client import gemm_plan as g\n"
+            "print(g.flashinfer_bi_available())\n"
+            "try:\n    g.family_for('sm_100a')\nexcept g.PlanUnavailable as e:\n"
+            "    print('UNAVAILABLE', e)\n")
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(ROOT / "client")}).stdout
+    assert "(False, 'FlashInfer 0.7.2.post1" in out and "no flashinfer.batch_invariant" in out
+    assert "UNAVAILABLE no batch-invariant FP8 class for sm_100a" in out

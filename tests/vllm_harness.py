@@ -1,0 +1,148 @@
+"""Run in .venv-vllm (vLLM 0.33.0) by test_vllm_plugin.py: vLLM's own plugin loader, logging
+configuration, FP8 linear-kernel selection, CLI parser and NVFP4 selection, on a CPU machine
+as on a CUDA device of capability CAP (only the capability is patched; vllm_env_report §4).
+
+Usage: python vllm_harness.py CAP SCENARIOS, SCENARIOS a JSON list of ``{"bi": 0|1, "device":
+NAME|null, "backend": NAME|null}``: each selects with ``VLLM_BATCH_INVARIANT``,
+``CACHED_DEVICE_NAME`` and ``--linear-backend`` set so. Prints ``RESULT {json}`` last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+
+cap = int(sys.argv[1])
+scenarios = json.loads(sys.argv[2])
+START_BI = os.environ.get("VLLM_BATCH_INVARIANT", "0")
+
+# vllm/platforms/cuda.py imports its compiled extension at module level (needs libcuda.so.1)
+sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
+
+import torch  # noqa: E402
+from vllm.config.logging import LoggingConfig  # noqa: E402
+from vllm.logger import configure_logging  # noqa: E402
+
+configure_logging(LoggingConfig())  # what `vllm serve` and LLM() apply in each process
+
+from vllm.plugins import load_general_plugins  # noqa: E402
+
+load_general_plugins()  # VLLM_PLUGINS unset: every installed plugin
+
+# the compiled extension's capability queries, with the rules of vLLM's scaled_mm_entry.cu
+_lib = torch.library.Library("_C", "FRAGMENT")
+for _name, _min in (("cutlass_scaled_mm_supports_fp8", 89),
+                    ("cutlass_scaled_mm_supports_block_fp8", 90),
+                    ("cutlass_group_gemm_supported", 90),
+                    ("cutlass_scaled_mm_supports_fp4", 100)):
+    _lib.define(f"{_name}(int cuda_device_capability) -> bool")
+    _lib.impl(_name, (lambda m: lambda c: c >= m)(_min), "CompositeExplicitAutograd")
+
+import vllm.platforms as platforms  # noqa: E402
+import vllm.utils.flashinfer as fu  # noqa: E402
+from vllm.model_executor.kernels import linear as L  # noqa: E402
+from vllm.model_executor.layers.quantization import fp8 as fp8_method  # noqa: E402
+from vllm.model_executor.layers.quantization.utils.quant_utils import (  # noqa: E402
+    kFp8DynamicTokenSym,
+    kFp8StaticTensorSym,
+)
+from vllm.platforms.cuda import CudaPlatform  # noqa: E402
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
+
+
+class PatchedCuda(CudaPlatform):
+    @classmethod
+    def get_device_capability(cls, device_id: int = 0):
+        return DeviceCapability(cap // 10, cap % 10)
+
+
+platforms.current_platform.__class__ = PatchedCuda
+
+from vllm.config import KernelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+
+out: dict = {"plugins": sorted(m for m in sys.modules if m.startswith("cached_client")),
+             "selected": []}
+for sc in scenarios:
+    os.environ["VLLM_BATCH_INVARIANT"] = str(int(sc["bi"]))
+    os.environ.pop("CACHED_DEVICE_NAME", None)
+    if sc.get("device"):
+        os.environ["CACHED_DEVICE_NAME"] = sc["device"]
+    got = {}
+    try:
+        config = KernelConfig(linear_backend=sc["backend"]) if sc.get("backend") else KernelConfig()
+    except Exception as exc:  # noqa: BLE001 -- reported
+        out["selected"].append({"config_error": f"{type(exc).__name__}: {exc}"[:600]})
+        continue
+    with set_current_vllm_config(VllmConfig(kernel_config=config)):
+        for name, act in (("static_tensor", kFp8StaticTensorSym),
+                          ("dynamic_token", kFp8DynamicTokenSym)):
+            try:
+                k = L.init_fp8_linear_kernel(
+                    activation_quant_key=act, weight_quant_key=kFp8StaticTensorSym,
+                    input_dtype=torch.bfloat16, out_dtype=torch.bfloat16,
+                    weight_shape=(4096, 4096), module_name="Fp8LinearMethod")
+                got[name] = [type(k).__name__, fp8_method.fp8_scaled_mm_is_batch_invariant(k)]
+            except Exception as exc:  # noqa: BLE001 -- reported
+                got[name] = f"{type(exc).__name__}: {exc}"[:600]
+    out["selected"].append(got)
+out["after_fp8_selection"] = {"flashinfer_imported": "flashinfer" in sys.modules,
+                              "cuda_initialized": torch.cuda.is_initialized()}
+os.environ["VLLM_BATCH_INVARIANT"] = START_BI  # the process's own, as the pins saw it
+context = set_current_vllm_config(VllmConfig())
+context.__enter__()  # kept referenced: closing it restores the previous config
+
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
+
+try:
+    parsed = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+        ["--linear-backend", "cached"])
+    out["cli"] = parsed.linear_backend
+except SystemExit:
+    out["cli"] = "refused"
+
+try:
+    out["w4a16"] = type(L.init_nvfp4_linear_kernel(use_a16=True)).__name__
+except Exception as exc:  # noqa: BLE001 -- reported
+    out["w4a16"] = f"{type(exc).__name__}: {exc}"[:400]
+
+# what vLLM's FlashInfer FP8 GEMM sends to its bmm_fp8 op, on fake CUDA tensors
+if hasattr(fu, "bmm_fp8"):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        backends: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "bmm_fp8" in str(func):
+                self.backends.append(args[-1])
+            return func(*args, **(kwargs or {}))
+
+    try:
+        with FakeTensorMode(), Record():
+            a = torch.empty(8, 64, dtype=torch.float8_e4m3fn, device="cuda")
+            b = torch.empty(64, 32, dtype=torch.float8_e4m3fn, device="cuda")
+            s = torch.ones(1, dtype=torch.float32, device="cuda")
+            fu.flashinfer_scaled_fp8_mm(a, b, s, s, torch.bfloat16)
+        out["bmm_backend"] = Record.backends
+    except Exception as exc:  # noqa: BLE001 -- reported
+        out["bmm_backend"] = f"{type(exc).__name__}: {exc}"[:400]
+
+# the kernel's custom op, as torch.compile traces it (fake tensors: shape and dtype only)
+if "cached_client.vllm_kernel" in sys.modules:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a = torch.empty(5, 64, dtype=torch.float8_e4m3fn, device="cuda")
+        b = torch.empty(32, 64, dtype=torch.float8_e4m3fn, device="cuda")
+        s = torch.ones(1, dtype=torch.float32, device="cuda")
+        y = torch.ops.cached.fp8_gemm(a, b, s, s, 0, torch.float16)
+    out["custom_op_fake"] = [list(y.shape), str(y.dtype)]
+
+out["flashinfer_imported"] = "flashinfer" in sys.modules
+out["cuda_initialized"] = torch.cuda.is_initialized()
+sys.stdout.flush()
+print("RESULT " + json.dumps(out))
