@@ -1,61 +1,48 @@
-"""What the daemon adds to every key: the toolchain fingerprint and each family's sources.
+"""The registry of toolchains pinned in a store: ``identity.json`` at the store's root.
 
-A compiling daemon computes both (``Identity.live``) and pins them in ``identity.json``
-at the store's root. A serve-only daemon (no compiler installed, e.g. a GPU node serving
-a store built on a CPU build node) reads them back (``Identity.pinned``), so it derives
-the same keys the builder did and serves that store's artifacts unchanged.
+A compiling daemon probes its toolchains (cached/toolchains.py) and pins them here, with
+the hashes of this package's own families' sources. A serve-only daemon (no compiler
+installed, e.g. a GPU node serving a store built on a CPU build node) reads them back
+(:func:`pinned`), so requests that state no identity, and the project's own families
+(routed by runtime), get the same keys the builder gave them; requests that state their
+identity need nothing pinned (their key is built from it).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from cached_client.errors import InvalidTactic
-
-from . import families, toolchain
-from .families.base import Family
+from . import families
+from .toolchains import Toolchains
 
 FILENAME = "identity.json"
 
 
-@dataclass
-class Identity:
-    toolchain: str
-    sources: dict[str, str] = field(default_factory=dict)
-    live: bool = True
+def compute(registered: list[tuple[str, str]]) -> Toolchains:
+    """Probe the registered toolchains and hash this package's own families' sources."""
+    toolchains = Toolchains.probe_all(registered)
+    for name in families.names():
+        family = families.get(name)
+        if family.sources == "daemon":
+            toolchains.daemon_source(family)
+    return toolchains
 
-    @classmethod
-    def compute(cls) -> Identity:
-        """The running environment's identity, every registered family's sources hashed."""
-        return cls(toolchain.fingerprint(),
-                   {name: families.get(name).source_sha256() for name in families.names()})
 
-    @classmethod
-    def pinned(cls, store_root: Path) -> Identity:
-        path = Path(store_root) / FILENAME
-        try:
-            doc = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"{path} is missing: a serve-only daemon needs a store built by a compiling "
-                "daemon (which writes it)") from None
-        return cls(doc["toolchain"], dict(doc["sources"]), live=False)
+def pinned(store_root: Path) -> Toolchains:
+    path = Path(store_root) / FILENAME
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path} is missing: a serve-only daemon needs a store built by a compiling "
+            "daemon (which writes it)") from None
+    return Toolchains.from_json(doc)
 
-    def save(self, store_root: Path) -> None:
-        path = Path(store_root) / FILENAME
-        tmp = path.with_suffix(f".tmp.{os.getpid()}")
-        tmp.write_text(json.dumps({"toolchain": self.toolchain, "sources": self.sources},
-                                  indent=2, sort_keys=True))
-        os.replace(tmp, path)
 
-    def source(self, family: Family) -> str:
-        sha = self.sources.get(family.name)
-        if sha is None:
-            if not self.live:
-                raise InvalidTactic(f"this serve-only daemon's store has no {family.name} "
-                                    "artifacts (no source hash pinned for it)")
-            sha = self.sources[family.name] = family.source_sha256()
-        return sha
+def save(store_root: Path, toolchains: Toolchains) -> None:
+    path = Path(store_root) / FILENAME
+    tmp = path.with_suffix(f".tmp.{os.getpid()}")
+    tmp.write_text(json.dumps(toolchains.to_json(), indent=2, sort_keys=True))
+    os.replace(tmp, path)

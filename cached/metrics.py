@@ -19,7 +19,6 @@ from prometheus_client.core import (
     Metric,
 )
 
-from . import toolchain
 from .stats import Stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -103,7 +102,7 @@ class _Collector:
         yield from _remote_metrics(getattr(d, "remote", None), stats, families)
         info = GaugeMetricFamily("cached_build_info", "The toolchain this daemon builds with.",
                                  labels=["toolchain"])
-        info.add_metric([toolchain.fingerprint_digest(d.identity.toolchain)], 1)
+        info.add_metric([d.toolchains.default.digest], 1)
         yield info
 
 

@@ -2,9 +2,10 @@
 
 ``serve`` and ``config`` (serve.py), ``warm`` (warm.py: a family's tactic space or a model's
 manifest), ``stats``, ``ls``, ``gc``, ``verify`` and ``export`` (store.py), ``certify``
-(certify.py). Every command that talks to a daemon takes ``--socket`` (default:
-$CACHED_SOCKET, else the runtime directory). Exit status: 0 done, 1 done with failures
-(a kernel failed, a bad entry found), 2 a usage, configuration or daemon error.
+(certify.py), ``toolchains`` (toolchains.py). Every command that talks to a daemon takes
+``--socket`` (default: $CACHED_SOCKET, else the runtime directory). Exit status: 0 done, 1
+done with failures (a kernel failed, a bad entry found), 2 a usage, configuration or daemon
+error.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import sys
 from cached_client.errors import CachedError
 from cached_client.paths import default_socket_path
 
-from . import certify, serve, store, warm
+from . import certify, serve, store, toolchains, warm
 
-MODULES = (serve, warm, store, certify)
+MODULES = (serve, warm, store, certify, toolchains)
 
 
 def build_parser() -> argparse.ArgumentParser:

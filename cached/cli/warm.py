@@ -1,5 +1,6 @@
 """``cached warm``: compile a family's tactic space for some shapes, or a model's manifest,
-at pre-warm priority (waiting clients go first)."""
+at pre-warm priority (waiting clients go first). For the daemon's default toolchain, or with
+``--toolchain NAME`` for that registered environment (its identity, as its clients state it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from cached_client import Client, KernelRequest
 from cached_client import protocol as p
+from cached_client.errors import InvalidArgument
 from cached_client.transport import Connection
 
 from .. import manifests
@@ -58,7 +60,25 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     warm.add_argument("--limit", type=int, default=None, help="only the first N tactics")
     warm.add_argument("--json", action="store_true")
     warm.add_argument("--timeout", type=float, default=3600.0)
+    warm.add_argument("--toolchain", metavar="NAME", default=None,
+                      help="compile for this registered toolchain (cached toolchains); "
+                           "default: the daemon's default toolchain")
     warm.set_defaults(run=cmd_warm)
+
+
+def client_for(args: argparse.Namespace) -> Client:
+    """A client stating the identity of ``--toolchain`` (as that environment's own clients
+    state it), or none (the daemon's default toolchain)."""
+    client = Client(args.socket, timeout=args.timeout, identity=False)
+    if args.toolchain:
+        found = [t for t in client.hello(timeout=30).toolchains if t["name"] == args.toolchain]
+        if not found:
+            raise InvalidArgument(f"the daemon has no toolchain {args.toolchain!r} "
+                                  "(cached toolchains lists them)")
+        t = found[0]
+        client.identity = p.Identity(toolchain=t["fingerprint"], sources=t["sources"],
+                                     runtime=t["runtime"])
+    return client
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
@@ -68,7 +88,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
         print("cached warm: needs --family, --arch and --shape, or --manifest", file=sys.stderr)
         return 2
     started = time.monotonic()
-    client = Client(args.socket, timeout=args.timeout)
+    client = client_for(args)
     requests: list[KernelRequest] = []
     for shape in args.shape:
         requests += client.plan(args.family, shape, args.arch, args.sm_count,
@@ -77,7 +97,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     if args.limit is not None:
         requests = requests[: args.limit]
     counts = warm(client.socket_path, requests, args.timeout,
-                  progress=sys.stderr.isatty() and not args.json)
+                  progress=sys.stderr.isatty() and not args.json, identity=client.identity)
     counts["seconds"] = round(time.monotonic() - started, 3)
     return report_warm(counts, args.json)
 
@@ -89,7 +109,7 @@ def warm_manifest(args: argparse.Namespace) -> int:
     except manifests.ManifestError as exc:
         print(f"cached warm: {exc}", file=sys.stderr)
         return 2
-    client = Client(args.socket, timeout=args.timeout)
+    client = client_for(args)
     known = set(client.hello(timeout=30).families)
     try:
         groups = manifests.plan(client, manifest, set(args.target) or None,
@@ -117,7 +137,7 @@ def warm_manifest(args: argparse.Namespace) -> int:
                 print(f"  pending (no family yet): {pending}")
         return 0
     counts = warm(client.socket_path, requests, args.timeout,
-                  progress=sys.stderr.isatty() and not args.json)
+                  progress=sys.stderr.isatty() and not args.json, identity=client.identity)
     counts.update(summary, seconds=round(time.monotonic() - started, 3))
     return report_warm(counts, args.json, f"{manifest.model}: ")
 
@@ -136,14 +156,17 @@ def report_warm(counts: dict, as_json: bool, label: str = "") -> int:
 
 
 def warm(socket_path: str, requests: list[KernelRequest], timeout: float,
-         progress: bool = False) -> dict:
-    """Ask for every request at pre-warm priority on one pipelined connection and wait."""
+         progress: bool = False, identity: Any = None) -> dict:
+    """Ask for every request at pre-warm priority on one pipelined connection and wait;
+    ``identity`` (a protocol Identity): the environment they are for (None: the default)."""
+    identity = identity if isinstance(identity, p.Identity) else None
     deadline = time.monotonic() + timeout
     counts: dict = {"compiled": 0, "cached": 0, "remote": 0, "failed": 0, "errors": []}
     deadline_ms = min(p.MAX_DEADLINE_MS, int(timeout * 1000))
     with Connection(socket_path, deadline) as conn:
         for i, request in enumerate(requests):
-            body = p.GetRequest(request=request, priority="prewarm", deadline_ms=deadline_ms)
+            body = p.GetRequest(request=request, priority="prewarm", deadline_ms=deadline_ms,
+                                identity=identity)
             conn.send({"v": p.PROTOCOL_VERSION, "id": i, "op": "get", **body.to_wire()},
                       deadline)
         for done in range(1, len(requests) + 1):

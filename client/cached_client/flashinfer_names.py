@@ -59,9 +59,11 @@ def mm_fp4_request(kernel_name: str, arch: str, sm_count: int) -> KernelRequest 
 
 
 def bi_request(module: str, kernel_name: str, call: tuple | None, arch: str,
-               sm_count: int) -> KernelRequest | None:
+               sm_count: int, in_fmt: str | None = None) -> KernelRequest | None:
     """The ``flashinfer.bi.*`` request behind a batch-invariant kernel name, given the (op, N,
-    K) of the API call compiling it; None when it is not one the families build."""
+    K) of the API call compiling it; None when it is not one the families build. A split-K
+    fixup's name omits its class's input format: ``in_fmt``, else the one last seen for
+    (op, arch, N, K)."""
     if call is None:
         return None
     op, n, k = call
@@ -69,7 +71,7 @@ def bi_request(module: str, kernel_name: str, call: tuple | None, arch: str,
     if module == BI_DENSE_MODULE and (m := _BI_FIXUP_RE.match(kernel_name)):
         if (m["chain"] == "scaled") != (op == "bmm_fp8"):
             return None
-        in_fmt = _BI_FMT.get((op, arch, n, k))
+        in_fmt = in_fmt or _BI_FMT.get((op, arch, n, k))
         params = {"kind": "fixup", "n": n, "k": k, "out_fmt": m["out"], "chunks": int(m["c"]),
                   "in_fmt": in_fmt}
         if in_fmt is None:
