@@ -191,9 +191,9 @@ def export(socket_path: str, target: Path | None, family: str | None = None,
                               "toolchain": identity.digest(mine["toolchain"]), "reasons": []}
     by_module: dict[str, list[tuple[dict, dict]]] = {}
     for artifact in artifacts:
-        source, reason = _flashinfer_source(artifact, mine, env, file_sets)
-        if reason is None and artifact["toolchain"] != mine["toolchain"]:
-            reason = "built by another toolchain than this environment's"
+        source, reason = None, "built by another toolchain than this environment's"
+        if artifact["toolchain"] == mine["toolchain"]:
+            source, reason = _flashinfer_source(artifact, mine, env, file_sets)
         if reason is not None:
             report["skipped"] += 1
             report["reasons"].append(f"{artifact['kernel_name']}: {reason}")

@@ -2,14 +2,17 @@
 ``CACHED_TEST_FAMILIES=1`` is set in the daemon's environment.
 
 ``action``: ``sleep`` (hang for ``seconds``), ``crash`` (the worker SIGKILLs itself),
-``fail`` (raise, as a compiler error would). ``tag`` makes otherwise equal requests
-distinct keys.
+``fail`` (raise, as a compiler error would), ``introspect`` (fail with a message saying which
+interpreter the worker is and which of the daemon's own dependencies it has imported).
+``tag`` makes otherwise equal requests distinct keys.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,7 +33,7 @@ class FaultFamily(Family):
         if not isinstance(seconds, (int, float)) or not 0 <= seconds <= 3600:
             raise InvalidTactic("seconds must be a number in [0, 3600]")
         return {
-            "action": require(params, "action", ("sleep", "crash", "fail")),
+            "action": require(params, "action", ("sleep", "crash", "fail", "introspect")),
             "seconds": float(seconds),
             "tag": str(params.get("tag", "")),
         }
@@ -47,4 +50,9 @@ class FaultFamily(Family):
             time.sleep(request.params["seconds"])
         if action == "crash":
             os.kill(os.getpid(), signal.SIGKILL)
+        if action == "introspect":
+            daemon_deps = ("fastapi", "uvicorn", "sqlite_utils", "prometheus_client")
+            raise RuntimeError("introspect " + json.dumps({
+                "python": sys.executable, "daemon_modules": sorted(
+                    m for m in sys.modules if m.split(".")[0] in daemon_deps)}))
         raise RuntimeError(f"injected failure ({action}, tag={request.params['tag']!r})")

@@ -103,8 +103,13 @@ _BI_FMT: dict[tuple, str] = {}
 
 
 def write_back_request(module: str, kernel: str, tvm_ffi: bool, source_sha256: str,
-                       arch: str, sm_count: int) -> KernelRequest:
-    """The ``flashinfer.jit`` request of a kernel the daemon has no recipe for."""
-    return KernelRequest(WRITE_BACK_FAMILY, {"module": module, "kernel": kernel,
-                                             "tvm_ffi": tvm_ffi, "source_sha256": source_sha256},
-                         arch, sm_count, sm_count)
+                       arch: str, sm_count: int,
+                       key_files: tuple[str, ...] | None = None) -> KernelRequest:
+    """The ``flashinfer.jit`` request of a kernel the daemon has no recipe for; ``key_files``
+    (relative to the flashinfer package) when ``source_sha256`` hashes them by content
+    (cached_client.identity.flashinfer_files_source), absent when it is FlashInfer's own."""
+    params: dict = {"module": module, "kernel": kernel, "tvm_ffi": tvm_ffi,
+                    "source_sha256": source_sha256}
+    if key_files:
+        params["key_files"] = sorted(key_files)
+    return KernelRequest(WRITE_BACK_FAMILY, params, arch, sm_count, sm_count)
