@@ -257,6 +257,27 @@ def test_a_workers_interpreter_is_its_environments_and_imports_none_of_the_daemo
     assert missing == "[]"
 
 
+def test_one_worker_budget_is_shared_by_the_toolchains(tmp_path, vllm_env):
+    """With one worker for two toolchains, the worker goes where the work is: an idle
+    worker of a toolchain nobody waits for is retired for the one that has a job."""
+    d = DaemonProcess(tmp_path, workers=1, extra_env=ENV,
+                      extra_args=["--toolchain", f"main={MAIN}", "--toolchain",
+                                  f"vllm={vllm_env}"])
+    try:
+        tcs = _toolchains(d)
+        for name, python in (("vllm", vllm_env), ("main", MAIN), ("vllm", vllm_env)):
+            t = tcs[name]
+            reply = raw_call(d.socket, {"op": "get", "request": fault("introspect", name).to_wire(),
+                                        "identity": {"toolchain": t["fingerprint"],
+                                                     "runtime": t["runtime"]}}, timeout=300)
+            assert f'"python": "{python}"' in reply["error"]["message"]
+            workers = {t["name"]: t["workers"] for t in d.stats()["toolchains"]}
+            assert sum(w["alive"] for w in workers.values()) == 1
+            assert workers[name]["alive"] == 1
+    finally:
+        d.stop()
+
+
 def test_flashinfer_0_7_2_hook_gets_its_kernel_and_export_writes_meta_it_accepts(two, vllm_env,
                                                                                  tmp_path):
     """vLLM 0.33.0's FlashInfer (no batch-invariant modules, no TVM-FFI export switch): the
