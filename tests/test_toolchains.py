@@ -305,6 +305,47 @@ def test_flashinfer_0_7_2_hook_gets_its_kernel_and_export_writes_meta_it_accepts
     assert meta["cute_dsl_version"].startswith("nvidia-cutlass-dsl")  # 0.7.2's own rule
 
 
+def test_vllm_0_33_loads_the_plugin_and_the_hook_installs_on_its_flashinfer(two, vllm_env):
+    """vLLM 0.33.0's own plugin loader in its environment installs the FlashInfer hook; what
+    FlashInfer 0.7.2.post1 lacks (batch-invariant GEMMs) is skipped with one log line."""
+    script = """
+import json, logging
+logging.basicConfig(level=logging.INFO)
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from cached_client import flashinfer as cf
+print("RESULT " + json.dumps({"installed": cf.installed()}))
+"""
+    proc = subprocess.run([vllm_env, "-c", script], capture_output=True, text=True,
+                          env=_env(vllm_env, two.socket), timeout=600)
+    assert _result(proc) == {"installed": True}
+    assert proc.stderr.count("has no batch-invariant GEMMs") == 1
+    assert "plugin not installed" not in proc.stderr
+
+
+def test_warm_for_a_registered_toolchain_compiles_with_its_interpreter(two, vllm_env):
+    """``cached warm --toolchain vllm`` plans with the vLLM environment's FlashInfer and
+    compiles under its identity (what its processes then hit)."""
+    out = run_cli("warm", "--socket", two.socket, "--toolchain", "vllm", "--family",
+                  "flashinfer.mm_fp4", "--arch", "sm_100a", "--shape", "8,4096,4096",
+                  "--limit", "1", "--json")
+    counts = json.loads(out.stdout)
+    assert counts["failed"] == 0 and counts["compiled"] + counts["cached"] == 1
+    from cached_client import protocol as p
+
+    t = _toolchains(two)["vllm"]
+    as_vllm = p.Identity(toolchain=t["fingerprint"], sources=t["sources"], runtime=t["runtime"])
+    planned = two.client(timeout=120, identity=as_vllm).plan(
+        "flashinfer.mm_fp4", (8, 4096, 4096), "sm_100a")[0]
+    res = _run(vllm_env, GET, two.socket, _wires([planned]), env=_env(vllm_env, two.socket))
+    assert res["results"][0]["origin"] == "hit"
+    assert _rows(two)[res["results"][0]["key"]]["meta"]["compiled_by"]["toolchain"] == "vllm"
+    bad = run_cli("warm", "--socket", two.socket, "--toolchain", "nope", "--family",
+                  "flashinfer.mm_fp4", "--arch", "sm_100a", "--shape", "8,4096,4096",
+                  check=False)
+    assert bad.returncode == 2 and "no toolchain 'nope'" in bad.stderr
+
+
 def test_a_kernel_written_back_by_one_environment_is_never_served_to_the_other(two, vllm_env,
                                                                               tmp_path):
     """A FlashInfer kernel the daemon has no recipe for, compiled and published by a process
