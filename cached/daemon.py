@@ -103,6 +103,7 @@ class Daemon:
             "max_bytes": store.max_bytes, "max_files": store.max_files,
             "evictions": store.evictions, "evicted_bytes": store.evicted_bytes,
             "over_budget": store.over_budget, "client_fallbacks": c["client_fallbacks"],
+            "unknown_toolchain": c["unknown_toolchain"],
             "draining": self.lifecycle.draining,
         }
 

@@ -192,6 +192,27 @@ print("RESULT " + json.dumps({"ours": identity.dist_component(identity.distribut
     assert main["toolchain"] != vllm["toolchain"]
 
 
+def test_a_carried_runtime_library_has_the_identity_of_the_installed_one(tmp_path):
+    """A GPU node's process without the DSL carries libcute_dsl_runtime.so and names it in
+    $CACHED_DSL_RUNTIME: its runtime identity hashes that file, and equals the installed
+    library's (read from RECORD without hashing the file) when the bytes are the same."""
+    from cached_client.loader import installed_runtime_libraries
+
+    installed = installed_runtime_libraries("libcute_dsl_runtime.so")[0]
+    carried = tmp_path / "bare" / "libcute_dsl_runtime.so"
+    carried.parent.mkdir()
+    carried.write_bytes(Path(installed).read_bytes())
+    script = ("import json; from cached_client import identity; "
+              "print('RESULT ' + json.dumps(identity.runtime()))")
+    own = _run(MAIN, script, env=_env(MAIN, "/x"))
+    bare = _run(MAIN, script, env=_env(MAIN, "/x", CACHED_DSL_RUNTIME=str(carried)))
+    assert own == bare
+    assert own["dsl_runtime_sha256"] == hashlib.sha256(carried.read_bytes()).hexdigest()
+    carried.write_bytes(carried.read_bytes() + b"\0")  # another build of the library
+    other = _run(MAIN, script, env=_env(MAIN, "/x", CACHED_DSL_RUNTIME=str(carried)))
+    assert other["dsl_runtime_sha256"] != own["dsl_runtime_sha256"]
+
+
 def test_each_environment_compiles_with_its_own_interpreter_and_never_gets_the_others(two,
                                                                                      vllm_env):
     """Four processes of each environment at once ask for the same two mm_fp4 tactics: each
