@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from cached_client import KernelRequest
-from conftest import ROOT, DaemonProcess, fault, raw_call, run_cli
+from conftest import ROOT, DaemonProcess, fault, raw_call, run_cli, wait_for
 
 pytest.importorskip("flashinfer")
 
@@ -295,6 +295,12 @@ def test_one_worker_budget_is_shared_by_the_toolchains(tmp_path, vllm_env):
             workers = {t["name"]: t["workers"] for t in d.stats()["toolchains"]}
             assert sum(w["alive"] for w in workers.values()) == 1
             assert workers[name]["alive"] == 1
+        # the vLLM environment's worker dies with the daemon, as every worker does
+        pids = d.worker_pids()
+        argv = Path(f"/proc/{pids[0]}/cmdline").read_bytes().split(b"\0")
+        assert len(pids) == 1 and argv[0].decode() == vllm_env
+        d.kill9()
+        wait_for(lambda: not os.path.exists(f"/proc/{pids[0]}"), 30)
     finally:
         d.stop()
 
