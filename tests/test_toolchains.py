@@ -462,6 +462,26 @@ def test_an_unregistered_environment_writes_back_its_kernels_once_and_a_later_to
         d.stop()
 
 
+def test_toolchains_come_from_flags_the_environment_or_the_file(tmp_path):
+    toml = tmp_path / "cached.toml"
+    toml.write_text('toolchain = ["main=/opt/a/bin/python", "vllm=/opt/b/bin/python"]\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHED_")}
+
+    def effective(*args: str, **extra: str) -> dict:
+        out = subprocess.run([sys.executable, "-m", "cached", "config", "--json", *args],
+                             capture_output=True, text=True, check=True, env={**env, **extra})
+        return next(o for o in json.loads(out.stdout)["options"] if o["name"] == "toolchain")
+
+    from_file = effective("--config", str(toml))
+    assert from_file["value"] == [["main", "/opt/a/bin/python"], ["vllm", "/opt/b/bin/python"]]
+    assert from_file["source"] == f"file {toml}"
+    from_env = effective(CACHED_TOOLCHAIN="x=/opt/x/bin/python,y=/opt/y/bin/python")
+    assert from_env["value"] == [["x", "/opt/x/bin/python"], ["y", "/opt/y/bin/python"]]
+    from_flags = effective("--config", str(toml), "--toolchain", "z=/opt/z/bin/python")
+    assert from_flags["value"] == [["z", "/opt/z/bin/python"]]
+    assert from_flags["source"] == "flag --toolchain"
+
+
 @pytest.mark.parametrize("value, message", [
     ("vllm", "NAME=/absolute/path"), ("a b=/x", "NAME=/absolute/path"),
     ("vllm=relative/python", "NAME=/absolute/path"),
