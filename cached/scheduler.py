@@ -163,7 +163,7 @@ class Scheduler:
             self.stats.count("hits", family.name)
             return entry, "hit"
         self.stats.count("misses", family.name)
-        if route.compiler is None and key not in self.inflight:
+        if route.compiler is None:
             self.stats.count("unknown_toolchain", family.name)
             raise UnknownToolchain(route.why)
         job = self._submit(route, family, request, priority)
