@@ -129,12 +129,27 @@ def code_dir() -> Path:
     process, removed at exit."""
     global _code_dir
     if _code_dir is None:
-        path = Path(tempfile.mkdtemp(prefix="cached-code-"))
+        _remove_stale_code_dirs()
+        path = Path(tempfile.mkdtemp(prefix=f"cached-code-{os.getpid()}-"))
         for package in (cached, cached_client):
             (path / package.__name__).symlink_to(Path(package.__file__).resolve().parent)
         atexit.register(shutil.rmtree, path, True)
         _code_dir = path
     return _code_dir
+
+
+def _remove_stale_code_dirs() -> None:
+    """Remove the code directories of this user's daemons that are gone (one killed with
+    SIGKILL cannot remove its own)."""
+    for path in Path(tempfile.gettempdir()).glob("cached-code-*-*"):
+        try:
+            if path.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(path.name.split("-")[2]), 0)
+        except ProcessLookupError:  # its daemon is gone
+            shutil.rmtree(path, ignore_errors=True)
+        except (OSError, ValueError):  # alive, or not ours to judge
+            continue
 
 
 def environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
