@@ -185,6 +185,27 @@ def _bool(value: Any) -> bool:
     raise ConfigError(f"expected true or false, got {value!r}")
 
 
+TOOLCHAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def _toolchains(value: Any) -> tuple[tuple[str, str], ...]:
+    """``NAME=PYTHON`` pairs (a list, or one string of them separated by commas or spaces):
+    each an inference environment's interpreter the daemon compiles with."""
+    items = value if isinstance(value, (list, tuple)) else str(value).replace(",", " ").split()
+    pairs = []
+    for item in items:
+        name, sep, python = str(item).partition("=")
+        name, python = name.strip(), python.strip()
+        if not sep or not TOOLCHAIN_NAME.match(name) or not python.startswith("/"):
+            raise ConfigError(f"expected NAME=/absolute/path/to/python (NAME of letters, "
+                              f"digits, '.', '_', '-'), got {str(item)[:200]!r}")
+        pairs.append((name, python))
+    names = [n for n, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"a toolchain name is given twice in {value!r}")
+    return tuple(pairs)
+
+
 def _path(value: Any) -> str:
     text = str(value).strip()
     if not text:
@@ -264,6 +285,10 @@ OPTIONS: tuple[Option, ...] = (
            True, "list", "UID"),
     Option("publish_gid", _ids, tuple, "gid allowed to publish (repeatable)", True, "list",
            "GID"),
+    Option("toolchain", _toolchains, tuple,
+           "NAME=PYTHON: also compile for the environment of this interpreter (repeatable; the "
+           "first is the default; none: the daemon's own interpreter)", kind="list",
+           metavar="NAME=PYTHON"),
     Option("serve_only", _bool, lambda: False,
            "no compiler: serve a store built elsewhere (its keys are pinned in it)",
            kind="switch"),
@@ -304,6 +329,7 @@ class Settings:
     allow_gid: tuple[int, ...]
     publish_uid: tuple[int, ...]
     publish_gid: tuple[int, ...]
+    toolchain: tuple[tuple[str, str], ...]
     serve_only: bool
     remote: str | None
     remote_signing_key: str | None
@@ -438,7 +464,8 @@ def format_table(settings: Settings) -> str:
         elif value is None:
             value = "auto" if row["name"] == "workers" else "-"
         elif isinstance(value, tuple):
-            value = ",".join(map(str, value)) or "-"
+            value = ",".join("=".join(v) if isinstance(v, tuple) else str(v)
+                             for v in value) or "-"
         mark = "" if row["reloadable"] else "  (restart to change)"
         rows.append((row["name"], _printable(str(value)), row["source"] + mark))
     name_width = max(len(r[0]) for r in rows)

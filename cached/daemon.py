@@ -26,16 +26,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import families, sizing, toolchain
+from . import families, identity, sizing, toolchain, toolchains
 from .autotune import Autotune
 from .certifications import Certifications
 from .config import Settings
-from .identity import Identity
 from .leases import Leases
 from .lifecycle import Lifecycle
 from .log import event
 from .metrics import make_metrics
-from .pool import Pool
+from .pool import Launcher, Pool
 from .scheduler import Scheduler
 from .server import Access, Server
 from .service import Service
@@ -54,7 +53,6 @@ class Daemon:
         self.settings = settings
         self.started = time.time()
         self.version = toolchain.daemon_version()
-        self.versions = toolchain.versions()  # readable, fixed for the process's life
         self.remote = _make_remote(settings)  # first: a bad key file stops us before any I/O
         store_root = Path(settings.store)
         self.store = Store(store_root, Budget(settings.max_bytes, settings.max_files,
@@ -62,15 +60,17 @@ class Daemon:
         self.store.check_budget()
         self.stats = Stats()
         if settings.serve_only:
-            self.identity = Identity.pinned(store_root)
+            self.toolchains = identity.pinned(store_root)
             workers = 0
         else:
-            self.identity = Identity.compute()
-            self.identity.save(store_root)
+            self.toolchains = identity.compute(list(settings.toolchain))
+            identity.save(store_root, self.toolchains)
             workers = sizing.worker_count(settings.workers)
-        preload = [n for n in families.names() if not n.startswith("cached.test")]
-        self.pool = Pool(workers, settings.job_timeout, preload)
-        self.scheduler = Scheduler(self.store, self.pool, self.stats, self.identity,
+        # the default toolchain's readable versions, fixed for the process's life
+        self.versions = dict(self.toolchains.default.versions) or toolchain.versions()
+        self.pool = Pool(workers, settings.job_timeout,
+                         [] if settings.serve_only else _launchers(self.toolchains))
+        self.scheduler = Scheduler(self.store, self.pool, self.stats, self.toolchains,
                                    remote=self.remote)
         self.store.protect(lambda: tuple(self.scheduler.inflight))
         self.access = Access.from_settings(settings)
@@ -111,13 +111,16 @@ class Daemon:
             "uptime_s": round(time.time() - self.started, 1),
             "started": round(self.started, 3), "stats_zeroed_at": self.stats.zeroed_at,
             "version": self.version, "versions": self.versions,
-            "toolchain": toolchain.fingerprint_digest(self.identity.toolchain),
+            "toolchain": self.toolchains.default.digest,
+            "toolchains": [{**t, "workers": dict(pool.toolchains.get(t["name"], {}))}
+                           for t in self.toolchains.snapshot()],
             "serve_only": self.settings.serve_only,
             "store": self.settings.store, "socket": self.socket_path,
             "http": self.http_address,
             "max_bytes": store.max_bytes, "max_files": store.max_files,
             "evictions": store.evictions, "evicted_bytes": store.evicted_bytes,
             "over_budget": store.over_budget, "client_fallbacks": c["client_fallbacks"],
+            "unknown_toolchain": c["unknown_toolchain"],
             "draining": self.lifecycle.draining,
         }
 
@@ -133,7 +136,7 @@ class Daemon:
         self.socket_path = await self.lifecycle.listen()
         event(log, logging.INFO, "daemon.listening", socket=self.socket_path,
               workers=self.pool.size, entries=self.store.totals()[0],
-              toolchain=toolchain.fingerprint_digest(self.identity.toolchain))
+              toolchains={t.name: t.digest for t in self.toolchains.items})
         threading.Thread(target=self.store.scan, name="store-scan", daemon=True).start()
         self._start_http()
         flusher = loop.create_task(self._flush_loop())
@@ -198,6 +201,19 @@ class Daemon:
         threading.Thread(target=self._http.run, kwargs={"sockets": [sock]}, name="http",
                          daemon=True).start()
         event(log, logging.INFO, "http.listening", address=self.http_address)
+
+
+def _launchers(registry: toolchains.Toolchains) -> list[Launcher]:
+    """One worker launcher per toolchain: its interpreter, with this code on its path, and
+    the families it has (FlashInfer families only where its FlashInfer has them)."""
+    code = toolchains.code_dir()
+    out = []
+    for t in registry.items:
+        preload = [n for n in families.names() if not n.startswith("cached.test")
+                   and (families.get(n).sources != "flashinfer" or n in t.sources)]
+        out.append(Launcher(t.name, t.python, toolchains.environment(), str(code),
+                            tuple(preload)))
+    return out
 
 
 def _make_remote(settings: Settings) -> Any:

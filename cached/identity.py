@@ -1,23 +1,23 @@
-"""What the daemon adds to every key: the toolchain fingerprint and each family's sources.
+"""The registry of toolchains pinned in a store: ``identity.json`` at the store's root.
 
-A compiling daemon computes both (``Identity.live``) and pins them in ``identity.json``
-at the store's root. A serve-only daemon (no compiler installed, e.g. a GPU node serving
-a store built on a CPU build node) reads them back (``Identity.pinned``), so it derives
-the same keys the builder did and serves that store's artifacts unchanged.
+A compiling daemon probes its toolchains (cached/toolchains.py) and pins them here, with
+the hashes of this package's own families' sources. A serve-only daemon (no compiler
+installed, e.g. a GPU node serving a store built on a CPU build node) reads them back
+(:func:`pinned`), so requests that state no identity, and the project's own families
+(routed by runtime), get the same keys the builder gave them; requests that state their
+identity need nothing pinned (their key is built from it). A missing or unusable file is
+:class:`IdentityError`, one line at start, before anything is bound.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from cached_client.errors import InvalidTactic
-
-from . import families, toolchain
+from . import families
 from .config import ConfigError
-from .families.base import Family
+from .toolchains import Toolchains
 
 FILENAME = "identity.json"
 
@@ -26,55 +26,44 @@ class IdentityError(ConfigError):
     """``identity.json`` is missing or unusable on a serve-only node (one line, at start)."""
 
 
-@dataclass
-class Identity:
-    toolchain: str
-    sources: dict[str, str] = field(default_factory=dict)
-    live: bool = True
+def compute(registered: list[tuple[str, str]]) -> Toolchains:
+    """Probe the registered toolchains and hash this package's own families' sources."""
+    toolchains = Toolchains.probe_all(registered)
+    for name in families.names():
+        family = families.get(name)
+        if family.sources == "daemon":
+            toolchains.daemon_source(family)
+    return toolchains
 
-    @classmethod
-    def compute(cls) -> Identity:
-        """The running environment's identity, every registered family's sources hashed."""
-        return cls(toolchain.fingerprint(),
-                   {name: families.get(name).source_sha256() for name in families.names()})
 
-    @classmethod
-    def pinned(cls, store_root: Path) -> Identity:
-        """The identity a compiling daemon pinned in the store; :class:`IdentityError` if
-        the file is missing, unreadable or not ``{"toolchain": str, "sources": {name:
-        hex}}``."""
-        path = Path(store_root) / FILENAME
-        try:
-            doc = json.loads(path.read_bytes())
-        except FileNotFoundError:
-            raise IdentityError(
-                f"{path} is missing: a serve-only daemon needs a store built by a compiling "
-                "daemon (which writes it)") from None
-        except (OSError, ValueError) as exc:
-            raise IdentityError(f"{path} cannot be read as JSON ({exc}): copy it again from "
-                                "the store of the build node") from None
-        sources = doc.get("sources") if isinstance(doc, dict) else None
-        if (not isinstance(doc, dict) or not isinstance(doc.get("toolchain"), str)
-                or not isinstance(sources, dict)
-                or not all(isinstance(k, str) and isinstance(v, str)
-                           for k, v in sources.items())):
-            raise IdentityError(f"{path} is not an identity file (expected an object with "
-                                "'toolchain': text and 'sources': {family: digest}): copy it "
-                                "again from the store of the build node")
-        return cls(doc["toolchain"], dict(sources), live=False)
+def pinned(store_root: Path) -> Toolchains:
+    """The toolchains a compiling daemon pinned in the store."""
+    path = Path(store_root) / FILENAME
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise IdentityError(
+            f"{path} is missing: a serve-only daemon needs a store built by a compiling "
+            "daemon (which writes it)") from None
+    except (OSError, ValueError) as exc:
+        raise IdentityError(f"{path} cannot be read as JSON ({exc}): copy it again from "
+                            "the store of the build node") from None
+    try:
+        if not isinstance(doc, dict):
+            raise TypeError(f"a JSON {type(doc).__name__}, not an object")
+        toolchains = Toolchains.from_json(doc)
+        for t in toolchains.items:
+            if not isinstance(t.fingerprint, str) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in t.sources.items()):
+                raise TypeError("a toolchain's fingerprint or sources are not text")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise IdentityError(f"{path} is not an identity file ({exc}): copy it again from the "
+                            "store of the build node") from None
+    return toolchains
 
-    def save(self, store_root: Path) -> None:
-        path = Path(store_root) / FILENAME
-        tmp = path.with_suffix(f".tmp.{os.getpid()}")
-        tmp.write_text(json.dumps({"toolchain": self.toolchain, "sources": self.sources},
-                                  indent=2, sort_keys=True))
-        os.replace(tmp, path)
 
-    def source(self, family: Family) -> str:
-        sha = self.sources.get(family.name)
-        if sha is None:
-            if not self.live:
-                raise InvalidTactic(f"this serve-only daemon's store has no {family.name} "
-                                    "artifacts (no source hash pinned for it)")
-            sha = self.sources[family.name] = family.source_sha256()
-        return sha
+def save(store_root: Path, toolchains: Toolchains) -> None:
+    path = Path(store_root) / FILENAME
+    tmp = path.with_suffix(f".tmp.{os.getpid()}")
+    tmp.write_text(json.dumps(toolchains.to_json(), indent=2, sort_keys=True))
+    os.replace(tmp, path)

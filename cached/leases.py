@@ -1,7 +1,9 @@
-"""Write-back leases: one process on the node compiles a kernel the daemon has no recipe for.
+"""Write-back leases: one process on the node compiles a kernel the daemon will not compile.
 
 Many FlashInfer CuTe-DSL kernels are built by ``build_and_load_cute_dsl_kernel`` from a
-compile closure the daemon cannot rebuild (family ``flashinfer.jit``). For those, the first
+compile closure the daemon cannot rebuild (family ``flashinfer.jit``); and an environment no
+registered toolchain matches gets ``unknown_toolchain`` for any family (cached/toolchains.py).
+For those, keyed under the publisher's own identity, the first
 process that needs a key takes a *lease*, compiles, and publishes the exported object
 (cached/uploads.py); processes asking for the same key meanwhile wait on the lease instead
 of compiling. A lease ends when its holder publishes or releases it, when its time-to-live
@@ -27,11 +29,12 @@ from cached_client import protocol as p
 from cached_client.errors import InvalidArgument, InvalidTactic
 from cached_client.keys import KernelRequest
 
-from .families.flashinfer_jit import NAME as WRITE_BACK_FAMILY
+from .families.base import Family
 from .log import event
 from .scheduler import Scheduler
 from .server import Access, Handler, Peer
 from .stats import Stats
+from .toolchains import Route
 
 log = logging.getLogger("cached.leases")
 
@@ -86,14 +89,17 @@ class Leases:
         self.held: dict[str, Lease] = {}
         self._changed: dict[str, asyncio.Event] = {}
 
-    def resolve(self, wire_request: KernelRequest) -> tuple[KernelRequest, str]:
-        """The canonical write-back request and its key; only ``flashinfer.jit`` kernels
-        are written back."""
-        family, request, key = self.scheduler.resolve(wire_request)
-        if family.name != WRITE_BACK_FAMILY:
-            raise InvalidTactic(f"write-back is for {WRITE_BACK_FAMILY} requests; {family.name} "
-                                "kernels are compiled by the daemon (use get)")
-        return request, key
+    def resolve(self, wire_request: KernelRequest, identity: p.Identity | None
+                ) -> tuple[Family, KernelRequest, Route]:
+        """The canonical write-back request, its family and route (key under the publisher's
+        identity). Written back: kernels no toolchain of the daemon may compile for that
+        identity (``flashinfer.jit``'s always; any family's for an environment the daemon
+        has no toolchain for)."""
+        family, request, route = self.scheduler.resolve(wire_request, identity)
+        if route.compiler is not None:
+            raise InvalidTactic(f"{family.name} kernels of this environment are compiled by "
+                                f"the daemon's toolchain {route.compiler.name} (use get)")
+        return family, request, route
 
     def settle(self, key: str) -> None:
         """The key was published (or given up): end its lease and wake its waiters."""
@@ -127,7 +133,7 @@ class Leases:
 
     async def lease(self, m: p.LeaseRequest, peer: Peer) -> p.LeaseReply:
         """A hit, a lease to compile and publish, or (after ``wait_ms``) ``wait``."""
-        _, key = self.resolve(m.request)
+        key = self.resolve(m.request, m.identity)[2].key
         deadline = time.monotonic() + m.wait_ms / 1000
         may_publish = self.access.may_publish(peer)
         waited = False
@@ -162,14 +168,14 @@ class Leases:
                 pass
 
     async def lease_renew(self, m: p.LeaseRenewRequest, peer: Peer) -> p.LeaseRenewReply:
-        _, key = self.resolve(m.request)
+        key = self.resolve(m.request, m.identity)[2].key
         lease = self._held(key, m.lease)
         lease.ttl = m.ttl_s if m.ttl_s is not None else lease.ttl
         lease.expires = time.monotonic() + lease.ttl
         return p.LeaseRenewReply(state="renewed", ttl_s=lease.ttl)
 
     async def lease_release(self, m: p.LeaseReleaseRequest, peer: Peer) -> p.StateReply:
-        _, key = self.resolve(m.request)
+        key = self.resolve(m.request, m.identity)[2].key
         lease = self.held.get(key)
         if lease is not None and lease.token == m.lease:
             self.settle(key)

@@ -21,7 +21,6 @@ from prometheus_client.core import (
     Metric,
 )
 
-from . import toolchain
 from .families import names as registered_families
 from .stats import Stats
 
@@ -120,14 +119,23 @@ class _Collector:
         yield GaugeMetricFamily("cached_start_time_seconds",
                                 "Unix time the daemon started.", value=d.started)
         yield from _remote_metrics(getattr(d, "remote", None), by_family)
-        labels = {"version": d.version,
-                  "toolchain": toolchain.fingerprint_digest(d.identity.toolchain),
+        labels = {"version": d.version, "toolchain": d.toolchains.default.digest,
                   **{re.sub(r"[^a-zA-Z0-9_]", "_", k): v for k, v in d.versions.items()}}
         info = GaugeMetricFamily("cached_build_info", "Always 1: this daemon's version, the "
-                                 "digest of its toolchain (as in stats) and the versions in it.",
-                                 labels=list(labels))
+                                 "digest of its default toolchain (as in stats) and the "
+                                 "versions in it.", labels=list(labels))
         info.add_metric(list(labels.values()), 1)
         yield info
+        toolchains = GaugeMetricFamily("cached_toolchain_info", "Always 1 per registered "
+                                       "toolchain: its name, digest and readable versions.",
+                                       labels=["name", "toolchain", "flashinfer", "dsl",
+                                               "tvm_ffi", "torch", "python"])
+        for t in d.toolchains.snapshot():
+            v = t.get("versions", {})
+            toolchains.add_metric([t["name"], t["fingerprint"], v.get("flashinfer-python", ""),
+                                   v.get("nvidia-cutlass-dsl", ""), v.get("apache-tvm-ffi", ""),
+                                   v.get("torch", ""), v.get("python", "")], 1)
+        yield toolchains
 
 
 REMOTE_STATES = ("connecting", "up", "down", "full")

@@ -1,27 +1,42 @@
-"""The process pool: spawned long-lived workers, one job each at a time.
+"""The process pool: long-lived workers of every toolchain, one job each at a time.
 
-Invariants: a job runs on exactly one worker and is bounded by its timeout; a worker
-that dies or overruns is killed and replaced, and only its own job fails, with a
-:class:`WorkerFailed` that says why. ``size`` workers exist except while a replacement
-starts. Blocking pipe I/O runs on a private thread pool, never on the event loop.
+Each worker belongs to one toolchain (cached/toolchains.py) and is that toolchain's own
+interpreter, started as a subprocess (cached/worker.py) with PYTHONPATH holding only this
+package and the client package, and talking over a socketpair (not stdout: compilers print).
+
+Invariants: a job runs on exactly one worker of the toolchain it names and is bounded by
+its timeout; a worker that dies or overruns is killed and replaced, and only its own job
+fails, with a :class:`WorkerFailed` that says why. One budget of ``size`` workers (cores,
+memory, cgroup: cached/sizing.py) is shared by all toolchains: at start it is dealt out
+round-robin, default toolchain first; a toolchain with work waiting and no idle worker gets
+a new one while the budget allows, else the idle worker of a toolchain with nothing waiting
+is retired for it. Blocking socket I/O runs on a private thread pool, never on the event
+loop; processes are started from the event loop's thread (PR_SET_PDEATHSIG follows the
+thread that started the child).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import json
 import logging
-import multiprocessing
 import os
 import signal
+import socket
+import subprocess
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from . import worker as worker_main
+from . import worker as wire
 from .log import event
 
 log = logging.getLogger("cached.pool")
+
+WORKER_MAIN = "from cached.worker import main; main()"
 
 
 class WorkerFailed(Exception):
@@ -37,59 +52,88 @@ class JobError(Exception):
         self.traceback = traceback
 
 
+@dataclass(frozen=True)
+class Launcher:
+    """How to start a worker of one toolchain: its interpreter, environment, working
+    directory and the families it preloads."""
+
+    toolchain: str
+    python: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    families: tuple[str, ...] = ()
+
+
 class _Worker:
-    def __init__(self, ctx: Any, family_names: list[str]) -> None:
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=worker_main.main, args=(child, os.getpid(), family_names),
-            name="cached-worker", daemon=True,
-        )
-        self.process.start()
-        child.close()
+    def __init__(self, launcher: Launcher) -> None:
+        self.toolchain = launcher.toolchain
+        self.sock, child = socket.socketpair()
+        try:
+            self.process = subprocess.Popen(
+                [launcher.python, "-c", WORKER_MAIN, str(child.fileno()), str(os.getpid()),
+                 json.dumps(list(launcher.families))],
+                pass_fds=(child.fileno(),), env=dict(launcher.env) or None, cwd=launcher.cwd,
+                stdin=subprocess.DEVNULL)
+        except BaseException:
+            self.sock.close()
+            raise
+        finally:
+            child.close()
         self.pid = self.process.pid
+        self.idle_since = time.monotonic()
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
 
     def wait_ready(self, timeout: float) -> None:
-        if not self.conn.poll(timeout):
-            self.kill()
-            raise WorkerFailed(f"worker {self.pid} did not become ready within {timeout:.0f}s")
+        self.sock.settimeout(timeout)
         try:
-            self.conn.recv()
-        except (EOFError, OSError):
+            wire.recv(self.sock)
+        except TimeoutError:
+            self.kill()
+            raise WorkerFailed(f"worker {self.pid} did not become ready within {timeout:.0f}s"
+                               ) from None
+        except (EOFError, OSError, ValueError):
             raise WorkerFailed(f"worker {self.pid} exited while starting: {self.why()}") from None
 
     def call(self, kind: str, payload: dict, timeout: float) -> Any:
+        self.sock.settimeout(timeout)
         try:
-            self.conn.send((kind, payload))
-            if not self.conn.poll(timeout):
-                self.kill()
-                raise WorkerFailed(f"worker {self.pid} exceeded the {timeout:.0f}s job timeout"
-                                   " and was killed")
-            status, result = self.conn.recv()
-        except (EOFError, OSError, BrokenPipeError):
+            wire.send(self.sock, {"kind": kind, "payload": payload})
+            reply = wire.recv(self.sock)
+        except TimeoutError:
+            self.kill()
+            raise WorkerFailed(f"worker {self.pid} exceeded the {timeout:.0f}s job timeout"
+                               " and was killed") from None
+        except (EOFError, OSError, ValueError):
             raise WorkerFailed(f"worker {self.pid} died during the job: {self.why()}") from None
-        if status == "error":
-            raise JobError(result["message"], result.get("traceback", ""))
-        return result
+        if "error" in reply:
+            raise JobError(reply["error"]["message"], reply["error"].get("traceback", ""))
+        return reply["ok"]
 
     def why(self) -> str:
-        self.process.join(timeout=5)
-        code = self.process.exitcode
-        if code is None:
+        try:
+            code = self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
             return "still running"
         if code < 0:
             return f"killed by {signal.Signals(-code).name}"
         return f"exit code {code}"
 
     def kill(self) -> None:
-        if self.process.is_alive():
+        if self.process.poll() is None:
             self.process.kill()
-        self.process.join(timeout=5)
-        self.conn.close()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self.sock.close()
 
 
 @dataclass(frozen=True)
 class PoolSnapshot:
-    """Workers by state, for stats, metrics and the status page."""
+    """Workers by state, for stats, metrics and the status page; ``toolchains`` has the
+    same counts per toolchain name."""
 
     size: int
     alive: int
@@ -97,19 +141,23 @@ class PoolSnapshot:
     idle: int
     busy: int
     restarts: int
+    toolchains: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
 
 class Pool:
-    def __init__(self, size: int, job_timeout: float, family_names: list[str],
+    def __init__(self, size: int, job_timeout: float, launchers: Sequence[Launcher],
                  startup_timeout: float = 300.0) -> None:
         self.size = size
         self.job_timeout = job_timeout
         self.startup_timeout = startup_timeout
-        self.family_names = family_names
+        self.launchers = {launcher.toolchain: launcher for launcher in launchers}
         self.restarts = 0
         self.busy = 0
-        self._ctx = multiprocessing.get_context("spawn")
-        self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        self._idle: dict[str, collections.deque[_Worker]] = {
+            name: collections.deque() for name in self.launchers}
+        self._waiters: dict[str, collections.deque[asyncio.Future]] = {
+            name: collections.deque() for name in self.launchers}
+        self._busy: collections.Counter[str] = collections.Counter()
         self._all: set[_Worker] = set()
         self._ready: set[_Worker] = set()
         self._threads = ThreadPoolExecutor(max_workers=size + 2, thread_name_prefix="pool-io")
@@ -118,36 +166,57 @@ class Pool:
 
     @property
     def alive(self) -> int:
-        return sum(1 for w in self._all if w.process.is_alive())
+        return sum(1 for w in self._all if w.is_alive())
 
     @property
     def ready(self) -> int:
-        """Workers that finished importing the toolchain and are still alive."""
-        return sum(1 for w in self._ready if w.process.is_alive())
+        """Workers that finished importing their toolchain and are still alive."""
+        return sum(1 for w in self._ready if w.is_alive())
 
     @property
     def idle(self) -> int:
-        """Ready workers not running a job: those on the idle queue and the one the
-        dispatcher has taken from it while it waits for a job to give it."""
-        return max(0, self.ready - self.busy)
+        return sum(len(q) for q in self._idle.values())
 
     def snapshot(self) -> PoolSnapshot:
+        per = {name: {"alive": sum(1 for w in self._all if w.toolchain == name and w.is_alive()),
+                      "ready": sum(1 for w in self._ready
+                                   if w.toolchain == name and w.is_alive()),
+                      "idle": len(self._idle[name]), "busy": self._busy[name]}
+               for name in self.launchers}
         return PoolSnapshot(self.size, self.alive, self.ready, self.idle, self.busy,
-                            self.restarts)
+                            self.restarts, per)
 
     async def start(self) -> None:
-        """Spawn every worker; returns at once, workers join the pool as they get ready."""
-        for _ in range(self.size):
-            self._spawn()
+        """Deal the budget out to the toolchains round-robin and spawn; returns at once,
+        workers join the pool as they get ready."""
+        names = list(self.launchers)
+        for i in range(self.size if names else 0):
+            self._spawn(names[i % len(names)])
 
-    def _spawn(self) -> None:
+    def _spawn(self, name: str) -> None:
         if self._closing:
             return
-        w = _Worker(self._ctx, self.family_names)
+        try:
+            w = _Worker(self.launchers[name])
+        except OSError as exc:
+            event(log, logging.ERROR, "worker.start_failed", toolchain=name, reason=str(exc))
+            self._retry_later(name)
+            return
         self._all.add(w)
-        task = asyncio.get_running_loop().create_task(self._await_ready(w))
+        self._task(self._await_ready(w))
+
+    def _task(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _retry_later(self, name: str) -> None:
+        async def later() -> None:
+            await asyncio.sleep(2.0)
+            self._spawn(name)
+
+        if not self._closing:
+            self._task(later())
 
     async def _await_ready(self, w: _Worker) -> None:
         started = time.monotonic()
@@ -156,28 +225,79 @@ class Pool:
             await loop.run_in_executor(self._threads, w.wait_ready, self.startup_timeout)
         except WorkerFailed as exc:
             self._all.discard(w)
-            event(log, logging.ERROR, "worker.start_failed", pid=w.pid, reason=str(exc))
-            if not self._closing:
-                await asyncio.sleep(2.0)
-                self._spawn()
+            w.kill()
+            event(log, logging.ERROR, "worker.start_failed", pid=w.pid, toolchain=w.toolchain,
+                  reason=str(exc))
+            self._retry_later(w.toolchain)
             return
-        event(log, logging.INFO, "worker.ready", pid=w.pid,
+        event(log, logging.INFO, "worker.ready", pid=w.pid, toolchain=w.toolchain,
               seconds=round(time.monotonic() - started, 2))
         self._ready.add(w)
-        self._idle.put_nowait(w)
+        self._release(w)
 
-    async def acquire(self) -> _Worker:
-        return await self._idle.get()
+    def _release(self, w: _Worker) -> None:
+        """``w`` is free: to a waiter of its toolchain, else to a toolchain waiting with no
+        worker coming (retired for it), else idle."""
+        waiters = self._waiters[w.toolchain]
+        while waiters:
+            future = waiters.popleft()
+            if not future.done():
+                future.set_result(w)
+                return
+        w.idle_since = time.monotonic()
+        self._idle[w.toolchain].append(w)
+        self._rebalance()
+
+    def _starting(self, name: str) -> int:
+        return sum(1 for w in self._all if w.toolchain == name and w not in self._ready)
+
+    def _rebalance(self) -> None:
+        """Give every toolchain with a waiter and no worker starting a worker: from the
+        budget, else by retiring an idle worker of a toolchain nobody waits for."""
+        for name, waiters in self._waiters.items():
+            if not any(not f.done() for f in waiters) or self._starting(name):
+                continue
+            if len(self._all) < self.size:
+                self._spawn(name)
+                continue
+            donors = [w for other, idle in self._idle.items() if other != name
+                      and not any(not f.done() for f in self._waiters[other]) for w in idle]
+            if donors:
+                victim = min(donors, key=lambda w: w.idle_since)
+                self._idle[victim.toolchain].remove(victim)
+                self._all.discard(victim)
+                self._ready.discard(victim)
+                victim.kill()
+                event(log, logging.INFO, "worker.retired", pid=victim.pid,
+                      toolchain=victim.toolchain, for_toolchain=name)
+                self._spawn(name)
+
+    async def acquire(self, name: str) -> _Worker:
+        """An idle worker of toolchain ``name``, waiting (and asking for one) if none is."""
+        idle = self._idle[name]
+        if idle:
+            return idle.popleft()
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._waiters[name].append(future)
+        self._rebalance()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self._release(future.result())
+            raise
 
     def release(self, w: _Worker) -> None:
-        """Give back an acquired worker that ran nothing (its job failed before starting)."""
-        self._idle.put_nowait(w)
+        """Give back an acquired worker that ran nothing (its job went away or failed
+        before it started)."""
+        self._release(w)
 
     async def run_on(self, w: _Worker, kind: str, payload: dict,
                      timeout: float | None = None) -> Any:
         """Run one job on an acquired worker and give it back (or replace it)."""
         loop = asyncio.get_running_loop()
         self.busy += 1
+        self._busy[w.toolchain] += 1
         try:
             result = await loop.run_in_executor(
                 self._threads, w.call, kind, payload, timeout or self.job_timeout
@@ -187,21 +307,26 @@ class Pool:
             self._all.discard(w)
             self._ready.discard(w)
             self.restarts += 1
-            event(log, logging.ERROR, "worker.lost", pid=w.pid, reason=str(exc))
-            self._spawn()
+            event(log, logging.ERROR, "worker.lost", pid=w.pid, toolchain=w.toolchain,
+                  reason=str(exc))
+            self._spawn(w.toolchain)
             raise
         except JobError:
-            self._idle.put_nowait(w)
+            self._release(w)
             raise
         finally:
             self.busy -= 1
-        self._idle.put_nowait(w)
+            self._busy[w.toolchain] -= 1
+        self._release(w)
         return result
 
     async def stop(self) -> None:
         self._closing = True
         for task in list(self._tasks):
             task.cancel()
+        for waiters in self._waiters.values():
+            for future in waiters:
+                future.cancel()
         for w in list(self._all):
             w.kill()
         self._all.clear()

@@ -12,7 +12,11 @@ Invariants:
 - persistence is best effort: a kernel built but refused by the store (disk or inodes
   full, a budget smaller than the kernel) still reaches that job's waiters, origin
   ``unstored``, served from the job's work directory (kept ``UNSTORED_HOLD_S``);
-- store lookups (blob hashing) run on the store's reader threads, never on the loop.
+- store lookups (blob hashing) run on the store's reader threads, never on the loop;
+- identity: a request's key is built from the identity its client states, and a miss is
+  compiled only by the registered toolchain that matches it (cached/toolchains.py: its own
+  queue and its own workers), else refused at once with ``unknown_toolchain``. A stored row
+  names the toolchain and sources of its key, never the daemon's own in their place.
 """
 
 from __future__ import annotations
@@ -36,17 +40,17 @@ from cached_client.errors import (
     DeadlineExceeded,
     InvalidTactic,
     Overloaded,
-    ToolchainMismatch,
+    UnknownToolchain,
 )
-from cached_client.keys import KernelRequest, artifact_key
+from cached_client.keys import KernelRequest
 
 from . import families, toolchain
 from .families.base import DEFAULT_SM_COUNT, Family
-from .identity import Identity
 from .log import event
 from .pool import JobError, Pool, WorkerFailed
 from .stats import Stats
 from .store import Entry, PersistFailed, Store, row_for
+from .toolchains import Route, Toolchains
 
 log = logging.getLogger("cached.scheduler")
 
@@ -68,6 +72,8 @@ class Job:
     plan: dict | None = None  # a planning job (no key, no store) when set
     enqueued: float = field(default_factory=time.monotonic)
     origin: str = "compiled"  # "remote": from the fleet tier; "unstored": not persisted
+    route: Route | None = None  # the key's toolchain and sources, and who compiles it
+    toolchain: str = ""  # the name of the toolchain whose workers run it
 
 
 @dataclass(frozen=True)
@@ -80,20 +86,21 @@ class SchedulerSnapshot:
 
 
 class Scheduler:
-    def __init__(self, store: Store, pool: Pool, stats: Stats, identity: Identity,
+    def __init__(self, store: Store, pool: Pool, stats: Stats, toolchains: Toolchains,
                  max_queue: int = 100_000, remote: Any = None) -> None:
         self.store = store
         self.pool = pool
         self.remote = remote  # cached.remote.Remote or None: the fleet tier
-        self.identity = identity
+        self.toolchains = toolchains
         self.stats = stats
         self.max_queue = max_queue
         self.inflight: dict[str, Job] = {}
         self.running = 0
-        self._heap: list[tuple[int, int, Job]] = []
+        names = [t.name for t in toolchains.items]
+        self._heaps: dict[str, list[tuple[int, int, Job]]] = {n: [] for n in names}
+        self._has_work = {n: asyncio.Event() for n in names}
         self._seq = itertools.count()
-        self._has_work = asyncio.Event()
-        self._dispatcher: asyncio.Task | None = None
+        self._dispatchers: list[asyncio.Task] = []
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -101,7 +108,9 @@ class Scheduler:
         return sum(1 for j in self.inflight.values() if j.state == "queued")
 
     async def start(self) -> None:
-        self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch())
+        loop = asyncio.get_running_loop()
+        self._dispatchers = [loop.create_task(self._dispatch(name))
+                             for name in self._heaps if name in self.pool.launchers]
 
     def snapshot(self) -> SchedulerSnapshot:
         return SchedulerSnapshot(len(self.inflight), self.queued, self.running)
@@ -110,8 +119,8 @@ class Scheduler:
         """Stop starting jobs; tell waiters of queued jobs at once; give running
         compilations ``timeout`` seconds to finish and be stored; then tell every waiter
         still waiting. Waiters hear ``unavailable`` (a client then compiles in-process)."""
-        if self._dispatcher is not None:
-            self._dispatcher.cancel()
+        for dispatcher in self._dispatchers:
+            dispatcher.cancel()
         cancelled = 0
         for job in [j for j in self.inflight.values() if j.state == "queued"]:
             self.inflight.pop(job.key, None)
@@ -133,8 +142,8 @@ class Scheduler:
                 "queued_cancelled": cancelled}
 
     async def stop(self) -> None:
-        if self._dispatcher:
-            self._dispatcher.cancel()
+        for dispatcher in self._dispatchers:
+            dispatcher.cancel()
         self._fail_all("the daemon is shutting down")
 
     def _fail_all(self, why: str) -> None:
@@ -144,32 +153,30 @@ class Scheduler:
 
     # -- requests ----------------------------------------------------------------------
 
-    def resolve(self, request: KernelRequest, expected_toolchain: str | None = None
-                ) -> tuple[Family, KernelRequest, str]:
+    def resolve(self, request: KernelRequest, identity: p.Identity | None = None
+                ) -> tuple[Family, KernelRequest, Route]:
         """Validate a request against its family; returns the family, the canonical request
-        and its store key."""
+        and its route (store key, and who compiles it) for the client's ``identity``."""
         family = families.get(request.family)
         request = family.canonical_request(request)
-        if expected_toolchain is not None and expected_toolchain != self.identity.toolchain:
-            raise ToolchainMismatch(
-                f"the client expects toolchain {expected_toolchain[:80]!r} but this daemon "
-                f"builds with {self.identity.toolchain[:80]!r}; align the nvidia-cutlass-dsl, "
-                "apache-tvm-ffi and torch versions or run a daemon from the client's environment"
-            )
-        key = artifact_key(request, self.identity.toolchain, self.identity.source(family))
-        return family, request, key
+        return family, request, self.toolchains.route(family, request, identity)
 
     async def get(self, request: KernelRequest, priority: int = INTERACTIVE,
-                  timeout: float = 60.0, expected_toolchain: str | None = None
+                  timeout: float = 60.0, identity: p.Identity | None = None
                   ) -> tuple[Entry, str]:
-        """The stored entry for a request and whether it was a ``hit`` or ``compiled``."""
-        family, request, key = self.resolve(request, expected_toolchain)
+        """The stored entry for a request and whether it was a ``hit`` or ``compiled``;
+        UnknownToolchain at once for a miss no registered toolchain may compile."""
+        family, request, route = self.resolve(request, identity)
+        key = route.key
         entry = await self.lookup(key)
         if entry is not None:
             self.stats.count("hits", family.name)
             return entry, "hit"
         self.stats.count("misses", family.name)
-        job = self._submit(key, family, request, priority)
+        if route.compiler is None:
+            self.stats.count("unknown_toolchain", family.name)
+            raise UnknownToolchain(route.why)
+        job = self._submit(route, family, request, priority)
         try:
             entry = await asyncio.wait_for(asyncio.shield(job.future), timeout)
             return entry, job.origin
@@ -188,22 +195,26 @@ class Scheduler:
         return await asyncio.get_running_loop().run_in_executor(
             self.store.readers, self.store.lookup, key)
 
-    def prefetch(self, wires: list[Any]) -> dict:
+    def prefetch(self, wires: list[Any], identity: p.Identity | None = None) -> dict:
         """Queue every request not stored or in flight as pre-warm work; answers at once."""
         report: dict[str, Any] = {"queued": 0, "cached": 0, "in_flight": 0, "rejected": []}
         for index, wire in enumerate(wires):
             try:
-                family, request, key = self.resolve(KernelRequest.from_wire(wire))
+                family, request, route = self.resolve(KernelRequest.from_wire(wire), identity)
             except CachedError as exc:  # reported per request
                 report["rejected"].append({"index": index, "error": exc.to_wire()})
                 continue
+            key = route.key
             if self.store.contains(key):
                 report["cached"] += 1
             elif key in self.inflight:
                 report["in_flight"] += 1
+            elif route.compiler is None:
+                report["rejected"].append({"index": index,
+                                           "error": UnknownToolchain(route.why).to_wire()})
             else:
                 try:
-                    self._submit(key, family, request, PREWARM)
+                    self._submit(route, family, request, PREWARM)
                 except CachedError as exc:  # reported per request
                     report["rejected"].append({"index": index, "error": exc.to_wire()})
                     continue
@@ -215,13 +226,15 @@ class Scheduler:
         family = families.get(m.family)
         family.check_arch(m.arch)
         family_name = m.family
+        planner = self.toolchains.planner(family, m.identity)
         payload = {"family": m.family, "shape": list(m.shape), "arch": m.arch,
                    "sm_count": m.sm_count or DEFAULT_SM_COUNT[m.arch], "options": m.options}
         if self.pool.size == 0:
             return await asyncio.get_running_loop().run_in_executor(
                 None, _plan_here, family, payload)
         job = Job(f"plan:{next(self._seq)}", family, None, INTERACTIVE,
-                  asyncio.get_running_loop().create_future(), plan=payload)
+                  asyncio.get_running_loop().create_future(), plan=payload,
+                  toolchain=planner.name)
         self._push(job)
         try:
             return await job.future
@@ -230,7 +243,9 @@ class Scheduler:
 
     # -- jobs --------------------------------------------------------------------------
 
-    def _submit(self, key: str, family: Family, request: KernelRequest, priority: int) -> Job:
+    def _submit(self, route: Route, family: Family, request: KernelRequest,
+                priority: int) -> Job:
+        key = route.key
         job = self.inflight.get(key)
         if job is not None:
             if priority < job.priority and job.state == "fetching":
@@ -247,7 +262,9 @@ class Scheduler:
             raise Overloaded(f"{len(self.inflight)} compilations are already queued; retry later")
         future = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        job = Job(key, family, request, priority, future)
+        assert route.compiler is not None
+        job = Job(key, family, request, priority, future, route=route,
+                  toolchain=route.compiler.name)
         self.inflight[key] = job
         if self.remote is not None:
             job.state = "fetching"
@@ -293,11 +310,11 @@ class Scheduler:
         """Fetch ``job``'s key from the tier (verified there) and store it; None on a miss.
         The row is this node's own (request, identity); the tier supplies only the blobs,
         the kernel's name and symbol, its compile time and meta."""
-        request = job.request
+        request, route = job.request, job.route
+        assert route is not None
         fetched = self.remote.fetch(job.key, {
             "family": request.family, "arch": request.arch,
-            "toolchain": self.identity.toolchain,
-            "source_sha256": self.identity.source(job.family)})
+            "toolchain": route.toolchain, "source_sha256": route.source_sha256})
         if fetched is None:
             return None
         signed, object_bytes, library_bytes = fetched
@@ -307,8 +324,8 @@ class Scheduler:
             (workdir / "remote.so").write_bytes(library_bytes)
             meta = signed["meta"]
             row = row_for(job.key, request, kernel_name=str(signed["kernel_name"]),
-                          symbol=str(signed["symbol"]), toolchain=self.identity.toolchain,
-                          source_sha256=self.identity.source(job.family),
+                          symbol=str(signed["symbol"]), toolchain=route.toolchain,
+                          source_sha256=route.source_sha256,
                           compile_seconds=float(signed["compile_seconds"]),
                           meta=json.loads(meta) if isinstance(meta, str) else meta)
             return self.store.publish(row, workdir / "remote.o", workdir / "remote.so")
@@ -316,22 +333,32 @@ class Scheduler:
             shutil.rmtree(workdir, ignore_errors=True)
 
     def _push(self, job: Job) -> None:
-        heapq.heappush(self._heap, (job.priority, next(self._seq), job))
-        self._has_work.set()
+        heapq.heappush(self._heaps[job.toolchain], (job.priority, next(self._seq), job))
+        self._has_work[job.toolchain].set()
 
-    async def _next_job(self) -> Job:
-        while True:
-            while self._heap:
-                priority, _, job = heapq.heappop(self._heap)
-                if job.state == "queued" and job.priority == priority:
-                    return job
-            self._has_work.clear()
-            await self._has_work.wait()
+    def _top(self, name: str) -> Job | None:
+        """The most urgent queued job of toolchain ``name`` (stale heap entries dropped)."""
+        heap = self._heaps[name]
+        while heap:
+            priority, _, job = heap[0]
+            if job.state == "queued" and job.priority == priority:
+                return job
+            heapq.heappop(heap)
+        return None
 
-    async def _dispatch(self) -> None:
+    async def _dispatch(self, name: str) -> None:
+        """Toolchain ``name``'s jobs onto its workers: a worker is asked for only while a
+        job waits, and the most urgent job then is the one it runs."""
         while True:
-            worker = await self.pool.acquire()
-            job = await self._next_job()
+            while self._top(name) is None:
+                self._has_work[name].clear()
+                await self._has_work[name].wait()
+            worker = await self.pool.acquire(name)
+            job = self._top(name)
+            if job is None:  # drained meanwhile
+                self.pool.release(worker)
+                continue
+            heapq.heappop(self._heaps[name])
             job.state = "running"
             run = self._run_plan if job.plan is not None else self._run
             task = asyncio.get_running_loop().create_task(run(worker, job))
@@ -412,11 +439,15 @@ class Scheduler:
     def _publish(self, job: Job, result: dict) -> tuple[Entry, str]:
         """Store the built kernel: (entry, ``compiled``); when the store cannot take it,
         (the unstored entry, ``unstored``), counted and logged."""
+        route = job.route
+        assert route is not None
         row = row_for(job.key, job.request, kernel_name=result["kernel_name"],
-                      symbol=result["symbol"], toolchain=self.identity.toolchain,
-                      source_sha256=self.identity.source(job.family),
+                      symbol=result["symbol"], toolchain=route.toolchain,
+                      source_sha256=route.source_sha256,
                       compile_seconds=result["compile_seconds"],
-                      meta={**result["meta"], "runtime_library": toolchain.RUNTIME_LIBRARY_NAME})
+                      meta={**result["meta"], "runtime_library": toolchain.RUNTIME_LIBRARY_NAME,
+                            "compiled_by": {"toolchain": job.toolchain,
+                                            "python": result.get("python")}})
         files = Path(result["object_path"]), Path(result["library_path"])
         try:
             return self.store.publish(row, *files), "compiled"
@@ -437,7 +468,7 @@ class Scheduler:
             library_sha256=r["library_sha256"], object_sha256=r["object_sha256"],
             library_size=r["library_size"], object_size=r["object_size"],
             toolchain=r["toolchain"], source_sha256=r["source_sha256"],
-            runtime_library=toolchain.runtime_library(), origin=origin,
+            runtime_library=self.toolchains.runtime_library(r["toolchain"]), origin=origin,
             compile_seconds=r["compile_seconds"],
             library_path=str(entry.library_path) if paths else None,
             object_path=str(entry.object_path) if paths else None)

@@ -17,7 +17,7 @@ from typing import Any
 
 from cached_client import protocol as p
 
-from . import families, toolchain
+from . import families
 from .log import event
 from .scheduler import PRIORITIES, Scheduler
 from .server import Access, Handler, Peer
@@ -48,19 +48,24 @@ class Service:
         self.snapshot = snapshot
 
     async def hello(self, m: p.Empty, peer: Peer) -> p.HelloReply:
+        """Who the daemon is: its default toolchain's identity (``toolchain``, ``versions``,
+        ``runtime_library``) and every registered toolchain (``toolchains``)."""
+        default = self.scheduler.toolchains.default
         return p.HelloReply(
             v=p.PROTOCOL_VERSION, ops=sorted(p.OPS), capabilities=list(p.CAPABILITIES),
-            families=families.names(), toolchain=self.scheduler.identity.toolchain,
-            versions=toolchain.versions(), runtime_library=toolchain.runtime_library(),
+            families=families.names(), toolchain=default.fingerprint,
+            versions=dict(default.versions),
+            runtime_library=self.scheduler.toolchains.runtime_library(default.fingerprint),
             serve_only=self.scheduler.pool.size == 0, may_publish=self.access.may_publish(peer),
-            reduction_classes=reduction_classes())
+            reduction_classes=reduction_classes(),
+            toolchains=[t.to_json() for t in self.scheduler.toolchains.items])
 
     async def get(self, m: p.GetRequest, peer: Peer) -> p.GetReply | tuple[p.GetReply, bytes]:
         """The artifact; its latency (decoded request to reply, seconds) goes into the
         ``hit_seconds`` or ``miss_seconds`` histogram of its family."""
         started = time.perf_counter()
         entry, origin = await self.scheduler.get(
-            m.request, PRIORITIES[m.priority], m.deadline_ms / 1000, m.toolchain)
+            m.request, PRIORITIES[m.priority], m.deadline_ms / 1000, m.identity)
         reply: p.GetReply | tuple[p.GetReply, bytes]
         if m.transfer == "bytes":
             data = await asyncio.get_running_loop().run_in_executor(
@@ -73,7 +78,7 @@ class Service:
         return reply
 
     async def prefetch(self, m: p.PrefetchRequest, peer: Peer) -> p.PrefetchReply:
-        return p.PrefetchReply(**self.scheduler.prefetch(m.requests))
+        return p.PrefetchReply(**self.scheduler.prefetch(m.requests, m.identity))
 
     async def plan(self, m: p.PlanRequest, peer: Peer) -> p.PlanReply:
         wires = await self.scheduler.plan(m)
@@ -125,8 +130,8 @@ class Service:
         """Verified FlashInfer artifacts for ``cached export``: rows, meta and object paths."""
         rows = await asyncio.get_running_loop().run_in_executor(
             None, self._flashinfer_rows, m.family)
-        return p.FlashInferArtifactsReply(artifacts=rows,
-                                          toolchain=self.scheduler.identity.toolchain)
+        return p.FlashInferArtifactsReply(
+            artifacts=rows, toolchain=self.scheduler.toolchains.default.fingerprint)
 
     def _flashinfer_rows(self, wanted: str | None) -> list[dict]:
         out = []

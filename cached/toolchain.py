@@ -1,8 +1,9 @@
-"""The compiler stack this daemon builds with: its fingerprint, runtime library and linker.
+"""The compiler stack of the environment this code runs in: identity, runtime library, linker.
 
-Nothing here imports the CuTe-DSL compiler, torch or FlashInfer: the fingerprint reads
-installed distributions' metadata, and source hashing loads FlashInfer's stdlib-only
-hashing module straight from its file, so the daemon's main process stays light.
+Runs in the daemon's main process and in every worker (each in its own toolchain's
+environment, cached/toolchains.py). Nothing here imports the CuTe-DSL compiler, torch or
+FlashInfer: the fingerprint is the client's (cached_client.identity: one implementation for
+both sides), and the runtime library is found by its path.
 """
 
 from __future__ import annotations
@@ -11,40 +12,26 @@ import functools
 import hashlib
 import importlib.metadata
 import importlib.util
-import json
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
-from types import ModuleType
 
-RUNTIME_LIBRARY_NAME = "libcute_dsl_runtime.so"
+from cached_client import identity
+from cached_client.loader import RUNTIME_LIBRARY_NAME, installed_runtime_libraries
+
+__all__ = ["RUNTIME_LIBRARY_NAME", "fingerprint", "fingerprint_digest", "versions",
+           "package_dir", "runtime_library_path", "runtime_library", "link_shared_library",
+           "hash_files"]
 
 
-@functools.cache
 def fingerprint() -> str:
-    """The compiler stack's identity, computed exactly as FlashInfer's ``_get_cute_dsl_version``.
-
-    Python's cache tag and SOABI, then ``name==version:sha256(RECORD, direct_url)`` of
-    torch, apache-tvm-ffi and every nvidia-cutlass-dsl* distribution, sorted. Equal to
-    FlashInfer's value so that exported artifacts carry the meta FlashInfer expects.
-    """
-    stack = []
-    for dist in importlib.metadata.distributions():
-        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
-        if name in {"torch", "apache-tvm-ffi"} or name.startswith("nvidia-cutlass-dsl"):
-            provenance = json.dumps(
-                [dist.read_text("RECORD"), dist.read_text("direct_url.json")]
-            ).encode()
-            stack.append(f"{name}=={dist.version}:{hashlib.sha256(provenance).hexdigest()}")
-    return ";".join(
-        [str(sys.implementation.cache_tag), str(sysconfig.get_config_var("SOABI")), *sorted(stack)]
-    )
+    """This environment's compiler stack fingerprint (cached_client.identity.toolchain)."""
+    return identity.toolchain()
 
 
 def fingerprint_digest(value: str | None = None) -> str:
     """A short stable name for a fingerprint (default: :func:`fingerprint`): 16 hex digits."""
-    return hashlib.sha256((value or fingerprint()).encode()).hexdigest()[:16]
+    return identity.digest(value or fingerprint())
 
 
 def daemon_version() -> str:
@@ -57,13 +44,7 @@ def daemon_version() -> str:
 
 def versions() -> dict[str, str]:
     """Readable versions of the parts of the stack, for hello and stats."""
-    out = {"python": sys.version.split()[0]}
-    for name in ("nvidia-cutlass-dsl", "apache-tvm-ffi", "flashinfer-python", "torch"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "absent"
-    return out
+    return identity.versions()
 
 
 def package_dir(name: str) -> Path:
@@ -76,11 +57,11 @@ def package_dir(name: str) -> Path:
 
 @functools.cache
 def runtime_library_path() -> str:
-    """The DSL runtime library every exported kernel links against."""
-    matches = sorted(package_dir("nvidia_cutlass_dsl").glob(f"cu*/lib/{RUNTIME_LIBRARY_NAME}"))
+    """The DSL runtime library every exported kernel links against (newest CUDA variant)."""
+    matches = installed_runtime_libraries(RUNTIME_LIBRARY_NAME)
     if not matches:
         raise FileNotFoundError(f"{RUNTIME_LIBRARY_NAME} not found under nvidia_cutlass_dsl")
-    return str(matches[-1])
+    return matches[0]
 
 
 def runtime_library() -> dict:
@@ -104,27 +85,6 @@ def link_shared_library(object_path: Path, library_path: Path) -> None:
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"linking {object_path.name} failed: {result.stderr.strip()}")
-
-
-@functools.cache
-def _flashinfer_source_hasher() -> ModuleType:
-    path = package_dir("flashinfer") / "jit" / "_cute_dsl_source.py"
-    spec = importlib.util.spec_from_file_location("_cached_flashinfer_cute_dsl_source", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def flashinfer_source_hash(relative_paths: tuple[str, ...]) -> str:
-    """FlashInfer's ``_hash_source_files`` over files given relative to its package."""
-    root = package_dir("flashinfer")
-    return flashinfer_source_hash_paths(tuple(str(root / p) for p in relative_paths))
-
-
-def flashinfer_source_hash_paths(paths: tuple[str, ...]) -> str:
-    """FlashInfer's ``_hash_source_files`` over absolute paths, as FlashInfer computes it."""
-    return _flashinfer_source_hasher()._hash_source_files(paths)
 
 
 def hash_files(paths: tuple[Path, ...]) -> str:

@@ -4,8 +4,10 @@ A ``publish`` request carries a base64 chunk at ``offset``; the ``final`` chunk 
 The object is checked against ``object_sha256`` and for being ELF, linked into a ``.so``
 here (so the only untrusted input is the object, which is exactly what FlashInfer's own
 disk cache would have held), and stored like any other artifact; the key's lease ends and
-its waiters get the hit. Only peers on the publish allowlist reach this op (protocol.OPS).
-An upload that stops arriving is removed after ``UPLOAD_IDLE_S``.
+its waiters get the hit. The row carries the publisher's identity (the toolchain and
+sources it stated), never the daemon's: it is served only to requests stating the same.
+Only peers on the publish allowlist reach this op (protocol.OPS). An upload that stops
+arriving is removed after ``UPLOAD_IDLE_S``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import Any
 from cached_client import protocol as p
 from cached_client.errors import CompileFailed, InvalidArgument
 
-from . import families, toolchain
+from . import toolchain
+from .families.base import Family
 from .families.flashinfer_jit import HEX64_RE
 from .leases import Leases
 from .log import event
@@ -70,7 +73,9 @@ class Uploads:
 
     async def publish(self, m: p.PublishRequest, peer: Peer) -> p.PublishReply:
         """Receive one chunk; the final one is verified, linked, stored and served."""
-        request, key = self.leases.resolve(m.request)
+        family, request, route = self.leases.resolve(m.request, m.identity)
+        key = route.key
+        kernel_name, symbol = family.published_name(request, m.kernel_name)
         if not HEX64_RE.match(m.object_sha256):
             raise InvalidArgument("publish needs object_sha256: 64 lowercase hex digits")
         id_ = (key, m.object_sha256)
@@ -108,33 +113,35 @@ class Uploads:
                 if f.read(4) != b"\x7fELF":
                     raise InvalidArgument("published object is not an ELF object file")
             entry = await asyncio.get_running_loop().run_in_executor(
-                None, self._commit, request, key, upload.path, m)
+                None, self._commit, family, request, route, (kernel_name, symbol), upload.path,
+                m)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         self.leases.settle(key)
         self.stats.count("writeback.published")
         event(log, logging.INFO, "writeback.published", key=key[:16], pid=peer.pid,
-              kernel=request.params["kernel"][:120], module=request.params["module"],
-              bytes=entry.row["object_size"])
+              family=family.name, kernel=kernel_name[:120], bytes=entry.row["object_size"],
+              toolchain=route.toolchain[-24:])
         return p.PublishReply(state="stored", key=key)
 
-    def _commit(self, request: Any, key: str, object_path: Path,
-                m: p.PublishRequest) -> Entry:
+    def _commit(self, family: Family, request: Any, route: Any, names: tuple[str, str],
+                object_path: Path, m: p.PublishRequest) -> Entry:
         library_path = object_path.with_suffix(".so")
         try:
             toolchain.link_shared_library(object_path, library_path)
         except RuntimeError as exc:
             raise CompileFailed(f"the published object does not link: {exc}") from None
-        family = families.get(request.family)
-        identity = self.scheduler.identity
-        row = row_for(key, request, kernel_name=request.params["kernel"],
-                      symbol=family.symbol(request.params), toolchain=identity.toolchain,
-                      source_sha256=identity.source(family),
-                      compile_seconds=m.compile_seconds,
-                      meta={"flashinfer_module": request.params["module"],
-                            "flashinfer_source_sha256": request.params["source_sha256"],
-                            "tvm_ffi": request.params["tvm_ffi"], "origin": "write-back",
-                            "runtime_library": toolchain.RUNTIME_LIBRARY_NAME})
+        meta: dict[str, Any] = {"origin": "write-back",
+                                "runtime_library": toolchain.RUNTIME_LIBRARY_NAME}
+        if family.sources == "params":  # flashinfer.jit: FlashInfer's module and its sources
+            meta.update({"flashinfer_module": request.params["module"],
+                         "flashinfer_source_sha256": request.params["source_sha256"],
+                         "tvm_ffi": request.params["tvm_ffi"]})
+        elif family.sources == "flashinfer":  # exported as <module>_<kernel>
+            meta["flashinfer_module"] = names[1][:-(len(names[0]) + 1)]
+        row = row_for(route.key, request, kernel_name=names[0], symbol=names[1],
+                      toolchain=route.toolchain, source_sha256=route.source_sha256,
+                      compile_seconds=m.compile_seconds, meta=meta)
         return self.store.publish(row, object_path, library_path)
 
     def ops(self) -> dict[str, Handler]:

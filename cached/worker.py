@@ -1,26 +1,65 @@
-"""A pool worker: a long-lived spawned process that imports the toolchain once.
+"""A pool worker: a long-lived process of one toolchain that imports its compiler stack once.
 
-Protocol over its pipe: the worker sends ``("ready", pid)`` once preloaded, then for
-each ``(kind, payload)`` it receives (``build`` or ``plan``) it answers
-``("ok", result)`` or ``("error", message)``.
+Started by the pool (cached/pool.py) as ``PYTHON -c "from cached.worker import main;
+main()" FD PARENT_PID FAMILIES_JSON`` with the toolchain's own interpreter and PYTHONPATH
+holding only this package and the client package (cached/toolchains.py ``code_dir``): it
+imports the standard library, that environment's FlashInfer/DSL/TVM-FFI and this code,
+nothing of the daemon's own dependencies (no FastAPI, no SQLite helpers).
+
+Protocol over the socket ``FD`` (stdout is FlashInfer's and the DSL's to print on): frames
+of a 4-byte big-endian length and one JSON object. The worker sends ``{"ready": pid}`` once
+preloaded; then for each ``{"kind", "payload"}`` it receives (``build`` or ``plan``) it
+answers ``{"ok": result}`` or ``{"error": {"message", "traceback"}}``.
 
 Invariant: a worker never outlives the daemon. The kernel kills it when its parent dies
 (PR_SET_PDEATHSIG), a watchdog thread exits when its parent pid changes, and a closed
-pipe ends the loop.
+socket ends the loop.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
+import socket
+import struct
+import sys
 import threading
 import time
 import traceback
-from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
+HEADER = struct.Struct(">I")
+MAX_FRAME = 256 << 20
+
+
+def send(sock: socket.socket, message: Any) -> None:
+    """One frame: length header plus JSON."""
+    body = json.dumps(message, separators=(",", ":")).encode()
+    sock.sendall(HEADER.pack(len(body)) + body)
+
+
+def recv(sock: socket.socket) -> Any:
+    """One frame's JSON; EOFError when the peer closed the socket."""
+    header = _exactly(sock, HEADER.size)
+    (length,) = HEADER.unpack(header)
+    if length > MAX_FRAME:
+        raise EOFError(f"frame of {length} bytes")
+    return json.loads(_exactly(sock, length))
+
+
+def _exactly(sock: socket.socket, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise EOFError("peer closed")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -40,27 +79,34 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def main(conn: Connection, parent_pid: int, family_names: list[str]) -> None:
-    _die_with_parent(parent_pid)
+def main(argv: list[str] | None = None) -> None:
+    fd, parent_pid, family_names = argv or sys.argv[1:4]
+    _die_with_parent(int(parent_pid))
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=int(fd))
     from cached_client.keys import KernelRequest
 
     from . import families
     from .build import build
 
-    for name in family_names:
-        families.get(name).preload()
-    conn.send(("ready", os.getpid()))
+    for name in json.loads(family_names):
+        try:
+            families.get(name).preload()
+        except ImportError as exc:  # a family this environment lacks: its jobs say why
+            print(f"cached worker: {name} not preloaded: {exc}", file=sys.stderr, flush=True)
+    send(sock, {"ready": os.getpid()})
     while True:
         try:
-            kind, payload = conn.recv()
-        except (EOFError, OSError):
+            job = recv(sock)
+        except (EOFError, OSError, ValueError):
             return
         try:
+            kind, payload = job["kind"], job["payload"]
             if kind == "build":
                 result = build(KernelRequest.from_wire(payload["request"]),
                                Path(payload["workdir"]))
+                result["python"] = sys.executable
             elif kind == "plan":
                 family = families.get(payload["family"])
                 requests = family.plan(tuple(payload["shape"]), payload["arch"],
@@ -68,8 +114,12 @@ def main(conn: Connection, parent_pid: int, family_names: list[str]) -> None:
                 result = [r.to_wire() for r in requests]
             else:
                 raise ValueError(f"unknown job kind {kind!r}")
-            conn.send(("ok", result))
+            reply: dict = {"ok": result}
         except Exception as exc:  # noqa: BLE001 -- every failure goes back to the daemon
             message = f"{type(exc).__name__}: {exc}"
             detail = traceback.format_exc(limit=6)
-            conn.send(("error", {"message": message[:4000], "traceback": detail[-8000:]}))
+            reply = {"error": {"message": message[:4000], "traceback": detail[-8000:]}}
+        try:
+            send(sock, reply)
+        except OSError:
+            return

@@ -28,15 +28,13 @@ def test_sources_match_flashinfers_meta_and_main_process_stays_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+    from cached_client import flashinfer_sources, identity
     from flashinfer.batch_invariant import jit
-    from flashinfer.jit.cute_dsl_core import _hash_source_files
 
-    from cached.families.flashinfer_bi import module_source_sha256
     for module in ("batch_invariant_gemm", "batch_invariant_gemm_blockscaled"):
-        theirs = _hash_source_files(tuple(str(p) for p in jit.module_sources(module)))
-        assert module_source_sha256(module) == theirs
-    assert get("flashinfer.bi.bmm_fp8").source_sha256() == module_source_sha256(
-        "batch_invariant_gemm")
+        assert list(flashinfer_sources.module_files(module)) == jit.relative_sources(module)
+    assert get("flashinfer.bi.bmm_fp8").source_sha256() == identity.flashinfer_files_source(
+        tuple(jit.relative_sources("batch_invariant_gemm")))
 
 
 @pytest.mark.parametrize("name,shape,options", [

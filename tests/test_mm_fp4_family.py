@@ -1,4 +1,4 @@
-"""flashinfer.mm_fp4 agrees with FlashInfer 0.7.4 itself: tactics, names, sources, toolchain."""
+"""flashinfer.mm_fp4 agrees with FlashInfer 0.7.4 itself: tactics, names, sources, meta rules."""
 
 from __future__ import annotations
 
@@ -54,15 +54,23 @@ def test_seed_shape_has_about_120_tactics_and_all_validate():
     assert {r.params["out_dtype"] for r in mxfp4} == {"float16"}
 
 
-def test_sources_and_toolchain_are_flashinfers_own():
+def test_sources_are_flashinfers_key_files_and_export_uses_flashinfers_own_meta_rules():
+    from cached_client import flashinfer_sources, identity
     from flashinfer.gemm.gemm_mm_fp4_cute_dsl import _blockscaled_gemm_cache_key_files
     from flashinfer.jit.cute_dsl_core import _get_cute_dsl_version, _hash_source_files
 
+    from cached.export import flashinfer_functions
+
     files = _blockscaled_gemm_cache_key_files()
     root = toolchain.package_dir("flashinfer")
-    assert tuple(str(Path(f).relative_to(root)) for f in files) == fam.SOURCE_FILES
-    assert get("flashinfer.mm_fp4").source_sha256() == _hash_source_files(tuple(files))
-    assert toolchain.fingerprint() == _get_cute_dsl_version()
+    assert tuple(str(Path(f).relative_to(root)) for f in files) == \
+        flashinfer_sources.MM_FP4_KEY_FILES
+    assert flashinfer_sources.MM_FP4_SOURCES[-1].endswith("_splitk.py")  # the sm100sk tactics
+    assert get("flashinfer.mm_fp4").source_sha256() == identity.flashinfer_files_source(
+        flashinfer_sources.MM_FP4_SOURCES)
+    version, hasher = flashinfer_functions(root)  # loaded from FlashInfer's files
+    assert version() == _get_cute_dsl_version()
+    assert hasher(tuple(files)) == _hash_source_files(tuple(files))
 
 
 def test_candidate_lists_are_flashinfers():

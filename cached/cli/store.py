@@ -69,6 +69,9 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                              "the current environment's")
     export.add_argument("--family", metavar="NAME", default=None,
                         help="only this family's artifacts")
+    export.add_argument("--python", default=None, metavar="PYTHON",
+                        help="the environment to export for (its interpreter; default: this "
+                             "one): its artifacts, with the meta its FlashInfer accepts")
     export.add_argument("--json", action="store_true", help="the report as one JSON object")
     export.set_defaults(run=cmd_export)
 
@@ -293,10 +296,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ..export import default_flashinfer_cache, export
+    from ..export import ExportError, export
 
-    target = args.flashinfer_cache or default_flashinfer_cache()
-    report = export(args.socket, target, args.family)
+    try:
+        report = export(args.socket, args.flashinfer_cache, args.family, args.python)
+    except ExportError as exc:
+        print(f"cached export: {exc}", file=sys.stderr)
+        return 2
+    target = report["target"]
     if args.json:
         print(json.dumps(report))
     else:

@@ -1,5 +1,6 @@
 """``cached warm``: compile a family's tactic space for some shapes, or a model's manifest,
-at pre-warm priority (waiting clients go first)."""
+at pre-warm priority (waiting clients go first). For the daemon's default toolchain, or with
+``--toolchain NAME`` for that registered environment (its identity, as its clients state it)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 from cached_client import Client, KernelRequest
 from cached_client import protocol as p
-from cached_client.errors import CachedError
+from cached_client.errors import CachedError, InvalidArgument
 from cached_client.transport import Connection
 
 from .. import families, manifests
@@ -97,6 +98,9 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     what.add_argument("--limit", type=argtypes.count(), default=None, metavar="N",
                       help="only the first N tactics (of each shape's plan, or per manifest "
                            "build)")
+    what.add_argument("--toolchain", metavar="NAME", default=None,
+                      help="compile for this registered toolchain (cached toolchains lists "
+                           "them); default: the daemon's default toolchain")
     how = warm.add_argument_group("output")
     how.add_argument("--json", action="store_true",
                      help="print the result as one JSON object on stdout")
@@ -115,6 +119,21 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     warm.set_defaults(run=cmd_warm)
 
 
+def client_for(args: argparse.Namespace) -> Client:
+    """A client stating the identity of ``--toolchain`` (as that environment's own clients
+    state it), or none (the daemon's default toolchain)."""
+    client = Client(args.socket, timeout=args.timeout, identity=False)
+    if args.toolchain:
+        found = [t for t in client.hello(timeout=30).toolchains if t["name"] == args.toolchain]
+        if not found:
+            raise InvalidArgument(f"the daemon has no toolchain {args.toolchain!r} "
+                                  "(cached toolchains lists them)")
+        t = found[0]
+        client.identity = p.Identity(toolchain=t["fingerprint"], sources=t["sources"],
+                                     runtime=t["runtime"])
+    return client
+
+
 def cmd_warm(args: argparse.Namespace) -> int:
     if args.manifest:
         return warm_manifest(args)
@@ -125,7 +144,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     started = time.monotonic()
-    client = Client(args.socket, timeout=args.timeout)
+    client = client_for(args)
     requests: list[KernelRequest] = []
     for shape in args.shape:
         requests += client.plan(args.family, shape, args.arch, args.sm_count,
@@ -133,7 +152,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
     requests = list(dict.fromkeys(requests))
     if args.limit is not None:
         requests = requests[: args.limit]
-    counts = warm(client.socket_path, requests, args.timeout, _progress(args, len(requests)))
+    counts = warm(client.socket_path, requests, args.timeout, _progress(args, len(requests)),
+                  identity=client.identity)
     counts["seconds"] = round(time.monotonic() - started, 3)
     return report_warm(counts, args.json)
 
@@ -151,8 +171,9 @@ def warm_requests(args: argparse.Namespace) -> int:
         requests = [r for r in requests if r.arch == args.arch]
     if args.limit is not None:
         requests = requests[: args.limit]
-    client = Client(args.socket, timeout=args.timeout)
-    counts = warm(client.socket_path, requests, args.timeout, _progress(args, len(requests)))
+    client = client_for(args)
+    counts = warm(client.socket_path, requests, args.timeout, _progress(args, len(requests)),
+                  identity=client.identity)
     counts["seconds"] = round(time.monotonic() - started, 3)
     return report_warm(counts, args.json)
 
@@ -189,7 +210,7 @@ def warm_manifest(args: argparse.Namespace) -> int:
     except manifests.ManifestError as exc:
         print(f"cached warm: {exc}", file=sys.stderr)
         return 2
-    client = Client(args.socket, timeout=args.timeout)
+    client = client_for(args)
     known = set(client.hello(timeout=30).families)
     try:
         groups = manifests.plan(client, manifest, set(args.target) or None,
@@ -216,7 +237,8 @@ def warm_manifest(args: argparse.Namespace) -> int:
             for pending in summary["pending"]:
                 print(f"  pending (no family yet): {pending}")
         return 0
-    counts = warm(client.socket_path, requests, args.timeout, _progress(args, len(requests)))
+    counts = warm(client.socket_path, requests, args.timeout, _progress(args, len(requests)),
+                  identity=client.identity)
     counts.update(summary, seconds=round(time.monotonic() - started, 3))
     return report_warm(counts, args.json, f"{manifest.model}: ")
 
@@ -235,9 +257,11 @@ def report_warm(counts: dict, as_json: bool, label: str = "") -> int:
 
 
 def warm(socket_path: str, requests: list[KernelRequest], timeout: float,
-         shown: progress.Progress | None = None) -> dict:
+         shown: progress.Progress | None = None, identity: Any = None) -> dict:
     """Ask for every request at pre-warm priority on one pipelined connection and wait;
-    ``shown`` hears of each reply and is closed at the end."""
+    ``shown`` hears of each reply and is closed at the end; ``identity`` (a protocol
+    Identity): the environment they are for (None: the daemon's default toolchain)."""
+    identity = identity if isinstance(identity, p.Identity) else None
     deadline = time.monotonic() + timeout
     counts: dict = {"compiled": 0, "cached": 0, "remote": 0, "failed": 0, "errors": []}
     deadline_ms = min(p.MAX_DEADLINE_MS, int(timeout * 1000))
@@ -245,7 +269,7 @@ def warm(socket_path: str, requests: list[KernelRequest], timeout: float,
         with Connection(socket_path, deadline) as conn:
             for i, request in enumerate(requests):
                 body = p.GetRequest(request=request, priority="prewarm",
-                                    deadline_ms=deadline_ms)
+                                    deadline_ms=deadline_ms, identity=identity)
                 conn.send({"v": p.PROTOCOL_VERSION, "id": i, "op": "get", **body.to_wire()},
                           deadline)
             for _ in requests:

@@ -35,6 +35,11 @@ class Family(abc.ABC):
     name: str
     arches: tuple[str, ...]
     reduction_order_m_independent: bool = False
+    sources: str = "daemon"
+    """Whose files decide the kernel (cached/toolchains.py routes by it): ``daemon`` (this
+    package's own, hashed by :meth:`source_sha256`), ``flashinfer`` (the requesting
+    environment's FlashInfer: its client states their hash, cached_client.identity) or
+    ``params`` (hashed by the client into the request's parameters; written back only)."""
 
     def reduction_class(self, params: Mapping[str, Any]) -> str | None:
         """The reduction-order class of the tactic ``params`` (a short stable id), or None
@@ -79,6 +84,13 @@ class Family(abc.ABC):
     def preload(self) -> None:
         """Import the toolchain this family compiles with (a worker calls it once)."""
         return None
+
+    def published_name(self, request: KernelRequest, kernel_name: str | None
+                       ) -> tuple[str, str]:
+        """(kernel name, exported symbol) of an object a client compiled for ``request`` and
+        publishes (write-back, for an environment no toolchain of the daemon matches);
+        InvalidTactic unless the name is the one this family gives ``request``."""
+        raise InvalidTactic(f"{self.name} kernels are not written back")
 
     def canonical_request(self, request: KernelRequest) -> KernelRequest:
         self.check_arch(request.arch)

@@ -20,25 +20,26 @@ for ``gemm``, ``b_major`` and ``knobs``. Compilation goes through FlashInfer's o
 ``jit.build_and_load`` intercepted, so the compile closure and the kernel name are
 FlashInfer's; the symbol is ``<module>_<kernel>`` as ``JitSpecCuteDsl`` exports it.
 
-The main process never imports FlashInfer here: the module source hashes use FlashInfer's
-own closure walk (``flashinfer/batch_invariant/jit.py``) and hasher, loaded from their files.
+The main process never imports FlashInfer here: the modules' sources are FlashInfer's own
+closure walk (``flashinfer/batch_invariant/jit.py``, loaded from its file by
+cached_client.flashinfer_sources), hashed with the FlashInfer distribution by
+cached_client.identity. FlashInfer 0.7.2.post1 has no batch-invariant modules: there these
+families are absent (the environment states no sources for them, and its toolchain has
+none).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
-import importlib.util
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from cached_client import flashinfer_names as names
+from cached_client import identity
 from cached_client.errors import InvalidTactic
 from cached_client.keys import KernelRequest
 
-from .. import toolchain
 from .base import BuiltObject, Family, require, set_compile_arch
 
 ARCH_FAMILY = {"sm_100a": "sm_100", "sm_103a": "sm_103", "sm_107a": "sm_107"}
@@ -50,31 +51,6 @@ KNOB_FIELDS = ("mma_tiler_mn", "cluster_shape_mn", "use_2cta_instrs", "use_tma_s
                "raster_along", "swizzle_size", "cta_chunks", "cluster_k", "swap_ab")
 MAX_CHUNKS = 128
 DEFAULT_TOPK = 1
-
-
-@functools.cache
-def _flashinfer_bi_jit() -> Any:
-    """FlashInfer's ``batch_invariant/jit.py`` (the source-closure walk), loaded from its file
-    without importing FlashInfer: its one package import is replaced by nothing (the walk
-    does not use it)."""
-    path = toolchain.package_dir("flashinfer") / "batch_invariant" / "jit.py"
-    text = path.read_text()
-    marker = "from ..jit.cute_dsl_core import build_and_load_cute_dsl_kernel, sanitize_symbol_name"
-    if marker not in text:
-        raise RuntimeError(f"{path} changed shape; update cached.families.flashinfer_bi")
-    spec = importlib.util.spec_from_loader("_cached_flashinfer_bi_jit", loader=None)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    module.__file__ = str(path)
-    exec(compile(text.replace(marker, ""), str(path), "exec"), module.__dict__)  # noqa: S102
-    return module
-
-
-@functools.cache
-def module_source_sha256(module: str) -> str:
-    """FlashInfer's ``source_sha256`` of a batch-invariant cache module (its meta.json value)."""
-    files = tuple(str(p) for p in _flashinfer_bi_jit().module_sources(module))
-    return toolchain.flashinfer_source_hash_paths(files)
 
 
 def _positive(params: Mapping[str, Any], name: str, limit: int = 1 << 30) -> int:
@@ -149,6 +125,7 @@ class _BatchInvariantFamily(Family):
     modules: tuple[str, ...]
     reduction_order_m_independent = True
     arches = ("sm_100a", "sm_103a", "sm_107a")
+    sources = "flashinfer"
 
     # -- main process ------------------------------------------------------------------
 
@@ -196,7 +173,27 @@ class _BatchInvariantFamily(Family):
         return request
 
     def source_sha256(self) -> str:
-        return _combined_source_sha256(self.modules)
+        """This environment's sources of the family (cached_client.identity.family_source)."""
+        sha = identity.family_source(self.name)
+        if sha is None:
+            raise InvalidTactic(f"{self.name} needs FlashInfer's batch-invariant modules, which "
+                                "this environment's FlashInfer lacks")
+        return sha
+
+    def published_name(self, request: KernelRequest, kernel_name: str | None
+                       ) -> tuple[str, str]:
+        """FlashInfer's name of a class kernel (with the weight shape of its request) reads
+        back as the request: a client publishes under the request its name stands for."""
+        p = request.params
+        module = names.BI_DENSE_MODULE if p["kind"] == "fixup" or self.op == "bmm_fp8" \
+            else names.BI_BLOCKSCALED_MODULE
+        parsed = names.bi_request(module, kernel_name or "", (self.op, p["n"], p["k"]),
+                                  request.arch, request.sm_count, in_fmt=p["in_fmt"])
+        if parsed is None or self.canonical_request(parsed) != request:
+            raise InvalidTactic(f"kernel name {str(kernel_name)[:200]!r} is not the "
+                                f"{self.name} kernel of this request")
+        assert kernel_name is not None
+        return kernel_name, names.symbol(module, kernel_name)
 
     # -- worker ------------------------------------------------------------------------
 
@@ -274,8 +271,7 @@ class _BatchInvariantFamily(Family):
         symbol = names.symbol(module, kernel)
         object_path = workdir / f"{kernel}.o"
         compiled.export_to_c(str(object_path), function_name=symbol)
-        meta = {"flashinfer_module": module, "flashinfer_source_sha256":
-                module_source_sha256(module), "op": self.op,
+        meta = {"flashinfer_module": module, "op": self.op,
                 "fingerprint": self.fingerprint(p, request.arch),
                 "reduction_order": "m_independent (FlashInfer batch-invariant class)"}
         return BuiltObject(kernel, symbol, object_path, meta)
@@ -286,15 +282,6 @@ class _BatchInvariantFamily(Family):
 
 def _quant_of(in_fmt: str) -> str:
     return "mxfp4" if in_fmt.startswith("mxfp4") else "nvfp4"
-
-
-def _combined_source_sha256(modules: tuple[str, ...]) -> str:
-    if len(modules) == 1:
-        return module_source_sha256(modules[0])
-    digest = hashlib.sha256()
-    for module in modules:
-        digest.update(f"{module}={module_source_sha256(module)};".encode())
-    return digest.hexdigest()
 
 
 class FlashInferBiBmmFp8(_BatchInvariantFamily):

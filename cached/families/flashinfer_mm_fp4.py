@@ -6,7 +6,10 @@ swap_ab, TMA prefetch, kernel type (``sm100`` persistent or ``sm100sk`` cluster 
 the ``use_tma_store`` slot (deep-K 8 for ``sm100``, K slices for ``sm100sk``), PDL, output
 dtype, per-token alpha mode and L2 policy. The kernel is compiled by FlashInfer's own
 ``_make_blockscaled_gemm_compile_fn`` and named by ``_blockscaled_kernel_disk_name``; its
-sources are FlashInfer's ``_blockscaled_gemm_cache_key_files``.
+sources (``cached_client.flashinfer_sources.MM_FP4_SOURCES``) are FlashInfer's
+``_blockscaled_gemm_cache_key_files`` plus the split-K kernel, hashed with the FlashInfer
+distribution by cached_client.identity. The same code works with FlashInfer 0.7.2.post1
+(vLLM 0.33.0's pin) and 0.7.4, whose mm_fp4 files are byte-identical.
 
 FlashInfer 0.7.4 disables its SM103 3xFP4 kernel on Blackwell, so sm_103a gets the SM100
 kernel's tactic space, as FlashInfer's runner does there.
@@ -14,16 +17,15 @@ kernel's tactic space, as FlashInfer's runner does there.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from cached_client import flashinfer_names as names
+from cached_client import identity
 from cached_client.errors import InvalidTactic
 from cached_client.keys import KernelRequest
 
-from .. import toolchain
 from .base import BuiltObject, Family, require, set_compile_arch
 
 MMA_TILERS = ((128, 8), (128, 16), (128, 32), (128, 64), (256, 64), (128, 128), (256, 128),
@@ -34,17 +36,12 @@ LOW_M_TILERS = ((128, 8), (128, 16), (128, 32), (256, 8), (256, 16), (256, 32))
 DEEP_K_INST = 8
 DEEP_K_TILE = 512
 MAX_AUTOTUNE_TACTICS = 32
-SOURCE_FILES = (
-    "gemm/gemm_mm_fp4_cute_dsl.py",
-    "gemm/kernels/dense_blockscaled_gemm_sm100.py",
-    "gemm/kernels/dense_blockscaled_gemm_sm100_common.py",
-    "gemm/kernels/dense_blockscaled_gemm_sm103.py",
-)
 
 
 class FlashInferMmFp4(Family):
     name = "flashinfer.mm_fp4"
     arches = ("sm_100a", "sm_103a")
+    sources = "flashinfer"
 
     def canonical_params(self, params: Mapping[str, Any], arch: str) -> dict:
         known = {"sf_vec_size", "mma_tiler_mn", "cluster_shape_mn", "swap_ab", "use_prefetch",
@@ -91,9 +88,23 @@ class FlashInferMmFp4(Family):
         import flashinfer.gemm.kernels.dense_blockscaled_gemm_sm100  # noqa: F401
         import flashinfer.gemm.kernels.dense_blockscaled_gemm_sm100_splitk  # noqa: F401
 
-    @functools.cache  # noqa: B019 -- one instance per process; sources fixed per install
     def source_sha256(self) -> str:
-        return toolchain.flashinfer_source_hash(SOURCE_FILES)
+        """This environment's sources of the family (cached_client.identity.family_source)."""
+        sha = identity.family_source(self.name)
+        if sha is None:
+            raise InvalidTactic(f"{self.name} needs FlashInfer, which this environment lacks")
+        return sha
+
+    def published_name(self, request: KernelRequest, kernel_name: str | None
+                       ) -> tuple[str, str]:
+        """FlashInfer's disk name of an mm_fp4 tactic names exactly its request: the name a
+        client publishes must read back as the request it published under."""
+        parsed = names.mm_fp4_request(kernel_name or "", request.arch, request.sm_count)
+        if parsed is None or self.canonical_request(parsed) != request:
+            raise InvalidTactic(f"kernel name {str(kernel_name)[:200]!r} is not the mm_fp4 "
+                                "tactic of this request")
+        assert kernel_name is not None
+        return kernel_name, names.symbol(names.MM_FP4_MODULE, kernel_name)
 
     def plan(
         self, shape: tuple[int, int, int], arch: str, sm_count: int, options: Mapping[str, Any]

@@ -4,16 +4,20 @@
 ``action``: ``sleep`` (hang for ``seconds``), ``crash`` (the worker SIGKILLs itself),
 ``fail`` (raise, as a compiler error would), ``build`` (compile a tiny C object with gcc,
 in well under a second, holding ``bytes`` bytes of constant data: a real kernel-sized
-artifact for tests of the store; the same request always builds the same bytes). ``tag``
-makes otherwise equal requests distinct keys (and, for ``build``, distinct bytes).
+artifact for tests of the store; the same request always builds the same bytes),
+``introspect`` (fail with a message saying which interpreter the worker is and which of
+the daemon's own dependencies it has imported). ``tag`` makes otherwise equal requests
+distinct keys (and, for ``build``, distinct bytes).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -40,7 +44,8 @@ class FaultFamily(Family):
                 or not 0 <= size <= MAX_BUILD_BYTES):
             raise InvalidTactic(f"bytes must be an integer in [0, {MAX_BUILD_BYTES}]")
         return {
-            "action": require(params, "action", ("sleep", "crash", "fail", "build")),
+            "action": require(params, "action", ("sleep", "crash", "fail", "build",
+                                                 "introspect")),
             "seconds": float(seconds),
             "tag": str(params.get("tag", "")),
             "bytes": size,
@@ -60,6 +65,11 @@ class FaultFamily(Family):
             time.sleep(request.params["seconds"])
         if action == "crash":
             os.kill(os.getpid(), signal.SIGKILL)
+        if action == "introspect":
+            daemon_deps = ("fastapi", "uvicorn", "sqlite_utils", "prometheus_client")
+            raise RuntimeError("introspect " + json.dumps({
+                "python": sys.executable, "daemon_modules": sorted(
+                    m for m in sys.modules if m.split(".")[0] in daemon_deps)}))
         raise RuntimeError(f"injected failure ({action}, tag={request.params['tag']!r})")
 
 

@@ -19,6 +19,7 @@ from .errors import (
     Overloaded,
     ToolchainMismatch,
     UnknownFamily,
+    UnknownToolchain,
     UnsupportedVersion,
 )
 from .keys import KernelRequest, artifact_key
@@ -42,6 +43,7 @@ __all__ = [
     "Overloaded",
     "ToolchainMismatch",
     "UnknownFamily",
+    "UnknownToolchain",
     "UnsupportedVersion",
     "artifact_key",
     "default_socket_path",

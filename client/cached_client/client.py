@@ -8,6 +8,11 @@ lookup; a forked child opens its own connection; when the daemon cannot be reach
 client says so once per socket and compiles in-process if a fallback compiler is
 available (the ``cached_client.fallback`` entry point, which the daemon's package
 provides, or a callable given to the constructor), else raises DaemonUnavailable.
+
+Identity: every request that can return an artifact (``get``, ``prefetch``, ``plan``,
+``lease*``, ``publish``) states this environment's identity (cached_client.identity: its
+toolchain, the sources of the families it names, its runtime), added here in one place;
+the daemon serves only artifacts whose key matches it (docs/keys.md).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from . import identity as env_identity
 from . import protocol as p
 from .errors import (
     BadReply,
@@ -79,7 +85,11 @@ class Client:
         timeout: float = DEFAULT_TIMEOUT_S,
         transfer: str = "path",
         fallback: bool | Fallback = True,
+        identity: bool | p.Identity = True,
     ) -> None:
+        """``identity``: True states this environment's own (the default), an Identity
+        states that one (``cached warm --toolchain``), False none (the daemon's default
+        toolchain then decides)."""
         if transfer not in p.TRANSFERS:
             raise ValueError(f"transfer must be one of {', '.join(p.TRANSFERS)}")
         self.socket_path = socket_path or default_socket_path()
@@ -89,6 +99,7 @@ class Client:
         self.timeout = timeout
         self.transfer = transfer
         self.fallback = fallback
+        self.identity = identity
         self._conn: Connection | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -124,6 +135,8 @@ class Client:
         if not isinstance(request, spec.request):
             raise TypeError(f"{op} takes a {spec.request.__name__}, not "
                             f"{type(request).__name__}")
+        if getattr(request, "identity", False) is None and self.identity is not False:
+            request = dataclasses.replace(request, identity=self._identity_for(request))
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             if self._pid != os.getpid():
@@ -153,6 +166,20 @@ class Client:
         except InvalidArgument as exc:
             raise BadReply(f"the daemon's reply to {op} does not follow the protocol: "
                            f"{exc.message}") from None
+
+    def _identity_for(self, request: p.Message) -> p.Identity:
+        """The identity ``request`` states: the configured one, or this environment's with
+        the sources of the families the request names."""
+        if isinstance(self.identity, p.Identity):
+            return self.identity
+        kernel = getattr(request, "request", None)
+        if isinstance(kernel, KernelRequest):
+            names = [kernel.family]
+        elif isinstance(request, p.PrefetchRequest):
+            names = [w.get("family") for w in request.requests if isinstance(w, dict)]
+        else:
+            names = [getattr(request, "family", "")]
+        return p.Identity(**env_identity.for_families(n for n in names if isinstance(n, str)))
 
     def _call(self, op: str, request: p.Message | None, reply_type: type[R],
               timeout: float | None = None) -> R:

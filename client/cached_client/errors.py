@@ -47,7 +47,16 @@ class InvalidTactic(CachedError):
 
 
 class ToolchainMismatch(CachedError):
+    """No registered toolchain links kernels against the runtime the client loads them with."""
+
     code = "toolchain_mismatch"
+
+
+class UnknownToolchain(CachedError):
+    """No toolchain registered with the daemon matches the client's stated identity; nothing
+    was compiled. The client compiles in-process and may write the result back."""
+
+    code = "unknown_toolchain"
 
 
 class CompileFailed(CachedError):
@@ -97,6 +106,7 @@ ERROR_CODES: dict[str, type[CachedError]] = {
         InvalidArgument,
         InvalidTactic,
         ToolchainMismatch,
+        UnknownToolchain,
         CompileFailed,
         DeadlineExceeded,
         Overloaded,

@@ -13,8 +13,14 @@ catches every caller:
     ``batch_invariant=True``): compiled by ``flashinfer.bi.bmm_fp8`` / ``flashinfer.bi.mm_fp4``;
   * anything else: **write-back** (``cached_client.writeback``): one process on the node
     compiles with FlashInfer's closure and publishes the object, the others wait on its lease.
+    An mm_fp4 or batch-invariant kernel goes the same way when the daemon answers
+    ``unknown_toolchain`` (no toolchain of it matches this environment): it is published
+    under this environment's identity, so its other processes compile it once per node.
   The object is loaded as FlashInfer loads its own disk artifacts
   (``cute.runtime.load_module``), after checking its sha256.
+- ``cute_dsl_core._hash_source_files``: wrapped to remember which key files a source hash
+  stands for, so a written-back kernel's sources are stated by content and path relative to
+  the flashinfer package (the same in every environment with these files).
 - ``precompile_mm_fp4_tactics`` (the autotuner's precompile step for mm_fp4, imported by
   name into ``gemm_base``): replaced, wherever a module holds it, by one ``prefetch`` of every
   tactic about to be profiled; the profiling loop's loads then wait on the daemon.
@@ -25,8 +31,15 @@ catches every caller:
 Identity: the arch is FlashInfer's compile arch (``CUTE_DSL_ARCH`` or the device), the SM count
 is the calling process's device's, and ``max_active_clusters`` is the value the calling
 process computed (FlashInfer puts it in the kernel name: ``_mac<N>``, ``_g<N>``), never
-recomputed by the daemon. ``uninstall()`` restores every replaced attribute exactly. Any daemon
+recomputed by the daemon; the client adds this environment's toolchain and sources
+(cached_client.identity). ``uninstall()`` restores every replaced attribute exactly. Any daemon
 failure falls back to FlashInfer's own path, logged once.
+
+FlashInfer versions: 0.7.4 and 0.7.2.post1 (vLLM 0.33.0's pin). What an older FlashInfer
+lacks is skipped with one log line and never stops the rest from installing: the
+batch-invariant modules (0.7.2.post1 has none: their hooks are not installed), and
+``JitSpecCuteDsl.enable_tvm_ffi`` / ``_export_object`` (0.7.2.post1 always uses TVM-FFI and
+exports with ``export_to_c``, as its own ``_export`` does).
 """
 
 from __future__ import annotations
@@ -42,8 +55,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from . import flashinfer_sources, identity
 from .client import Client
-from .errors import CachedError
+from .errors import CachedError, UnknownToolchain
 from .flashinfer_names import (
     BI_MODULES,
     MM_FP4_MODULE,
@@ -59,6 +73,7 @@ logger = logging.getLogger("cached_client.flashinfer")
 
 SM_COUNT_ENV = "CACHED_SM_COUNT"
 _FI_PREFIX = "flashinfer"
+MAX_KEY_FILE_SETS = 4096
 #: (op, N, K) of the batch-invariant API call in progress on this thread/task
 _BI_CALL: contextvars.ContextVar = contextvars.ContextVar("cached_bi_call", default=None)
 
@@ -73,6 +88,7 @@ class _State:
         self.wrappers: dict[int, Any] = {}  # id(wrapper) -> original
         self.warned: set[str] = set()
         self.lock = threading.Lock()
+        self.key_files: dict[str, tuple[str, ...]] = {}  # FlashInfer source hash -> key files
 
 
 _state: _State | None = None
@@ -88,23 +104,33 @@ def install(socket_path: str | None = None, *, client: Client | None = None,
     global _state
     if _state is not None:
         return
-    import flashinfer.gemm.batch_invariant.api as bi_api
-    import flashinfer.gemm.batch_invariant.tuning as bi_tuning
     import flashinfer.gemm.gemm_base  # noqa: F401 -- imports the names we replace
     import flashinfer.gemm.gemm_mm_fp4_cute_dsl as mm_fp4
+    from flashinfer.jit import cute_dsl_core
     from flashinfer.jit.cute_dsl_core import JitSpecCuteDsl
 
+    try:
+        import flashinfer.gemm.batch_invariant.api as bi_api
+        import flashinfer.gemm.batch_invariant.tuning as bi_tuning
+    except ImportError as exc:  # FlashInfer < 0.7.4: no batch-invariant classes
+        bi_api = bi_tuning = None
+        logger.info("cached: FlashInfer %s has no batch-invariant GEMMs (%s); their hooks are "
+                    "skipped", identity.versions().get("flashinfer-python"), exc)
     state = _State(client or Client(socket_path, timeout=timeout, fallback=False), lease_ttl_s)
     _patch_class(state, JitSpecCuteDsl, "build_and_load", _build_and_load)
     _patch_class(state, JitSpecCuteDsl, "compile_and_persist", _compile_and_persist)
-    _patch_class(state, bi_tuning.BatchInvariantGemmRunner, "precompile_tactics",
-                 _bi_precompile_tactics)
+    hasher = cute_dsl_core._hash_source_files
+    _replace_everywhere(state, hasher, _wrap(hasher, _record_key_files))
     _replace_everywhere(state, mm_fp4.precompile_mm_fp4_tactics,
                         _wrap(mm_fp4.precompile_mm_fp4_tactics, _precompile_mm_fp4_tactics))
-    for name, op in (("bmm_fp8_batch_invariant", "bmm_fp8"),
-                     ("mm_fp4_batch_invariant", "mm_fp4")):
-        original = getattr(bi_api, name)
-        _replace_everywhere(state, original, _wrap(original, functools.partial(_bi_call, op)))
+    if bi_api is not None and bi_tuning is not None:
+        _patch_class(state, bi_tuning.BatchInvariantGemmRunner, "precompile_tactics",
+                     _bi_precompile_tactics)
+        for name, op in (("bmm_fp8_batch_invariant", "bmm_fp8"),
+                         ("mm_fp4_batch_invariant", "mm_fp4")):
+            original = getattr(bi_api, name)
+            _replace_everywhere(state, original,
+                                _wrap(original, functools.partial(_bi_call, op)))
     _state = state
     logger.info("cached: FlashInfer CuTe-DSL kernels now come from the daemon at %s",
                 state.client.socket_path)
@@ -220,6 +246,19 @@ def _warn_once(state: _State, what: str, exc: BaseException) -> None:
                        what, type(exc).__name__, exc)
 
 
+def _tvm_ffi(spec: Any) -> bool:
+    """Whether the spec's kernel is a TVM-FFI function (FlashInfer 0.7.2.post1: always)."""
+    return bool(getattr(spec, "enable_tvm_ffi", True))
+
+
+def _export(spec: Any, path: str) -> None:
+    """Export the spec's compiled kernel as FlashInfer's own ``_export`` would."""
+    if hasattr(spec, "_export_object"):
+        spec._export_object(Path(path))
+    else:  # FlashInfer 0.7.2.post1 exports inline, always as a TVM-FFI function
+        spec._compiled_kernel.export_to_c(str(path), function_name=spec.symbol)
+
+
 def _load(spec: Any, artifact: Artifact) -> Any:
     """Load a stored object as FlashInfer loads its own disk artifacts, after its digest."""
     if artifact.symbol != spec.symbol or artifact.object_path is None:
@@ -229,8 +268,31 @@ def _load(spec: Any, artifact: Artifact) -> Any:
         raise CachedError(f"{artifact.object_path} does not match its sha256; not loading it")
     import cutlass.cute as cute
 
-    module = cute.runtime.load_module(artifact.object_path, enable_tvm_ffi=spec.enable_tvm_ffi)
+    module = cute.runtime.load_module(artifact.object_path, enable_tvm_ffi=_tvm_ffi(spec))
     return getattr(module, spec.symbol)
+
+
+def _record_key_files(original: Any, paths: Any) -> str:
+    """FlashInfer's source hash, remembering which key files it stands for."""
+    sha = original(paths)
+    state = _state
+    if state is not None and len(state.key_files) < MAX_KEY_FILE_SETS:
+        state.key_files[sha] = tuple(str(p) for p in paths)
+    return sha
+
+
+def _relative_key_files(state: _State, spec: Any) -> tuple[str, ...] | None:
+    """The spec's key files relative to the flashinfer package, when FlashInfer hashed them
+    in this process and all are inside it; else None."""
+    paths = state.key_files.get(spec.expected_meta["source_sha256"])
+    root = flashinfer_sources.package_dir()
+    if not paths or root is None:
+        return None
+    base = root.resolve()
+    try:
+        return tuple(sorted({Path(p).resolve().relative_to(base).as_posix() for p in paths}))
+    except (OSError, ValueError):
+        return None
 
 
 def _from_daemon(state: _State, spec: Any) -> Any:
@@ -239,28 +301,42 @@ def _from_daemon(state: _State, spec: Any) -> Any:
         raise CachedError("the compile arch is not one the daemon builds for")
     sm_count = _sm_count(arch)
     request = _request_for(spec, arch, sm_count)
-    if request is not None:
+    if request is None:
+        files = _relative_key_files(state, spec)
+        source = (identity.flashinfer_files_source(files) if files
+                  else spec.expected_meta["source_sha256"])
+        request = write_back_request(spec.module_name, spec.kernel_name, _tvm_ffi(spec),
+                                     source, arch, sm_count, files)
+        return _write_back(state, spec, request)
+    try:
         artifact = state.client.get(request)
-        if artifact.kernel_name != spec.kernel_name:
-            raise CachedError(f"the daemon named {request.family} kernel "
-                              f"{artifact.kernel_name!r}, FlashInfer {spec.kernel_name!r}")
-        state.counts["daemon"] += 1
-        return _load(spec, artifact)
-    return _write_back(state, spec, arch, sm_count)
+    except UnknownToolchain as exc:  # no toolchain of the daemon is this environment's
+        state.counts["unknown_toolchain"] += 1
+        if "unknown_toolchain" not in state.warned:
+            state.warned.add("unknown_toolchain")
+            logger.warning("cached: %s; this environment's kernels are compiled in its own "
+                           "processes, once per node, and shared through the daemon",
+                           exc.message)
+        return _write_back(state, spec, request)
+    if artifact.kernel_name != spec.kernel_name:
+        raise CachedError(f"the daemon named {request.family} kernel "
+                          f"{artifact.kernel_name!r}, FlashInfer {spec.kernel_name!r}")
+    state.counts["daemon"] += 1
+    return _load(spec, artifact)
 
 
-def _write_back(state: _State, spec: Any, arch: str, sm_count: int) -> Any:
+def _write_back(state: _State, spec: Any, request: KernelRequest) -> Any:
+    """Compile ``spec`` here under a lease on ``request`` (keyed under this environment's
+    identity) and publish it, or load what another process of the node published."""
     from . import writeback
-
-    request = write_back_request(spec.module_name, spec.kernel_name, spec.enable_tvm_ffi,
-                                 spec.expected_meta["source_sha256"], arch, sm_count)
 
     def compile_object(path: str) -> Any:
         spec._compiled_kernel = spec.compile_fn()
-        spec._export_object(Path(path))
+        _export(spec, path)
         return spec._compiled_kernel
 
-    artifact, compiled = writeback.obtain(state.client, request, compile_object, state.ttl_s)
+    artifact, compiled = writeback.obtain(state.client, request, compile_object, state.ttl_s,
+                                          kernel_name=spec.kernel_name)
     state.counts["write_back_compiled" if compiled is not None else "write_back_hit"] += 1
     try:
         return _load(spec, artifact)

@@ -59,9 +59,11 @@ def mm_fp4_request(kernel_name: str, arch: str, sm_count: int) -> KernelRequest 
 
 
 def bi_request(module: str, kernel_name: str, call: tuple | None, arch: str,
-               sm_count: int) -> KernelRequest | None:
+               sm_count: int, in_fmt: str | None = None) -> KernelRequest | None:
     """The ``flashinfer.bi.*`` request behind a batch-invariant kernel name, given the (op, N,
-    K) of the API call compiling it; None when it is not one the families build."""
+    K) of the API call compiling it; None when it is not one the families build. A split-K
+    fixup's name omits its class's input format: ``in_fmt``, else the one last seen for
+    (op, arch, N, K)."""
     if call is None:
         return None
     op, n, k = call
@@ -69,7 +71,7 @@ def bi_request(module: str, kernel_name: str, call: tuple | None, arch: str,
     if module == BI_DENSE_MODULE and (m := _BI_FIXUP_RE.match(kernel_name)):
         if (m["chain"] == "scaled") != (op == "bmm_fp8"):
             return None
-        in_fmt = _BI_FMT.get((op, arch, n, k))
+        in_fmt = in_fmt or _BI_FMT.get((op, arch, n, k))
         params = {"kind": "fixup", "n": n, "k": k, "out_fmt": m["out"], "chunks": int(m["c"]),
                   "in_fmt": in_fmt}
         if in_fmt is None:
@@ -101,8 +103,13 @@ _BI_FMT: dict[tuple, str] = {}
 
 
 def write_back_request(module: str, kernel: str, tvm_ffi: bool, source_sha256: str,
-                       arch: str, sm_count: int) -> KernelRequest:
-    """The ``flashinfer.jit`` request of a kernel the daemon has no recipe for."""
-    return KernelRequest(WRITE_BACK_FAMILY, {"module": module, "kernel": kernel,
-                                             "tvm_ffi": tvm_ffi, "source_sha256": source_sha256},
-                         arch, sm_count, sm_count)
+                       arch: str, sm_count: int,
+                       key_files: tuple[str, ...] | None = None) -> KernelRequest:
+    """The ``flashinfer.jit`` request of a kernel the daemon has no recipe for; ``key_files``
+    (relative to the flashinfer package) when ``source_sha256`` hashes them by content
+    (cached_client.identity.flashinfer_files_source), absent when it is FlashInfer's own."""
+    params: dict = {"module": module, "kernel": kernel, "tvm_ffi": tvm_ffi,
+                    "source_sha256": source_sha256}
+    if key_files:
+        params["key_files"] = sorted(key_files)
+    return KernelRequest(WRITE_BACK_FAMILY, params, arch, sm_count, sm_count)

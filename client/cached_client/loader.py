@@ -18,6 +18,7 @@ from typing import Any
 from .errors import IntegrityError
 
 RUNTIME_LIBRARY_ENV = "CACHED_DSL_RUNTIME"
+RUNTIME_LIBRARY_NAME = "libcute_dsl_runtime.so"
 _opened_runtimes: dict[str, ctypes.CDLL] = {}
 _lock = threading.Lock()
 
@@ -30,13 +31,20 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def find_runtime_library(name: str, hint: str | None = None) -> str:
-    """Locate ``name``: $CACHED_DSL_RUNTIME, the daemon's hint, then the installed DSL."""
-    candidates = [os.environ.get(RUNTIME_LIBRARY_ENV), hint]
+def installed_runtime_libraries(name: str) -> list[str]:
+    """``name`` in the installed DSL's ``cu*/lib`` directories, newest CUDA first (the one
+    kernels are linked against, cached.toolchain.runtime_library_path)."""
     spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    found: list[str] = []
     if spec and spec.submodule_search_locations:
         for root in spec.submodule_search_locations:
-            candidates += [str(p) for p in sorted(Path(root).glob(f"cu*/lib/{name}"))]
+            found += [str(p) for p in sorted(Path(root).glob(f"cu*/lib/{name}"), reverse=True)]
+    return found
+
+
+def find_runtime_library(name: str, hint: str | None = None) -> str:
+    """Locate ``name``: $CACHED_DSL_RUNTIME, the daemon's hint, then the installed DSL."""
+    candidates = [os.environ.get(RUNTIME_LIBRARY_ENV), hint, *installed_runtime_libraries(name)]
     for candidate in candidates:
         if candidate and os.path.isfile(candidate):
             return candidate

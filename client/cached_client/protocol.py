@@ -232,6 +232,41 @@ def _encode(value: Any) -> Any:
     return value
 
 
+# -- identity ----------------------------------------------------------------------------
+
+HEX64 = frozenset("0123456789abcdef")
+
+
+def _hex64(value: Any, name: str) -> str:
+    if not isinstance(value, str) or len(value) != 64 or not set(value) <= HEX64:
+        raise _bad(name, "64 lowercase hex digits", value)
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Identity(Message):
+    """The requesting environment's identity (cached_client.identity computes it): the key
+    of an artifact is built from it, and the daemon compiles a miss only with a registered
+    toolchain that matches it (docs/keys.md)."""
+
+    toolchain: str = wire(Str(1 << 16), doc="the compiler stack's fingerprint")
+    sources: dict = wire(Obj(16), {}, "{family: sha256} of the kernel sources it compiles from")
+    runtime: dict = wire(Obj(8), {}, "tvm_ffi, dsl_runtime_sha256 (and dsl, for messages)")
+
+    def __post_init__(self) -> None:
+        for family, sha in self.sources.items():
+            Str(200)(family, "identity.sources key")
+            _hex64(sha, f"identity.sources[{family[:200]!r}]")
+        for name, value in self.runtime.items():
+            Optional(Str(128))(value, f"identity.runtime[{str(name)[:40]!r}]")
+
+
+def IdentityField() -> Any:  # noqa: N802 -- reads as a type
+    """The optional ``identity`` field of every request that can return an artifact."""
+    return wire(Optional(Nested(Identity)), None,
+                "the requesting environment's identity; absent: the daemon's default toolchain")
+
+
 # -- the ops -----------------------------------------------------------------------------
 
 
@@ -255,6 +290,7 @@ class HelloReply(Message):
         Obj(), {}, "family -> {classes: [class id], m_independent: bool}: the reduction-order "
         "classes a family's tactics belong to, and whether a class's rows are declared "
         "independent of M (a batch-invariant plan may then mix the tactics of one class)")
+    toolchains: list = wire(List(Obj(), 64), [], "each registered toolchain (cached toolchains)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,8 +322,7 @@ class GetRequest(Message):
     deadline_ms: float = wire(Number(1, MAX_DEADLINE_MS), 60_000)
     priority: str = wire(Str(choices=PRIORITIES), "interactive")
     transfer: str = wire(Str(choices=TRANSFERS), "path")
-    toolchain: str | None = wire(Optional(Str(1 << 16)), None,
-                                 "the client's toolchain fingerprint; a mismatch is an error")
+    identity: Identity | None = IdentityField()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,6 +333,7 @@ class GetReply(Message):
 @dataclass(frozen=True, kw_only=True)
 class PrefetchRequest(Message):
     requests: list = wire(List(Any_(), 100_000), doc="kernel requests, checked one by one")
+    identity: Identity | None = IdentityField()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -315,6 +351,7 @@ class PlanRequest(Message):
     arch: str = wire(Str(32))
     sm_count: int | None = wire(Optional(Int(1, 1 << 16)), None)
     options: dict = wire(Obj(64), {})
+    identity: Identity | None = IdentityField()
 
     def __post_init__(self) -> None:
         if len(self.shape) != 3:
@@ -397,6 +434,7 @@ class LeaseRequest(Message):
     request: KernelRequest = wire(Kernel())
     ttl_s: float = wire(Number(1, 3600), 120.0, "seconds the lease lasts without a renewal")
     wait_ms: float = wire(Number(0, 60_000), 10_000, "how long to wait on another holder")
+    identity: Identity | None = IdentityField()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -415,6 +453,7 @@ class LeaseRenewRequest(Message):
     request: KernelRequest = wire(Kernel())
     lease: str = wire(Str(64))
     ttl_s: float | None = wire(Optional(Number(1, 3600)), None)
+    identity: Identity | None = IdentityField()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -428,6 +467,7 @@ class LeaseReleaseRequest(Message):
     request: KernelRequest = wire(Kernel())
     lease: str = wire(Str(64))
     reason: str = wire(Str(1000), "")
+    identity: Identity | None = IdentityField()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -443,6 +483,9 @@ class PublishRequest(Message):
     offset: int = wire(Int(), 0)
     final: bool = wire(Bool(), True)
     compile_seconds: float = wire(Number(0, 1e6), 0.0)
+    kernel_name: str | None = wire(Optional(Str(4096)), None,
+                                   "the kernel's name, for a family the daemon could compile")
+    identity: Identity | None = IdentityField()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,8 +43,9 @@ def lease(client: Client, request: KernelRequest, ttl_s: float = DEFAULT_TTL_S,
 
 
 def publish(client: Client, request: KernelRequest, data: bytes,
-            compile_seconds: float = 0.0) -> p.PublishReply:
-    """Send an exported object in chunks; the last chunk commits it."""
+            compile_seconds: float = 0.0, kernel_name: str | None = None) -> p.PublishReply:
+    """Send an exported object in chunks; the last chunk commits it. ``kernel_name``: the
+    compiled kernel's name, for a family the daemon names itself (mm_fp4, batch-invariant)."""
     sha = hashlib.sha256(data).hexdigest()
     offset = 0
     while True:
@@ -52,8 +53,8 @@ def publish(client: Client, request: KernelRequest, data: bytes,
         final = offset + len(chunk) >= len(data)
         reply = client.publish(p.PublishRequest(
             request=request, object_sha256=sha, offset=offset, final=final,
-            data=base64.b64encode(chunk).decode(), compile_seconds=compile_seconds),
-            timeout=120)
+            data=base64.b64encode(chunk).decode(), compile_seconds=compile_seconds,
+            kernel_name=kernel_name), timeout=120)
         offset += len(chunk)
         if final or reply.state in ("exists", "stored"):
             return reply
@@ -79,7 +80,8 @@ def _renewer(client: Client, request: KernelRequest, token: str, ttl_s: float,
 
 
 def obtain(client: Client, request: KernelRequest, compile_object: Callable[[str], Any],
-           ttl_s: float = DEFAULT_TTL_S, timeout: float = 3600.0) -> tuple[Artifact, Any]:
+           ttl_s: float = DEFAULT_TTL_S, timeout: float = 3600.0,
+           kernel_name: str | None = None) -> tuple[Artifact, Any]:
     """The artifact for ``request`` and what ``compile_object`` returned (None unless this
     process compiled it). Raises CompileLocally when this peer may not publish."""
     deadline = time.monotonic() + timeout
@@ -91,14 +93,16 @@ def obtain(client: Client, request: KernelRequest, compile_object: Callable[[str
         if reply.state == "compile_locally":
             raise CompileLocally(reply.reason or "")
         if reply.state == "granted" and reply.lease:
-            return _compile_and_publish(client, request, reply.lease, ttl_s, compile_object)
+            return _compile_and_publish(client, request, reply.lease, ttl_s, compile_object,
+                                        kernel_name)
         if time.monotonic() >= deadline:
             raise TimeoutError(f"waited {timeout:.0f}s for another process to publish "
                                f"{request.params.get('kernel')}")
 
 
 def _compile_and_publish(client: Client, request: KernelRequest, token: str, ttl_s: float,
-                         compile_object: Callable[[str], Any]) -> tuple[Artifact, Any]:
+                         compile_object: Callable[[str], Any],
+                         kernel_name: str | None = None) -> tuple[Artifact, Any]:
     """Compile under the lease and publish; any failure releases the lease at once, so
     the other processes waiting on it need not sit out its time-to-live."""
     stop = threading.Event()
@@ -114,7 +118,7 @@ def _compile_and_publish(client: Client, request: KernelRequest, token: str, ttl
             seconds = time.perf_counter() - started
             with open(path, "rb") as f:
                 data = f.read()
-            publish(client, request, data, seconds)
+            publish(client, request, data, seconds, kernel_name)
         except BaseException as exc:
             stop.set()
             release(client, request, token, f"{type(exc).__name__}: {exc}")

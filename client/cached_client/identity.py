@@ -1,0 +1,245 @@
+"""The calling environment's identity: what it states on every request that can return an artifact.
+
+The requesting environment is the authority on identity (docs/keys.md): the client states
+its own compiler stack and kernel sources, and the daemon serves an artifact only when the
+key built from them matches. The daemon probes each registered toolchain with this same
+module, run by that toolchain's interpreter (``python -m cached_client.identity``), so the
+two sides compute identity with one implementation.
+
+Three parts, each independent of where the environment is installed and of how pip was
+invoked:
+
+- **toolchain** (:func:`toolchain`): Python's cache tag and SOABI, then for torch,
+  apache-tvm-ffi and every nvidia-cutlass-dsl* distribution ``name==version:sha256`` of its
+  RECORD entries for files inside site-packages that have a hash. Left out: entries outside
+  (``../../../bin/torchrun``, whose shebang holds the environment's path) and the
+  distribution's own metadata files (``REQUESTED``, ``INSTALLER``, ``direct_url.json``,
+  ``RECORD``), which depend on the install command. A rebuilt wheel of one version still
+  differs (its files' hashes do).
+- **sources** (:func:`family_source`), per daemon family whose kernel sources are
+  FlashInfer's: the ``flashinfer-python`` distribution (same rule) and the content of the
+  family's files (cached_client.flashinfer_sources) by path relative to the package. None
+  where this environment's FlashInfer lacks the family.
+- **runtime** (:func:`runtime`): what a loaded kernel needs, for the project's own kernels:
+  the TVM-FFI version and the sha256 of the DSL runtime library this process opens
+  ($CACHED_DSL_RUNTIME, e.g. a bare library carried on a GPU node, else the installed DSL's).
+
+Stdlib only, nothing heavy imported (distributions are found by their ``.dist-info``
+directory names on ``sys.path``, as importlib.metadata would, without parsing every
+METADATA); every value is computed once per process.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import functools
+import hashlib
+import json
+import os
+import re
+import sys
+import sysconfig
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import flashinfer_sources
+from .loader import RUNTIME_LIBRARY_ENV, RUNTIME_LIBRARY_NAME, installed_runtime_libraries
+
+STACK_NAMES = ("torch", "apache-tvm-ffi")
+STACK_PREFIX = "nvidia-cutlass-dsl"
+FLASHINFER_DIST = "flashinfer-python"
+VERSION_NAMES = ("flashinfer-python", "nvidia-cutlass-dsl", "apache-tvm-ffi", "torch")
+_DIST_INFO = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)\.dist-info$")
+
+
+@dataclass(frozen=True)
+class Dist:
+    """An installed distribution: normalised name, version and its .dist-info directory."""
+
+    name: str
+    version: str
+    path: Path
+
+
+def normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@functools.cache
+def distributions() -> dict[str, Dist]:
+    """Installed distributions by normalised name; the first on ``sys.path`` wins."""
+    found: dict[str, Dist] = {}
+    for entry in sys.path:
+        try:
+            names = sorted(os.listdir(entry or "."))
+        except OSError:
+            continue
+        for item in names:
+            m = _DIST_INFO.match(item)
+            if m is not None:
+                name = normalise(m["name"])
+                found.setdefault(name, Dist(name, m["version"], Path(entry or ".") / item))
+    return found
+
+
+@functools.cache
+def _files(dist: Dist) -> tuple[tuple[str, str], ...]:
+    """(path, hash) of the RECORD entries that are the distribution's installed content."""
+    try:
+        text = (dist.path / "RECORD").read_text()
+    except OSError:
+        return ()
+    own = dist.path.name + "/"
+    out = []
+    for line in text.splitlines():
+        if '"' in line:  # a quoted path (it has a comma): the csv rules
+            row = next(csv.reader([line]), [])
+        else:
+            row = line.rsplit(",", 2)
+        if len(row) < 2 or not row[1]:
+            continue  # RECORD itself, compiled .pyc files: no hash
+        path = row[0]
+        if path.startswith(("../", "/", own)):
+            continue  # outside site-packages (scripts), or install metadata
+        out.append((path, row[1]))
+    out.sort()
+    return tuple(out)
+
+
+def dist_component(dist: Dist) -> str:
+    """``name==version:sha256`` of a distribution's installed content (see the module doc)."""
+    digest = hashlib.sha256("\n".join(f"{p},{h}" for p, h in _files(dist)).encode())
+    return f"{dist.name}=={dist.version}:{digest.hexdigest()}"
+
+
+@functools.cache
+def toolchain() -> str:
+    """This environment's compiler stack fingerprint (see the module doc)."""
+    stack = [dist_component(d) for name, d in distributions().items()
+             if name in STACK_NAMES or name.startswith(STACK_PREFIX)]
+    return ";".join([str(sys.implementation.cache_tag), str(sysconfig.get_config_var("SOABI")),
+                     *sorted(stack)])
+
+
+def digest(fingerprint: str) -> str:
+    """A short stable name for a fingerprint: 16 hex digits."""
+    return hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def family_source(family: str) -> str | None:
+    """The sources this environment would compile ``family`` from, or None when they are not
+    FlashInfer's (the daemon's own families) or this FlashInfer lacks the family."""
+    if family not in flashinfer_sources.FAMILIES:
+        return None
+    files = flashinfer_sources.family_files(family)
+    if files is None:
+        return None
+    try:
+        return flashinfer_files_source(files)
+    except OSError:
+        return None
+
+
+def flashinfer_files_source(files: tuple[str, ...]) -> str:
+    """The sources a kernel compiled from these FlashInfer files (relative to the package)
+    has in this environment: the FlashInfer distribution's installed content (which covers
+    the helpers the files import) and the files' own content (which covers an editable
+    install, whose RECORD lists no files). OSError for a missing file or no FlashInfer."""
+    root = flashinfer_sources.package_dir()
+    if root is None:
+        raise FileNotFoundError("FlashInfer is not installed here")
+    dist = distributions().get(FLASHINFER_DIST)
+    dist_part = dist_component(dist) if dist is not None else "flashinfer-python==unknown"
+    content = flashinfer_sources.content_sha256(root, files)
+    return hashlib.sha256(f"{dist_part}\n{content}".encode()).hexdigest()
+
+
+def runtime_library_path() -> str | None:
+    """The DSL runtime library this process opens on its own: $CACHED_DSL_RUNTIME, else the
+    installed DSL's (the one kernels are linked against); None when there is neither."""
+    env = os.environ.get(RUNTIME_LIBRARY_ENV)
+    if env and os.path.isfile(env):
+        return env
+    installed = installed_runtime_libraries(RUNTIME_LIBRARY_NAME)
+    return installed[0] if installed else None
+
+
+def _record_sha256(path: str) -> str | None:
+    """The RECORD hash (hex) of an installed DSL file, so the library is not read to hash it."""
+    for name, dist in distributions().items():
+        if not name.startswith(STACK_PREFIX):
+            continue
+        try:
+            rel = Path(path).relative_to(dist.path.parent).as_posix()
+        except ValueError:
+            continue
+        value = dict(_files(dist)).get(rel, "")
+        if value.startswith("sha256="):
+            raw = value.removeprefix("sha256=")
+            return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()
+    return None
+
+
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@functools.cache
+def runtime() -> dict:
+    """What a loaded kernel of the project's own families needs: ``tvm_ffi`` (version),
+    ``dsl_runtime_sha256`` (of :func:`runtime_library_path`) and, for messages only,
+    ``dsl`` (the nvidia-cutlass-dsl version, or None for a bare carried library)."""
+    dists = distributions()
+    path = runtime_library_path()
+    sha = None
+    if path is not None:
+        sha = (None if os.environ.get(RUNTIME_LIBRARY_ENV) else _record_sha256(path)) \
+            or _sha256_file(path)
+    tvm, dsl = dists.get("apache-tvm-ffi"), dists.get(STACK_PREFIX)
+    return {"tvm_ffi": tvm.version if tvm else None, "dsl_runtime_sha256": sha,
+            "dsl": dsl.version if dsl else None}
+
+
+def versions() -> dict[str, str]:
+    """Readable versions of the stack, for people (hello, stats, ``cached toolchains``)."""
+    dists = distributions()
+    out = {"python": sys.version.split()[0]}
+    for name in VERSION_NAMES:
+        out[name] = dists[name].version if name in dists else "absent"
+    return out
+
+
+def for_families(families: Iterable[str]) -> dict:
+    """The identity a request states (its wire form): the toolchain, the sources of the
+    families it names that this environment has, and the runtime."""
+    sources = {}
+    for family in sorted(set(families)):
+        sha = family_source(family)
+        if sha is not None:
+            sources[family] = sha
+    return {"toolchain": toolchain(), "sources": sources, "runtime": runtime()}
+
+
+def describe() -> dict:
+    """Everything, for the daemon's toolchain probe: identity, versions and paths."""
+    sources = {f: s for f in flashinfer_sources.FAMILIES if (s := family_source(f)) is not None}
+    return {"python": sys.executable, "prefix": sys.prefix, "toolchain": toolchain(),
+            "sources": sources, "runtime": runtime(), "runtime_library": runtime_library_path(),
+            "versions": versions()}
+
+
+def main() -> None:
+    """``python -m cached_client.identity``: this environment's :func:`describe` as JSON."""
+    json.dump(describe(), sys.stdout, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()
