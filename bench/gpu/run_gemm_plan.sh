@@ -7,7 +7,7 @@
 #          TVM-FFI, a copy of the code (src/) and this script with gemm_plan_check.py
 #   there: bash DIR/run_gemm_plan.sh gpu                   (device tool, carry [DIR])
 set -euo pipefail
-SHAPES=(4096,4096 2688,4096 4608,2688 14336,4096 4096,14336)
+SHAPES=(4096,4096 2688,4096 4608,2688 14336,4096 2112,7168)
 MAX_M=8192
 mode=${1:-build}
 
