@@ -31,10 +31,10 @@ def plan(limit: int | None = None, shape: tuple[int, int, int] = SHAPE) -> list[
 
 class Daemon:
     def __init__(self, workdir: Path, workers: int | None = None,
-                 store: Path | None = None) -> None:
+                 store: Path | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.socket = str(workdir / "cached.sock")
         args = [sys.executable, "-m", "cached", "serve", "--store", str(store or workdir / "store"),
-                "--socket", self.socket, "--no-http"]
+                "--socket", self.socket, "--no-http", *extra_args]
         if workers:
             args += ["--workers", str(workers)]
         self.started = time.monotonic()

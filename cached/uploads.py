@@ -5,7 +5,8 @@ The object is checked against ``object_sha256`` and for being ELF, linked into a
 here (so the only untrusted input is the object, which is exactly what FlashInfer's own
 disk cache would have held), and stored like any other artifact; the key's lease ends and
 its waiters get the hit. Only peers on the publish allowlist reach this op (protocol.OPS).
-An upload that stops arriving is removed after ``UPLOAD_IDLE_S``.
+An upload that stops arriving is removed ``idle_s`` seconds after its last chunk (setting
+``upload_timeout``; the daemon's flush loop calls :meth:`Uploads.expire`).
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ class Upload:
 class Uploads:
     """Uploads in progress, by (key, object digest)."""
 
-    def __init__(self, leases: Leases) -> None:
+    def __init__(self, leases: Leases, idle_s: float = UPLOAD_IDLE_S) -> None:
         self.leases = leases
+        self.idle_s = idle_s
         self.scheduler = leases.scheduler
         self.store = leases.scheduler.store
         self.stats = leases.stats
@@ -61,11 +63,14 @@ class Uploads:
             shutil.rmtree(upload.path.parent, ignore_errors=True)
 
     def expire(self, now: float | None = None) -> int:
-        """Remove uploads idle for ``UPLOAD_IDLE_S``; returns how many."""
+        """Remove uploads idle for ``idle_s``; returns how many."""
         now = time.monotonic() if now is None else now
-        stale = [i for i, u in self.pending.items() if now - u.touched > UPLOAD_IDLE_S]
+        stale = [i for i, u in self.pending.items() if now - u.touched > self.idle_s]
         for id_ in stale:
             self._discard(id_)
+        if stale:
+            event(log, logging.INFO, "writeback.uploads_expired", count=len(stale),
+                  idle_s=self.idle_s)
         return len(stale)
 
     async def publish(self, m: p.PublishRequest, peer: Peer) -> p.PublishReply:
