@@ -241,6 +241,9 @@ def _open_blob(path: os.PathLike, size: int) -> int:
     except OSError as exc:
         if exc.errno == errno.ENOENT:
             raise FileNotFoundError(str(path)) from None
+        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+            raise Overloaded(f"the daemon cannot open a blob now ({exc.strerror}); retry "
+                             "later") from None
         raise _BadBlob(f"{os.fspath(path)[-80:]}: {exc.strerror}") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_size != size:

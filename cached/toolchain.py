@@ -47,15 +47,22 @@ def fingerprint_digest(value: str | None = None) -> str:
     return hashlib.sha256((value or fingerprint()).encode()).hexdigest()[:16]
 
 
-def versions() -> dict[str, str]:
-    """Readable versions of the parts of the stack, for hello and stats."""
+@functools.cache
+def _versions() -> tuple[tuple[str, str], ...]:
     out = {"python": sys.version.split()[0]}
     for name in ("nvidia-cutlass-dsl", "apache-tvm-ffi", "flashinfer-python", "torch"):
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             out[name] = "absent"
-    return out
+    return tuple(out.items())
+
+
+def versions() -> dict[str, str]:
+    """Readable versions of the parts of the stack, for hello and stats; read once per
+    process (a metadata scan costs milliseconds, and ``hello`` is the clients' liveness
+    probe)."""
+    return dict(_versions())
 
 
 def package_dir(name: str) -> Path:

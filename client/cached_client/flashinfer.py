@@ -26,7 +26,11 @@ Identity: the arch is FlashInfer's compile arch (``CUTE_DSL_ARCH`` or the device
 is the calling process's device's, and ``max_active_clusters`` is the value the calling
 process computed (FlashInfer puts it in the kernel name: ``_mac<N>``, ``_g<N>``), never
 recomputed by the daemon. ``uninstall()`` restores every replaced attribute exactly. Any daemon
-failure falls back to FlashInfer's own path, logged once.
+failure falls back to FlashInfer's own path, logged once. A daemon that stops answering (stopped,
+hung) costs the process one wait of a few seconds, not the call's 600 s timeout: the client
+asks for a ``hello`` on a new connection after 3 s of silence and, without an answer, stops
+asking that daemon for 30 s (cached_client.client: the circuit breaker); a daemon that answers
+is waited for as long as a compilation takes.
 """
 
 from __future__ import annotations
