@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import pwd
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -120,7 +121,8 @@ def hostile(d: Daemon, kind: str, request: KernelRequest, seconds: float) -> sub
     """Hostile peers as uid ``nobody``: ``slow`` readers or a partial-``flood``."""
     nobody = pwd.getpwnam("nobody")
     n = {"slow": 8, "flood": 1000}[kind]
-    proc = subprocess.Popen([sys.executable, "-c", HOSTILE, kind, d.socket, str(n),
+    python = shutil.which("python3", path="/usr/bin:/bin")  # stdlib only; any uid runs it
+    proc = subprocess.Popen([python, "-c", HOSTILE, kind, d.socket, str(n),
                              str(seconds)], user=nobody.pw_uid, group=nobody.pw_gid,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     proc.stdin.write(json.dumps(request.to_wire()))
@@ -154,7 +156,8 @@ def hits(d: Daemon, requests: list[KernelRequest], clients: int, per_client: int
     hostile_report = None
     if bad is not None:
         bad.terminate()
-        out = bad.communicate()[0]
+        out = bad.stdout.read()
+        bad.wait()
         hostile_report = {"kind": against, **json.loads(out.strip().splitlines()[-1])}
     time.sleep(2)
     lat = [v * 1000 for o in outs for v in o["lat"]]
@@ -206,8 +209,10 @@ def main() -> None:
             stored = requests[:8]
             warm(d.socket, stored, 600)
             result = {"hits": hits(d, stored, args.clients, args.requests)}
+            print(json.dumps(result["hits"]), flush=True)
             for kind in ("slow", "flood"):
                 result[f"hits_with_{kind}"] = hits(d, stored, args.clients, args.requests, kind)
+                print(json.dumps(result[f"hits_with_{kind}"]), flush=True)
             result["mixed"] = mixed(d, requests[20:40], requests[8:14])
         finally:
             d.stop()

@@ -205,6 +205,8 @@ class _Connection:
         self.write_lock = asyncio.Lock()
         self.changed = asyncio.Event()
         self.last_active = time.monotonic()
+        self.blocked_since: float | None = None  # a reply waits for the peer to read
+        self.in_frame = False  # part of a frame has arrived
 
 
 class _Closed(Exception):
@@ -229,6 +231,8 @@ class Server:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._open: set[_Connection] = set()
+        self._sweeper: asyncio.Task | None = None
         self._refusing = 0
         self._logged: dict[tuple[str, int], float] = {}
 
@@ -236,15 +240,18 @@ class Server:
         """Accept connections on the listening socket ``sock`` (listeners.UnixListener)."""
         sock.setblocking(False)
         self._listener = sock
-        self._accepting = asyncio.get_running_loop().create_task(self._accept_loop())
+        loop = asyncio.get_running_loop()
+        self._accepting = loop.create_task(self._accept_loop())
+        self._sweeper = loop.create_task(self._sweep())
 
     async def stop(self) -> None:
         """Stop accepting; connected clients keep their connections."""
-        if self._accepting is not None:
-            self._accepting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._accepting
-            self._accepting = None
+        for task in (self._accepting, self._sweeper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._accepting = None
         if self._listener is not None:
             self._listener.close()
 
@@ -268,6 +275,25 @@ class Server:
             task = loop.create_task(self._serve(sock))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    async def _sweep(self) -> None:
+        """Close idle connections (nothing in flight, no byte for idle_timeout) and those
+        whose peer has read none of a reply for idle_timeout: their sockets are shut down,
+        so their reader sees the end and their writers fail at once. One pass every
+        quarter of idle_timeout (at most 5 s) costs no timer per request."""
+        while True:
+            idle = self.limits.idle_timeout
+            await asyncio.sleep(min(idle / 4, 5.0))
+            now = time.monotonic()
+            for c in list(self._open):
+                stalled = c.blocked_since is not None and now - c.blocked_since >= idle
+                silent = (c.inflight == 0 and not c.in_frame
+                          and now - c.last_active >= idle)
+                if stalled or silent:
+                    self.stats.count("connections_write_timeout" if stalled
+                                     else "connections_idle_closed")
+                    with contextlib.suppress(OSError):
+                        c.sock.shutdown(socket.SHUT_RDWR)
 
     def _admission(self, peer: Peer) -> CachedError | None:
         if not self.access.may_connect(peer):
@@ -299,6 +325,7 @@ class Server:
         self.connections += 1
         self.by_uid[peer.uid] += 1
         c = _Connection(sock, peer)
+        self._open.add(c)
         try:
             await self._read_requests(c)
             if c.tasks:  # the peer stopped sending; it may still read its answers
@@ -306,6 +333,7 @@ class Server:
         except OSError:
             pass
         finally:
+            self._open.discard(c)
             for task in c.tasks:
                 task.cancel()
             self.connections -= 1
@@ -354,6 +382,7 @@ class Server:
             frame_timeout = min(FRAME_TIMEOUT_S, self.limits.idle_timeout)
             deadline = loop.time() + frame_timeout
             reserved = 0
+            c.in_frame = True
             try:
                 header = await _read_exact(loop, c.sock, p.HEADER.size, deadline)
                 size = p.frame_length(header, p.MAX_REQUEST_FRAME)
@@ -366,6 +395,7 @@ class Server:
                             f"{self.room.used}); closing this connection")
                     reserved = size
                 body = await _read_exact(loop, c.sock, size, deadline)
+                c.in_frame = False
                 message = p.decode_body(body)
                 del body
             except _Closed:
@@ -388,8 +418,8 @@ class Server:
             task.add_done_callback(c.tasks.discard)
 
     async def _await_frame(self, c: _Connection) -> bool:
-        """Wait until the next frame starts; False when the peer shut its sending side or
-        the connection was idle (nothing in flight, nothing received) for idle_timeout."""
+        """Wait until the next frame starts; False when the peer shut its sending side (or
+        the sweeper shut an idle connection)."""
         loop = asyncio.get_running_loop()
         while True:
             try:  # a pipelining peer's next frame is usually there already
@@ -398,14 +428,7 @@ class Server:
                 pass
             except OSError:
                 return False
-            idle = self.limits.idle_timeout
-            try:
-                async with asyncio.timeout(idle):
-                    await _readable(loop, c.sock)
-            except TimeoutError:
-                if c.inflight == 0 and time.monotonic() - c.last_active >= idle:
-                    self.stats.count("connections_idle_closed")
-                    return False
+            await _readable(loop, c.sock)
 
     async def _last_word(self, c: _Connection, error: CachedError) -> None:
         """A frame that ends the connection: answer the requests before it, then say why."""
@@ -471,24 +494,21 @@ class Server:
 
     async def _write(self, c: _Connection, frame: bytes, attachment: Attachment | None
                      ) -> None:
-        """One reply, whole. A peer that reads nothing of it for idle_timeout loses the
-        connection (its other replies fail at once, its reader sees the end)."""
+        """One reply, whole. While the peer reads none of it, ``blocked_since`` says since
+        when (the sweeper shuts the connection after idle_timeout)."""
         loop = asyncio.get_running_loop()
         async with c.write_lock:
             try:
-                async with asyncio.timeout(self.limits.idle_timeout):
-                    if attachment is not None and attachment.fds:
-                        await _sendmsg_all(loop, c.sock, frame, attachment.fds)
-                    else:
-                        await loop.sock_sendall(c.sock, frame)
-                    if attachment is not None and attachment.payload_fd is not None:
-                        await _sendfile_all(loop, c.sock, attachment.payload_fd,
-                                            attachment.payload_size)
-            except TimeoutError:
-                self.stats.count("connections_write_timeout")
-                with contextlib.suppress(OSError):
-                    c.sock.shutdown(socket.SHUT_RDWR)
-                raise OSError(errno.ETIMEDOUT, "the peer read nothing of a reply") from None
+                if attachment is not None and attachment.fds:
+                    await _sendmsg_all(loop, c, frame, attachment.fds)
+                else:
+                    await _sendall(loop, c, frame)
+                if attachment is not None and attachment.payload_fd is not None:
+                    await _sendfile_all(loop, c, attachment.payload_fd,
+                                        attachment.payload_size)
+            finally:
+                c.blocked_since = None
+        c.last_active = time.monotonic()
 
     async def _handle(self, m: dict, peer: Peer) -> Reply:
         version = m.get("v", p.PROTOCOL_VERSION)
@@ -559,48 +579,64 @@ async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
 
 async def _read_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int,
                       deadline: float) -> bytearray:
-    """``size`` bytes by ``deadline`` (loop time): TimeoutError, or _Closed at end of input."""
+    """``size`` bytes by ``deadline`` (loop time): TimeoutError, or _Closed at end of input.
+    No timer is armed unless the bytes are not there yet."""
     buffer = bytearray(size)
     view = memoryview(buffer)
     got = 0
-    async with asyncio.timeout_at(deadline):
-        while got < size:
-            try:
-                n = sock.recv_into(view[got:])
-            except BlockingIOError:
+    while got < size:
+        try:
+            n = sock.recv_into(view[got:])
+        except BlockingIOError:
+            async with asyncio.timeout_at(deadline):
                 await _readable(loop, sock)
-                continue
-            except (ConnectionError, OSError):
-                raise _Closed() from None
-            if n == 0:
-                raise _Closed()
-            got += n
+            continue
+        except OSError:
+            raise _Closed() from None
+        if n == 0:
+            raise _Closed()
+        got += n
     return buffer
 
 
-async def _sendmsg_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: bytes,
+async def _until_writable(loop: asyncio.AbstractEventLoop, c: _Connection) -> None:
+    if c.blocked_since is None:
+        c.blocked_since = time.monotonic()
+    await _writable(loop, c.sock)
+
+
+async def _sendall(loop: asyncio.AbstractEventLoop, c: _Connection, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[c.sock.send(view):]
+        except BlockingIOError:
+            await _until_writable(loop, c)
+
+
+async def _sendmsg_all(loop: asyncio.AbstractEventLoop, c: _Connection, data: bytes,
                        fds: list[int]) -> None:
     """``data`` with ``fds`` attached to its first byte (SCM_RIGHTS), then the rest."""
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
     while True:
         try:
-            sent = sock.sendmsg([data], ancillary)
+            sent = c.sock.sendmsg([data], ancillary)
             break
         except BlockingIOError:
-            await _writable(loop, sock)
+            await _until_writable(loop, c)
     if sent < len(data):
-        await loop.sock_sendall(sock, memoryview(data)[sent:])
+        await _sendall(loop, c, memoryview(data)[sent:])
 
 
-async def _sendfile_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, fd: int,
+async def _sendfile_all(loop: asyncio.AbstractEventLoop, c: _Connection, fd: int,
                         size: int) -> None:
     """Bytes ``[0, size)`` of the file ``fd``, straight from the page cache."""
     offset = 0
     while offset < size:
         try:
-            sent = os.sendfile(sock.fileno(), fd, offset, size - offset)
+            sent = os.sendfile(c.sock.fileno(), fd, offset, size - offset)
         except BlockingIOError:
-            await _writable(loop, sock)
+            await _until_writable(loop, c)
             continue
         if sent == 0:
             raise OSError(errno.EIO, "the payload file ended early")

@@ -143,6 +143,7 @@ class Client:
         self._loaded: dict[KernelRequest, Any] = {}
         self._fallbacks: dict[str, int] = {}  # in-process compiles not yet reported
         self._scratch = os.path.join(tempfile.gettempdir(), f"cached-client-{os.getuid()}")
+        self._scratch_checked = False
         _clients.add(self)
 
     def close(self) -> None:
@@ -344,7 +345,10 @@ class Client:
             if set(passed) != {"object", "library"}:
                 raise BadReply(f"the daemon passed descriptors for {kinds!r}, not for the "
                                "object and the library")
-            directory = private_dir(self._scratch)
+            if not self._scratch_checked:  # once per client: made 0700, ours alone
+                private_dir(self._scratch)
+                self._scratch_checked = True
+            directory = self._scratch
             paths = {kind: copy_verified(
                 passed[kind], getattr(artifact, f"{kind}_sha256"),
                 getattr(artifact, f"{kind}_size"),

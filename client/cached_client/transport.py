@@ -77,6 +77,7 @@ class Connection:
         self._sock.setblocking(False)
         self._poll = select.poll()
         self._poll.register(self._sock, select.POLLIN)
+        self._events = select.POLLIN
 
     def close(self) -> None:
         if not self._closed:
@@ -92,12 +93,10 @@ class Connection:
         self.close()
 
     def usable(self) -> bool:
-        """Whether a kept connection can carry another request: open, not closed by the
-        daemon (say after its idle timeout), and with nothing unexpected waiting."""
-        if self._closed or self._eof or self._buffer:
-            return False
-        self._poll.modify(self._sock, select.POLLIN)
-        return not self._poll.poll(0)
+        """Whether a kept connection may carry another request: open, its end not seen, and
+        nothing unexpected buffered. (A connection the daemon closed meanwhile shows when
+        used: the client then retries once on a fresh one.)"""
+        return not (self._closed or self._eof or self._buffer)
 
     def send(self, message: dict, deadline: float) -> None:
         data = memoryview(encode_frame(message))
@@ -108,6 +107,13 @@ class Connection:
             raise DeadlineExceeded("sending to the daemon timed out") from None
 
     def _send(self, data: memoryview, deadline: float) -> None:
+        try:  # the socket buffer usually takes a request whole: no poll needed
+            data = data[self._sock.send(data):]
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            self.close()
+            raise DaemonUnavailable(f"the daemon connection failed while sending: {exc}") from None
         while data:
             events = select.POLLOUT | (0 if self._eof else select.POLLIN)
             ready = self._wait(events, deadline, "sending to")
@@ -167,7 +173,9 @@ class Connection:
         ``silence_s``; the events that came."""
         if self._closed:
             raise DaemonUnavailable("the daemon connection is closed")
-        self._poll.modify(self._sock, events)
+        if events != self._events:
+            self._poll.modify(self._sock, events)
+            self._events = events
         while True:
             left = _remaining(deadline)
             if self.on_silence is None:
