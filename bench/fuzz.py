@@ -1,5 +1,8 @@
-"""Fuzz the socket protocol with N structured frames and N raw-byte inputs (default 50,000
-each) against one live daemon; report crashes, reply errors and daemon RSS.
+"""Fuzz the socket protocol against one live daemon with N inputs of each kind (default
+50,000): structured frames, raw bytes, hostile frames (NaN/Infinity/huge numbers spliced in
+as raw JSON, JSON nested up to 5,000 deep in the body or in a kernel's params) and
+pipelines (1-12 frames of those kinds sent back to back in one write); report crashes,
+reply errors and daemon RSS.
 Usage: python bench/fuzz.py [--examples 50000]"""
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ def main() -> None:
         started = time.monotonic()
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-             "tests/test_fuzz.py", "-k", "structured or raw_bytes"],
+             "tests/test_fuzz.py", "-k", "structured or raw_bytes or nan_huge or pipelined"],
             cwd=ROOT, capture_output=True, text=True,
             env={**os.environ, "CACHED_FUZZ_EXAMPLES": str(args.examples),
                  "CACHED_FUZZ_REPORT": report.name})
         result = json.loads(open(report.name).read())
-    result.update(inputs=2 * args.examples, seconds=round(time.monotonic() - started, 1),
+    result.update(inputs=4 * args.examples, seconds=round(time.monotonic() - started, 1),
                   pytest_rc=proc.returncode, pytest_tail=proc.stdout.strip().splitlines()[-1])
     save("fuzz", result)
 

@@ -1,20 +1,31 @@
-"""Load: 64 concurrent clients x 1000 requests, all hits; then a mixed load with misses.
+"""Load: 64 concurrent clients x 1000 requests, all hits, alone and next to hostile peers;
+then a mixed load with misses.
 
 Hits: 8 processes x 8 threads, each thread its own connection, each request a `get` of
-one of 8 stored kernels (path transfer, the client's default). Reports p50/p99 latency,
-errors and the daemon's RSS before and after. Mixed: 20 kernels queued as pre-warm work,
-then 16 clients asking at once for 6 other kernels (4 overlapping): compilations must
-equal distinct kernels, and the waiting clients must finish before the pre-warm backlog.
-Usage: python bench/load.py [--clients 64] [--requests 1000]
+one of 8 stored kernels (the client's default transfer, descriptors). Reports p50/p99
+latency, errors and the daemon's RSS before, at its peak (sampled every 0.1 s) and after.
+The same hits run three times: alone; next to slow readers (8 connections each
+pipelining 4,000 `get`s with transfer "bytes" and never reading a reply); and next to a
+partial-frame flood (1,000 connections each sending a 1 MiB header and all but the last
+byte of its body, and holding it). The hostile peers run as another uid (`nobody`; the
+daemon's socket is 0666 for it), as a hostile local user would. Mixed: 20 kernels queued
+as pre-warm work, then 16 clients asking at once for 6 other kernels (4 overlapping):
+compilations must equal distinct kernels, and the waiting clients must finish before the
+pre-warm backlog.
+Usage: python bench/load.py [--clients 64] [--requests 1000]   (as root, for the other uid)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import pwd
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,6 +56,81 @@ print(json.dumps({"lat": lat, "errors": errors[:5], "n_errors": len(errors)}))
 """
 
 
+HOSTILE = """
+import json, os, resource, signal, socket, struct, sys, time
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+kind, path, n, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+if kind == "slow":
+    request = json.loads(sys.stdin.read())
+    one = json.dumps({"op": "get", "transfer": "bytes", "request": request}).encode()
+    data = b"".join(struct.pack(">I", len(one)) + one for _ in range(4000))
+else:
+    data = struct.pack(">I", 1 << 20) + b"x" * ((1 << 20) - 1)
+conns, left, refused = [], {}, 0
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+    except OSError:
+        refused += 1
+        continue
+    s.setblocking(False)
+    conns.append(s)
+    left[s] = memoryview(data)
+print("ready", flush=True)
+sent, deadline = 0, time.monotonic() + seconds
+while not stop and time.monotonic() < deadline:
+    moved = 0
+    for s in conns:
+        if left[s]:
+            try:
+                k = s.send(left[s])
+            except (BlockingIOError, OSError):
+                continue
+            left[s] = left[s][k:]
+            moved += k
+    sent += moved
+    if not moved:
+        time.sleep(0.05)
+print(json.dumps({"connections": len(conns), "connect_refused": refused, "bytes_sent": sent}))
+"""
+
+
+class RssSampler:
+    """The daemon's RSS every 0.1 s while it runs; ``peak`` in KiB."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self._stop = pid, rss_kib(pid), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            self.peak = max(self.peak, rss_kib(self.pid))
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def hostile(d: Daemon, kind: str, request: KernelRequest, seconds: float) -> subprocess.Popen:
+    """Hostile peers as uid ``nobody``: ``slow`` readers or a partial-``flood``."""
+    nobody = pwd.getpwnam("nobody")
+    n = {"slow": 8, "flood": 1000}[kind]
+    python = shutil.which("python3", path="/usr/bin:/bin")  # stdlib only; any uid runs it
+    proc = subprocess.Popen([python, "-c", HOSTILE, kind, d.socket, str(n),
+                             str(seconds)], user=nobody.pw_uid, group=nobody.pw_gid,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc.stdin.write(json.dumps(request.to_wire()))
+    proc.stdin.close()
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
 def rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -52,22 +138,36 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
-def hits(d: Daemon, requests: list[KernelRequest], clients: int, per_client: int) -> dict:
+def hits(d: Daemon, requests: list[KernelRequest], clients: int, per_client: int,
+         against: str | None = None) -> dict:
     procs, threads = 8, clients // 8
     wires = json.dumps([r.to_wire() for r in requests])
     before = rss_kib(d.proc.pid)
+    bad = hostile(d, against, requests[0], 600) if against else None
+    time.sleep(2 if against else 0)  # the hostile peers are in place
+    sampler = RssSampler(d.proc.pid)
     started = time.monotonic()
     ps = [subprocess.Popen([sys.executable, "-c", WORKER, d.socket, str(threads),
                             str(per_client)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                            text=True) for _ in range(procs)]
     outs = [json.loads(p.communicate(wires)[0]) for p in ps]
     wall = time.monotonic() - started
+    peak = sampler.stop()
+    hostile_report = None
+    if bad is not None:
+        bad.terminate()
+        out = bad.stdout.read()
+        bad.wait()
+        hostile_report = {"kind": against, **json.loads(out.strip().splitlines()[-1])}
+    time.sleep(2)
     lat = [v * 1000 for o in outs for v in o["lat"]]
     return {"clients": procs * threads, "requests": len(lat) + sum(o["n_errors"] for o in outs),
-            "errors": sum(o["n_errors"] for o in outs), "p50_ms": percentile(lat, 50),
-            "p99_ms": percentile(lat, 99), "max_ms": max(lat), "wall_s": wall,
-            "throughput_rps": len(lat) / wall, "rss_kib_before": before,
-            "rss_kib_after": rss_kib(d.proc.pid)}
+            "errors": sum(o["n_errors"] for o in outs),
+            "error_samples": [e for o in outs for e in o["errors"]][:5],
+            "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99), "max_ms": max(lat),
+            "wall_s": wall, "throughput_rps": len(lat) / wall, "rss_kib_before": before,
+            "rss_kib_peak": peak, "rss_kib_after": rss_kib(d.proc.pid),
+            "hostile": hostile_report}
 
 
 def mixed(d: Daemon, prewarm: list[KernelRequest], wanted: list[KernelRequest]) -> dict:
@@ -103,11 +203,16 @@ def main() -> None:
     args = parser.parse_args()
     requests = plan()
     with tempfile.TemporaryDirectory() as workdir:
-        d = Daemon(Path(workdir))
+        os.chmod(workdir, 0o755)  # the hostile peers' uid reaches the socket
+        d = Daemon(Path(workdir), extra_args=("--socket-mode", "666"))
         try:
             stored = requests[:8]
             warm(d.socket, stored, 600)
             result = {"hits": hits(d, stored, args.clients, args.requests)}
+            print(json.dumps(result["hits"]), flush=True)
+            for kind in ("slow", "flood"):
+                result[f"hits_with_{kind}"] = hits(d, stored, args.clients, args.requests, kind)
+                print(json.dumps(result[f"hits_with_{kind}"]), flush=True)
             result["mixed"] = mixed(d, requests[20:40], requests[8:14])
         finally:
             d.stop()

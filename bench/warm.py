@@ -2,7 +2,8 @@
 
 Both caches are filled first (the daemon's by a warm-up, FlashInfer's by its serial
 path). Then, in a fresh process each, every kernel is loaded once: through
-``Client.load`` (socket round trip, digest check, ``tvm_ffi.load_module``), and through
+``Client.load`` with each transfer (``fd``: descriptors passed, private copies, digest
+check, ``tvm_ffi.load_module``; ``path``; ``bytes``), and through
 ``JitSpecCuteDsl.try_load`` (FlashInfer's disk cache). Module imports are done before
 timing in both. Usage: python bench/warm.py [--limit N]
 """
@@ -53,9 +54,12 @@ def main() -> None:
                     "json.load(open(sys.argv[2]))], 3600))")
             subprocess.run([sys.executable, "-c", code, d.socket, str(path)], check=True,
                            capture_output=True)
-            for transfer in ("path", "bytes"):
+            for transfer in ("fd", "path", "bytes"):
+                scratch = Path(workdir) / f"scratch-{transfer}"  # empty: copies are made
+                scratch.mkdir()
                 out = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, d.socket, str(path),
-                                      transfer], capture_output=True, text=True, check=True)
+                                      transfer], capture_output=True, text=True, check=True,
+                                     env={**os.environ, "TMPDIR": str(scratch)})
                 result[f"client_{transfer}"] = json.loads(out.stdout)
         finally:
             d.stop()
@@ -68,7 +72,7 @@ def main() -> None:
                               "try_load", str(path)], env={**os.environ, **env},
                              capture_output=True, text=True, check=True)
         result["flashinfer_try_load"] = json.loads(out.stdout.strip().splitlines()[-1])
-    for name in ("client_path", "client_bytes", "flashinfer_try_load"):
+    for name in ("client_fd", "client_path", "client_bytes", "flashinfer_try_load"):
         lat = [v * 1000 for v in result[name]["latencies_s"]]
         result[name].update(p50_ms=percentile(lat, 50), p99_ms=percentile(lat, 99),
                             first_ms=lat[0])

@@ -115,6 +115,13 @@ def _count(value: Any) -> int:
     return number
 
 
+def _positive_count(value: Any) -> int:
+    number = _integer(value)
+    if not 1 <= number <= 1 << 31:
+        raise ConfigError(f"expected a positive integer, got {value!r}")
+    return number
+
+
 def _seconds(value: Any) -> float:
     try:
         number = float(value) if not isinstance(value, bool) else math.nan
@@ -305,6 +312,20 @@ OPTIONS: tuple[Option, ...] = (
            "fetch from the fleet tier but never publish to it (GPU nodes)", kind="switch"),
     Option("remote_timeout", _positive_seconds, lambda: 2.0,
            "seconds per Redis operation before the tier counts as down", metavar="SECONDS"),
+    # Per-peer limits (cached/server.py, docs/reliability.md "Memory and fairness").
+    Option("max_connections", _positive_count, lambda: 1024,
+           "connections open at once, all peers together", True, metavar="N"),
+    Option("max_connections_per_uid", _positive_count, lambda: 128,
+           "connections open at once from one peer uid", True, metavar="N"),
+    Option("idle_timeout", _positive_seconds, lambda: 600.0,
+           "seconds a connection with nothing in flight may stay silent before it is closed",
+           True, metavar="SECONDS"),
+    Option("max_queued_per_uid", _count, lambda: 1024,
+           "compilations a peer without publish rights may have queued or running (0: no "
+           "limit)", True, metavar="N"),
+    Option("upload_timeout", _positive_seconds, lambda: 300.0,
+           "seconds an unfinished write-back upload is kept after its last chunk", True,
+           metavar="SECONDS"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -336,6 +357,11 @@ class Settings:
     remote_verify_keys: str | None
     remote_read_only: bool
     remote_timeout: float
+    max_connections: int
+    max_connections_per_uid: int
+    idle_timeout: float
+    max_queued_per_uid: int
+    upload_timeout: float
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
     file: Path | None = field(default=None, compare=False)
     file_source: str = field(default="none", compare=False)

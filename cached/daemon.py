@@ -1,8 +1,10 @@
 """The daemon: wires store, pool, scheduler, the ops, socket server and HTTP endpoint.
 
-Start order: store opened (index read into memory), workers spawned (they import the
-toolchain in the background), socket listening (hits are served at once), the start-up
-scan and the HTTP endpoint. The daemon never touches a GPU: device facts come from
+Start order: fleet keys checked, the HTTP port bound, the Unix socket claimed (a port or
+path that cannot be used stops the daemon here with one line, nothing left behind), store
+opened (index read into memory), workers spawned (they import the toolchain in the
+background), socket listening (hits are served at once), the start-up scan and the HTTP
+endpoint serving. The daemon never touches a GPU: device facts come from
 requests, and compilation is cross-compilation for the requested arch.
 
 Everything that can make the store unusable is found before anything is bound: a store
@@ -15,10 +17,10 @@ and exits 2).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import os
+import resource
 import signal
-import socket
 import threading
 import time
 from collections import Counter
@@ -32,12 +34,13 @@ from .certifications import Certifications
 from .config import Settings
 from .leases import Leases
 from .lifecycle import Lifecycle
+from .listeners import bind_http
 from .log import event
 from .metrics import make_metrics
 from .pool import Launcher, Pool
 from .scheduler import Scheduler
-from .server import Access, Server
-from .service import Service
+from .server import Access, Limits, Server
+from .service import QueueQuota, Service
 from .stats import Stats
 from .store import Budget, Store
 from .uploads import Uploads
@@ -54,6 +57,21 @@ class Daemon:
         self.started = time.time()
         self.version = toolchain.daemon_version()
         self.remote = _make_remote(settings)  # first: a bad key file stops us before any I/O
+        self.lifecycle = Lifecycle(self, reload_settings)
+        # Then what we listen on, HTTP first: a port or path we cannot use stops the daemon
+        # here, before its store is opened, and leaves no socket file behind.
+        self._http_sock = bind_http(settings.http_address)
+        try:
+            self.socket_path = self.lifecycle.bind().path
+            self._open(settings)
+        except BaseException:
+            if self._http_sock is not None:
+                self._http_sock.close()
+            self.lifecycle.release()
+            raise
+
+    def _open(self, settings: Settings) -> None:
+        _raise_descriptor_limit()
         store_root = Path(settings.store)
         self.store = Store(store_root, Budget(settings.max_bytes, settings.max_files,
                                               settings.evict_grace))
@@ -74,15 +92,14 @@ class Daemon:
                                    remote=self.remote)
         self.store.protect(lambda: tuple(self.scheduler.inflight))
         self.access = Access.from_settings(settings)
+        self.quota = QueueQuota(self.scheduler, self.access, settings.max_queued_per_uid)
         self.leases = Leases(self.scheduler, self.access, self.stats)
-        self.uploads = Uploads(self.leases)
-        service = Service(self.scheduler, self.access, self.stats, self.snapshot)
+        self.uploads = Uploads(self.leases, settings.upload_timeout)
+        service = Service(self.scheduler, self.access, self.stats, self.snapshot, self.quota)
         self.server = Server({**service.ops(), **self.leases.ops(), **self.uploads.ops(),
                               **Autotune(self.store).ops(),
                               **Certifications(self.store).ops()},
-                             self.access, self.stats)
-        self.lifecycle = Lifecycle(self, reload_settings)
-        self.socket_path = settings.socket
+                             self.access, self.stats, Limits.from_settings(settings))
         self.http_address = ""
         self._http: Any = None
         self._stop = asyncio.Event()
@@ -125,6 +142,14 @@ class Daemon:
         }
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            self.lifecycle.release()
+            if self._http_sock is not None:
+                self._http_sock.close()
+
+    async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
@@ -145,6 +170,7 @@ class Daemon:
         event(log, logging.INFO, "daemon.stopping", in_flight=len(self.scheduler.inflight))
         flusher.cancel()
         await self.server.stop()
+        self.lifecycle.release()  # a successor may take the socket path while we drain
         await self.lifecycle.drain()
         await self.scheduler.stop()
         await self.pool.stop()
@@ -153,11 +179,6 @@ class Daemon:
         if self._http is not None:
             self._http.should_exit = True
         await loop.run_in_executor(None, self.store.close)  # a locked index waits there
-        try:
-            if not self.lifecycle.inherited:  # systemd owns a socket it passed
-                os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
         event(log, logging.INFO, "daemon.stopped")
 
     def stop(self) -> None:
@@ -181,14 +202,9 @@ class Daemon:
                       error=f"{type(exc).__name__}: {exc}"[:300])
 
     def _start_http(self) -> None:
-        address = self.settings.http_address
-        if address is None:
+        sock = self._http_sock
+        if sock is None:
             return
-        host, port = address
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(64)
         bound_host, bound_port = sock.getsockname()[:2]
         self.http_address = f"{bound_host}:{bound_port}"
         import uvicorn
@@ -214,6 +230,13 @@ def _launchers(registry: toolchains.Toolchains) -> list[Launcher]:
         out.append(Launcher(t.name, t.python, toolchains.environment(), str(code),
                             tuple(preload)))
     return out
+def _raise_descriptor_limit() -> None:
+    """Lift the soft descriptor limit to the hard one: each connection holds one, and a
+    reply passing descriptors two more while it is sent (server.py bounds both)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _make_remote(settings: Settings) -> Any:

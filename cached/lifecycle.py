@@ -1,11 +1,14 @@
 """Running under a service manager: listening-socket handoff, readiness, watchdog and
 status, SIGHUP reload and the SIGTERM drain.
 
-The daemon (daemon.py) calls in at fixed points: ``listen()`` instead of creating the
-socket itself, ``started()`` once serving, ``drain()`` on SIGTERM before the scheduler
-and pool stop, ``reload()`` on SIGHUP.
+The daemon (daemon.py) calls in at fixed points: ``bind()`` before it opens its store
+(after the HTTP port is bound), ``listen()`` once it can serve, ``started()`` once serving,
+``release()`` and ``drain()`` on SIGTERM before the scheduler and pool stop, ``reload()``
+on SIGHUP.
 
-Drain: the listening socket is closed first (connected clients keep their connections),
+Drain: the listening socket is closed first and the socket path given up (its file
+unlinked only if it is still the one this daemon created, then its lock released), so a
+successor can start on the same path at once; connected clients keep their connections;
 then :meth:`Scheduler.drain` stops starting jobs, tells waiters of queued jobs
 ``unavailable`` at once (a client then compiles in-process), gives running compilations
 ``drain_timeout`` seconds to finish and be stored, and tells whoever still waits after
@@ -23,7 +26,9 @@ from typing import Any
 
 from . import config
 from .config import size_text
+from .listeners import UnixListener
 from .log import event
+from .server import Limits
 from .store import Budget
 from .systemd import listen_fds, notify, watchdog_interval
 
@@ -38,29 +43,41 @@ class Lifecycle:
         self.daemon = daemon
         self.reload_settings = reload_settings
         self.inherited = False
+        self.listener: UnixListener | None = None
         self.draining = False
         self._tasks: set[asyncio.Task] = set()
 
     # -- hooks -------------------------------------------------------------------------
 
-    async def listen(self) -> str:
-        """Serve on a socket systemd passed (LISTEN_FDS) or create the configured one;
-        returns the socket's path."""
+    def bind(self) -> UnixListener:
+        """The Unix socket, before the store is opened: the one systemd passed (LISTEN_FDS)
+        or the configured path, claimed under its lock (listeners.UnixListener.claim;
+        StartRefused says why it cannot be)."""
         d = self.daemon
         sockets = listen_fds()
         if not sockets:
-            await d.server.start(d.settings.socket, mode=d.settings.socket_mode)
-            return d.settings.socket
-        sock = sockets[0]
+            self.listener = UnixListener.claim(d.settings.socket, d.settings.socket_mode)
+            return self.listener
         for extra in sockets[1:]:
             extra.close()
-        name = sock.getsockname()
-        path = name.decode() if isinstance(name, bytes) else str(name)
-        sock.setblocking(False)
         self.inherited = True
-        await d.server.start(sock=sock)
-        event(log, logging.INFO, "daemon.socket_inherited", socket=path, passed=len(sockets))
-        return path
+        self.listener = UnixListener.inherit(sockets[0])
+        event(log, logging.INFO, "daemon.socket_inherited", socket=self.listener.path,
+              passed=len(sockets))
+        return self.listener
+
+    async def listen(self) -> str:
+        """Serve on the socket :meth:`bind` took; returns its path."""
+        assert self.listener is not None
+        self.listener.listen()
+        await self.daemon.server.start(self.listener.sock)
+        return self.listener.path
+
+    def release(self) -> None:
+        """Give the socket path up (stop listening, unlink what this daemon created, drop
+        the lock): a successor may start on it while this daemon drains. Idempotent."""
+        if self.listener is not None:
+            self.listener.release()
 
     def started(self) -> None:
         """Tell the service manager we serve; keep STATUS and the watchdog going."""
@@ -127,6 +144,9 @@ class Lifecycle:
         d.store.set_budget(Budget(settings.max_bytes, settings.max_files, settings.evict_grace))
         d.access.update(settings.allow_uid, settings.allow_gid, settings.publish_uid,
                         settings.publish_gid)
+        d.server.limits = Limits.from_settings(settings)
+        d.quota.limit = settings.max_queued_per_uid
+        d.uploads.idle_s = settings.upload_timeout
         event(log, logging.INFO, "daemon.reloaded",
               applied={name: getattr(settings, name) for name in applied},
               file=str(settings.file) if settings.file else None)

@@ -9,39 +9,72 @@ Invariants: each connection is its own task and each request on it its own sub-t
 slow or hostile client costs only itself; replies on one connection are written whole, one
 at a time; every well-formed request gets its reply, also after the peer has shut its
 sending side; a malformed or oversize frame gets an error reply and closes that connection
-only; any other failure of a request becomes a typed error reply, ``internal`` only for a
-daemon bug.
+only (the well-formed requests before it are answered first); any other failure of a
+request becomes a typed error reply, ``internal`` only for a daemon bug.
+
+Bounds (what a peer can make the daemon hold; docs/reliability.md):
+- connections: at most ``Limits.max_connections`` in all and
+  ``Limits.max_connections_per_uid`` per peer uid; one more is answered ``overloaded`` and
+  closed;
+- a request frame is read only after its room is reserved: frames over
+  :data:`SMALL_FRAME` bytes, partial or being answered, hold at most
+  :data:`MAX_FRAME_BYTES_PER_UID` per uid and :data:`MAX_FRAME_BYTES` in all; a frame that
+  finds no room within :data:`FRAME_TIMEOUT_S` is ``overloaded`` and closes its connection;
+- a frame must arrive whole within :data:`FRAME_TIMEOUT_S` (or ``idle_timeout`` if shorter)
+  of its first byte;
+- back-pressure: the daemon reads no further request from a connection while
+  :data:`MAX_INFLIGHT_PER_CONNECTION` of its requests are being answered or while more
+  than :data:`MAX_UNSENT_PER_CONNECTION` bytes of its replies wait for it to read them;
+- a connection with nothing in flight and no byte received for ``Limits.idle_timeout``
+  seconds is closed, and so is one whose peer reads none of a reply for that long;
+- payloads are never buffered: a library sent as bytes streams from its file
+  (``sendfile``), and descriptors pass with SCM_RIGHTS.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import socket
 import struct
+import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cached_client import protocol as p
 from cached_client.errors import (
     CachedError,
+    DeadlineExceeded,
     InternalError,
     MalformedFrame,
     NotAllowed,
     Overloaded,
     UnsupportedVersion,
 )
-from cached_client.paths import check_socket_dir, default_socket_path
 
 from .log import event
 from .stats import Stats
 
 log = logging.getLogger("cached.server")
 
-MAX_PENDING_PER_CONNECTION = 4096
+MAX_INFLIGHT_PER_CONNECTION = 64
+"""Requests of one connection answered at once; the next is read when one is answered."""
+MAX_UNSENT_PER_CONNECTION = 64 << 10
+"""Reply bytes of one connection waiting for the peer to read them before reading stops."""
+SMALL_FRAME = 4 << 10
+"""Request frames up to this size need no reserved room (a ``get`` is about 600 bytes)."""
+MAX_FRAME_BYTES_PER_UID = 16 << 20
+MAX_FRAME_BYTES = 64 << 20
+FRAME_TIMEOUT_S = 30.0
+REFUSAL_READ_S = 2.0
+MAX_REFUSING = 64
+"""Refused connections whose first request is read (to echo its id) at once."""
+LOG_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +84,21 @@ class Peer:
     pid: int
     uid: int
     gid: int
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-peer limits an operator may change (cached/config.py: max_connections,
+    max_connections_per_uid, idle_timeout; SIGHUP applies them to new connections)."""
+
+    max_connections: int = 1024
+    max_connections_per_uid: int = 128
+    idle_timeout: float = 600.0
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Limits:
+        return cls(settings.max_connections, settings.max_connections_per_uid,
+                   settings.idle_timeout)
 
 
 class Access:
@@ -84,13 +132,90 @@ class Access:
         return peer.uid in self.publish_uids or peer.gid in self.publish_gids
 
 
-Reply = p.Message | tuple[p.Message, bytes]
+@dataclass
+class Attachment:
+    """What goes with a reply besides its frame: descriptors passed with SCM_RIGHTS
+    (``fds``, in the order the reply names them), or a file sent as the reply's payload
+    (``payload_fd``: ``payload_size`` bytes from offset 0, announced as ``payload_size``).
+    The server owns the descriptors once a handler returns them and closes them when they
+    are sent or the connection is gone."""
+
+    fds: list[int] = field(default_factory=list)
+    payload_fd: int | None = None
+    payload_size: int = 0
+
+    def close(self) -> None:
+        for fd in [*self.fds, *([] if self.payload_fd is None else [self.payload_fd])]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds, self.payload_fd = [], None
+
+
+Reply = p.Message | tuple[p.Message, Attachment]
 Handler = Callable[[Any, Peer], Awaitable[Reply]]
-"""An op's handler: (decoded request, peer) -> reply, or (reply, payload bytes)."""
+"""An op's handler: (decoded request, peer) -> reply, or (reply, attachment)."""
+
+
+class FrameRoom:
+    """Room for request frames over :data:`SMALL_FRAME`: per uid and in all. A uid that holds
+    nothing always gets room for one frame (a frame is at most 1 MiB)."""
+
+    def __init__(self, per_uid: int = MAX_FRAME_BYTES_PER_UID, total: int = MAX_FRAME_BYTES
+                 ) -> None:
+        self.per_uid, self.total = per_uid, total
+        self.used = 0
+        self.by_uid: Counter[int] = Counter()
+        self._freed = asyncio.Event()
+
+    def _fits(self, uid: int, n: int) -> bool:
+        mine = self.by_uid[uid]
+        return (mine == 0 or mine + n <= self.per_uid) and (
+            self.used == 0 or self.used + n <= self.total or mine == 0)
+
+    async def reserve(self, uid: int, n: int, deadline: float) -> bool:
+        """Hold ``n`` bytes for ``uid``; False if no room came before ``deadline``
+        (loop time)."""
+        while not self._fits(uid, n):
+            self._freed.clear()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._freed.wait()
+            except TimeoutError:
+                return False
+        self.used += n
+        self.by_uid[uid] += n
+        return True
+
+    def release(self, uid: int, n: int) -> None:
+        if n:
+            self.used -= n
+            self.by_uid[uid] -= n
+            if not self.by_uid[uid]:
+                del self.by_uid[uid]
+            self._freed.set()
+
+
+class _Connection:
+    def __init__(self, sock: socket.socket, peer: Peer) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.inflight = 0
+        self.unsent = 0
+        self.tasks: set[asyncio.Task] = set()
+        self.write_lock = asyncio.Lock()
+        self.changed = asyncio.Event()
+        self.last_active = time.monotonic()
+        self.blocked_since: float | None = None  # a reply waits for the peer to read
+        self.in_frame = False  # part of a frame has arrived
+
+
+class _Closed(Exception):
+    """The peer shut its sending side (or vanished) before a frame was whole."""
 
 
 class Server:
-    def __init__(self, handlers: dict[str, Handler], access: Access, stats: Stats) -> None:
+    def __init__(self, handlers: dict[str, Handler], access: Access, stats: Stats,
+                 limits: Limits | None = None) -> None:
         missing = sorted(set(p.OPS) - set(handlers))
         extra = sorted(set(handlers) - set(p.OPS))
         if missing or extra:
@@ -99,110 +224,291 @@ class Server:
         self.handlers = handlers
         self.access = access
         self.stats = stats
+        self.limits = limits or Limits()
         self.connections = 0
-        self._server: asyncio.AbstractServer | None = None
+        self.by_uid: Counter[int] = Counter()
+        self.room = FrameRoom()
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._open: set[_Connection] = set()
+        self._sweeper: asyncio.Task | None = None
+        self._refusing = 0
+        self._logged: dict[tuple[str, int], float] = {}
 
-    async def start(self, path: str | None = None, sock: socket.socket | None = None,
-                    mode: int = 0o660) -> None:
-        """Listen on ``path`` (replacing a stale socket file) or on an inherited socket."""
-        if sock is None:
-            assert path is not None
-            _claim_socket_path(path)
-            self._server = await asyncio.start_unix_server(self._connection, path=path,
-                                                           limit=p.MAX_REQUEST_FRAME + 1024)
-            os.chmod(path, mode)
-        else:
-            self._server = await asyncio.start_unix_server(self._connection, sock=sock,
-                                                           limit=p.MAX_REQUEST_FRAME + 1024)
+    async def start(self, sock: socket.socket) -> None:
+        """Accept connections on the listening socket ``sock`` (listeners.UnixListener)."""
+        sock.setblocking(False)
+        self._listener = sock
+        loop = asyncio.get_running_loop()
+        self._accepting = loop.create_task(self._accept_loop())
+        self._sweeper = loop.create_task(self._sweep())
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        """Stop accepting; connected clients keep their connections."""
+        for task in (self._accepting, self._sweeper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._accepting = None
+        if self._listener is not None:
+            self._listener.close()
 
-    async def _connection(self, reader: asyncio.StreamReader,
-                          writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        write_lock = asyncio.Lock()
-        pending: set[asyncio.Task] = set()
-        peer = _peer(writer)
+    # -- connections -----------------------------------------------------------------------
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._listener)
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                continue
+            except OSError as exc:  # out of descriptors or memory: wait, do not spin
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    raise
+                self._log_sometimes(("accept", 0), "server.accept_failed", error=str(exc))
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            task = loop.create_task(self._serve(sock))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _sweep(self) -> None:
+        """Close idle connections (nothing in flight, no byte for idle_timeout) and those
+        whose peer has read none of a reply for idle_timeout: their sockets are shut down,
+        so their reader sees the end and their writers fail at once. One pass every
+        quarter of idle_timeout (at most 5 s) costs no timer per request."""
+        while True:
+            idle = self.limits.idle_timeout
+            await asyncio.sleep(min(idle / 4, 5.0))
+            now = time.monotonic()
+            for c in list(self._open):
+                stalled = c.blocked_since is not None and now - c.blocked_since >= idle
+                silent = (c.inflight == 0 and not c.in_frame
+                          and now - c.last_active >= idle)
+                if stalled or silent:
+                    self.stats.count("connections_write_timeout" if stalled
+                                     else "connections_idle_closed")
+                    with contextlib.suppress(OSError):
+                        c.sock.shutdown(socket.SHUT_RDWR)
+
+    def _admission(self, peer: Peer) -> CachedError | None:
+        if not self.access.may_connect(peer):
+            return NotAllowed(f"uid {peer.uid} gid {peer.gid} is not allowed to use this "
+                              "daemon")
+        limits = self.limits
+        if self.connections >= limits.max_connections:
+            return Overloaded(f"the daemon has {self.connections} connections open, its limit "
+                              "(max_connections); retry later")
+        if self.by_uid[peer.uid] >= limits.max_connections_per_uid:
+            return Overloaded(f"uid {peer.uid} has {self.by_uid[peer.uid]} connections open to "
+                              "this daemon, its limit (max_connections_per_uid); close some")
+        return None
+
+    async def _serve(self, sock: socket.socket) -> None:
         try:
-            if not self.access.may_connect(peer):
-                await self._refuse(peer, reader, writer)
-                return
-            while True:
-                try:
-                    header = await reader.readexactly(p.HEADER.size)
-                    body = await reader.readexactly(p.frame_length(header,
-                                                                   p.MAX_REQUEST_FRAME))
-                    message = p.decode_body(body)
-                except asyncio.IncompleteReadError:
-                    break
-                except MalformedFrame as exc:
-                    self.stats.count("errors.malformed_frame")
-                    if pending:  # well-formed requests before it still get their answers
-                        await asyncio.wait(set(pending))
-                    async with write_lock:
-                        await _send(writer, {"ok": False, "error": exc.to_wire()})
-                    break
-                if len(pending) >= MAX_PENDING_PER_CONNECTION:
-                    async with write_lock:
-                        await _send(writer, _error(Overloaded(
-                            f"over {MAX_PENDING_PER_CONNECTION} requests pending on this "
-                            "connection; wait for replies before sending more")))
-                    break
-                task = asyncio.get_running_loop().create_task(
-                    self._answer(message, peer, writer, write_lock))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
-            if pending:  # the peer stopped sending; it may still read its answers
-                await asyncio.wait(set(pending))
-        except (ConnectionError, OSError):
+            peer = _peer(sock)
+        except OSError:
+            sock.close()
+            return
+        refusal = self._admission(peer)
+        if refusal is not None:
+            try:
+                await self._refuse(sock, peer, refusal)
+            finally:
+                _discard_input(sock, 64 << 10)
+                sock.close()
+            return
+        self.connections += 1
+        self.by_uid[peer.uid] += 1
+        c = _Connection(sock, peer)
+        self._open.add(c)
+        try:
+            await self._read_requests(c)
+            if c.tasks:  # the peer stopped sending; it may still read its answers
+                await asyncio.wait(set(c.tasks))
+        except OSError:
             pass
         finally:
-            for task in pending:
+            self._open.discard(c)
+            for task in c.tasks:
                 task.cancel()
             self.connections -= 1
-            writer.close()
+            self.by_uid[peer.uid] -= 1
+            if not self.by_uid[peer.uid]:
+                del self.by_uid[peer.uid]
+            _discard_input(sock)
+            sock.close()
 
-    async def _refuse(self, peer: Peer, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter) -> None:
-        self.stats.count("errors.not_allowed")
-        event(log, logging.WARNING, "connection.refused", uid=peer.uid, gid=peer.gid,
-              pid=peer.pid)
-        reply = _error(NotAllowed(f"uid {peer.uid} gid {peer.gid} is not allowed to use this "
-                                  "daemon"))
-        with contextlib.suppress(Exception):
-            header = await asyncio.wait_for(reader.readexactly(p.HEADER.size), 5)
-            body = await asyncio.wait_for(
-                reader.readexactly(p.frame_length(header, p.MAX_REQUEST_FRAME)), 5)
-            reply["id"] = p.decode_body(body).get("id")
-        await _send(writer, reply)
+    async def _refuse(self, sock: socket.socket, peer: Peer, error: CachedError) -> None:
+        """Answer the first request of a refused connection with ``error`` (echoing its id
+        when it is small and comes at once), then close."""
+        self.stats.count(f"errors.{error.code}")
+        if isinstance(error, NotAllowed):
+            event(log, logging.WARNING, "connection.refused", uid=peer.uid, gid=peer.gid,
+                  pid=peer.pid)
+        else:
+            self._log_sometimes(("limit", peer.uid), "connection.over_limit", uid=peer.uid,
+                                pid=peer.pid, reason=error.message)
+        reply = _error(error)
+        loop = asyncio.get_running_loop()
+        if self._refusing < MAX_REFUSING:
+            self._refusing += 1
+            try:
+                deadline = loop.time() + REFUSAL_READ_S
+                header = await _read_exact(loop, sock, p.HEADER.size, deadline)
+                size = p.frame_length(header, SMALL_FRAME)
+                reply["id"] = p.decode_body(await _read_exact(loop, sock, size, deadline)).get("id")
+            except (_Closed, TimeoutError, CachedError, OSError):
+                pass
+            finally:
+                self._refusing -= 1
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(REFUSAL_READ_S):
+                await loop.sock_sendall(sock, p.encode_frame(reply))
 
-    async def _answer(self, message: dict, peer: Peer, writer: asyncio.StreamWriter,
-                      write_lock: asyncio.Lock) -> None:
-        payload = None
+    async def _read_requests(self, c: _Connection) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while (c.inflight >= MAX_INFLIGHT_PER_CONNECTION
+                   or c.unsent > MAX_UNSENT_PER_CONNECTION):
+                c.changed.clear()  # back-pressure: nothing more is read until it moves
+                await c.changed.wait()
+            if not await self._await_frame(c):
+                return
+            frame_timeout = min(FRAME_TIMEOUT_S, self.limits.idle_timeout)
+            deadline = loop.time() + frame_timeout
+            reserved = 0
+            c.in_frame = True
+            try:
+                header = await _read_exact(loop, c.sock, p.HEADER.size, deadline)
+                size = p.frame_length(header, p.MAX_REQUEST_FRAME)
+                if size > SMALL_FRAME:
+                    if not await self.room.reserve(c.peer.uid, size, deadline):
+                        raise Overloaded(
+                            f"no room for a {size}-byte request frame within "
+                            f"{frame_timeout:g}s (uid {c.peer.uid} holds "
+                            f"{self.room.by_uid[c.peer.uid]} bytes of frames, the daemon "
+                            f"{self.room.used}); closing this connection")
+                    reserved = size
+                body = await _read_exact(loop, c.sock, size, deadline)
+                c.in_frame = False
+                message = p.decode_body(body)
+                del body
+            except _Closed:
+                self.room.release(c.peer.uid, reserved)
+                return
+            except TimeoutError:
+                self.room.release(c.peer.uid, reserved)
+                await self._last_word(c, DeadlineExceeded(
+                    f"a request frame must arrive whole within {frame_timeout:g}s of its "
+                    "first byte; closing this connection"))
+                return
+            except CachedError as exc:  # malformed or oversize frame, no room
+                self.room.release(c.peer.uid, reserved)
+                await self._last_word(c, exc)
+                return
+            c.last_active = time.monotonic()
+            c.inflight += 1
+            task = loop.create_task(self._answer(message, c, reserved))
+            c.tasks.add(task)
+            task.add_done_callback(c.tasks.discard)
+
+    async def _await_frame(self, c: _Connection) -> bool:
+        """Wait until the next frame starts; False when the peer shut its sending side (or
+        the sweeper shut an idle connection)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:  # a pipelining peer's next frame is usually there already
+                return bool(c.sock.recv(1, socket.MSG_PEEK))
+            except BlockingIOError:
+                pass
+            except OSError:
+                return False
+            await _readable(loop, c.sock)
+
+    async def _last_word(self, c: _Connection, error: CachedError) -> None:
+        """A frame that ends the connection: answer the requests before it, then say why."""
+        self.stats.count(f"errors.{error.code}")
+        if c.tasks:  # well-formed requests before it still get their answers
+            await asyncio.wait(set(c.tasks))
+        with contextlib.suppress(OSError):
+            await self._write(c, p.encode_frame({"ok": False, "error": error.to_wire()}), None)
+
+    async def _answer(self, message: dict, c: _Connection, reserved: int) -> None:
+        attachment: Attachment | None = None
+        frame = b""
+        try:
+            frame, attachment = await self._reply(message, c.peer)
+            c.unsent += len(frame)
+            await self._write(c, frame, attachment)
+        except OSError:  # the peer is gone
+            pass
+        finally:
+            if attachment is not None:
+                attachment.close()
+            self.room.release(c.peer.uid, reserved)
+            c.unsent -= len(frame)
+            c.inflight -= 1
+            c.last_active = time.monotonic()
+            c.changed.set()
+
+    async def _reply(self, message: dict, peer: Peer) -> tuple[bytes, Attachment | None]:
+        """The encoded reply frame to ``message`` and what goes with it."""
+        attachment = None
         try:
             reply_message = await self._handle(message, peer)
             if isinstance(reply_message, tuple):
-                reply_message, payload = reply_message
+                reply_message, attachment = reply_message
             reply = {"ok": True, **reply_message.to_wire()}
+            if attachment is not None and attachment.payload_fd is not None:
+                reply["payload_size"] = attachment.payload_size
         except CachedError as exc:
             self.stats.count(f"errors.{exc.code}")
             reply = _error(exc)
         except Exception as exc:  # noqa: BLE001 -- a bug answers, it does not kill the daemon
-            event(log, logging.ERROR, "request.crashed", op=str(message.get("op"))[:32],
-                  error=f"{type(exc).__name__}: {exc}"[:500])
-            self.stats.count("errors.internal")
-            reply = _error(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+            reply = self._crashed(message, exc)
         if "id" in message:
             reply["id"] = message["id"]
-        if payload is not None:
-            reply["payload_size"] = len(payload)
         try:
-            async with write_lock:
-                await _send(writer, reply, payload)
-        except (ConnectionError, OSError):
-            pass
+            frame = p.encode_frame(reply)
+        except (TypeError, ValueError) as exc:  # NaN, infinity, an unencodable value: a bug
+            reply = self._crashed(message, exc)
+            with contextlib.suppress(TypeError, ValueError):
+                p.encode_frame({"id": message.get("id")})
+                reply["id"] = message.get("id")
+            frame = p.encode_frame(reply)
+        if not reply["ok"] and attachment is not None:
+            attachment.close()
+            attachment = None
+        return frame, attachment
+
+    def _crashed(self, message: dict, exc: Exception) -> dict:
+        event(log, logging.ERROR, "request.crashed", op=str(message.get("op"))[:32],
+              error=f"{type(exc).__name__}: {exc}"[:500])
+        self.stats.count("errors.internal")
+        return _error(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+
+    async def _write(self, c: _Connection, frame: bytes, attachment: Attachment | None
+                     ) -> None:
+        """One reply, whole. While the peer reads none of it, ``blocked_since`` says since
+        when (the sweeper shuts the connection after idle_timeout)."""
+        loop = asyncio.get_running_loop()
+        async with c.write_lock:
+            try:
+                if attachment is not None and attachment.fds:
+                    await _sendmsg_all(loop, c, frame, attachment.fds)
+                else:
+                    await _sendall(loop, c, frame)
+                if attachment is not None and attachment.payload_fd is not None:
+                    await _sendfile_all(loop, c, attachment.payload_fd,
+                                        attachment.payload_size)
+            finally:
+                c.blocked_since = None
+        c.last_active = time.monotonic()
 
     async def _handle(self, m: dict, peer: Peer) -> Reply:
         version = m.get("v", p.PROTOCOL_VERSION)
@@ -222,9 +528,15 @@ class Server:
         request = op.request.from_wire(m)
         return await self.handlers[op.name](request, peer)
 
+    def _log_sometimes(self, what: tuple[str, int], name: str, **fields: Any) -> None:
+        """Log ``name`` at most once every LOG_EVERY_S per ``what`` (a flood logs little)."""
+        now = time.monotonic()
+        if now - self._logged.get(what, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._logged[what] = now
+            event(log, logging.WARNING, name, **fields)
 
-def _peer(writer: asyncio.StreamWriter) -> Peer:
-    sock = writer.get_extra_info("socket")
+
+def _peer(sock: socket.socket) -> Peer:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return Peer(*struct.unpack("3i", creds))
 
@@ -233,28 +545,99 @@ def _error(exc: CachedError) -> dict:
     return {"ok": False, "error": exc.to_wire()}
 
 
-async def _send(writer: asyncio.StreamWriter, reply: dict, payload: bytes | None = None) -> None:
-    writer.write(p.encode_frame(reply))
-    if payload is not None:
-        writer.write(payload)
-    await writer.drain()
+def _discard_input(sock: socket.socket, limit: int = 1 << 20) -> None:
+    """Read and drop what the peer sent and nobody will read (up to ``limit`` bytes): closing
+    a Unix socket with unread input resets the connection, and the peer would lose the
+    replies it has not read yet."""
+    with contextlib.suppress(OSError):
+        while limit > 0:
+            data = sock.recv(min(limit, 64 << 10))
+            if not data:
+                return
+            limit -= len(data)
 
 
-def _claim_socket_path(path: str) -> None:
-    """Remove a stale socket file; refuse if a live daemon still answers on it."""
-    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
-    if path == default_socket_path() and (why := check_socket_dir(path)):
-        raise RuntimeError(f"refusing to listen: {why}")
-    if not os.path.exists(path):
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    future = loop.create_future()
+    fd = sock.fileno()
+    loop.add_reader(fd, lambda: future.done() or future.set_result(None))
     try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except OSError:
-        os.unlink(path)
-        return
+        await future
     finally:
-        probe.close()
-    raise RuntimeError(f"another daemon is already serving on {path}; stop it or pick "
-                       "another --socket")
+        loop.remove_reader(fd)
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    future = loop.create_future()
+    fd = sock.fileno()
+    loop.add_writer(fd, lambda: future.done() or future.set_result(None))
+    try:
+        await future
+    finally:
+        loop.remove_writer(fd)
+
+
+async def _read_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int,
+                      deadline: float) -> bytearray:
+    """``size`` bytes by ``deadline`` (loop time): TimeoutError, or _Closed at end of input.
+    No timer is armed unless the bytes are not there yet."""
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    got = 0
+    while got < size:
+        try:
+            n = sock.recv_into(view[got:])
+        except BlockingIOError:
+            async with asyncio.timeout_at(deadline):
+                await _readable(loop, sock)
+            continue
+        except OSError:
+            raise _Closed() from None
+        if n == 0:
+            raise _Closed()
+        got += n
+    return buffer
+
+
+async def _until_writable(loop: asyncio.AbstractEventLoop, c: _Connection) -> None:
+    if c.blocked_since is None:
+        c.blocked_since = time.monotonic()
+    await _writable(loop, c.sock)
+
+
+async def _sendall(loop: asyncio.AbstractEventLoop, c: _Connection, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[c.sock.send(view):]
+        except BlockingIOError:
+            await _until_writable(loop, c)
+
+
+async def _sendmsg_all(loop: asyncio.AbstractEventLoop, c: _Connection, data: bytes,
+                       fds: list[int]) -> None:
+    """``data`` with ``fds`` attached to its first byte (SCM_RIGHTS), then the rest."""
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
+    while True:
+        try:
+            sent = c.sock.sendmsg([data], ancillary)
+            break
+        except BlockingIOError:
+            await _until_writable(loop, c)
+    if sent < len(data):
+        await _sendall(loop, c, memoryview(data)[sent:])
+
+
+async def _sendfile_all(loop: asyncio.AbstractEventLoop, c: _Connection, fd: int,
+                        size: int) -> None:
+    """Bytes ``[0, size)`` of the file ``fd``, straight from the page cache."""
+    offset = 0
+    while offset < size:
+        try:
+            sent = os.sendfile(c.sock.fileno(), fd, offset, size - offset)
+        except BlockingIOError:
+            await _until_writable(loop, c)
+            continue
+        if sent == 0:
+            raise OSError(errno.EIO, "the payload file ended early")
+        offset += sent

@@ -3,25 +3,39 @@
 scheduler and the store. Each handler takes its op's decoded request
 (cached_client.protocol) and returns its reply type; blocking store work (hashing blobs,
 eviction, verification) runs off the event loop.
+
+``get`` hands the library over as the request asks: open descriptors of both blobs
+(transfer ``fd``; opened without following links, checked to be regular files of the
+indexed size, passed with SCM_RIGHTS, so an eviction after the reply cannot break the
+client's load), the blobs' paths (``path``), or the library's bytes streamed from its
+file after a digest check (``bytes``). :class:`QueueQuota` bounds the compilations one
+uid without publish rights can have queued or running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
+import hashlib
 import json
 import logging
+import os
+import stat
 import time
 from collections.abc import Callable
 from typing import Any
 
 from cached_client import protocol as p
+from cached_client.errors import CachedError, IntegrityError, Overloaded
+from cached_client.keys import KernelRequest
 
 from . import families
 from .log import event
 from .scheduler import PRIORITIES, Scheduler
-from .server import Access, Handler, Peer
+from .server import Access, Attachment, Handler, Peer
 from .stats import Stats
+from .store import Entry
 
 log = logging.getLogger("cached.service")
 
@@ -38,14 +52,60 @@ def reduction_classes() -> dict[str, dict]:
     return {name: families.get(name).reduction_info() for name in families.names()}
 
 
+class QueueQuota:
+    """Compilations each uid without publish rights may have queued or running: at most
+    ``limit`` (0: no limit). A uid's count is the keys it caused to be queued that are still
+    in flight; a key already queued by anyone costs nothing more. Peers allowed to publish
+    (the operator's warm-ups) are not counted."""
+
+    def __init__(self, scheduler: Scheduler, access: Access, limit: int) -> None:
+        self.scheduler = scheduler
+        self.access = access
+        self.limit = limit
+        self._keys: dict[int, set[str]] = {}
+
+    def held(self, uid: int) -> int:
+        keys = self._keys.get(uid)
+        if not keys:
+            return 0
+        keys.intersection_update(self.scheduler.inflight)
+        return len(keys)
+
+    def admit(self, peer: Peer, keys: list[str | None]) -> list[bool]:
+        """Which of ``keys`` (None: a request the scheduler will refuse anyway) ``peer`` may
+        queue now, counting those that would start a compilation against its uid. Call it
+        right before queueing, with no await in between: the count is of keys in flight."""
+        if not self.limit or self.access.may_publish(peer):
+            return [True] * len(keys)
+        held = self.held(peer.uid)
+        mine = self._keys.setdefault(peer.uid, set())
+        out = []
+        for key in keys:
+            new = (key is not None and key not in mine and key not in self.scheduler.inflight
+                   and not self.scheduler.store.contains(key))
+            if new and held >= self.limit:
+                out.append(False)
+                continue
+            if new:
+                mine.add(key)
+                held += 1
+            out.append(True)
+        return out
+
+    def refusal(self, peer: Peer) -> Overloaded:
+        return Overloaded(f"uid {peer.uid} has {self.limit} compilations queued or running, "
+                          "its limit (max_queued_per_uid); wait for them or ask an operator")
+
+
 class Service:
     def __init__(self, scheduler: Scheduler, access: Access, stats: Stats,
-                 snapshot: Callable[[], dict]) -> None:
+                 snapshot: Callable[[], dict], quota: QueueQuota | None = None) -> None:
         self.scheduler = scheduler
         self.store = scheduler.store
         self.access = access
         self.stats = stats
         self.snapshot = snapshot
+        self.quota = quota or QueueQuota(scheduler, access, 0)
 
     async def hello(self, m: p.Empty, peer: Peer) -> p.HelloReply:
         """Who the daemon is: its default toolchain's identity (``toolchain``, ``versions``,
@@ -60,25 +120,76 @@ class Service:
             reduction_classes=reduction_classes(),
             toolchains=[t.to_json() for t in self.scheduler.toolchains.items])
 
-    async def get(self, m: p.GetRequest, peer: Peer) -> p.GetReply | tuple[p.GetReply, bytes]:
-        """The artifact; its latency (decoded request to reply, seconds) goes into the
-        ``hit_seconds`` or ``miss_seconds`` histogram of its family."""
+    async def get(self, m: p.GetRequest, peer: Peer
+                  ) -> p.GetReply | tuple[p.GetReply, Attachment]:
+        """The artifact, handed over as ``m.transfer`` asks; its latency (decoded request to
+        reply, seconds) goes into the ``hit_seconds`` or ``miss_seconds`` histogram of its
+        family."""
         started = time.perf_counter()
-        entry, origin = await self.scheduler.get(
-            m.request, PRIORITIES[m.priority], m.deadline_ms / 1000, m.identity)
-        reply: p.GetReply | tuple[p.GetReply, bytes]
-        if m.transfer == "bytes":
-            data = await asyncio.get_running_loop().run_in_executor(
-                self.store.readers, self.store.read_library, entry)
-            reply = p.GetReply(artifact=self.scheduler.artifact(entry, origin, False)), data
-        else:
-            reply = p.GetReply(artifact=self.scheduler.artifact(entry, origin))
-        self.stats.observe("hit_seconds" if origin == "hit" else "miss_seconds",
+        reply = await self._get(m, peer)
+        artifact = (reply[0] if isinstance(reply, tuple) else reply).artifact
+        self.stats.observe("hit_seconds" if artifact.origin == "hit" else "miss_seconds",
                            m.request.family, time.perf_counter() - started)
         return reply
 
+    async def _get(self, m: p.GetRequest, peer: Peer
+                   ) -> p.GetReply | tuple[p.GetReply, Attachment]:
+        self._admit(peer, m.request, m.identity)
+        for attempt in range(3):
+            entry, origin = await self.scheduler.get(
+                m.request, PRIORITIES[m.priority], m.deadline_ms / 1000, m.identity)
+            if m.transfer == "path":
+                return p.GetReply(artifact=self.scheduler.artifact(entry, origin))
+            try:
+                if m.transfer == "fd":
+                    fds = _open_both(entry)
+                    return (p.GetReply(artifact=self.scheduler.artifact(entry, origin, False),
+                                       fds=["object", "library"]),
+                            Attachment(fds=fds))
+                fd = await asyncio.get_running_loop().run_in_executor(
+                    None, _open_verified, entry)
+                return (p.GetReply(artifact=self.scheduler.artifact(entry, origin, False)),
+                        Attachment(payload_fd=fd, payload_size=entry.row["library_size"]))
+            except FileNotFoundError:  # evicted between the lookup and the open: again
+                continue
+            except _BadBlob as exc:
+                self.store.drop(entry.key, str(exc))
+                if attempt == 2:
+                    raise IntegrityError(f"the stored blobs of {entry.key[:12]} changed while "
+                                         f"being sent ({exc}); they were dropped, and the next "
+                                         "request rebuilds them") from None
+        raise IntegrityError("the kernel's blobs kept vanishing before they could be sent "
+                             "(a store budget smaller than the kernels asked for?); retry")
+
+    def _key(self, request: Any, identity: p.Identity | None = None) -> str | None:
+        """The store key of a request, or None when the scheduler will refuse it."""
+        try:
+            wire = request if isinstance(request, KernelRequest) else KernelRequest.from_wire(
+                request)
+            return self.scheduler.resolve(wire, identity)[2].key
+        except CachedError:
+            return None
+
+    def _admit(self, peer: Peer, request: KernelRequest, identity: p.Identity | None) -> None:
+        """The queued-compilation quota, before anything is queued for ``peer``."""
+        if self.quota.limit and not self.access.may_publish(peer):
+            if not self.quota.admit(peer, [self._key(request, identity)])[0]:
+                raise self.quota.refusal(peer)
+
     async def prefetch(self, m: p.PrefetchRequest, peer: Peer) -> p.PrefetchReply:
-        return p.PrefetchReply(**self.scheduler.prefetch(m.requests, m.identity))
+        if not self.quota.limit or self.access.may_publish(peer):
+            return p.PrefetchReply(**self.scheduler.prefetch(m.requests, m.identity))
+        allowed = self.quota.admit(peer, [self._key(wire, m.identity) for wire in m.requests])
+        indices = [i for i, ok in enumerate(allowed) if ok]
+        refused = self.quota.refusal(peer).to_wire()
+        report = self.scheduler.prefetch([m.requests[i] for i in indices], m.identity)
+        for item in report["rejected"]:
+            item["index"] = indices[item["index"]]
+        report["rejected"] = sorted(
+            report["rejected"] + [{"index": i, "error": refused}
+                                  for i, ok in enumerate(allowed) if not ok],
+            key=lambda r: r["index"])
+        return p.PrefetchReply(**report)
 
     async def plan(self, m: p.PlanRequest, peer: Peer) -> p.PlanReply:
         wires = await self.scheduler.plan(m)
@@ -154,3 +265,53 @@ class Service:
                 "plan": self.plan, "stats": self.stats_, "zero_stats": self.zero_stats,
                 "list": self.list_, "report": self.report, "gc": self.gc, "verify": self.verify,
                 "flashinfer_artifacts": self.flashinfer_artifacts}
+
+
+class _BadBlob(Exception):
+    """A blob that is not the regular file of the size its row records."""
+
+
+def _open_blob(path: os.PathLike, size: int) -> int:
+    """A read-only descriptor of the blob at ``path``: never through a link, never blocking
+    on a FIFO, only a regular file of ``size`` bytes (_BadBlob otherwise)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            raise FileNotFoundError(str(path)) from None
+        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+            raise Overloaded(f"the daemon cannot open a blob now ({exc.strerror}); retry "
+                             "later") from None
+        raise _BadBlob(f"{os.fspath(path)[-80:]}: {exc.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        os.close(fd)
+        raise _BadBlob(f"{os.fspath(path)[-80:]} is not a regular file of {size} bytes")
+    return fd
+
+
+def _open_both(entry: Entry) -> list[int]:
+    """Descriptors of the object and library blobs, in that order (both or neither)."""
+    fds: list[int] = []
+    try:
+        for kind, path in (("object", entry.object_path), ("library", entry.library_path)):
+            fds.append(_open_blob(path, entry.row[f"{kind}_size"]))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def _open_verified(entry: Entry) -> int:
+    """The library's descriptor after its digest is checked through that descriptor, so the
+    bytes sent (from offset 0) are the bytes checked."""
+    fd = _open_blob(entry.library_path, entry.row["library_size"])
+    digest, offset = hashlib.sha256(), 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    if digest.hexdigest() != entry.row["library_sha256"]:
+        os.close(fd)
+        raise _BadBlob("library blob changed while being read")
+    return fd

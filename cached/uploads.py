@@ -7,7 +7,8 @@ disk cache would have held), and stored like any other artifact; the key's lease
 its waiters get the hit. The row carries the publisher's identity (the toolchain and
 sources it stated), never the daemon's: it is served only to requests stating the same.
 Only peers on the publish allowlist reach this op (protocol.OPS). An upload that stops
-arriving is removed after ``UPLOAD_IDLE_S``.
+arriving is removed ``idle_s`` seconds after its last chunk (setting ``upload_timeout``;
+the daemon's flush loop calls :meth:`Uploads.expire`).
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ class Upload:
 class Uploads:
     """Uploads in progress, by (key, object digest)."""
 
-    def __init__(self, leases: Leases) -> None:
+    def __init__(self, leases: Leases, idle_s: float = UPLOAD_IDLE_S) -> None:
         self.leases = leases
+        self.idle_s = idle_s
         self.scheduler = leases.scheduler
         self.store = leases.scheduler.store
         self.stats = leases.stats
@@ -64,11 +66,14 @@ class Uploads:
             shutil.rmtree(upload.path.parent, ignore_errors=True)
 
     def expire(self, now: float | None = None) -> int:
-        """Remove uploads idle for ``UPLOAD_IDLE_S``; returns how many."""
+        """Remove uploads idle for ``idle_s``; returns how many."""
         now = time.monotonic() if now is None else now
-        stale = [i for i, u in self.pending.items() if now - u.touched > UPLOAD_IDLE_S]
+        stale = [i for i, u in self.pending.items() if now - u.touched > self.idle_s]
         for id_ in stale:
             self._discard(id_)
+        if stale:
+            event(log, logging.INFO, "writeback.uploads_expired", count=len(stale),
+                  idle_s=self.idle_s)
         return len(stale)
 
     async def publish(self, m: p.PublishRequest, peer: Peer) -> p.PublishReply:

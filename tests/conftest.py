@@ -23,7 +23,8 @@ class DaemonProcess:
 
     def __init__(self, tmp: Path, workers: int = 2, job_timeout: float = 120.0,
                  store: Path | None = None, extra_env: dict | None = None,
-                 extra_args: list[str] | None = None, wrap: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None, wrap: list[str] | None = None,
+                 ready_workers: int | None = None) -> None:
         self.tmp = tmp
         self.store = store or tmp / "store"
         self.socket = str(tmp / "cached.sock")
@@ -36,7 +37,7 @@ class DaemonProcess:
              "--job-timeout", str(job_timeout), *(extra_args or [])],
             env=env, stdout=self._log, stderr=subprocess.STDOUT,
         )
-        self.wait_ready(workers)
+        self.wait_ready(workers if ready_workers is None else ready_workers)
 
     def client(self, **kwargs) -> Client:
         return Client(self.socket, **kwargs)

@@ -104,7 +104,7 @@ def test_store_paths_never_come_from_client_input(daemon, mm_fp4_requests):
         with pytest.raises(InvalidTactic):
             daemon.client().get(KernelRequest.from_wire(
                 {**wire, "params": {**wire["params"], "out_dtype": evil}}))
-    art = daemon.client().get(mm_fp4_requests[0])
+    art = daemon.client(transfer="path").get(mm_fp4_requests[0])
     blobs = (daemon.store / "blobs").resolve()
     for path in (art.library_path, art.object_path):
         assert Path(path).resolve().parent.parent == blobs
@@ -112,13 +112,13 @@ def test_store_paths_never_come_from_client_input(daemon, mm_fp4_requests):
 
 
 def test_symlink_swap_in_the_store_is_not_served(daemon, mm_fp4_requests, tmp_path):
-    art = daemon.client().get(mm_fp4_requests[1])
+    art = daemon.client(transfer="path").get(mm_fp4_requests[1])
     fake = tmp_path / "evil.so"
     fake.write_bytes(b"\x7fELF not the kernel")
     os.chmod(art.library_path, 0o644)
     os.unlink(art.library_path)
     os.symlink(fake, art.library_path)
-    again = daemon.client().get(mm_fp4_requests[1])
+    again = daemon.client(transfer="path").get(mm_fp4_requests[1])
     assert again.origin == "compiled"
     assert not Path(again.library_path).is_symlink()
     assert fake.read_bytes() == b"\x7fELF not the kernel"

@@ -5,6 +5,7 @@ benchmark run (bench/fuzz.py) sends 100,000 inputs; CI sends a few hundred."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import struct
@@ -147,3 +148,193 @@ def test_a_request_still_pending_at_the_peers_half_close_is_answered(fuzz_daemon
     replies = exchange(fuzz_daemon.socket, frame(message))
     assert len(replies) == 1 and replies[0]["error"]["code"] == "deadline_exceeded"
     assert replies[0]["id"] == 7
+
+
+# -- nesting, NaN and huge numbers, pipelining (issue 16 item 21; bench/fuzz.py runs these
+# at benchmark size too) -------------------------------------------------------------------
+
+def nested(depth: int, leaf: object = 0) -> object:
+    value = leaf
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+def nested_text(depth: int) -> str:
+    """JSON nested ``depth`` deep without building it (json.dumps itself would recurse)."""
+    return "[" * depth + "]" * depth
+
+
+hostile_numbers = st.sampled_from(["NaN", "Infinity", "-Infinity", "1e999", "-1e999",
+                                   str(2**63), str(-2**64), str(10**400), "1e-400"])
+FIELDS = ["deadline_ms", "priority", "grace", "max_bytes", "sm_count", "ttl_s", "wait_ms",
+          "offset", "id", "v"]
+
+
+@st.composite
+def hostile_frames(draw) -> bytes:
+    """One request frame with a hostile number spliced in as raw JSON text, or nested deep."""
+    op = draw(st.sampled_from(["get", "gc", "lease", "plan", "prefetch", "hello", "publish"]))
+    kind = draw(st.sampled_from(["number", "deep", "deep_params"]))
+    base = {"op": op, "id": 1, "request": {"family": "cached.test.fault", "params": {
+        "action": "fail", "tag": "fuzz"}, "arch": "sm_100a", "sm_count": 148,
+        "max_active_clusters": 148}}
+    if kind == "number":
+        text = json.dumps({**base, "hostile": 0})
+        field = draw(st.sampled_from(FIELDS))
+        number = draw(hostile_numbers)
+        if field == "sm_count":
+            text = text.replace('"sm_count": 148', f'"sm_count": {number}')
+        else:
+            text = text.replace('"hostile": 0', f'"{field}": {number}')
+    elif kind == "deep":
+        text = json.dumps(base)[:-1] + ', "params": ' + nested_text(
+            draw(st.integers(30, 5000))) + "}"
+    else:
+        depth = draw(st.integers(30, 3000))
+        text = json.dumps(base).replace('"tag": "fuzz"', '"tag": ' + nested_text(depth))
+    body = text.encode()
+    return struct.pack(">I", len(body)) + body
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=hostile_frames())
+def test_nan_huge_numbers_and_deep_nesting_get_typed_errors(fuzz_daemon, data):
+    replies = exchange(fuzz_daemon.socket, data)
+    assert len(replies) == 1 and well_formed(replies[0]), replies
+    if not replies[0]["ok"]:
+        assert replies[0]["error"]["code"] != "internal", replies
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(frames=st.lists(st.one_of(st.builds(frame, requests), hostile_frames(),
+                                 st.binary(min_size=4, max_size=40)), min_size=1, max_size=12))
+def test_pipelined_frames_are_each_answered_in_any_order(fuzz_daemon, frames):
+    """Frames sent back to back in one write (well-formed, hostile and raw bytes): at least
+    one reply, none more than frames, every one well-formed, and the daemon stays up."""
+    replies = exchange(fuzz_daemon.socket, b"".join(frames))
+    assert 1 <= len(replies) <= len(frames)
+    assert all(well_formed(r) for r in replies), replies
+    assert fuzz_daemon.proc.poll() is None
+
+
+def _reply_text(path: str, data: bytes) -> bytes:
+    """Every byte the daemon answers ``data`` with (read until it closes)."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(30)
+    s.connect(path)
+    try:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+    finally:
+        s.close()
+
+
+def test_json_nested_thousands_deep_is_a_malformed_frame(fuzz_daemon):
+    """Item 21: JSON nested thousands deep dropped the connection unanswered (RecursionError
+    in the daemon's log); nested params gave internal."""
+    for depth in (33, 1000, 100_000):
+        text = b'{"op": "hello", "id": 3, "x": ' + nested_text(depth).encode() + b"}"
+        replies = exchange(fuzz_daemon.socket, struct.pack(">I", len(text)) + text)
+        assert [r["error"]["code"] for r in replies] == ["malformed_frame"], replies
+    params = {"action": "fail", "tag": "x", "deep": nested(40)}
+    get = {"op": "get", "id": 4, "request": {"family": "cached.test.fault", "params": params,
+                                              "arch": "sm_100a", "sm_count": 148,
+                                              "max_active_clusters": 148}}
+    replies = exchange(fuzz_daemon.socket, frame(get))
+    assert [r["error"]["code"] for r in replies] == ["malformed_frame"], replies
+    assert fuzz_daemon.client(timeout=10).hello().v == 1
+
+
+def test_priority_as_a_list_is_invalid_argument(fuzz_daemon):
+    """Item 21: ``priority`` as a list gave internal: TypeError."""
+    get = {"op": "get", "id": 5, "priority": ["interactive"], "request": {
+        "family": "cached.test.fault", "params": {"action": "fail"}, "arch": "sm_100a",
+        "sm_count": 148, "max_active_clusters": 148}}
+    (reply,) = exchange(fuzz_daemon.socket, frame(get))
+    assert reply["error"]["code"] == "invalid_argument" and "priority" in reply["error"]["message"]
+    assert reply["id"] == 5
+
+
+@pytest.mark.parametrize("op, field", [("get", "deadline_ms"), ("gc", "grace"),
+                                       ("lease", "ttl_s"), ("lease", "wait_ms")])
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_nan_and_infinity_in_requests_are_refused_and_never_echoed(fuzz_daemon, op, field,
+                                                                    number):
+    """Item 21: NaN or Infinity were accepted in deadline_ms and gc's grace and written back
+    into replies. NaN/Infinity tokens are not JSON, and 1e999 is too large for a double:
+    all are malformed_frame, refused at decode. No reply carries a non-finite number."""
+    text = json.dumps({"op": op, "id": 6, field: 0, "request": {
+        "family": "flashinfer.jit", "params": {"module": "m", "kernel": "k", "tvm_ffi": True,
+                                               "source_sha256": "0" * 64},
+        "arch": "sm_100a", "sm_count": 148, "max_active_clusters": 148}})
+    text = text.replace(f'"{field}": 0', f'"{field}": {number}').encode()
+    raw = _reply_text(fuzz_daemon.socket, struct.pack(">I", len(text)) + text)
+    (n,) = struct.unpack(">I", raw[:4])
+    assert len(raw) == 4 + n  # one reply, then the connection closed
+
+    def not_json(token: str) -> None:
+        raise AssertionError(f"the reply carries {token}")
+
+    reply = json.loads(raw[4:], parse_constant=not_json,
+                       parse_float=lambda t: math.isfinite(float(t)) and float(t) or not_json(t))
+    assert reply["error"]["code"] == "malformed_frame"
+
+
+def test_an_sm_count_of_2_pow_63_costs_no_compile(fuzz_daemon):
+    """Item 21: sm_count 2^63 passed validation, cost a compile, then failed publishing."""
+    before = fuzz_daemon.stats()
+    for field in ("sm_count", "max_active_clusters"):
+        request = {"family": "flashinfer.mm_fp4", "params": {}, "arch": "sm_100a",
+                   "sm_count": 148, "max_active_clusters": 148, field: 2**63}
+        for message in ({"op": "get", "id": 8, "request": request},
+                        {"op": "prefetch", "id": 9, "requests": [request]}):
+            (reply,) = exchange(fuzz_daemon.socket, frame(message))
+            if message["op"] == "get":
+                assert reply["error"]["code"] == "invalid_argument", reply
+                assert field in reply["error"]["message"]
+            else:
+                assert reply["queued"] == 0 and reply["rejected"][0]["error"]["code"] == \
+                    "invalid_argument", reply
+    after = fuzz_daemon.stats()
+    assert after["compiles"] == before["compiles"] and after["misses"] == before["misses"]
+    assert after["in_flight"] == before["in_flight"]
+
+
+def test_a_malformed_frame_does_not_cancel_earlier_requests(fuzz_daemon):
+    """Item 21: a malformed frame cancelled the well-formed requests still pending on the
+    same connection; now they are answered first, then the malformed frame, then close."""
+    get = {"op": "get", "id": 10, "deadline_ms": 20_000, "request": {
+        "family": "cached.test.fault", "params": {"action": "sleep", "seconds": 1,
+                                                  "tag": "before-malformed"},
+        "arch": "sm_100a", "sm_count": 148, "max_active_clusters": 148}}
+    data = frame(get) + frame({"op": "hello", "id": 11}) + struct.pack(">I", 5) + b"{oops"
+    replies = exchange(fuzz_daemon.socket, data)
+    by_id = {r.get("id"): r for r in replies}
+    assert set(by_id) == {10, 11, None}, replies
+    assert by_id[10]["error"]["code"] == "compile_failed"  # its compile ran: it was waited for
+    assert by_id[11]["ok"] is True
+    assert by_id[None]["error"]["code"] == "malformed_frame"
+    assert replies[-1] is by_id[None]
+
+
+@pytest.mark.parametrize("option", ["--evict-grace", "--drain-timeout", "--job-timeout",
+                                    "--idle-timeout", "--upload-timeout"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_nan_and_infinity_settings_are_refused_before_anything_binds(tmp_path, option, value):
+    """Item 21: NaN/Infinity were accepted in evict_grace and drain_timeout. Now every
+    seconds setting is refused with its name, before a socket exists."""
+    import subprocess
+    import sys
+
+    sock = tmp_path / "cached.sock"
+    out = subprocess.run([sys.executable, "-m", "cached", "serve", "--socket", str(sock),
+                          "--store", str(tmp_path / "store"), "--no-http", option, value],
+                         capture_output=True, text=True, timeout=60)
+    name = option[2:].replace("-", "_")
+    assert out.returncode == 2 and name in out.stderr and "Traceback" not in out.stderr
+    assert not sock.exists() and not (tmp_path / "store").exists()

@@ -157,7 +157,7 @@ def test_blobs_that_are_not_regular_files_are_dropped_and_recompiled_without_fre
     d = DaemonProcess(tmp_path, workers=1)
     hows = ("fifo", "zero", "dir")
     try:
-        client = d.client(timeout=15, fallback=False)
+        client = d.client(timeout=15, fallback=False, transfer="path")
         arts = {how: client.get(kernel(how)) for how in (*hows, "good")}
         for how in hows:
             _break(Path(arts[how].library_path), how)
@@ -185,7 +185,7 @@ def test_blobs_that_are_not_regular_files_are_dropped_and_recompiled_without_fre
         wait_for(lambda: log_events(restarted, "store.scan_done"), 20)  # never reads /dev/zero
         scan = log_events(restarted, "store.scan_done")[0]
         assert scan["checked"] == 4 and scan["dropped"] == 3
-        client = restarted.client(timeout=15, fallback=False)
+        client = restarted.client(timeout=15, fallback=False, transfer="path")
         assert client.get(kernel("good")).origin == "hit"
         assert client.get(kernel("zero")).origin == "compiled"
     finally:
@@ -203,7 +203,7 @@ blob is unreadable to it as to any other daemon user."""
 def test_an_unreadable_blob_is_dropped_and_recompiled_and_verify_goes_on(tmp_path):
     d = DaemonProcess(tmp_path, workers=1, wrap=NO_DAC)
     try:
-        client = d.client(timeout=15, fallback=False)
+        client = d.client(timeout=15, fallback=False, transfer="path")
         first = client.get(kernel("u"))
         _break(Path(first.library_path), "unreadable")  # unreadable by the daemon's user
         again = client.get(kernel("u"))  # was: internal (PermissionError), for ever
@@ -234,7 +234,7 @@ def test_a_locked_index_never_holds_up_hits(tmp_path):
     d = DaemonProcess(tmp_path, workers=1)
     locker = None
     try:
-        client = d.client(timeout=15, fallback=False)
+        client = d.client(timeout=15, fallback=False, transfer="path")
         client.get(kernel("hit"))
         bad = client.get(kernel("bad"))
         path = Path(bad.library_path)
@@ -251,7 +251,8 @@ def test_a_locked_index_never_holds_up_hits(tmp_path):
                 kernel="k", time_us=1.0))
 
         def recompile() -> None:  # drops the bad row, recompiles, waits to publish
-            results["bad"] = d.client(timeout=60, fallback=False).get(kernel("bad")).origin
+            results["bad"] = d.client(timeout=60, fallback=False, transfer="path").get(
+                kernel("bad")).origin
 
         side = [threading.Thread(target=put), threading.Thread(target=recompile)]
         for t in side:
@@ -451,7 +452,7 @@ def test_a_blob_swapped_for_a_link_never_changes_the_linked_file(tmp_path):
     os.chmod(private, 0o600)
     d = DaemonProcess(tmp_path, workers=1)
     try:
-        client = d.client(timeout=15, fallback=False)
+        client = d.client(timeout=15, fallback=False, transfer="path")
         first = client.get(kernel("link"))
         for blob in (Path(first.library_path), Path(first.object_path)):
             _break(blob, "zero", private)
@@ -527,16 +528,17 @@ def test_a_kernel_the_store_cannot_take_still_reaches_every_waiter(tmp_path, tmp
             except BaseException as exc:  # noqa: BLE001 -- the test inspects it
                 got[transfer] = exc
 
-        waiters = [threading.Thread(target=wait, args=(t,)) for t in ("path", "bytes")]
+        waiters = [threading.Thread(target=wait, args=(t,)) for t in ("path", "bytes", "fd")]
         for t in waiters:
             t.start()
         for t in waiters:
             t.join(60)
-        by_path, by_bytes = got["path"], got["bytes"]
-        assert not isinstance(by_path, BaseException), by_path
-        assert not isinstance(by_bytes, BaseException), by_bytes
-        assert by_path.origin == by_bytes.origin == "unstored"
-        assert by_path.library_sha256 == by_bytes.library_sha256
+        by_path, by_bytes, by_fd = got["path"], got["bytes"], got["fd"]
+        for reply in (by_path, by_bytes, by_fd):
+            assert not isinstance(reply, BaseException), reply
+        assert by_path.origin == by_bytes.origin == by_fd.origin == "unstored"
+        assert by_path.library_sha256 == by_bytes.library_sha256 == by_fd.library_sha256
+        assert sha256_file(by_fd.library_path) == by_fd.library_sha256  # the client's copy
         assert Path(by_path.library_path).is_relative_to(d.store / "tmp")
         assert sha256_file(by_path.library_path) == by_path.library_sha256
         assert hashlib.sha256(by_bytes.library_bytes).hexdigest() == by_bytes.library_sha256

@@ -1,13 +1,21 @@
 """The client an inference process holds: ask the daemon for kernels, load them.
 
-Flow: request -> (in-process cache) -> transport -> daemon -> verified path -> loader.
+Flow: request -> (in-process cache) -> transport -> daemon -> open descriptors of the
+verified blobs (transfer ``fd``, the default) copied into this user's private scratch
+directory after their digests check -> loader. Eviction in the daemon's store cannot break
+a load in progress: the client never reads the store by path (unless asked: ``path``).
+
 Invariants: every call has a deadline; every reply is matched to its request by id and
 decoded by the protocol's checks (a malformed or mismatched reply is ``BadReply``); a
 loaded function is cached per request, so the hot path of :meth:`Client.load` is one dict
-lookup; a forked child opens its own connection; when the daemon cannot be reached the
-client says so once per socket and compiles in-process if a fallback compiler is
-available (the ``cached_client.fallback`` entry point, which the daemon's package
-provides, or a callable given to the constructor), else raises DaemonUnavailable.
+lookup; a forked child opens its own connection; when the daemon stops answering (a
+connect that times out, or no byte for ``SILENCE_S`` and no answer to a ``hello`` on a new
+connection) the process stops asking it for ``RETRY_AFTER_S`` seconds (a circuit breaker per
+socket path: every call fails at once meanwhile; a daemon that is simply not running costs
+a refused connect, microseconds, and trips nothing); when the daemon is unusable the
+client compiles in-process if a fallback compiler is available (the
+``cached_client.fallback`` entry point, which the daemon's package provides, or a callable
+given to the constructor), else raises DaemonUnavailable; it says so once per socket.
 
 Identity: every request that can return an artifact (``get``, ``prefetch``, ``plan``,
 ``lease*``, ``publish``) states this environment's identity (cached_client.identity: its
@@ -18,6 +26,7 @@ the daemon serves only artifacts whose key matches it (docs/keys.md).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import tempfile
@@ -35,17 +44,22 @@ from .errors import (
     DaemonUnavailable,
     DeadlineExceeded,
     InvalidArgument,
+    Overloaded,
     error_from_wire,
 )
 from .keys import KernelRequest
-from .loader import load_bytes, load_library
+from .loader import copy_verified, load_bytes, load_library, private_dir
 from .paths import SOCKET_ENV, check_socket_dir, default_socket_path
 from .protocol import Artifact
-from .transport import Connection
+from .transport import ConnectFailed, Connection, DaemonSilent
 
 logger = logging.getLogger("cached_client")
 
 DEFAULT_TIMEOUT_S = 60.0
+RETRY_AFTER_S = 30.0
+"""How long a process stops asking a daemon that could not be reached or went silent."""
+PROBE_TIMEOUT_S = 2.0
+"""How long a silent daemon gets to answer a ``hello`` on a new connection."""
 FALLBACK_ENTRY_POINTS = "cached_client.fallback"
 """Entry point group of in-process compilers: ``build(request, scratch_dir) -> Artifact``."""
 
@@ -53,9 +67,42 @@ Fallback = Callable[[KernelRequest, str], Artifact]
 R = TypeVar("R", bound=p.Message)
 _warned_unreachable: set[str] = set()
 _clients: weakref.WeakSet[Client] = weakref.WeakSet()
+_circuits: dict[str, tuple[float, str]] = {}
+"""Socket path -> (monotonic time to ask again, why it stopped answering)."""
+_circuit_lock = threading.Lock()
+
+
+def _open_circuit(path: str, reason: str) -> None:
+    with _circuit_lock:
+        first = path not in _circuits
+        _circuits[path] = (time.monotonic() + RETRY_AFTER_S, reason)
+    if first:
+        logger.info("cached daemon at %s unusable (%s); not asking it again for %.0fs",
+                    path, reason, RETRY_AFTER_S)
+
+
+def _circuit_reason(path: str) -> str | None:
+    """Why calls to ``path`` fail at once now, or None when the daemon may be asked."""
+    with _circuit_lock:
+        state = _circuits.get(path)
+        if state is None:
+            return None
+        retry_at, reason = state
+        left = retry_at - time.monotonic()
+        if left <= 0:
+            return None  # ask again; a failure opens it again
+    return f"{reason}; not asking the daemon at {path} again for {left:.0f}s"
+
+
+def _close_circuit(path: str) -> None:
+    if path in _circuits:
+        with _circuit_lock:
+            _circuits.pop(path, None)
 
 
 def _after_fork_in_child() -> None:
+    global _circuit_lock
+    _circuit_lock = threading.Lock()  # another thread may have held it at the fork
     for client in list(_clients):
         client._forget_connection()
 
@@ -83,7 +130,7 @@ class Client:
         self,
         socket_path: str | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
-        transfer: str = "path",
+        transfer: str = "fd",
         fallback: bool | Fallback = True,
         identity: bool | p.Identity = True,
     ) -> None:
@@ -107,6 +154,7 @@ class Client:
         self._loaded: dict[KernelRequest, Any] = {}
         self._fallbacks: dict[str, int] = {}  # in-process compiles not yet reported
         self._scratch = os.path.join(tempfile.gettempdir(), f"cached-client-{os.getuid()}")
+        self._scratch_checked = False
         _clients.add(self)
 
     def close(self) -> None:
@@ -130,6 +178,14 @@ class Client:
         """One round trip of ``op`` on the shared connection: the decoded reply and its
         payload. Raises the typed error of an error reply, BadReply for a reply that does
         not follow the protocol, DaemonUnavailable/DeadlineExceeded for the transport."""
+        reply, payload, fds = self._round_trip(op, request, timeout)
+        for fd in fds:
+            _close(fd)
+        return reply, payload
+
+    def _round_trip(self, op: str, request: p.Message | None,
+                    timeout: float | None) -> tuple[Any, bytes | None, list[int]]:
+        """:meth:`call`, also returning the descriptors the reply passed (caller closes)."""
         spec = p.OPS[op]
         request = request or p.Empty()
         if not isinstance(request, spec.request):
@@ -144,28 +200,91 @@ class Client:
             self._next_id += 1
             message = {"v": p.PROTOCOL_VERSION, "id": self._next_id, "op": op,
                        **request.to_wire()}
-            if self._conn is None:
-                if self._untrusted:
-                    raise DaemonUnavailable(f"not connecting: {self._untrusted}")
-                self._conn = Connection(self.socket_path, deadline)
-            conn = self._conn
-            try:
-                reply, payload = conn.request(message, deadline)
-                if reply.get("id") != message["id"]:
-                    raise BadReply(f"the daemon answered request {reply.get('id')!r} to "
-                                   f"request {message['id']} ({op}); connection dropped")
-            except CachedError:
-                self._conn = None
-                conn.close()
-                raise
-        if reply.get("ok") is not True:
-            error = reply.get("error")
-            raise error_from_wire(error if isinstance(error, dict) else {})
+            reply, payload, fds = self._exchange(message, deadline)
         try:
-            return spec.reply.from_wire(reply), payload
-        except InvalidArgument as exc:
-            raise BadReply(f"the daemon's reply to {op} does not follow the protocol: "
-                           f"{exc.message}") from None
+            if reply.get("ok") is not True:
+                error = reply.get("error")
+                raise error_from_wire(error if isinstance(error, dict) else {})
+            try:
+                return spec.reply.from_wire(reply), payload, fds
+            except InvalidArgument as exc:
+                raise BadReply(f"the daemon's reply to {op} does not follow the protocol: "
+                               f"{exc.message}") from None
+        except BaseException:
+            for fd in fds:
+                _close(fd)
+            raise
+
+    def _exchange(self, message: dict, deadline: float) -> tuple[dict, bytes | None, list[int]]:
+        """Send ``message`` and read its reply, under the lock. A kept connection the daemon
+        closed meanwhile (its idle timeout, a restart) is replaced once, silently; a daemon
+        that cannot be reached or went silent opens the circuit (``RETRY_AFTER_S``)."""
+        if self._untrusted:
+            raise DaemonUnavailable(f"not connecting: {self._untrusted}")
+        why = _circuit_reason(self.socket_path)
+        if why is not None:
+            raise DaemonUnavailable(why)
+        for attempt in (1, 2):
+            conn = self._conn
+            if conn is not None and not conn.usable():
+                conn.close()
+                conn = self._conn = None
+            kept = conn is not None
+            try:
+                if conn is None:
+                    conn = self._conn = Connection(self.socket_path, deadline)
+                received = conn.received
+                conn.on_silence = self._daemon_answers  # only during the call: no cycle
+                try:
+                    conn.send(message, deadline)
+                    reply, payload, fds = conn.receive_with_fds(deadline)
+                finally:
+                    conn.on_silence = None
+            except BadReply:
+                self._drop(conn)
+                raise
+            except DaemonUnavailable as exc:
+                self._drop(conn)
+                if kept and attempt == 1 and conn is not None and conn.received == received:
+                    continue  # the daemon had closed the kept connection: one fresh try
+                if isinstance(exc, DaemonSilent):
+                    _open_circuit(self.socket_path, exc.message)
+                raise
+            except DeadlineExceeded:
+                self._drop(conn)
+                raise
+            if reply.get("id") != message["id"]:
+                for fd in fds:
+                    _close(fd)
+                self._drop(conn)
+                raise BadReply(f"the daemon answered request {reply.get('id')!r} to request "
+                               f"{message['id']} ({message['op']}); connection dropped")
+            _close_circuit(self.socket_path)
+            return reply, payload, fds
+        raise AssertionError("unreachable")
+
+    def _drop(self, conn: Connection | None) -> None:
+        if conn is not None:
+            conn.close()
+        if self._conn is conn:
+            self._conn = None
+
+    def _daemon_answers(self) -> bool:
+        """Whether the daemon answers a ``hello`` on a new connection within
+        ``PROBE_TIMEOUT_S`` (asked while a call has heard nothing for a while). Nothing
+        listening (refused, or no socket file) counts as answering: a draining daemon stops
+        listening but finishes what its connections wait for, and a dead one closes them."""
+        deadline = time.monotonic() + PROBE_TIMEOUT_S
+        try:
+            with Connection(self.socket_path, deadline, connect_timeout=PROBE_TIMEOUT_S
+                            ) as probe:
+                reply, _ = probe.request({"v": p.PROTOCOL_VERSION, "id": 0, "op": "hello"},
+                                         deadline)
+        except ConnectFailed as exc:
+            return exc.errno in (errno.ECONNREFUSED, errno.ENOENT)
+        except CachedError:
+            return False
+        return "ok" in reply
 
     def _identity_for(self, request: p.Message) -> p.Identity:
         """The identity ``request`` states: the configured one, or this environment's with
@@ -230,18 +349,54 @@ class Client:
         """The artifact for ``request``, compiled by the daemon if it has none yet.
 
         The daemon is given a slightly shorter deadline than the socket, so that a
-        kernel still compiling comes back as its typed DeadlineExceeded answer.
+        kernel still compiling comes back as its typed DeadlineExceeded answer. With
+        transfer ``fd`` the returned paths are this user's private copies (their digests
+        checked), so nothing the daemon evicts can break loading them.
         """
         timeout = self.timeout if timeout is None else timeout
-        message = p.GetRequest(request=request, priority=priority, transfer=self.transfer,
+        transfer = self.transfer
+        message = p.GetRequest(request=request, priority=priority, transfer=transfer,
                                deadline_ms=max(1, int(timeout * 1000 * 0.95) - 20))
-        reply, payload = self.call("get", message, timeout)
+        try:
+            reply, payload, fds = self._round_trip("get", message, timeout)
+        except InvalidArgument as exc:
+            if transfer != "fd" or not exc.message.startswith("transfer must be"):
+                raise
+            self.transfer = "path"  # a daemon from before descriptor passing
+            return self.get(request, timeout, priority)
         artifact = reply.artifact
-        if self.transfer == "bytes":
+        if transfer == "fd":
+            return self._private_copies(artifact, reply.fds, fds)
+        for fd in fds:
+            _close(fd)
+        if transfer == "bytes":
             if payload is None:
                 raise BadReply("the daemon sent no library bytes for a 'bytes' transfer")
             artifact = dataclasses.replace(artifact, library_bytes=payload)
         return artifact
+
+    def _private_copies(self, artifact: Artifact, kinds: list, fds: list[int]) -> Artifact:
+        """Copy the blobs the daemon passed as descriptors into the private scratch
+        directory, checking each digest; closes the descriptors."""
+        try:
+            passed = dict(zip(kinds, fds, strict=True))
+            if set(passed) != {"object", "library"}:
+                raise BadReply(f"the daemon passed descriptors for {kinds!r}, not for the "
+                               "object and the library")
+            if not self._scratch_checked:  # once per client: made 0700, ours alone
+                private_dir(self._scratch)
+                self._scratch_checked = True
+            directory = self._scratch
+            paths = {kind: copy_verified(
+                passed[kind], getattr(artifact, f"{kind}_sha256"),
+                getattr(artifact, f"{kind}_size"),
+                os.path.join(directory, getattr(artifact, f"{kind}_sha256") + suffix))
+                for kind, suffix in (("object", ".o"), ("library", ".so"))}
+        finally:
+            for fd in fds:
+                _close(fd)
+        return dataclasses.replace(artifact, object_path=paths["object"],
+                                   library_path=paths["library"])
 
     def gc(self, request: p.GcRequest, timeout: float | None = None) -> p.GcReply:
         return self._call("gc", request, p.GcReply, timeout)
@@ -298,7 +453,7 @@ class Client:
             return fn
         try:
             artifact = self.get(request, timeout)
-        except (DaemonUnavailable, DeadlineExceeded) as exc:
+        except (DaemonUnavailable, DeadlineExceeded, Overloaded) as exc:
             if self.fallback is False:
                 raise
             artifact = self._fallback_build(request, exc)
@@ -348,3 +503,10 @@ class Client:
             self.report(pending, timeout=2.0)
         except CachedError:
             pass  # a daemon without the op, or gone again: not worth more
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass

@@ -88,6 +88,35 @@ def private_dir(directory: str) -> str:
     return directory
 
 
+def copy_verified(fd: int, sha256: str, size: int, path: str) -> str:
+    """``path`` holding the bytes of the open file ``fd`` (read from offset 0), written
+    atomically once they match ``sha256``; IntegrityError otherwise. A file already at
+    ``path`` with ``size`` bytes is kept (loading it checks its digest again)."""
+    try:
+        if os.stat(path).st_size == size:
+            return path
+    except FileNotFoundError:
+        pass
+    digest = hashlib.sha256()
+    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+    try:
+        with open(tmp, "wb") as out:
+            offset = 0
+            while chunk := os.pread(fd, 1 << 20, offset):
+                digest.update(chunk)
+                out.write(chunk)
+                offset += len(chunk)
+        actual = digest.hexdigest()
+        if actual != sha256:
+            raise IntegrityError(f"the daemon passed a file with sha256 {actual}, expected "
+                                 f"{sha256}; not loading it")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
 def load_bytes(data: bytes, symbol: str, sha256: str, runtime: dict, directory: str) -> Any:
     """Write verified library bytes to a private file under ``directory`` and load it."""
     actual = hashlib.sha256(data).hexdigest()

@@ -2,7 +2,9 @@
 
 Frames: a 4-byte big-endian length, then that many bytes of one UTF-8 JSON object. A reply
 whose object has ``"payload_size": N`` is followed by N raw bytes (an artifact's library,
-when the client asked for bytes rather than a path).
+when the client asked for bytes rather than a path). A reply whose object has ``"fds":
+[kind, ...]`` carries that many open file descriptors, passed with SCM_RIGHTS on its first
+byte, in that order (a ``get`` with transfer ``fd``).
 
 Envelope: every request carries ``op`` and may carry ``v`` (protocol version, default 1)
 and ``id``; every reply carries ``ok`` and echoes ``id``; an error reply is
@@ -18,7 +20,8 @@ with the same checks, so a malformed reply is a typed error, never a ``KeyError`
 
 Invariants: a request frame is at most :data:`MAX_REQUEST_FRAME` bytes and a reply frame
 at most :data:`MAX_REPLY_FRAME`; JSON nesting deeper than :data:`MAX_DEPTH` is refused
-before it is parsed; numbers are finite (NaN and Infinity are not JSON and are refused).
+before it is parsed; numbers are finite (NaN and Infinity are not JSON, and a number too
+large for a double, such as ``1e999``, is refused rather than read as infinity).
 """
 
 from __future__ import annotations
@@ -41,10 +44,14 @@ MAX_REQUEST_FRAME = 1 << 20
 MAX_REPLY_FRAME = 64 << 20
 MAX_DEPTH = 32
 HEADER = struct.Struct(">I")
-CAPABILITIES = ("transfer:path", "transfer:bytes")
+CAPABILITIES = ("transfer:path", "transfer:bytes", "transfer:fd")
 """What ``hello`` offers beyond its ``ops`` list."""
 PRIORITIES = ("interactive", "prewarm")
-TRANSFERS = ("path", "bytes")
+TRANSFERS = ("fd", "path", "bytes")
+"""How ``get`` hands a library over: open descriptors of the verified blobs (SCM_RIGHTS;
+eviction cannot break a load in progress), their paths in the store, or the library's
+bytes as payload."""
+BLOB_KINDS = ("object", "library")
 MAX_DEADLINE_MS = 3_600_000
 
 # -- frames ------------------------------------------------------------------------------
@@ -61,6 +68,13 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
 def _too_deep(value: Any, limit: int) -> bool:
     """Whether objects and arrays nest deeper than ``limit`` in a parsed JSON value."""
     level: list[Any] = [value]
@@ -75,7 +89,7 @@ def _too_deep(value: Any, limit: int) -> bool:
 def decode_body(body: bytes) -> dict:
     """Parse a frame body; MalformedFrame unless it is one JSON object of bounded depth."""
     try:
-        message = json.loads(body, parse_constant=_refuse_constant)
+        message = json.loads(body, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError:
         raise MalformedFrame(f"frame nests JSON deeper than {MAX_DEPTH} levels") from None
     except (UnicodeDecodeError, ValueError) as exc:
@@ -117,7 +131,8 @@ def Int(low: int = 0, high: int = (1 << 53)) -> Check:  # noqa: N802 -- reads as
 def Number(low: float = 0.0, high: float = 1e12) -> Check:  # noqa: N802
     def check(value: Any, name: str) -> float:
         if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or not math.isfinite(value) or not low <= value <= high):
+                or (isinstance(value, float) and not math.isfinite(value))
+                or not low <= value <= high):  # an int of any size compares exactly
             raise _bad(name, f"a number in [{low:g}, {high:g}]", value)
         return float(value)
     return check
@@ -328,6 +343,8 @@ class GetRequest(Message):
 @dataclass(frozen=True, kw_only=True)
 class GetReply(Message):
     artifact: Artifact = wire(Nested(Artifact))
+    fds: list = wire(List(Str(16, BLOB_KINDS), 2), [],
+                     "transfer 'fd': the blobs whose descriptors come with this reply, in order")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,37 +1,90 @@
 """A blocking Unix-socket connection to the daemon, with a deadline on every call.
 
-Invariant: no call blocks past its deadline (seconds on ``time.monotonic``); a timeout,
-a refused or vanished socket and a frame cut short all become DaemonUnavailable or
-DeadlineExceeded, and leave the connection closed.
+Invariants: no call blocks past its deadline (seconds on ``time.monotonic``), and connecting
+takes at most ``connect_timeout``; a timeout, a refused or vanished socket and a frame cut
+short all become DaemonUnavailable or DeadlineExceeded, and leave the connection closed.
+While a call waits, every ``silence_s`` without a byte from the daemon the ``on_silence``
+check runs (the client asks for a ``hello`` on a new connection): a daemon that answers is
+waited for up to the deadline (a long compilation), one that does not ends the call at once
+as DaemonUnavailable. Sending reads whatever replies arrive meanwhile, so a client that
+pipelines many requests before reading never deadlocks against the daemon's back-pressure.
+Descriptors passed with a reply (SCM_RIGHTS) are handed to the frame that names them
+(``"fds"``) and are the caller's to close; any other is closed with the connection.
 """
 
 from __future__ import annotations
 
+import os
+import select
 import socket
+import struct
 import time
+from collections import deque
+from collections.abc import Callable
 
-from .errors import DaemonUnavailable, DeadlineExceeded, MalformedFrame
+from .errors import BadReply, DaemonUnavailable, DeadlineExceeded, MalformedFrame
 from .protocol import HEADER, MAX_REPLY_FRAME, decode_body, encode_frame, frame_length
+
+CONNECT_TIMEOUT_S = 2.0
+SILENCE_S = 3.0
+RECV_SIZE = 64 << 10
+MAX_FDS_PER_READ = 16
+_FD = struct.Struct("i")
+
+
+class DaemonSilent(DaemonUnavailable):
+    """The daemon accepts no connection in time, or went silent during a call and did not
+    answer a ``hello`` either: stopped or hung. Waiting for it again would cost as much."""
+
+
+class ConnectFailed(DaemonUnavailable):
+    """Connecting failed; ``errno`` says how (ECONNREFUSED: nothing listens there)."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
 
 
 class Connection:
     """One socket; ``request()`` is a round trip, ``send()``/``receive()`` pipeline."""
 
-    def __init__(self, path: str, deadline: float) -> None:
+    def __init__(self, path: str, deadline: float,
+                 connect_timeout: float = CONNECT_TIMEOUT_S,
+                 on_silence: Callable[[], bool] | None = None,
+                 silence_s: float = SILENCE_S) -> None:
         self.path = path
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.on_silence = on_silence
+        self.silence_s = silence_s
+        self.received = 0
+        """Bytes received on this connection so far."""
+        self._buffer = bytearray()
+        self._fds: deque[int] = deque()
+        self._eof = False
+        self._closed = False
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            self._sock.settimeout(_remaining(deadline))
-            self._sock.connect(path)
+            _connect(self._sock, path, time.monotonic() + min(_remaining(deadline),
+                                                              connect_timeout))
         except TimeoutError:
             self._sock.close()
-            raise DeadlineExceeded(f"connecting to the daemon at {path} timed out") from None
+            raise DaemonSilent(
+                f"connecting to the daemon at {path} timed out: it accepts no connection "
+                "(stopped, hung, or its backlog is full)") from None
         except OSError as exc:
             self._sock.close()
-            raise DaemonUnavailable(f"cannot connect to the daemon at {path}: {exc}") from None
+            raise ConnectFailed(f"cannot connect to the daemon at {path}: {exc}",
+                                exc.errno) from None
+        self._sock.setblocking(False)
+        self._poll = select.poll()
+        self._poll.register(self._sock, select.POLLIN)
+        self._events = select.POLLIN
 
     def close(self) -> None:
-        self._sock.close()
+        if not self._closed:
+            self._closed = True
+            self._sock.close()
+        while self._fds:
+            _close_fd(self._fds.popleft())
 
     def __enter__(self) -> Connection:
         return self
@@ -39,22 +92,58 @@ class Connection:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def usable(self) -> bool:
+        """Whether a kept connection may carry another request: open, its end not seen, and
+        nothing unexpected buffered. (A connection the daemon closed meanwhile shows when
+        used: the client then retries once on a fresh one.)"""
+        return not (self._closed or self._eof or self._buffer)
+
     def send(self, message: dict, deadline: float) -> None:
+        data = memoryview(encode_frame(message))
         try:
-            self._sock.settimeout(_remaining(deadline))
-            self._sock.sendall(encode_frame(message))
-        except TimeoutError:
-            self.close()
+            self._send(data, deadline)
+        except DeadlineExceeded:
+            self.close()  # half a frame may be out: this connection is done
             raise DeadlineExceeded("sending to the daemon timed out") from None
+
+    def _send(self, data: memoryview, deadline: float) -> None:
+        try:  # the socket buffer usually takes a request whole: no poll needed
+            data = data[self._sock.send(data):]
+        except BlockingIOError:
+            pass
         except OSError as exc:
             self.close()
             raise DaemonUnavailable(f"the daemon connection failed while sending: {exc}") from None
+        while data:
+            events = select.POLLOUT | (0 if self._eof else select.POLLIN)
+            ready = self._wait(events, deadline, "sending to")
+            if ready & select.POLLIN and not self._eof:
+                self._fill()  # replies to earlier requests wait here, not in the daemon
+            if ready & (select.POLLOUT | select.POLLERR | select.POLLHUP):
+                try:
+                    sent = self._sock.send(data)
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    self.close()
+                    raise DaemonUnavailable(
+                        f"the daemon connection failed while sending: {exc}") from None
+                data = data[sent:]
 
     def receive(self, deadline: float) -> tuple[dict, bytes | None]:
-        """The next reply and, if it announced one, its payload bytes."""
-        header = self._read_exact(HEADER.size, deadline)
+        """The next reply and, if it announced one, its payload bytes (descriptors that
+        came with it are closed)."""
+        reply, payload, fds = self.receive_with_fds(deadline)
+        for fd in fds:
+            _close_fd(fd)
+        return reply, payload
+
+    def receive_with_fds(self, deadline: float) -> tuple[dict, bytes | None, list[int]]:
+        """The next reply, its payload bytes if it announced some, and the descriptors it
+        names in ``fds`` (the caller closes them)."""
+        header = self._take(HEADER.size, deadline)
         try:
-            body = self._read_exact(frame_length(header, MAX_REPLY_FRAME), deadline)
+            body = self._take(frame_length(header, MAX_REPLY_FRAME), deadline)
             reply = decode_body(body)
         except MalformedFrame:
             self.close()
@@ -62,30 +151,105 @@ class Connection:
         payload = None
         size = reply.get("payload_size")
         if isinstance(size, int) and 0 <= size <= MAX_REPLY_FRAME:
-            payload = self._read_exact(size, deadline)
-        return reply, payload
+            payload = self._take(size, deadline)
+        named = reply.get("fds")
+        fds: list[int] = []
+        if isinstance(named, list) and named:
+            if len(self._fds) < len(named):
+                self.close()
+                raise BadReply(f"the daemon's reply names {len(named)} descriptors but passed "
+                               f"{len(self._fds)}; connection dropped")
+            fds = [self._fds.popleft() for _ in named]
+        return reply, payload, fds
 
     def request(self, message: dict, deadline: float) -> tuple[dict, bytes | None]:
         self.send(message, deadline)
         return self.receive(deadline)
 
-    def _read_exact(self, size: int, deadline: float) -> bytes:
-        chunks = bytearray()
-        while len(chunks) < size:
+    # -- internals --------------------------------------------------------------------------
+
+    def _wait(self, events: int, deadline: float, doing: str) -> int:
+        """Poll for ``events`` until the deadline, checking a silent daemon every
+        ``silence_s``; the events that came."""
+        if self._closed:
+            raise DaemonUnavailable("the daemon connection is closed")
+        if events != self._events:
+            self._poll.modify(self._sock, events)
+            self._events = events
+        while True:
+            left = _remaining(deadline)
+            if self.on_silence is None:
+                step = left
+            else:
+                step = min(left, self.silence_s)
+            ready = self._poll.poll(max(1, int(step * 1000 + 0.999)))
+            if ready:
+                return ready[0][1]
+            if self.on_silence is not None and step < left and not self.on_silence():
+                self.close()
+                raise DaemonSilent(
+                    f"the daemon at {self.path} went silent {doing} it ({self.silence_s:.0f}s "
+                    "without a byte) and did not answer a hello on a new connection: it is "
+                    "stopped or hung")
+
+    def _fill(self) -> None:
+        """Read what is there (bytes and descriptors) into the buffer."""
+        try:
+            data, ancillary, _, _ = self._sock.recvmsg(
+                RECV_SIZE, socket.CMSG_SPACE(MAX_FDS_PER_READ * _FD.size),
+                socket.MSG_CMSG_CLOEXEC)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self.close()
+            raise DaemonUnavailable(f"the daemon connection failed: {exc}") from None
+        for level, kind, cdata in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                usable = len(cdata) - len(cdata) % _FD.size
+                self._fds.extend(fd for (fd,) in _FD.iter_unpack(cdata[:usable]))
+        if not data:
+            self._eof = True
+        else:
+            self.received += len(data)
+            self._buffer += data
+
+    def _take(self, size: int, deadline: float) -> bytes:
+        while len(self._buffer) < size:
+            if self._eof:
+                self.close()
+                raise DaemonUnavailable("the daemon closed the connection" + (
+                    " mid-reply" if self._buffer else ""))
             try:
-                self._sock.settimeout(_remaining(deadline))
-                chunk = self._sock.recv(min(size - len(chunks), 1 << 20))
-            except TimeoutError:
+                self._wait(select.POLLIN, deadline, "waiting for")
+            except DeadlineExceeded:
                 self.close()
                 raise DeadlineExceeded("the daemon did not answer before the deadline") from None
-            except OSError as exc:
-                self.close()
-                raise DaemonUnavailable(f"the daemon connection failed: {exc}") from None
-            if not chunk:
-                self.close()
-                raise DaemonUnavailable("the daemon closed the connection mid-reply")
-            chunks += chunk
-        return bytes(chunks)
+            self._fill()
+        out = bytes(self._buffer[:size])
+        del self._buffer[:size]
+        return out
+
+
+def _connect(sock: socket.socket, path: str, deadline: float) -> None:
+    """Connect by ``deadline``; a full accept backlog (EAGAIN) is waited out, not an error."""
+    pause = 0.002
+    while True:
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() + pause >= deadline:
+                raise TimeoutError() from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+
+
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _remaining(deadline: float) -> float:

@@ -1,0 +1,262 @@
+"""Memory and fairness (issue 16 items 8 and 9): what one peer can make the daemon hold is
+bounded, a slow reader gets back-pressure instead of memory, and each uid has quotas.
+
+Limits are set through the environment (CACHED_<OPTION>), so the same test runs against a
+daemon that predates them (and fails there)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import resource
+import socket
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from cached_client import InvalidArgument, KernelRequest
+from cached_client import protocol as p
+from conftest import ROOT, DaemonProcess, fault, wait_for
+from test_access import PEER_PY, peer_uid, shared_dir  # noqa: F401 -- fixtures
+
+MIB = 1024
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def frame(obj: dict) -> bytes:
+    body = json.dumps(obj).encode()
+    return struct.pack(">I", len(body)) + body
+
+
+def push(conns: list[socket.socket], data: dict[socket.socket, memoryview], seconds: float
+         ) -> int:
+    """Send what the daemon takes of each connection's data for ``seconds``; bytes sent."""
+    sent, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline and any(data.values()):
+        moved = 0
+        for s in conns:
+            if data[s]:
+                try:
+                    n = s.send(data[s])
+                except BlockingIOError:
+                    continue
+                data[s] = data[s][n:]
+                moved += n
+        sent += moved
+        if not moved:
+            time.sleep(0.05)
+    return sent
+
+
+@pytest.fixture
+def many_descriptors():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_thousand_almost_complete_1mib_frames_hold_bounded_memory(tmp_path,
+                                                                     many_descriptors):
+    """Item 8: 1,000 connections each sending a 1 MiB header and all but the last byte of
+    its body took the daemon from 74 to 1,076 MiB. Frames over 4 KiB now wait for room
+    (16 MiB per uid, 64 MiB in all) before their bodies are read."""
+    d = DaemonProcess(tmp_path, workers=1, extra_env={
+        "CACHED_MAX_CONNECTIONS": "4000", "CACHED_MAX_CONNECTIONS_PER_UID": "4000"})
+    conns: list[socket.socket] = []
+    try:
+        before = rss_kib(d.proc.pid)
+        data = {}
+        for _ in range(1000):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(d.socket)
+            s.setblocking(False)
+            conns.append(s)
+            data[s] = memoryview(struct.pack(">I", 1 << 20) + b"x" * ((1 << 20) - 1))
+        sent = push(conns, data, 20)
+        time.sleep(1)
+        during = rss_kib(d.proc.pid)
+        stats = d.client(timeout=10).stats()  # a well-behaved client is still served
+        assert stats["connections"] >= 1000
+        grew = (during - before) / MIB
+        assert grew < 128, f"daemon RSS grew {grew:.0f} MiB holding partial frames ({sent} B)"
+    finally:
+        for s in conns:
+            s.close()
+        d.stop()
+
+
+@pytest.fixture(scope="module")
+def kernel_daemon(tmp_path_factory, mm_fp4_requests):
+    d = DaemonProcess(tmp_path_factory.mktemp("limits"), workers=1)
+    d.client(timeout=600).get(mm_fp4_requests[0])
+    yield d, mm_fp4_requests[0]
+    d.stop()
+
+
+def test_a_slow_reader_gets_back_pressure_not_memory(kernel_daemon):
+    """Item 8: 4,000 pipelined gets with transfer 'bytes' whose replies are never read took
+    178 MiB. Now the daemon stops reading a connection while its replies wait unread (64
+    requests in flight, 64 KiB unsent), and payloads stream from the file."""
+    d, request = kernel_daemon
+    before = rss_kib(d.proc.pid)
+    frames = b"".join(frame({"op": "get", "id": i, "transfer": "bytes",
+                             "request": request.to_wire()}) for i in range(4000))
+    slow = socket.socket(socket.AF_UNIX)
+    slow.connect(d.socket)
+    slow.setblocking(False)
+    try:
+        sent = push([slow], {slow: memoryview(frames)}, 10)
+        time.sleep(1)
+        during = rss_kib(d.proc.pid)
+        art = d.client(timeout=10).get(request)  # others are served meanwhile
+        assert art.library_path and art.origin == "hit"
+        grew = (during - before) / MIB
+        assert grew < 32, f"daemon RSS grew {grew:.0f} MiB for one slow reader"
+        assert sent < len(frames), "the daemon read every request of a peer that reads nothing"
+    finally:
+        slow.close()
+    wait_for(lambda: d.client(timeout=10).stats()["connections"] == 1, 30)
+
+
+PEER_PREFETCH = """
+import json, sys
+from cached_client import Client, KernelRequest
+client = Client(sys.argv[1], timeout=30, fallback=False,
+                identity=False)  # the system python: the daemon's toolchain decides
+requests = [KernelRequest("cached.test.fault", {"action": "sleep", "seconds": 600,
+                                                 "tag": f"peer{i}"}, "sm_100a", 148, 148)
+            for i in range(int(sys.argv[2]))]
+reply = client.prefetch(requests)
+print(json.dumps({"queued": reply.queued, "in_flight": reply.in_flight,
+                  "rejected": [r["error"]["code"] for r in reply.rejected]}))
+"""
+
+PEER_CONNECT = """
+import json, socket, struct, sys
+out, held = [], []
+for i in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(sys.argv[1])
+    body = json.dumps({"op": "hello", "id": i}).encode()
+    s.sendall(struct.pack(">I", len(body)) + body)
+    (n,) = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))
+    reply = json.loads(s.recv(n, socket.MSG_WAITALL))
+    out.append("ok" if reply.get("ok") else reply["error"]["code"])
+    held.append(s)
+print(json.dumps(out), flush=True)
+sys.stdin.read()
+"""
+
+
+def as_peer(uid: int, script: str, *args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([PEER_PY, "-c", script, *args], user=uid, group=uid,
+                            env={"PYTHONPATH": str(ROOT / "client"), "PATH": "/usr/bin:/bin"},
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_a_peer_without_publish_rights_queues_at_most_its_quota(shared_dir, peer_uid):  # noqa: F811
+    """Item 9: a peer without publish rights queued 3,000 compiles in one prefetch. Now it
+    has max_queued_per_uid (5 here) queued or running; the rest are refused one by one as
+    overloaded. An operator (publish rights) is not counted."""
+    d = DaemonProcess(shared_dir, workers=1, extra_args=["--socket-mode", "666",
+                                                         "--drain-timeout", "0"],
+                      extra_env={"CACHED_MAX_QUEUED_PER_UID": "5"})
+    try:
+        peer = as_peer(peer_uid, PEER_PREFETCH, d.socket, "3000")
+        result = json.loads(peer.communicate(timeout=60)[0])
+        assert result["queued"] == 5 and len(result["rejected"]) == 2995
+        assert set(result["rejected"]) == {"overloaded"}
+        assert d.stats()["in_flight"] == 5
+        again = json.loads(as_peer(peer_uid, PEER_PREFETCH, d.socket, "50")
+                           .communicate(timeout=60)[0])
+        assert again["queued"] == 0 and again["in_flight"] == 5 and len(again["rejected"]) == 45
+        mine = d.client(timeout=30).prefetch(
+            [fault("sleep", f"operator{i}", 600) for i in range(50)])
+        assert mine.queued == 50 and not mine.rejected
+    finally:
+        d.stop()
+
+
+def test_connections_per_uid_are_capped(shared_dir, peer_uid):  # noqa: F811
+    """Item 9: one uid may hold max_connections_per_uid connections (4 here); the next is
+    answered overloaded and closed; other uids are unaffected."""
+    d = DaemonProcess(shared_dir, workers=1, extra_args=["--socket-mode", "666"],
+                      extra_env={"CACHED_MAX_CONNECTIONS_PER_UID": "4"})
+    try:
+        peer = as_peer(peer_uid, PEER_CONNECT, d.socket, "6")
+        codes = json.loads(peer.stdout.readline())
+        assert codes == ["ok"] * 4 + ["overloaded"] * 2
+        assert d.client(timeout=10).hello().v == 1  # root, meanwhile
+        peer.communicate("", timeout=30)
+    finally:
+        d.stop()
+
+
+def test_abandoned_uploads_expire(tmp_path):
+    """Item 9: 50 abandoned partial uploads stayed in tmp/ until restart. Uploads.expire
+    (run from the daemon's flush loop) removes them upload_timeout seconds (2 here) after
+    their last chunk; a late chunk is told to start again."""
+    d = DaemonProcess(tmp_path, workers=1, extra_env={"CACHED_UPLOAD_TIMEOUT": "2"})
+    try:
+        client = d.client(timeout=30)
+        data = b"\x7fELF" + bytes(1000)
+        sha = hashlib.sha256(data).hexdigest()
+        requests = [KernelRequest("flashinfer.jit", {
+            "module": "demo", "kernel": f"k{i}", "tvm_ffi": True, "source_sha256": "0" * 64},
+            "sm_100a", 148, 148) for i in range(50)]
+        for request in requests:
+            reply = client.publish(p.PublishRequest(
+                request=request, object_sha256=sha, offset=0, final=False,
+                data=base64.b64encode(data[:500]).decode()))
+            assert reply.state == "partial"
+        assert len(os.listdir(d.store / "tmp")) == 50
+        wait_for(lambda: not os.listdir(d.store / "tmp"), 30)
+        with pytest.raises(InvalidArgument, match="start again at offset 0"):
+            client.publish(p.PublishRequest(request=requests[0], object_sha256=sha,
+                                            offset=500, final=True,
+                                            data=base64.b64encode(data[500:]).decode()))
+    finally:
+        d.stop()
+
+
+def test_idle_and_stalled_connections_are_closed_and_the_client_reconnects(tmp_path):
+    """Item 8's idle time: a connection with nothing in flight that stays silent for
+    idle_timeout (1 s here) is closed, and so is one stalled mid-frame (with
+    deadline_exceeded); a Client whose kept connection was closed reconnects silently."""
+    d = DaemonProcess(tmp_path, workers=1, extra_env={"CACHED_IDLE_TIMEOUT": "1"})
+    try:
+        idle = socket.socket(socket.AF_UNIX)
+        idle.settimeout(15)
+        idle.connect(d.socket)
+        idle.sendall(frame({"op": "hello", "id": 1}))
+        (n,) = struct.unpack(">I", idle.recv(4, socket.MSG_WAITALL))
+        assert json.loads(idle.recv(n, socket.MSG_WAITALL))["ok"] is True
+        started = time.monotonic()
+        assert idle.recv(1) == b""  # closed by the daemon
+        assert time.monotonic() - started < 10
+        stalled = socket.socket(socket.AF_UNIX)
+        stalled.settimeout(15)
+        stalled.connect(d.socket)
+        stalled.sendall(struct.pack(">I", 100) + b'{"op": "hel')
+        (n,) = struct.unpack(">I", stalled.recv(4, socket.MSG_WAITALL))
+        reply = json.loads(stalled.recv(n, socket.MSG_WAITALL))
+        assert reply["error"]["code"] == "deadline_exceeded"
+        assert stalled.recv(1) == b""
+        client = d.client(timeout=10, fallback=False)
+        assert client.hello().v == 1
+        time.sleep(2.5)  # the daemon closes the kept connection meanwhile
+        assert client.hello().v == 1
+    finally:
+        d.stop()
