@@ -28,7 +28,8 @@ log = logging.getLogger("cached.service")
 FLASHINFER_FAMILIES = ("flashinfer.mm_fp4", "flashinfer.bi.bmm_fp8", "flashinfer.bi.mm_fp4",
                        "flashinfer.jit")
 LIST_FIELDS = ("key", "family", "kernel_name", "arch", "sm_count", "max_active_clusters",
-               "params", "size", "compile_seconds", "created", "last_used", "hits", "toolchain")
+               "params", "size", "compile_seconds", "created", "last_used", "hits", "toolchain",
+               "kind")
 
 
 @functools.cache
@@ -73,8 +74,12 @@ class Service:
             reply = p.GetReply(artifact=self.scheduler.artifact(entry, origin, False)), data
         else:
             reply = p.GetReply(artifact=self.scheduler.artifact(entry, origin))
+        family = m.request.family
         self.stats.observe("hit_seconds" if origin == "hit" else "miss_seconds",
-                           m.request.family, time.perf_counter() - started)
+                           family, time.perf_counter() - started)
+        self.stats.count("bytes_served", family, entry.row["size"])
+        if origin in ("hit", "remote"):  # served without compiling anything for it
+            self.stats.count("compiles_avoided", family)
         return reply
 
     async def prefetch(self, m: p.PrefetchRequest, peer: Peer) -> p.PrefetchReply:

@@ -1,0 +1,143 @@
+"""Every JIT kernel a vLLM worker builds, compiled once per node (issue 15), with real compiles:
+Triton's vector add (``triton.compile`` for sm_90), Humming's ``pack_weight_kernel<4>``
+(NVRTC, sm_90a, through Humming's own runtime class) and FlashInfer's ``silu_and_mul`` nvcc
+module (sm_90a), each in real processes of two real environments against a real daemon
+(tests/jit_harness.py says what stands in for the GPU and driver these machines lack).
+
+For each library: four processes miss the same kernel at once, one compiles and the others
+load its artifact; a fifth process after a daemon restart compiles nothing; a tampered
+artifact is refused and rebuilt; a process of another environment (toolchain) never
+receives it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import DaemonProcess
+from jit_harness import JIT, VLLM, run_together
+
+pytestmark = pytest.mark.skipif(not (JIT / "triton").is_dir() or not Path(VLLM).exists(),
+                                reason="make setup-jit and setup-vllm install the JIT libraries")
+
+BARE = ["--toolchain", f"bare={sys._base_executable}"]  # write-back needs no compiler
+MAIN_FILE = {"triton": "add_kernel.cubin", "humming": "kernel_tmp.cubin",
+             "flashinfer.nvcc": "silu_and_mul.so"}
+
+
+def _files(store: Path, key: str) -> dict[str, dict]:
+    """A stored bundle's manifest, as the index on disk holds it."""
+    db = sqlite3.connect(f"file:{store / 'index.sqlite'}?mode=ro", uri=True)
+    try:
+        (files,) = db.execute("SELECT files FROM entries WHERE key = ?", [key]).fetchone()
+    finally:
+        db.close()
+    return json.loads(files)
+
+
+def _tamper(store: Path, key: str, name: str) -> Path:
+    """Flip one byte of a stored bundle file (as a disk fault or an intruder would)."""
+    f = _files(store, key)[name]
+    path = store / "blobs" / f["sha256"][:2] / (f["sha256"] + os.path.splitext(name)[1])
+    os.chmod(path, 0o644)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return path
+
+
+def _entries(d: DaemonProcess, family: str) -> list[dict]:
+    return [e for e in d.client(timeout=30).list() if e["family"] == family]
+
+
+def scenario(family: str, tmp_path: Path) -> dict[str, list[dict]]:
+    """The four steps for one library; returns each step's process results for the
+    library-specific checks. The daemon's counters are checked here."""
+    store = tmp_path / "store"
+    d = DaemonProcess(tmp_path, workers=1, extra_args=BARE)
+    try:
+        four = run_together(family, d.socket, [tmp_path / f"p{i}" for i in range(4)])
+        assert sorted(json.dumps(r["stats"]) for r in four) == [
+            '{"compiled": 1}', '{"hit": 1}', '{"hit": 1}', '{"hit": 1}'], four
+        fam = d.stats()["families"][family]
+        assert (fam["misses"], fam["hits"], fam["compiles_avoided"], fam["published"]) == \
+            (1, 3, 3, 1), fam
+        assert fam["bytes_served"] == 3 * fam["bytes_published"] > 0
+        (entry,) = _entries(d, family)
+        assert entry["kind"] == "bundle" and entry["arch"] == "sm_90a"
+    finally:
+        d.stop()
+    d = DaemonProcess(tmp_path, workers=1, extra_args=BARE)  # a restart, the same store
+    try:
+        fifth = run_together(family, d.socket, [tmp_path / "p5"])
+        assert fifth[0]["stats"] == {"hit": 1}, fifth
+
+        tampered = _tamper(store, entry["key"], MAIN_FILE[family])
+        sixth = run_together(family, d.socket, [tmp_path / "p6"])
+        assert sixth[0]["stats"] == {"compiled": 1}, sixth  # refused by the daemon, rebuilt
+        assert '"event": "store.entry_dropped"' in d.log() and entry["key"][:16] in d.log()
+        rebuilt = _files(store, entry["key"])[MAIN_FILE[family]]  # stored again, whole
+        path = store / "blobs" / rebuilt["sha256"][:2] / (rebuilt["sha256"] + tampered.suffix)
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == rebuilt["sha256"]
+
+        other = run_together(family, d.socket, [tmp_path / "p7"], python=VLLM)
+        assert other[0]["stats"] == {"compiled": 1}, other  # never the first environment's
+        rows = _entries(d, family)
+        assert len(rows) == 2 and len({r["toolchain"] for r in rows}) == 2
+        fam = d.stats()["families"][family]
+        assert (fam["hits"], fam["misses"], fam["published"]) == (1, 2, 2), fam
+    finally:
+        d.stop()
+    return {"four": four, "fifth": fifth, "sixth": sixth, "other": other, "rows": rows}
+
+
+def test_triton_kernels_compile_once_per_node(tmp_path):
+    out = scenario("triton", tmp_path)
+    # Triton's own listener: a cache miss in the one process that compiled, hits elsewhere
+    assert sorted(r["triton_cache_hit"] for r in out["four"]) == [[False], [True], [True],
+                                                                  [True]]
+    assert out["fifth"][0]["triton_cache_hit"] == [True]
+    assert len({r["hash"] for r in out["four"] + out["fifth"] + out["other"]}) == 1
+    # the same Triton, the same kernel: only the toolchain keeps the environments apart
+    a, b = out["rows"]
+    assert a["params"] == b["params"] and a["toolchain"] != b["toolchain"]
+
+
+def test_humming_cubins_compile_once_per_node(tmp_path):
+    out = scenario("humming", tmp_path)
+    results = out["four"] + out["fifth"] + out["sixth"] + out["other"]
+    assert {r["names"][0] for r in results} == {"_Z18pack_weight_kernelILj4EEvPKjPjx"}
+    # Humming post-processed and named the cubin itself, in every process
+    assert len({r["cubin_sha256"] for r in results}) == 1
+    assert all(r["cubin"].endswith("/kernel.cubin") for r in results)
+    a, b = out["rows"]
+    assert a["params"] == b["params"] and a["toolchain"] != b["toolchain"]
+
+
+def test_flashinfer_nvcc_modules_compile_once_per_node_and_aot_wins(tmp_path):
+    out = scenario("flashinfer.nvcc", tmp_path)
+    results = out["four"] + out["fifth"] + out["sixth"] + out["other"]
+    assert all(r["has_fn"] for r in results)  # TVM-FFI loaded the module: its function is there
+    built = [r["built_here"] for r in out["four"]]
+    assert sorted(built) == [False, False, False, True]  # only the compiler has a build of its own
+    assert out["fifth"][0]["built_here"] is False and out["sixth"][0]["built_here"] is True
+
+    # FlashInfer's prebuilt (AOT) module wins: the daemon is not asked
+    aot = tmp_path / "aot" / "silu_and_mul"
+    aot.mkdir(parents=True)
+    shutil.copy(out["sixth"][0]["so"], aot / "silu_and_mul.so")
+    d = DaemonProcess(tmp_path, workers=1, extra_args=BARE)
+    try:
+        before = d.stats()["families"]["flashinfer.nvcc"]
+        (r,) = run_together("flashinfer.nvcc", d.socket, [tmp_path / "p8"],
+                            AOT_DIR=str(aot.parent))
+        assert r["stats"] == {"aot": 1} and r["has_fn"] and not r["built_here"]
+        assert d.stats()["families"]["flashinfer.nvcc"] == before
+    finally:
+        d.stop()
