@@ -134,7 +134,7 @@ def environment(family: str, sock: str, workdir: Path, **extra: str) -> dict:
     elif family == "humming":
         env.update(HUMMING_CACHE_DIR=str(workdir / "humming"), HUMMING_TMP_DIR=str(workdir / "tmp"),
                    HUMMING_COMPILER="nvrtc", PROFILE=json.dumps(HUMMING_DEVICE_PROFILE))
-    else:
+    elif family == "flashinfer.nvcc":
         env.update(FLASHINFER_WORKSPACE_BASE=str(workdir), FLASHINFER_CUDA_ARCH_LIST="9.0a",
                    CUDA_HOME=str(CUDA_HOME), FLASHINFER_EXTRA_LDFLAGS=f"-L{STUBS}")
     env.update(extra)

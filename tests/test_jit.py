@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import sqlite3
+import subprocess
 import sys
 from pathlib import Path
 
@@ -141,3 +142,72 @@ def test_flashinfer_nvcc_modules_compile_once_per_node_and_aot_wins(tmp_path):
         assert d.stats()["families"]["flashinfer.nvcc"] == before
     finally:
         d.stop()
+
+
+PLUGIN = """
+import json, logging, os, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
+from importlib.metadata import entry_points
+plugins = {ep.name: ep for ep in entry_points(group="vllm.general_plugins")}
+plugins["cached"].load()()          # what vllm.plugins.load_general_plugins() does
+out = {k: os.environ.get(k) for k in ("TRITON_CACHE_MANAGER", "TRITON_REMOTE_CACHE_BACKEND")}
+from cached_client import humming as ch
+out["humming_before"] = ch._hook is not None
+if sys.argv[1:] == ["compile"]:     # a worker's first Triton kernel, and Humming imported
+    import triton, triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def scale(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+    triton.compile(ASTSource(fn=scale, signature={"x_ptr": "*fp32", "n": "i32",
+                             "BLOCK": "constexpr"}, constexprs={"BLOCK": 256}),
+                   target=GPUTarget("cuda", 90, 32))
+    from cached_client import triton as ct
+    out["triton"] = ct.stats()
+    import humming.jit.compiler     # the hook attaches now
+    out["humming_after"] = ch._hook is not None
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_the_vllm_plugin_routes_triton_and_humming_when_a_daemon_is_live(tmp_path):
+    script = tmp_path / "plugin.py"
+    script.write_text(PLUGIN)
+    ours = {"TRITON_CACHE_MANAGER": "triton.runtime.cache:RemoteCacheManager",
+            "TRITON_REMOTE_CACHE_BACKEND": "cached_client.triton:DaemonBackend"}
+
+    def run(sock: str, *args: str, **extra: str) -> dict:
+        from jit_harness import environment
+
+        env = environment("plain", sock, tmp_path / "w", **extra)
+        env["TRITON_CACHE_DIR"] = str(tmp_path / f"triton-{len(os.listdir(tmp_path))}")
+        if not sock:
+            env.pop("CACHED_SOCKET")
+        proc = subprocess.run([sys.executable, str(script), *args], capture_output=True,
+                              text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+        return json.loads(line[7:]) | {"log": proc.stderr}
+
+    d = DaemonProcess(tmp_path, workers=1, extra_args=BARE)
+    try:
+        first, second = run(d.socket, "compile"), run(d.socket, "compile")
+        mine = run(d.socket, TRITON_REMOTE_CACHE_BACKEND="mypkg:MyBackend")
+    finally:
+        d.stop()
+    for r in (first, second):
+        assert {k: r[k] for k in ours} == ours
+        assert r["humming_before"] is False and r["humming_after"] is True
+        assert "Triton kernels from the daemon (TRITON_REMOTE_CACHE_BACKEND set)" in r["log"]
+    assert (first["triton"], second["triton"]) == ({"compiled": 1}, {"hit": 1})
+    # a backend the user chose stays, and the line says so
+    assert mine["TRITON_REMOTE_CACHE_BACKEND"] == "mypkg:MyBackend"
+    assert mine["TRITON_CACHE_MANAGER"] is None
+    assert "Triton keeps the cache chosen in its environment" in mine["log"]
+    # no daemon: nothing selected
+    alone = run("")
+    assert {k: alone[k] for k in ours} == dict.fromkeys(ours)
