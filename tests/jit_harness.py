@@ -118,14 +118,19 @@ result(stats=cn.stats(), has_fn=hasattr(module, "silu_and_mul"),
 SCRIPTS = {"triton": TRITON, "humming": HUMMING, "flashinfer.nvcc": FLASHINFER}
 
 
-def environment(family: str, sock: str, workdir: Path, **extra: str) -> dict:
-    """A process of an inference environment: the client package and the JIT libraries on
-    its path, the library's own cache in ``workdir`` (a fresh one per process: a process of
-    another container), the daemon at ``sock``."""
+def environment(family: str, sock: str, workdir: Path, python: str = MAIN,
+                **extra: str) -> dict:
+    """A process of the environment of ``python`` (its ``bin`` first on PATH, as activated:
+    FlashInfer runs the ``ninja`` installed there): the client package and the JIT
+    libraries on its path, the library's own cache in ``workdir`` (a fresh one per process:
+    a process of another container), the daemon at ``sock``. LD_LIBRARY_PATH has the CUDA
+    runtime wheel's ``lib`` (the modules FlashInfer builds need libcudart.so.13; Humming
+    0.1.19's NVRTC helper needs it to find NVRTC's builtins, fixed in 0.1.20)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "FLASHINFER_",
                                                                    "HUMMING_"))}
     env.update(PYTHONPATH=f"{ROOT / 'client'}:{JIT}", CACHED_SOCKET=sock,
-               LD_LIBRARY_PATH=str(CUDA_HOME / "lib"))
+               LD_LIBRARY_PATH=str(CUDA_HOME / "lib"),
+               PATH=f"{Path(python).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     workdir.mkdir(parents=True, exist_ok=True)
     if family == "triton":
         env.update(TRITON_CACHE_DIR=str(workdir / "triton"),
@@ -147,7 +152,7 @@ def run_together(family: str, sock: str, workdirs: list[Path], python: str = MAI
     imported its libraries (so they miss at the same moment); their RESULTs, in order."""
     procs = []
     for w in workdirs:
-        env = environment(family, sock, w, **extra)
+        env = environment(family, sock, w, python, **extra)
         script = w / "run.py"  # a file: Triton reads a kernel's source from its file
         script.write_text(SCRIPTS[family])
         procs.append(subprocess.Popen(
