@@ -14,15 +14,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 from conftest import DaemonProcess
 from jit_harness import JIT, VLLM, run_together
+
+from cached.config import size_text
 
 pytestmark = pytest.mark.skipif(not (JIT / "triton").is_dir() or not Path(VLLM).exists(),
                                 reason="make setup-jit and setup-vllm install the JIT libraries")
@@ -57,6 +61,25 @@ def _entries(d: DaemonProcess, family: str) -> list[dict]:
     return [e for e in d.client(timeout=30).list() if e["family"] == family]
 
 
+def _shown_as_its_own_family(d: DaemonProcess, family: str, fam: dict) -> None:
+    """/metrics, the status page and ``cached stats`` each show the family's row."""
+    http = d.stats()["http"]
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    for metric, value in (("cached_hits_total", 3), ("cached_misses_total", 1),
+                          ("cached_compiles_avoided_total", 3), ("cached_published_total", 1),
+                          ("cached_served_bytes_total", fam["bytes_served"])):
+        assert f'{metric}{{family="{family}"}} {float(value)}' in metrics, metric
+    with urllib.request.urlopen(f"http://{http}/", timeout=10) as r:
+        page = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", r.read().decode()))
+    served = size_text(fam["bytes_served"])
+    assert f"{family} 3 1 75.0% 0 0 - 1 3 {served} 0" in page
+    text = subprocess.run([sys.executable, "-m", "cached", "stats", "--socket", d.socket],
+                          capture_output=True, text=True, check=True).stdout
+    assert re.search(rf"^{re.escape(family)} +3 +1 +75\.00% +0 +0 +- +1 +3 +{served} +0$",
+                     text, re.M), text
+
+
 def scenario(family: str, tmp_path: Path) -> dict[str, list[dict]]:
     """The four steps for one library; returns each step's process results for the
     library-specific checks. The daemon's counters are checked here."""
@@ -70,6 +93,7 @@ def scenario(family: str, tmp_path: Path) -> dict[str, list[dict]]:
         assert (fam["misses"], fam["hits"], fam["compiles_avoided"], fam["published"]) == \
             (1, 3, 3, 1), fam
         assert fam["bytes_served"] == 3 * fam["bytes_published"] > 0
+        _shown_as_its_own_family(d, family, fam)
         (entry,) = _entries(d, family)
         assert entry["kind"] == "bundle" and entry["arch"] == "sm_90a"
     finally:
