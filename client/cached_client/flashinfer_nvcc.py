@@ -105,8 +105,8 @@ def _generated(paths: list[Path]) -> list[str]:
 
 def request_for(spec: Any) -> KernelRequest | None:
     """The ``flashinfer.nvcc`` request of a module spec (None: no target the daemon keys).
-    Writes the module's ``build.ninja`` with FlashInfer's own ``write_ninja`` (as its build
-    would) and reads it back."""
+    Writes the module's ``build.ninja`` with FlashInfer's own ``write_ninja`` under
+    FlashInfer's own lock of the module (as its build would) and reads it back."""
     from flashinfer.compilation_context import CompilationContext
     from flashinfer.jit import cpp_ext
 
@@ -114,9 +114,12 @@ def request_for(spec: Any) -> KernelRequest | None:
     keyed = [a for a in (daemon_arch(x.replace(".", "")) for x in archs) if a]
     if not archs or not keyed:
         return None
-    spec.write_ninja()
+    from filelock import FileLock
+
+    with FileLock(spec.lock_path, thread_local=False):  # as FlashInfer's build writes it
+        spec.write_ninja()
+        raw = spec.ninja_path.read_text()
     roots = _roots()
-    raw = spec.ninja_path.read_text()
     config = jit_keys.tokenise(raw, roots)
     sources = [Path(s) for s in spec.sources]
     cubins = [line.split("=", 1)[1].strip() for line in raw.splitlines()

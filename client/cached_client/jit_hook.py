@@ -42,12 +42,28 @@ class Hook:
 
     def __init__(self, name: str, client: Client) -> None:
         self.name = name
-        self.client = client
+        self._base = client
+        self._owner = threading.current_thread()
+        self._local = threading.local()
         self.counts: Counter[str] = Counter()
         self._replaced: list[tuple[Any, str, Any, bool, Any]] = []
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self._down_until = 0.0
+
+    @property
+    def client(self) -> Client:
+        """This thread's client: the one given for the thread that installed the hook, a
+        connection of its own for every other thread (a library that compiles on several
+        threads, as Humming does, must not queue one thread's lease wait behind another's
+        on one connection)."""
+        client = getattr(self._local, "client", None)
+        if client is None:
+            base = self._base
+            client = base if threading.current_thread() is self._owner else Client(
+                base.socket_path, timeout=base.timeout, fallback=False, identity=base.identity)
+            self._local.client = client
+        return client
 
     def replace(self, owner: Any, attr: str, new: Any) -> None:
         """Set ``owner.attr`` to ``new``, remembering what was there (:meth:`restore`)."""
