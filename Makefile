@@ -7,15 +7,19 @@ TEST_STAMP := $(VENV)/.installed-test
 VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
+JIT_DIR := .venv-jit
+JIT_STAMP := $(JIT_DIR)/.installed
 ARGS ?=
 
-.PHONY: setup setup-test setup-vllm serve test bench clean
+.PHONY: setup setup-test setup-vllm setup-jit serve test bench clean
 
 setup: $(STAMP)
 
-setup-test: $(TEST_STAMP) $(VLLM_STAMP)
+setup-test: $(TEST_STAMP) $(VLLM_STAMP) $(JIT_STAMP)
 
 setup-vllm: $(VLLM_STAMP)
+
+setup-jit: $(JIT_STAMP)
 
 # The daemon: a C linker (kernels are linked into .so files) and the pinned toolchain.
 # torch's CPU build comes from PyTorch's CPU index (TORCH_INDEX=URL in the environment: a mirror).
@@ -49,6 +53,21 @@ $(VLLM_STAMP): requirements-vllm.txt client/pyproject.toml
 	$(VLLM_BIN)/python -c "import vllm.plugins, vllm.model_executor.kernels.linear" >/dev/null
 	touch $(VLLM_STAMP)
 
+# The JIT libraries the tests compile with (Triton, Humming, the CUDA 13.0 compiler wheels:
+# requirements-jit.txt), in one directory both test environments put on their path; and
+# the link-time stand-in for the driver library that the CUDA toolkit ships as
+# lib64/stubs/libcuda.so and no wheel does (FlashInfer links its modules with -lcuda; the
+# machines running the tests have no driver). tests/jit_harness.py says how each is used.
+$(JIT_STAMP): requirements-jit.txt $(STAMP)
+	@command -v g++ >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)
+	rm -rf $(JIT_DIR)
+	$(BIN)/pip install -q --no-deps --target $(JIT_DIR) -r requirements-jit.txt
+	mkdir -p $(JIT_DIR)/stubs
+	printf 'void cached_libcuda_link_stub(void) {}\n' > $(JIT_DIR)/stubs/stub.c
+	gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o $(JIT_DIR)/stubs/libcuda.so $(JIT_DIR)/stubs/stub.c
+	ln -sfn ../nvidia/cu13/lib/libcudart.so.13 $(JIT_DIR)/stubs/libcudart.so
+	touch $(JIT_STAMP)
+
 serve: setup
 	$(BIN)/cached serve $(ARGS)
 
@@ -60,4 +79,4 @@ bench: setup-test
 	$(BIN)/python bench/run_all.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(JIT_DIR) .pytest_cache .ruff_cache

@@ -36,11 +36,17 @@ REDACTED = ("paths, kernel keys and parameters, compiler messages and the fleet 
             "address are shown over the socket only: cached stats")
 
 
+PUBLIC_TOOLCHAIN_KEYS = ("name", "fingerprint", "versions", "families", "default", "workers")
+"""Each registered toolchain's keys HTTP shows (not its interpreter's path)."""
+
+
 def public_stats(snapshot: dict) -> dict:
     """What ``GET /stats`` and the page show of a ``Daemon.snapshot()``: the
-    :data:`PUBLIC_KEYS`, the fleet tier's :data:`PUBLIC_REMOTE_KEYS`, and of each kept
-    failure its time and family only."""
+    :data:`PUBLIC_KEYS`, the fleet tier's :data:`PUBLIC_REMOTE_KEYS`, each toolchain's
+    :data:`PUBLIC_TOOLCHAIN_KEYS`, and of each kept failure its time and family only."""
     out = {k: snapshot[k] for k in PUBLIC_KEYS if k in snapshot}
+    out["toolchains"] = [{k: t[k] for k in PUBLIC_TOOLCHAIN_KEYS if k in t}
+                         for t in snapshot.get("toolchains", [])]
     remote = snapshot.get("remote") or {}
     out["remote"] = {k: remote[k] for k in PUBLIC_REMOTE_KEYS if k in remote}
     out["last_failures"] = [{"time": f.get("time"), "family": f.get("family")}

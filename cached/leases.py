@@ -133,7 +133,8 @@ class Leases:
 
     async def lease(self, m: p.LeaseRequest, peer: Peer) -> p.LeaseReply:
         """A hit, a lease to compile and publish, or (after ``wait_ms``) ``wait``."""
-        key = self.resolve(m.request, m.identity)[2].key
+        family, _, route = self.resolve(m.request, m.identity)
+        key = route.key
         deadline = time.monotonic() + m.wait_ms / 1000
         may_publish = self.access.may_publish(peer)
         waited = False
@@ -141,6 +142,9 @@ class Leases:
             entry = await self.scheduler.lookup(key)
             if entry is not None:
                 self.stats.count("writeback.hits_after_wait" if waited else "writeback.hits")
+                self.stats.count("hits", family.name)
+                self.stats.count("compiles_avoided", family.name)
+                self.stats.count("bytes_served", family.name, entry.row["size"])
                 return p.LeaseReply(state="hit",
                                     artifact=self.scheduler.artifact(entry, "hit"))
             if not may_publish:
@@ -154,6 +158,7 @@ class Leases:
                     self.stats.count("writeback.leases_expired")
                     event(log, logging.WARNING, "writeback.lease_expired", key=key[:16],
                           pid=current.pid, reason=why)
+                self.stats.count("misses", family.name)
                 return self._grant(key, peer, m.ttl_s, why if current else "")
             if now >= deadline:
                 return p.LeaseReply(state="wait", holder_pid=current.pid,

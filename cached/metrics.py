@@ -65,6 +65,17 @@ class _Collector:
         yield per_family("cached_persist_failures",
                          "Kernels compiled but not stored (disk full, budget): served to "
                          "their waiters unstored.", "persist_failures")
+        yield per_family("cached_compiles_avoided",
+                         "Artifacts served that nobody compiled for that request: get hits, "
+                         "fleet-tier fetches, write-back hits.", "compiles_avoided")
+        yield per_family("cached_published",
+                         "Artifacts written back by clients (write-back families, and any "
+                         "family of an environment the daemon has no toolchain for).",
+                         "published")
+        yield per_family("cached_served_bytes", "Bytes of the artifacts served (get answers "
+                         "and write-back hits).", "bytes_served")
+        yield per_family("cached_published_bytes", "Bytes of the artifacts written back.",
+                         "bytes_published")
         yield per_family("cached_client_fallbacks",
                          "In-process compilations clients reported while the daemon was "
                          "unusable to them.", "client_fallbacks")

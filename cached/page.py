@@ -77,19 +77,36 @@ def render(s: dict) -> str:
     for family, c in sorted(s.get("families", {}).items()):
         compiles = c.get("compiles", 0)
         mean = f"{c.get('compile_seconds', 0) / compiles:.2f}" if compiles else "-"
-        idle = not (c.get("hits") or c.get("misses") or c.get("client_fallbacks"))
+        idle = not (c.get("hits") or c.get("misses") or c.get("client_fallbacks")
+                    or c.get("published"))
         row_class = ' class="idle"' if idle else ""
         rows.append(
             f"<tr{row_class}><td>{e(family)}</td>"
             f"<td>{c.get('hits', 0)}</td><td>{c.get('misses', 0)}</td>"
             f"<td>{_ratio(c.get('hits', 0), c.get('misses', 0))}</td><td>{compiles}</td>"
             f"<td>{c.get('failures', 0)}</td><td>{mean}</td>"
+            f"<td>{c.get('published', 0)}</td><td>{c.get('compiles_avoided', 0)}</td>"
+            f"<td>{e(size_text(c.get('bytes_served', 0)))}</td>"
             f"<td>{c.get('client_fallbacks', 0)}</td></tr>")
     families = (
         "<table id=\"families\"><tr><th>family</th><th>hits</th><th>misses</th>"
         "<th>hit ratio</th><th>compiled</th><th>failed</th><th>mean compile s</th>"
+        "<th>written back</th><th>compiles avoided</th><th>served</th>"
         "<th>client fallbacks</th></tr>" + "".join(rows) + "</table>"
         if rows else '<p class="none" id="families">no families registered</p>')
+    toolchains = []
+    for t in s.get("toolchains", []):
+        w = t.get("workers") or {}
+        versions = ", ".join(f"{e(k)} {e(str(v))}" for k, v in (t.get("versions") or {}).items())
+        toolchains.append(
+            f"<tr><td>{e(str(t.get('name', '')))}{' (default)' if t.get('default') else ''}"
+            f"</td><td><code>{e(str(t.get('fingerprint', '')))}</code></td>"
+            f"<td>{versions}</td><td>{w.get('ready', 0)} ready, {w.get('busy', 0)} busy</td>"
+            "</tr>")
+    toolchain_html = (
+        "<table id=\"toolchains\"><tr><th>toolchain</th><th>fingerprint</th><th>versions</th>"
+        "<th>workers</th></tr>" + "".join(toolchains) + "</table>"
+        if toolchains else '<p class="none" id="toolchains">no toolchain registered</p>')
     failures = []
     for f in reversed(s.get("last_failures", [])):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(f.get("time") or 0))
@@ -123,6 +140,7 @@ def render(s: dict) -> str:
 {versions} &middot; toolchain digest {e(str(s.get("toolchain", "")))}</div>
 <div class="tiles">{"".join(tiles)}</div>
 <h2>Families</h2>{families}
+<h2>Toolchains</h2>{toolchain_html}
 <h2>Errors by code</h2><p id="errors">{errors or '<span class="none">none</span>'}</p>
 <h2>Last compile failures</h2>{failure_html}
 <p class="sub" id="redacted">Paths, kernel parameters and compiler messages are not shown

@@ -38,6 +38,7 @@ from cached_client.errors import (
     CompileFailed,
     DaemonUnavailable,
     DeadlineExceeded,
+    InvalidArgument,
     InvalidTactic,
     Overloaded,
     UnknownToolchain,
@@ -49,7 +50,7 @@ from .families.base import DEFAULT_SM_COUNT, Family
 from .log import event
 from .pool import JobError, Pool, WorkerFailed
 from .stats import Stats
-from .store import Entry, PersistFailed, Store, row_for
+from .store import Entry, PersistFailed, Store, manifest, row_for
 from .toolchains import Route, Toolchains
 
 log = logging.getLogger("cached.scheduler")
@@ -167,6 +168,9 @@ class Scheduler:
         """The stored entry for a request and whether it was a ``hit`` or ``compiled``;
         UnknownToolchain at once for a miss no registered toolchain may compile."""
         family, request, route = self.resolve(request, identity)
+        if family.bundle:
+            raise InvalidArgument(f"{family.name} artifacts are bundles a client writes back: "
+                                  "ask for them with lease")
         key = route.key
         entry = await self.lookup(key)
         if entry is not None:
@@ -461,8 +465,18 @@ class Scheduler:
             return entry, "unstored"
 
     def artifact(self, entry: Entry, origin: str, paths: bool = True) -> p.Artifact:
-        """How the protocol describes a stored entry (with its blob paths unless not)."""
+        """How the protocol describes a stored entry (with its blob paths unless not); a
+        bundle has no object or library but its files, each with its blob's path."""
         r = entry.row
+        if entry.kind == "bundle":
+            return p.Artifact(
+                key=r["key"], family=r["family"], kernel_name=r["kernel_name"], symbol="",
+                library_sha256="", object_sha256="", toolchain=r["toolchain"],
+                source_sha256=r["source_sha256"], runtime_library={}, origin=origin,
+                compile_seconds=r["compile_seconds"], kind="bundle",
+                files=[{"name": name, "sha256": f["sha256"], "size": f["size"],
+                        "path": str(entry.files[name]) if paths else None}
+                       for name, f in sorted(manifest(r).items())])
         return p.Artifact(
             key=r["key"], family=r["family"], kernel_name=r["kernel_name"], symbol=r["symbol"],
             library_sha256=r["library_sha256"], object_sha256=r["object_sha256"],

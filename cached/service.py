@@ -42,7 +42,8 @@ log = logging.getLogger("cached.service")
 FLASHINFER_FAMILIES = ("flashinfer.mm_fp4", "flashinfer.bi.bmm_fp8", "flashinfer.bi.mm_fp4",
                        "flashinfer.jit")
 LIST_FIELDS = ("key", "family", "kernel_name", "arch", "sm_count", "max_active_clusters",
-               "params", "size", "compile_seconds", "created", "last_used", "hits", "toolchain")
+               "params", "size", "compile_seconds", "created", "last_used", "hits", "toolchain",
+               "kind")
 
 
 @functools.cache
@@ -128,8 +129,12 @@ class Service:
         started = time.perf_counter()
         reply = await self._get(m, peer)
         artifact = (reply[0] if isinstance(reply, tuple) else reply).artifact
+        family = m.request.family
         self.stats.observe("hit_seconds" if artifact.origin == "hit" else "miss_seconds",
-                           m.request.family, time.perf_counter() - started)
+                           family, time.perf_counter() - started)
+        self.stats.count("bytes_served", family, artifact.library_size + artifact.object_size)
+        if artifact.origin in ("hit", "remote"):  # served without compiling anything for it
+            self.stats.count("compiles_avoided", family)
         return reply
 
     async def _get(self, m: p.GetRequest, peer: Peer

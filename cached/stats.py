@@ -28,8 +28,13 @@ HISTOGRAMS = {"compile_seconds": COMPILE_BUCKETS, "hit_seconds": HIT_BUCKETS,
 """Every histogram by name: ``compile_seconds`` is observed by ``count`` (the counter of
 the same name is its sum); ``hit_seconds`` and ``miss_seconds`` by :meth:`Stats.observe`."""
 FAMILY_COUNTERS = ("hits", "misses", "compiles", "failures", "compile_seconds",
-                   "client_fallbacks", "remote_hits", "deadline_exceeded", "persist_failures")
-"""Per-family counters every family reports, zero until counted."""
+                   "client_fallbacks", "remote_hits", "deadline_exceeded", "persist_failures",
+                   "compiles_avoided", "published", "bytes_served", "bytes_published")
+"""Per-family counters every family reports, zero until counted. ``hits``/``misses``
+count ``get`` answers and write-back ``lease`` answers (hit; granted: the asker compiles);
+``compiles_avoided``: artifacts served that nobody compiled for that request (a ``get``
+hit or fleet-tier fetch, a write-back hit); ``published``: entries written back by
+clients; ``bytes_served``/``bytes_published``: their sizes."""
 
 
 class Stats:

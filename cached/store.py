@@ -2,7 +2,8 @@
 
 Layout under the store root::
 
-    blobs/ab/abcdef....so  read-only files named by their sha256 (and kind's suffix)
+    blobs/ab/abcdef....so  read-only files named by their sha256 (and a suffix: .o, .so, or
+                         a bundle file's own extension)
     tmp/                 work directories of compilations in progress
     index.sqlite         one row per key (sqlite-utils, WAL)
 
@@ -42,6 +43,7 @@ from typing import Any
 import sqlite_utils
 from cached_client.errors import CompileFailed, IntegrityError
 from cached_client.keys import KernelRequest
+from cached_client.protocol import BUNDLE_NAME, MAX_BUNDLE_FILES, check_manifest
 
 from .config import ConfigError
 from .log import event
@@ -53,12 +55,19 @@ COLUMNS = {
     "sm_count": int, "max_active_clusters": int, "toolchain": str, "source_sha256": str,
     "object_sha256": str, "object_size": int, "library_sha256": str, "library_size": int,
     "size": int, "compile_seconds": float, "created": float, "last_used": float, "hits": int,
-    "meta": str,
+    "meta": str, "kind": str, "files": str,
 }
+ADDED_COLUMNS = {"kind": "kernel", "files": ""}
+"""Columns an older index lacks, added with these values when it is opened."""
+KINDS = ("kernel", "bundle")
+"""What an entry holds: a ``kernel`` is an object and the library linked from it; a
+``bundle`` is a set of named opaque files (a JIT library's own artifacts, written back by
+clients), listed with their digests and sizes in the row's ``files`` manifest."""
 
 SUFFIXES = {"object": ".o", "library": ".so"}
 INDEX_NAME = "index.sqlite"
 HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+BLOB_SUFFIX = re.compile(r"\.[a-z0-9]{1,16}\Z")
 _CHUNK = 1 << 20
 _OPEN_BLOB = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -115,6 +124,43 @@ class StoreSnapshot:
     over_budget: bool
 
 
+@dataclass(frozen=True)
+class Blob:
+    """One blob an entry references: its digest, file-name suffix, size and what it is."""
+
+    sha256: str
+    suffix: str
+    size: int
+    label: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.sha256}{self.suffix}"
+
+
+def bundle_suffix(name: str) -> str:
+    """The blob suffix of a bundle file: its own extension (``.so``, ``.cubin``, ``.json``:
+    a loader such as TVM-FFI's picks its format by it), else ``.bin``."""
+    ext = os.path.splitext(name)[1].lower()
+    return ext if BLOB_SUFFIX.match(ext) else ".bin"
+
+
+def manifest(row: Mapping[str, Any]) -> dict[str, dict]:
+    """A bundle row's files, ``{name: {"sha256", "size"}}`` (empty for a kernel)."""
+    if row.get("kind") != "bundle":
+        return {}
+    return json.loads(row["files"])
+
+
+def row_blobs(row: Mapping[str, Any]) -> list[Blob]:
+    """Every blob the row references (a kernel: object and library; a bundle: its files)."""
+    if row.get("kind") == "bundle":
+        return [Blob(f["sha256"], bundle_suffix(name), f["size"], f"file {name}")
+                for name, f in sorted(manifest(row).items())]
+    return [Blob(row[f"{k}_sha256"], suffix, row[f"{k}_size"], k)
+            for k, suffix in SUFFIXES.items()]
+
+
 def row_for(key: str, request: KernelRequest, *, kernel_name: str, symbol: str,
             toolchain: str, source_sha256: str, compile_seconds: float,
             meta: Mapping[str, Any]) -> dict:
@@ -131,22 +177,37 @@ def row_for(key: str, request: KernelRequest, *, kernel_name: str, symbol: str,
 
 def check_row(row: Mapping[str, Any]) -> str | None:
     """Why an index row cannot be trusted (None when it can): every key and digest is 64
-    lowercase hex digits, every column has its type, sizes add up, JSON columns parse."""
-    for name in ("key", "object_sha256", "library_sha256"):
+    lowercase hex digits, every column has its type, sizes add up, JSON columns parse; a
+    bundle's manifest names plain files (no path) with digests and sizes."""
+    kind = row.get("kind")
+    if kind not in KINDS:
+        return f"kind is not one of {', '.join(KINDS)}: {str(kind)[:80]!r}"
+    blobs = ("object_sha256", "library_sha256") if kind == "kernel" else ()
+    for name in ("key", *blobs):
         value = row.get(name)
         if not isinstance(value, str) or not HEX64.match(value):
             return f"{name} is not 64 lowercase hex digits: {str(value)[:80]!r}"
-    for name, kind in COLUMNS.items():
+    for name, type_ in COLUMNS.items():
         value = row.get(name)
-        if kind is str and name != "meta" and not isinstance(value, str):
+        if type_ is str and name != "meta" and not isinstance(value, str):
             return f"{name} is not text: {str(value)[:80]!r}"
-        if kind is int and (not isinstance(value, int) or isinstance(value, bool)
-                            or value < 0):
+        if type_ is int and (not isinstance(value, int) or isinstance(value, bool)
+                             or value < 0):
             return f"{name} is not a non-negative integer: {str(value)[:80]!r}"
-        if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool)
-                              or not math.isfinite(value)):
+        if type_ is float and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                               or not math.isfinite(value)):
             return f"{name} is not a finite number: {str(value)[:80]!r}"
-    if row["size"] != row["object_size"] + row["library_size"]:
+    if kind == "bundle":
+        try:
+            files = json.loads(row["files"])
+        except ValueError:
+            return "files is not a JSON object"
+        why = check_manifest(files)
+        if why is not None:
+            return why
+        if row["size"] != sum(f["size"] for f in files.values()):
+            return "size is not the sum of the bundle's file sizes"
+    elif row["size"] != row["object_size"] + row["library_size"]:
         return "size is not object_size + library_size"
     for name in ("params", "meta"):
         value = row.get(name)
@@ -163,14 +224,21 @@ def check_row(row: Mapping[str, Any]) -> str | None:
 
 @dataclass(frozen=True)
 class Entry:
-    """One index row, with paths to its verified blobs. An *unstored* entry (a kernel the
-    store could not take, see :meth:`Store.unstored`) is in no index; its paths are in the
-    compilation's work directory and ``library_data`` holds the library's bytes."""
+    """One index row, with paths to its verified blobs (a kernel: ``object_path`` and
+    ``library_path``; a bundle: ``files``, by name, and no object or library). An
+    *unstored* entry (a kernel the store could not take, see :meth:`Store.unstored`) is in
+    no index; its paths are in the compilation's work directory and ``library_data``
+    holds the library's bytes."""
 
     row: dict
-    object_path: Path
-    library_path: Path
+    object_path: Path | None
+    library_path: Path | None
     library_data: bytes | None = field(default=None, repr=False, compare=False)
+    files: Mapping[str, Path] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return self.row.get("kind", "kernel")
 
     @property
     def key(self) -> str:
@@ -236,6 +304,10 @@ class Store:
             if not self.entries.exists():
                 self.entries.create(COLUMNS, pk="key")
             missing = set(COLUMNS) - set(self.entries.columns_dict)
+            if missing and missing <= set(ADDED_COLUMNS):  # an older index: every row a kernel
+                for name in sorted(missing):
+                    self.entries.add_column(name, str, not_null_default=ADDED_COLUMNS[name])
+                missing = set()
         except sqlite3.Error as exc:
             raise StoreError(f"index {self.index_path} is not a usable SQLite database "
                              f"({exc}); move it aside to start with an empty index (the "
@@ -353,7 +425,7 @@ class Store:
 
     def check_budget(self) -> None:
         """StoreError if the budget cannot hold one of the entries already stored (or one
-        entry's two files): a budget smaller than one kernel is a configuration error."""
+        kernel's two files): a budget smaller than one kernel is a configuration error."""
         b = self.budget
         if b.max_files == 1:
             raise StoreError("max_files 1 cannot hold one kernel (two files: object and "
@@ -376,23 +448,26 @@ class Store:
 
     # -- blobs, never through a link ----------------------------------------------------
 
-    def blob_path(self, sha256: str, kind: str) -> Path:
-        """Where the blob of ``kind`` (object or library) with this digest lives."""
+    def blob_path(self, sha256: str, suffix: str) -> Path:
+        """Where the blob with this digest and suffix (``.o``, ``.so``, a bundle file's
+        extension: :data:`SUFFIXES`, :func:`bundle_suffix`) lives."""
         if not HEX64.match(sha256):
             raise ValueError(f"not a sha256 digest: {sha256[:80]!r}")
-        return self.blob_dir / sha256[:2] / f"{sha256}{SUFFIXES[kind]}"
+        if not BLOB_SUFFIX.match(suffix):
+            raise ValueError(f"not a blob suffix: {suffix[:20]!r}")
+        return self.blob_dir / sha256[:2] / f"{sha256}{suffix}"
 
     def _shard(self, sha256: str) -> int:
         """A descriptor of the blob's shard directory, opened without following a link."""
         return os.open(self.blob_dir / sha256[:2], _OPEN_DIR)
 
-    def read_blob(self, sha256: str, kind: str, size: int | None = None,
-                  keep: bool = False) -> bytes | None:
+    def read_blob(self, sha256: str, suffix: str, size: int | None = None,
+                  keep: bool = False, what: str = "") -> bytes | None:
         """Check the blob of this digest: opened without following links, read only if it
         is a regular file (of ``size`` bytes when given), hashed. Returns its bytes when
         ``keep``; raises :class:`BadBlob` saying why it cannot be served."""
-        label = f"{kind} blob {sha256[:12]}"
-        name = self.blob_path(sha256, kind).name
+        label = f"{what or suffix.lstrip('.')} blob {sha256[:12]}"
+        name = self.blob_path(sha256, suffix).name
         try:
             shard = self._shard(sha256)
         except FileNotFoundError:
@@ -405,10 +480,10 @@ class Store:
         finally:
             os.close(shard)
 
-    def remove_blob(self, sha256: str, kind: str) -> None:
+    def remove_blob(self, sha256: str, suffix: str) -> None:
         """Remove whatever sits at the blob's name (a file, link, FIFO or directory) without
         following a link; nothing else is touched, no mode is changed."""
-        name = self.blob_path(sha256, kind).name
+        name = self.blob_path(sha256, suffix).name
         try:
             shard = self._shard(sha256)
         except OSError:
@@ -437,14 +512,13 @@ class Store:
 
     def blob_problem(self, row: Mapping[str, Any]) -> str | None:
         """Why the row's blobs cannot be served (removing what is certainly not a blob at
-        their names), or None when both verify."""
-        for kind in SUFFIXES:
-            sha = row[f"{kind}_sha256"]
+        their names), or None when every one verifies."""
+        for blob in row_blobs(row):
             try:
-                self.read_blob(sha, kind, row[f"{kind}_size"])
+                self.read_blob(blob.sha256, blob.suffix, blob.size, what=blob.label)
             except BadBlob as bad:
                 if bad.remove:
-                    self.remove_blob(sha, kind)
+                    self.remove_blob(blob.sha256, blob.suffix)
                 return bad.reason
         return None
 
@@ -453,16 +527,24 @@ class Store:
         if reason is not None:
             self.drop(row["key"], reason)
             return None
-        return Entry(dict(row), self.blob_path(row["object_sha256"], "object"),
-                     self.blob_path(row["library_sha256"], "library"))
+        return self._entry(row)
+
+    def _entry(self, row: dict) -> Entry:
+        """The entry of a stored row, with the paths of its blobs."""
+        if row.get("kind") == "bundle":
+            return Entry(dict(row), None, None, files={
+                name: self.blob_path(f["sha256"], bundle_suffix(name))
+                for name, f in manifest(row).items()})
+        return Entry(dict(row), self.blob_path(row["object_sha256"], SUFFIXES["object"]),
+                     self.blob_path(row["library_sha256"], SUFFIXES["library"]))
 
     def read_library(self, entry: Entry) -> bytes:
         """The library blob's bytes, checked against its digest once more as read."""
         if entry.library_data is not None:
             return entry.library_data
         try:
-            data = self.read_blob(entry.row["library_sha256"], "library",
-                                  entry.row["library_size"], keep=True)
+            data = self.read_blob(entry.row["library_sha256"], SUFFIXES["library"],
+                                  entry.row["library_size"], keep=True, what="library")
         except BadBlob as bad:
             self.drop(entry.key, f"while being read: {bad.reason}")
             raise IntegrityError(f"the stored library of {entry.key[:12]} changed while being "
@@ -501,18 +583,43 @@ class Store:
         Evicts down to the budget first (hard: see :meth:`evict`). Raises
         :class:`PersistFailed` when the store cannot take the entry; the built files then
         stay where they are unless already moved into blobs/ (see :meth:`unstored`)."""
-        row = dict(row)
+        row = {**row, "kind": "kernel", "files": ""}
+        return self._publish(row, [("object", Path(object_file), SUFFIXES["object"]),
+                                   ("library", Path(library_file), SUFFIXES["library"])])
+
+    def publish_bundle(self, row: dict, files: Mapping[str, Path]) -> Entry:
+        """Move a bundle's files into blobs/ (each named by its digest and its own
+        extension) and commit one index row listing them, ``{name: {sha256, size}}``: the
+        bundle appears whole or not at all. ``files`` maps each file's name (one plain
+        component, :data:`BUNDLE_NAME`) to its path. Raises PersistFailed as
+        :meth:`publish` does, and for a name or count the store does not take."""
+        names = sorted(files)
+        bad = [n for n in names if not BUNDLE_NAME.match(n)]
+        if bad or not 0 < len(names) <= MAX_BUNDLE_FILES:
+            raise PersistFailed(f"a bundle holds 1 to {MAX_BUNDLE_FILES} plain file names, "
+                                f"not {len(names)} ({', '.join(repr(n[:40]) for n in bad)})")
+        row = {**row, "kind": "bundle", "object_sha256": "", "object_size": 0,
+               "library_sha256": "", "library_size": 0}
+        return self._publish(row, [(n, Path(files[n]), bundle_suffix(n)) for n in names])
+
+    def _publish(self, row: dict, items: list[tuple[str, Path, str]]) -> Entry:
+        """Prepare, place and index ``items`` (label, path, blob suffix) as ``row``."""
         moved: dict[str, str] = {}
+        bundle = row["kind"] == "bundle"
         try:
-            prepared = {kind: _prepare(Path(path)) for kind, path in
-                        (("object", object_file), ("library", library_file))}
-            size = sum(s for _, s in prepared.values())
-            self._check_fits(size)
-            for kind, path in (("object", object_file), ("library", library_file)):
-                sha, nbytes = prepared[kind]
-                self._place(Path(path), sha, kind)
+            prepared = [(label, path, suffix, *_prepare(path)) for label, path, suffix in items]
+            size = sum(nbytes for *_, nbytes in prepared)
+            self._check_fits(size, len(items))
+            files = {}
+            for label, path, suffix, sha, nbytes in prepared:
+                self._place(path, sha, suffix)
                 moved[str(path)] = sha
-                row[f"{kind}_sha256"], row[f"{kind}_size"] = sha, nbytes
+                if bundle:
+                    files[label] = {"sha256": sha, "size": nbytes}
+                else:
+                    row[f"{label}_sha256"], row[f"{label}_size"] = sha, nbytes
+            if bundle:
+                row["files"] = json.dumps(files, sort_keys=True)
             now = time.time()
             row.update(size=size, created=now, last_used=now, hits=0)
             for name in ("params", "meta"):
@@ -533,17 +640,16 @@ class Store:
         except PersistFailed as exc:
             exc.moved = moved
             raise
-        return Entry(dict(row), self.blob_path(row["object_sha256"], "object"),
-                     self.blob_path(row["library_sha256"], "library"))
+        return self._entry(row)
 
-    def _check_fits(self, size: int) -> None:
+    def _check_fits(self, size: int, nfiles: int = 2) -> None:
         b = self.budget
-        if (b.max_bytes and size > b.max_bytes) or b.max_files == 1:
+        if (b.max_bytes and size > b.max_bytes) or (b.max_files and nfiles > b.max_files):
             event(log, logging.ERROR, "store.budget_too_small", entry_bytes=size,
-                  max_bytes=b.max_bytes, max_files=b.max_files)
+                  entry_files=nfiles, max_bytes=b.max_bytes, max_files=b.max_files)
             raise PersistFailed(
-                f"this kernel ({size} bytes, two files) does not fit the whole store budget "
-                f"(max_bytes {b.max_bytes}, max_files {b.max_files}); raise the budget "
+                f"this entry ({size} bytes, {nfiles} files) does not fit the whole store "
+                f"budget (max_bytes {b.max_bytes}, max_files {b.max_files}); raise the budget "
                 "(0: unlimited)")
 
     def unstored(self, row: dict, object_file: Path, library_file: Path,
@@ -553,7 +659,7 @@ class Store:
         blobs/ for a file publish had already moved), checked like a blob, with the
         library's bytes held here. Indexed nowhere; its files are made readable (0444, the
         work directory 0711) like blobs; the caller removes the work directory later."""
-        row = dict(row)
+        row = {**row, "kind": "kernel", "files": ""}
         paths: dict[str, Path] = {}
         data: dict[str, bytes] = {}
         for kind, path in (("object", Path(object_file)), ("library", Path(library_file))):
@@ -575,12 +681,13 @@ class Store:
             else:  # publish moved it into blobs/ before failing: find it by digest
                 sha = failed.moved.get(str(path), "") if failed is not None else ""
                 try:
-                    kept = self.read_blob(sha, kind, keep=True) if sha else None
+                    kept = (self.read_blob(sha, SUFFIXES[kind], keep=True, what=kind)
+                            if sha else None)
                 except BadBlob:
                     kept = None
                 if kept is None:
                     raise PersistFailed(f"the built {kind} file is gone: {failed}")
-                data[kind], paths[kind] = kept, self.blob_path(sha, kind)
+                data[kind], paths[kind] = kept, self.blob_path(sha, SUFFIXES[kind])
             row[f"{kind}_sha256"], row[f"{kind}_size"] = sha, len(data[kind])
         with contextlib.suppress(OSError):
             fd = os.open(Path(library_file).parent, _OPEN_DIR)
@@ -621,7 +728,7 @@ class Store:
         with self._db_lock:
             yield self.db
 
-    def _place(self, path: Path, sha: str, kind: str) -> None:
+    def _place(self, path: Path, sha: str, suffix: str) -> None:
         """Move a prepared file to its blob name; an identical blob already there is kept
         (the file is dropped), anything else at that name is replaced."""
         shard = self.blob_dir / sha[:2]
@@ -634,14 +741,14 @@ class Store:
                 shard.unlink()
                 shard.mkdir()
         try:
-            self.read_blob(sha, kind, os.stat(path).st_size)
+            self.read_blob(sha, suffix, os.stat(path).st_size)
         except BadBlob as bad:
             if bad.remove:
-                self.remove_blob(sha, kind)
+                self.remove_blob(sha, suffix)
         else:
             path.unlink()
             return
-        dest = self.blob_path(sha, kind)
+        dest = self.blob_path(sha, suffix)
         os.replace(path, dest)
         _fsync_dir(dest.parent)
 
@@ -715,8 +822,7 @@ class Store:
 
     def _referenced(self) -> set[str]:
         with self._lock:
-            return {f"{r[f'{k}_sha256']}{SUFFIXES[k]}" for r in self._rows.values()
-                    for k in SUFFIXES}
+            return {b.name for r in self._rows.values() for b in row_blobs(r)}
 
     def scan(self) -> dict[str, Any]:
         """Drop rows whose blobs are missing or wrong (each logged; a bad blob never stops
@@ -745,12 +851,11 @@ class Store:
         for name, st in list(self._blob_files()):
             if name in referenced or st.st_mtime >= self._opened:
                 continue
-            sha, _, suffix = name.partition(".")
-            kind = {v: k for k, v in SUFFIXES.items()}.get("." + suffix)
-            if not trust_index or not HEX64.match(sha) or kind is None:
+            sha, dot, suffix = name.partition(".")
+            if not trust_index or not HEX64.match(sha) or not BLOB_SUFFIX.match(dot + suffix):
                 report["orphans_kept"] += 1
                 continue
-            self.remove_blob(sha, kind)
+            self.remove_blob(sha, dot + suffix)
             report["orphans_removed"] += 1
         if report["orphans_kept"] and not trust_index:
             event(log, logging.WARNING, "store.orphans_kept", blobs=report["orphans_kept"],
@@ -766,14 +871,15 @@ class Store:
     def evict(self, incoming: dict | None = None, max_bytes: int | None = None,
               max_files: int | None = None, grace: float | None = None) -> dict[str, Any]:
         """Remove least recently used entries until the index, plus the ``incoming`` row
-        about to be published, fits ``max_bytes`` and ``max_files`` (two blob files per
-        entry); a blob another entry (or the incoming one) shares stays. Never removes
-        the incoming key or a key :meth:`protect`'s callable names (being compiled).
-        Entries used within ``grace`` seconds go last: with the configured budget (no
-        limits passed) the limit is hard and they go too, oldest first, when nothing else
-        is left to evict; with limits passed (a one-off ``gc``) they stay. Rows leave the
-        in-memory index under the lock before their blobs go, so a concurrent lookup
-        either sees a fresh row or none; their index rows go at the next write."""
+        about to be published, fits ``max_bytes`` and ``max_files`` (blob files: two per
+        kernel, one per bundle file); a blob another entry (or the incoming one) shares
+        stays. Never removes the incoming key or a key :meth:`protect`'s callable names
+        (being compiled). Entries used within ``grace`` seconds go last: with the
+        configured budget (no limits passed) the limit is hard and they go too, oldest
+        first, when nothing else is left to evict; with limits passed (a one-off ``gc``)
+        they stay. Rows leave the in-memory index under the lock before their blobs go, so
+        a concurrent lookup either sees a fresh row or none; their index rows go at the
+        next write."""
         configured = max_bytes is None and max_files is None  # not a one-off gc budget
         max_bytes = self.budget.max_bytes if max_bytes is None else max_bytes
         max_files = self.budget.max_files if max_files is None else max_files
@@ -784,12 +890,12 @@ class Store:
             return report
         keep = incoming["key"] if incoming else None
         incoming_bytes = incoming["size"] if incoming else 0
-        incoming_files = 2 if incoming else 0
+        incoming_files = len(row_blobs(incoming)) if incoming else 0
         protected = set(self._in_use()) | {keep}
         now = time.time()
         with self._lock:
             size = sum(r["size"] for r in self._rows.values() if r["key"] != keep)
-            files = 2 * sum(1 for k in self._rows if k != keep)
+            files = sum(len(row_blobs(r)) for r in self._rows.values() if r["key"] != keep)
 
             def over() -> bool:
                 return bool((max_bytes and size + incoming_bytes > max_bytes)
@@ -807,14 +913,14 @@ class Store:
                 else:
                     victims.append(row)
                     size -= row["size"]
-                    files -= 2
+                    files -= len(row_blobs(row))
             for row in recent:  # oldest first; only as many as the hard limit needs
                 if not over():
                     break
                 if hard:
                     victims.append(row)
                     size -= row["size"]
-                    files -= 2
+                    files -= len(row_blobs(row))
                 else:
                     report["blocked"] += 1
             for row in victims:
@@ -823,13 +929,11 @@ class Store:
                 self._deleted.add(row["key"])
             if victims:
                 referenced = self._referenced() | (
-                    {f"{incoming[f'{k}_sha256']}{SUFFIXES[k]}" for k in SUFFIXES}
-                    if incoming else set())
+                    {b.name for b in row_blobs(incoming)} if incoming else set())
                 for row in victims:
-                    for kind in SUFFIXES:
-                        sha = row[f"{kind}_sha256"]
-                        if f"{sha}{SUFFIXES[kind]}" not in referenced:
-                            self.remove_blob(sha, kind)
+                    for blob in row_blobs(row):
+                        if blob.name not in referenced:
+                            self.remove_blob(blob.sha256, blob.suffix)
             still_over = over()
             if configured:
                 self.over_budget = still_over

@@ -9,6 +9,13 @@ sources it stated), never the daemon's: it is served only to requests stating th
 Only peers on the publish allowlist reach this op (protocol.OPS). An upload that stops
 arriving is removed ``idle_s`` seconds after its last chunk (setting ``upload_timeout``;
 the daemon's flush loop calls :meth:`Uploads.expire`).
+
+``publish_bundle`` is the same for a bundle family's artifacts (cached/families/jit.py):
+every chunk names the bundle's manifest (``{name: {sha256, size}}``, the family checks
+which files a bundle holds) and the file it belongs to; each file is checked against its
+entry when its last chunk arrives, and when every file has, the bundle is stored as one
+index row (Store.publish_bundle): whole or not at all. File names are never paths here:
+received files are written under the upload's work directory by index.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import asyncio
 import base64
 import binascii
 import hashlib
+import json
 import logging
 import shutil
 import time
@@ -38,6 +46,7 @@ from .store import Entry, row_for
 log = logging.getLogger("cached.uploads")
 
 MAX_OBJECT_BYTES = 256 << 20
+MAX_BUNDLE_BYTES = 1 << 30
 UPLOAD_IDLE_S = 300.0
 
 
@@ -49,8 +58,19 @@ class Upload:
     touched: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class BundleUpload:
+    """A bundle being received: its manifest, its work directory and each file so far."""
+
+    workdir: Path
+    files: dict[str, dict]
+    received: dict[str, Upload] = field(default_factory=dict)
+    complete: set[str] = field(default_factory=set)
+    touched: float = field(default_factory=time.monotonic)
+
+
 class Uploads:
-    """Uploads in progress, by (key, object digest)."""
+    """Uploads in progress, by (key, object digest) and bundles by (key, manifest digest)."""
 
     def __init__(self, leases: Leases, idle_s: float = UPLOAD_IDLE_S) -> None:
         self.leases = leases
@@ -59,11 +79,17 @@ class Uploads:
         self.store = leases.scheduler.store
         self.stats = leases.stats
         self.pending: dict[tuple[str, str], Upload] = {}
+        self.bundles: dict[tuple[str, str], BundleUpload] = {}
 
     def _discard(self, id_: tuple[str, str]) -> None:
         upload = self.pending.pop(id_, None)
         if upload is not None:
             shutil.rmtree(upload.path.parent, ignore_errors=True)
+
+    def _discard_bundle(self, id_: tuple[str, str]) -> None:
+        bundle = self.bundles.pop(id_, None)
+        if bundle is not None:
+            shutil.rmtree(bundle.workdir, ignore_errors=True)
 
     def expire(self, now: float | None = None) -> int:
         """Remove uploads idle for ``idle_s``; returns how many."""
@@ -71,14 +97,20 @@ class Uploads:
         stale = [i for i, u in self.pending.items() if now - u.touched > self.idle_s]
         for id_ in stale:
             self._discard(id_)
-        if stale:
-            event(log, logging.INFO, "writeback.uploads_expired", count=len(stale),
-                  idle_s=self.idle_s)
-        return len(stale)
+        stale_bundles = [i for i, b in self.bundles.items() if now - b.touched > self.idle_s]
+        for id_ in stale_bundles:
+            self._discard_bundle(id_)
+        if stale or stale_bundles:
+            event(log, logging.INFO, "writeback.uploads_expired",
+                  count=len(stale) + len(stale_bundles), idle_s=self.idle_s)
+        return len(stale) + len(stale_bundles)
 
     async def publish(self, m: p.PublishRequest, peer: Peer) -> p.PublishReply:
         """Receive one chunk; the final one is verified, linked, stored and served."""
         family, request, route = self.leases.resolve(m.request, m.identity)
+        if family.bundle:
+            raise InvalidArgument(f"{family.name} artifacts are bundles: publish them with "
+                                  "publish_bundle")
         key = route.key
         kernel_name, symbol = family.published_name(request, m.kernel_name)
         if not HEX64_RE.match(m.object_sha256):
@@ -124,10 +156,13 @@ class Uploads:
             shutil.rmtree(workdir, ignore_errors=True)
         self.leases.settle(key)
         self.stats.count("writeback.published")
+        self.stats.count("published", family.name)
+        self.stats.count("bytes_published", family.name, entry.row["object_size"])
         event(log, logging.INFO, "writeback.published", key=key[:16], pid=peer.pid,
               family=family.name, kernel=kernel_name[:120], bytes=entry.row["object_size"],
               toolchain=route.toolchain[-24:])
-        return p.PublishReply(state="stored", key=key)
+        return p.PublishReply(state="stored", key=key,
+                              artifact=self.scheduler.artifact(entry, "compiled"))
 
     def _commit(self, family: Family, request: Any, route: Any, names: tuple[str, str],
                 object_path: Path, m: p.PublishRequest) -> Entry:
@@ -149,5 +184,89 @@ class Uploads:
                       compile_seconds=m.compile_seconds, meta=meta)
         return self.store.publish(row, object_path, library_path)
 
+    async def publish_bundle(self, m: p.PublishBundleRequest, peer: Peer) -> p.PublishReply:
+        """Receive one chunk of one file of a bundle; when every file has arrived and
+        matches its manifest entry, store the bundle (one row) and serve it."""
+        family, request, route = self.leases.resolve(m.request, m.identity)
+        if not family.bundle:
+            raise InvalidArgument(f"{family.name} artifacts are objects: publish them with "
+                                  "publish")
+        family.check_files(request.params, m.files)
+        key = route.key
+        total = sum(f["size"] for f in m.files.values())
+        if total > MAX_BUNDLE_BYTES or any(f["size"] > MAX_OBJECT_BYTES
+                                            for f in m.files.values()):
+            raise InvalidArgument(f"a bundle is at most {MAX_BUNDLE_BYTES} bytes, each file "
+                                  f"at most {MAX_OBJECT_BYTES}")
+        id_ = (key, hashlib.sha256(json.dumps(m.files, sort_keys=True).encode()).hexdigest())
+        if self.store.contains(key):
+            self._discard_bundle(id_)
+            entry = await self.scheduler.lookup(key)
+            return p.PublishReply(state="exists", key=key, artifact=(
+                self.scheduler.artifact(entry, "hit") if entry is not None else None))
+        try:
+            data = base64.b64decode(m.data, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidArgument("publish_bundle data must be base64") from None
+        self.expire()
+        bundle = self.bundles.get(id_)
+        if bundle is None:
+            if m.offset != 0:
+                raise InvalidArgument(f"publish_bundle chunk at offset {m.offset} of a bundle "
+                                      "not being received; start again at offset 0")
+            bundle = self.bundles[id_] = BundleUpload(self.store.workdir(), dict(m.files))
+        bundle.touched = time.monotonic()
+        expected = m.files[m.file]
+        upload = bundle.received.get(m.file)
+        if m.offset == 0:  # (re)start this file
+            index = sorted(m.files).index(m.file)
+            upload = bundle.received[m.file] = Upload(bundle.workdir / f"file-{index}")
+            upload.path.write_bytes(b"")
+            bundle.complete.discard(m.file)
+        elif upload is None or m.offset != upload.size or m.file in bundle.complete:
+            raise InvalidArgument(f"publish_bundle chunk of {m.file!r} at offset {m.offset} "
+                                  "does not continue its upload; start that file again at 0")
+        if upload.size + len(data) > expected["size"]:
+            self._discard_bundle(id_)
+            raise InvalidArgument(f"{m.file!r} is larger than the {expected['size']} bytes "
+                                  "its manifest entry says; the bundle upload was dropped")
+        with open(upload.path, "ab") as f:
+            f.write(data)
+        upload.size += len(data)
+        upload.digest.update(data)
+        if m.final:
+            if upload.size != expected["size"] or upload.digest.hexdigest() != expected["sha256"]:
+                self._discard_bundle(id_)
+                raise InvalidArgument(f"{m.file!r} does not match its manifest entry (size "
+                                      "and sha256); the bundle upload was dropped")
+            bundle.complete.add(m.file)
+        if bundle.complete != set(bundle.files):
+            return p.PublishReply(state="partial", received=upload.size)
+        del self.bundles[id_]
+        try:
+            entry = await asyncio.get_running_loop().run_in_executor(
+                None, self._commit_bundle, family, request, route, bundle, m)
+        finally:
+            shutil.rmtree(bundle.workdir, ignore_errors=True)
+        self.leases.settle(key)
+        self.stats.count("writeback.published")
+        self.stats.count("published", family.name)
+        self.stats.count("bytes_published", family.name, entry.row["size"])
+        event(log, logging.INFO, "writeback.published", key=key[:16], pid=peer.pid,
+              family=family.name, kernel=entry.row["kernel_name"][:120],
+              bytes=entry.row["size"], files=len(bundle.files),
+              toolchain=route.toolchain[-24:])
+        return p.PublishReply(state="stored", key=key,
+                              artifact=self.scheduler.artifact(entry, "compiled"))
+
+    def _commit_bundle(self, family: Family, request: Any, route: Any, bundle: BundleUpload,
+                       m: p.PublishBundleRequest) -> Entry:
+        kernel_name, symbol = family.published_name(request, None)
+        row = row_for(route.key, request, kernel_name=kernel_name, symbol=symbol,
+                      toolchain=route.toolchain, source_sha256=route.source_sha256,
+                      compile_seconds=m.compile_seconds, meta={"origin": "write-back"})
+        return self.store.publish_bundle(row, {name: u.path
+                                               for name, u in bundle.received.items()})
+
     def ops(self) -> dict[str, Handler]:
-        return {"publish": self.publish}
+        return {"publish": self.publish, "publish_bundle": self.publish_bundle}

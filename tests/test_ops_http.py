@@ -19,6 +19,7 @@ from cached_client import CompileFailed
 from conftest import ROOT, DaemonProcess, fault
 
 from cached import toolchain
+from cached.config import size_text
 from cached.httpapp import public_stats
 from cached.page import render
 
@@ -150,16 +151,28 @@ def test_operator_page_in_headless_chromium(busy_daemon, tmp_path):
     assert "25.0% hit ratio (1 hits, 3 misses)" in text  # the fault request is a miss too
     assert "2/2 workers ready (2 idle, 2 alive, 0 restarts)" in text
     assert "of 10 MB budget" in text
-    assert re.search(r"flashinfer\.mm_fp4 1 2 33\.3% 2 0 \d+\.\d\d 3", text), text
-    for idle in ("cached.hopper_fp8", "flashinfer.bi.bmm_fp8", "flashinfer.jit"):
-        assert f"{idle} 0 0 n/a 0 0 - 0" in text, idle  # every family has its row
+    # hits misses ratio compiled failed mean, written back, avoided (the hit), served, fallbacks
+    served = size_text(stats["families"]["flashinfer.mm_fp4"]["bytes_served"])
+    assert stats["families"]["flashinfer.mm_fp4"]["bytes_served"] > 0
+    assert re.search(rf"flashinfer\.mm_fp4 1 2 33\.3% 2 0 \d+\.\d\d 0 1 {served} 3", text), text
+    for idle in ("cached.hopper_fp8", "flashinfer.bi.bmm_fp8", "flashinfer.jit", "triton",
+                 "humming", "flashinfer.nvcc"):
+        assert f"{idle} 0 0 n/a 0 0 - 0 0 0 B 0" in text, idle  # every family has its row
+    # every registered toolchain: name, fingerprint digest, versions, workers; no path
+    (t,) = stats["toolchains"]
+    section = text[text.index("Toolchains toolchain fingerprint versions workers"):
+                   text.index("Errors by code")]
+    assert f"{t['name']} (default) {t['fingerprint']} " in section, section
+    assert all(f"{k} {v}" in section for k, v in t["versions"].items()), section
+    assert section.rstrip().endswith("2 ready, 0 busy"), section
     assert re.search(r"up (\d+\.\ds|\d+s|\d+m\d\ds) \(since \d{4}-\d\d-\d\d \d\d:\d\d\)", text)
     assert f"cached {importlib.metadata.version('cached')}" in text
     for name, version in toolchain.versions().items():
         assert f"{name} {version}" in text
     assert f"toolchain digest {stats['toolchain']}" in text
     assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d cached\.test\.fault", text)  # a failure
-    for secret in (stats["store"], stats["socket"], "injected failure", "page-check"):
+    for secret in (stats["store"], stats["socket"], "injected failure", "page-check",
+                   t["python"]):
         assert secret not in dom, secret  # over the socket only
     shot = tmp_path / "status.png"
     result = subprocess.run([*browser, f"--screenshot={shot}", url], capture_output=True,

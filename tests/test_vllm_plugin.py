@@ -30,7 +30,9 @@ result = {"installed_before": flashinfer.installed(),
           "flashinfer_imported": "flashinfer" in sys.modules}
 if len(sys.argv) > 1:
     import flashinfer as fi         # the plugin's hooks attach now
+    from cached_client import flashinfer_nvcc
     result["installed_after_import"] = flashinfer.installed()
+    result["nvcc_after_import"] = flashinfer_nvcc._hook is not None
 print("RESULT " + json.dumps(result))
 """
 
@@ -68,7 +70,8 @@ def test_with_a_live_daemon_flashinfer_is_hooked_when_first_imported(tmp_path):
             line = next(x for x in out.splitlines() if x.startswith("RESULT "))
             assert json.loads(line[7:]) == {"installed_before": False,
                                             "flashinfer_imported": False,
-                                            "installed_after_import": True}
+                                            "installed_after_import": True,
+                                            "nvcc_after_import": True}
             assert "CuTe-DSL kernels now come from the daemon" in err
             assert f"daemon at {d.socket} (toolchain" in err
     finally:

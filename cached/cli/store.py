@@ -185,7 +185,8 @@ def format_stats(s: dict) -> str:
 
 
 def _family_table(families: dict) -> list[str]:
-    rows = [("Family", "Hits", "Misses", "Hit %", "Compiled", "Failed", "Mean s", "Fallbacks")]
+    rows = [("Family", "Hits", "Misses", "Hit %", "Compiled", "Failed", "Mean s",
+             "Written back", "Avoided", "Served", "Fallbacks")]
     for name, c in sorted(families.items()):
         hits, misses, compiles = c.get("hits", 0), c.get("misses", 0), c.get("compiles", 0)
         total = hits + misses
@@ -193,8 +194,10 @@ def _family_table(families: dict) -> list[str]:
                      f"{100 * hits / total:.2f}%" if total else "-", str(compiles),
                      str(c.get("failures", 0)),
                      f"{c.get('compile_seconds', 0) / compiles:.2f}" if compiles else "-",
+                     str(c.get("published", 0)), str(c.get("compiles_avoided", 0)),
+                     config.size_text(c.get("bytes_served", 0)),
                      str(c.get("client_fallbacks", 0))))
-    return _columns(rows, right=set(range(1, 8)))
+    return _columns(rows, right=set(range(1, 11)))
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

@@ -19,6 +19,9 @@ _MODULES = {
     "flashinfer.bi.bmm_fp8": ("cached.families.flashinfer_bi", "FlashInferBiBmmFp8"),
     "flashinfer.bi.mm_fp4": ("cached.families.flashinfer_bi", "FlashInferBiMmFp4"),
     "flashinfer.jit": ("cached.families.flashinfer_jit", "FlashInferJit"),
+    "flashinfer.nvcc": ("cached.families.jit", "FlashInferNvcc"),
+    "humming": ("cached.families.jit", "Humming"),
+    "triton": ("cached.families.jit", "Triton"),
 }
 if os.environ.get("CACHED_TEST_FAMILIES") == "1":
     _MODULES["cached.test.fault"] = ("cached.families.testing", "FaultFamily")

@@ -40,6 +40,10 @@ class Family(abc.ABC):
     package's own, hashed by :meth:`source_sha256`), ``flashinfer`` (the requesting
     environment's FlashInfer: its client states their hash, cached_client.identity) or
     ``params`` (hashed by the client into the request's parameters; written back only)."""
+    bundle: bool = False
+    """Whether its artifacts are bundles of named opaque files (``publish_bundle``; the
+    JIT libraries' own outputs, cached/families/jit.py) rather than an object the daemon
+    links into a library (``publish``)."""
 
     def reduction_class(self, params: Mapping[str, Any]) -> str | None:
         """The reduction-order class of the tactic ``params`` (a short stable id), or None
@@ -91,6 +95,11 @@ class Family(abc.ABC):
         publishes (write-back, for an environment no toolchain of the daemon matches);
         InvalidTactic unless the name is the one this family gives ``request``."""
         raise InvalidTactic(f"{self.name} kernels are not written back")
+
+    def check_files(self, params: Mapping[str, Any], files: Mapping[str, Any]) -> None:
+        """InvalidTactic unless ``files`` (a bundle's manifest) are the files this family's
+        bundle for ``params`` consists of."""
+        raise InvalidTactic(f"{self.name} artifacts are not bundles")
 
     def canonical_request(self, request: KernelRequest) -> KernelRequest:
         self.check_arch(request.arch)

@@ -422,6 +422,10 @@ class Client:
                 timeout: float | None = None) -> p.PublishReply:
         return self._call("publish", request, p.PublishReply, timeout)
 
+    def publish_bundle(self, request: p.PublishBundleRequest,
+                       timeout: float | None = None) -> p.PublishReply:
+        return self._call("publish_bundle", request, p.PublishReply, timeout)
+
     def flashinfer_artifacts(self, family: str | None = None,
                              timeout: float | None = None) -> p.FlashInferArtifactsReply:
         return self._call("flashinfer_artifacts", p.FamilyFilter(family=family),

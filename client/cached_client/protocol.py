@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -53,6 +54,12 @@ eviction cannot break a load in progress), their paths in the store, or the libr
 bytes as payload."""
 BLOB_KINDS = ("object", "library")
 MAX_DEADLINE_MS = 3_600_000
+KINDS = ("kernel", "bundle")
+"""What an artifact is: a ``kernel`` (an object and the library linked from it) or a
+``bundle`` (named opaque files a JIT library wrote, listed in a manifest)."""
+BUNDLE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,254}\Z")
+"""A bundle file's name: one plain path component without a leading dot."""
+MAX_BUNDLE_FILES = 64
 
 # -- frames ------------------------------------------------------------------------------
 
@@ -276,6 +283,25 @@ class Identity(Message):
             Optional(Str(128))(value, f"identity.runtime[{str(name)[:40]!r}]")
 
 
+def check_manifest(files: Any) -> str | None:
+    """Why a bundle manifest ``{name: {"sha256", "size"}}`` is not one (None when it is): 1 to
+    :data:`MAX_BUNDLE_FILES` plain file names (:data:`BUNDLE_NAME`), each with a digest of
+    64 lowercase hex digits and a size in bytes."""
+    if not isinstance(files, dict) or not 0 < len(files) <= MAX_BUNDLE_FILES:
+        return f"a bundle manifest is an object of 1 to {MAX_BUNDLE_FILES} files"
+    for name, f in files.items():
+        if not isinstance(name, str) or not BUNDLE_NAME.match(name):
+            return f"bundle file name {str(name)[:80]!r} is not one plain file name"
+        if not isinstance(f, dict) or set(f) != {"sha256", "size"}:
+            return f"bundle file {name!r} must have exactly sha256 and size"
+        sha = f["sha256"]
+        if not isinstance(sha, str) or len(sha) != 64 or not set(sha) <= HEX64:
+            return f"bundle file {name!r}: sha256 is not 64 lowercase hex digits"
+        if isinstance(f["size"], bool) or not isinstance(f["size"], int) or f["size"] < 0:
+            return f"bundle file {name!r}: size is not a non-negative integer"
+    return None
+
+
 def IdentityField() -> Any:  # noqa: N802 -- reads as a type
     """The optional ``identity`` field of every request that can return an artifact."""
     return wire(Optional(Nested(Identity)), None,
@@ -327,6 +353,9 @@ class Artifact(Message):
     object_size: int = wire(Int(), 0)
     library_path: str | None = wire(Optional(Str(4096)), None)
     object_path: str | None = wire(Optional(Str(4096)), None)
+    kind: str = wire(Str(16, KINDS), "kernel", "kernel, or bundle (no object or library)")
+    files: list = wire(List(Obj(8), MAX_BUNDLE_FILES), [],
+                       "a bundle's files: {name, sha256, size, path} each")
     library_bytes: bytes | None = field(default=None, repr=False, compare=False)
     """The library itself when it came as the reply's payload (local, not a wire field)."""
 
@@ -510,6 +539,30 @@ class PublishReply(Message):
     state: str = wire(Str(32, ("partial", "exists", "stored")))
     received: int | None = wire(Optional(Int()), None)
     key: str | None = wire(Optional(Str(64)), None)
+    artifact: Artifact | None = wire(Optional(Nested(Artifact)), None,
+                                     "the stored artifact (with state stored or exists)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublishBundleRequest(Message):
+    """One chunk of one file of a bundle; the bundle is stored, whole, once every file of
+    ``files`` has arrived and matches its entry."""
+
+    request: KernelRequest = wire(Kernel())
+    files: dict = wire(Obj(MAX_BUNDLE_FILES), doc="the manifest: {name: {sha256, size}}")
+    file: str = wire(Str(255), doc="the file (a name in files) this chunk belongs to")
+    data: str = wire(Str(MAX_REQUEST_FRAME), "", "base64 of this chunk")
+    offset: int = wire(Int(), 0)
+    final: bool = wire(Bool(), True, "the last chunk of this file")
+    compile_seconds: float = wire(Number(0, 1e6), 0.0)
+    identity: Identity | None = IdentityField()
+
+    def __post_init__(self) -> None:
+        why = check_manifest(self.files)
+        if why is not None:
+            raise InvalidArgument(f"files: {why}")
+        if self.file not in self.files:
+            raise InvalidArgument(f"file {self.file[:80]!r} is not in the bundle's files")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -606,6 +659,9 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("lease_release", LeaseReleaseRequest, StateReply, False, "give a lease up"),
     Op("publish", PublishRequest, PublishReply, True,
        "write-back: upload an exported object in chunks; the final chunk stores it"),
+    Op("publish_bundle", PublishBundleRequest, PublishReply, True,
+       "write-back: upload a bundle's files in chunks; the last file's last chunk stores "
+       "the bundle, whole"),
     Op("flashinfer_artifacts", FamilyFilter, FlashInferArtifactsReply, False,
        "verified FlashInfer artifacts with their meta, for cached export"),
     Op("autotune_put", AutotunePutRequest, AutotunePutReply, True,

@@ -6,7 +6,14 @@ vLLM's logger saying what it installed, and attaches the rest to imports, so tha
 nothing where unused (no FlashInfer import, no CUDA call):
 
 * when FlashInfer is first imported (and a daemon is live): FlashInfer's CuTe-DSL kernels
-  come from the daemon (:func:`cached_client.flashinfer.install`);
+  come from the daemon (:func:`cached_client.flashinfer.install`), and its nvcc JIT modules
+  are compiled once per node (:func:`cached_client.flashinfer_nvcc.install`);
+* when Humming's compiler module is first imported (and a daemon is live): its cubins are
+  compiled once per node (:func:`cached_client.humming.install`);
+* Triton (a daemon live, Triton installed with its remote-cache interface, and neither
+  ``TRITON_CACHE_MANAGER`` nor ``TRITON_REMOTE_CACHE_BACKEND`` set by the user): both are set
+  so that Triton's kernels are compiled once per node (cached_client.triton); the
+  processes vLLM starts inherit them;
 * when vLLM's linear-kernel registry is imported: the daemon-backed FP8 kernel class and
   the W4A16 pin (:func:`cached_client.vllm_kernel.attach_linear`);
 * when ``vllm.config.kernel`` is imported: ``--linear-backend cached`` is accepted;
@@ -66,10 +73,66 @@ def _register() -> None:
                     "kernel 'cached' is unavailable", os.getpid(), d.reason)
         return
     when_imported("flashinfer", _attach_flashinfer)
+    when_imported("humming.jit.compiler", _attach_humming)
+    triton = select_triton_backend()
     logger.info("cached: pid %d: daemon at %s (toolchain %s, %d families); FP8 linear kernel "
                 "'cached' registered (%s); FlashInfer kernels from the daemon once FlashInfer "
-                "is imported", os.getpid(), d.socket, d.toolchain(), len(d.hello.families),
-                mode)
+                "is imported, Humming's once Humming is; %s", os.getpid(), d.socket,
+                d.toolchain(), len(d.hello.families), mode, triton)
+
+
+TRITON_BACKEND = {"TRITON_CACHE_MANAGER": "triton.runtime.cache:RemoteCacheManager",
+                  "TRITON_REMOTE_CACHE_BACKEND": "cached_client.triton:DaemonBackend"}
+"""Triton's own variables that select cached_client.triton's backend."""
+
+
+def _triton_has_remote_cache() -> bool:
+    """Whether Triton is installed with the remote-cache interface the backend implements
+    (read from its source file: Triton is not imported here)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("triton")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    cache = os.path.join(next(iter(spec.submodule_search_locations)), "runtime", "cache.py")
+    try:
+        with open(cache) as f:
+            text = f.read()
+    except OSError:
+        return False
+    return "class RemoteCacheBackend" in text and "class RemoteCacheManager" in text
+
+
+def select_triton_backend() -> str:
+    """Set Triton's variables to the daemon's backend unless the user chose a cache manager
+    or backend; says what was done (for the plugin's line)."""
+    chosen = {k: os.environ[k] for k in TRITON_BACKEND if os.environ.get(k)}
+    if chosen == TRITON_BACKEND:
+        return "Triton kernels from the daemon (selected already)"
+    if chosen:
+        return ("Triton keeps the cache chosen in its environment ("
+                + ", ".join(f"{k}={v}" for k, v in chosen.items()) + ")")
+    if not _triton_has_remote_cache():
+        return "Triton not installed (or without a remote cache): nothing to route"
+    os.environ.update(TRITON_BACKEND)
+    return "Triton kernels from the daemon (TRITON_REMOTE_CACHE_BACKEND set)"
+
+
+def _attach_humming(module: Any) -> None:
+    from . import humming
+
+    d = daemon()
+    try:
+        humming.install(client=d.client)
+    except Exception as exc:  # noqa: BLE001 -- Humming then compiles as it would alone
+        logger.warning("cached: Humming %s: its cubins are not routed to the daemon (%s: %s)",
+                       _version("humming-kernels"), type(exc).__name__, exc)
+        return
+    logger.info("cached: Humming %s: cubins compiled once per node through the daemon at %s",
+                _version("humming-kernels"), d.socket)
 
 
 def _attach_linear(module: Any) -> None:
@@ -80,10 +143,16 @@ def _attach_linear(module: Any) -> None:
 
 
 def _attach_flashinfer(module: Any) -> None:
-    from . import flashinfer
+    from . import flashinfer, flashinfer_nvcc
     from .gemm_plan import flashinfer_bi_available
 
     d = daemon()
+    try:
+        flashinfer_nvcc.install(client=d.client)
+    except Exception as exc:  # noqa: BLE001 -- FlashInfer then builds them as it would alone
+        logger.warning("cached: FlashInfer %s: its nvcc JIT modules are not routed to the "
+                       "daemon (%s: %s)", _version("flashinfer-python"), type(exc).__name__,
+                       exc)
     try:
         flashinfer.install(client=d.client)
     except Exception as exc:  # noqa: BLE001 -- FlashInfer then compiles as it would alone

@@ -5,6 +5,12 @@ daemon has no recipe for: a hit, or after waiting for the process holding the le
 after this process compiled it (``compile_object(path)`` writes the object) and published
 it. A lease holder renews its lease from a thread while it compiles; if this process dies,
 the daemon sees its pid gone and hands the lease to the next waiter.
+
+Bundles (the JIT libraries' own files: cached/families/jit.py): :func:`acquire` answers
+a hit or a :class:`HeldLease` for a compile that happens elsewhere in this process (a
+Triton compile runs between its cache's ``get`` and ``put``); :func:`obtain_bundle` is
+acquire, compile and publish in one call; :func:`read_bundle` reads a hit's files and
+checks each against its digest and size (a file that does not match is never returned).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any
 
 from . import protocol as p
 from .client import Client
-from .errors import CachedError
+from .errors import CachedError, IntegrityError
 from .keys import KernelRequest
 from .protocol import Artifact
 
@@ -118,7 +124,7 @@ def _compile_and_publish(client: Client, request: KernelRequest, token: str, ttl
             seconds = time.perf_counter() - started
             with open(path, "rb") as f:
                 data = f.read()
-            publish(client, request, data, seconds, kernel_name)
+            published = publish(client, request, data, seconds, kernel_name)
         except BaseException as exc:
             stop.set()
             release(client, request, token, f"{type(exc).__name__}: {exc}")
@@ -130,8 +136,145 @@ def _compile_and_publish(client: Client, request: KernelRequest, token: str, ttl
         except OSError:
             pass
         os.rmdir(tmpdir) if not os.listdir(tmpdir) else None
-    reply = lease(client, request, ttl_s, 0)
+    if published.artifact is not None:
+        return published.artifact, result
+    reply = lease(client, request, ttl_s, 0)  # a daemon whose publish names no artifact
     if reply.state != "hit" or reply.artifact is None:
         raise CachedError(f"published {request.params.get('kernel')} but the daemon does not "
                           f"serve it ({reply.state})")
     return reply.artifact, result
+
+
+# -- bundles ----------------------------------------------------------------------------
+
+
+class HeldLease:
+    """A lease this process holds on ``request``: renewed from a thread until it is
+    published (:meth:`publish_bundle`) or released (:meth:`release`); idempotent."""
+
+    def __init__(self, client: Client, request: KernelRequest, token: str,
+                 ttl_s: float = DEFAULT_TTL_S) -> None:
+        self.client = client
+        self.request = request
+        self.token = token
+        self.started = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=_renewer, args=(client, request, token, ttl_s, self._stop),
+            name="cached-lease-renew", daemon=True)
+        self._thread.start()
+
+    @property
+    def open(self) -> bool:
+        return not self._stop.is_set()
+
+    def publish_bundle(self, files: dict[str, bytes],
+                       compile_seconds: float | None = None) -> Artifact:
+        """Publish ``files`` (name -> bytes) as the bundle of the lease's key, which ends
+        the lease; the stored artifact. Any failure releases the lease, then raises."""
+        seconds = (time.perf_counter() - self.started if compile_seconds is None
+                   else compile_seconds)
+        try:
+            artifact = publish_bundle(self.client, self.request, files, seconds)
+        except BaseException as exc:
+            self.release(f"{type(exc).__name__}: {exc}")
+            raise
+        self._stop.set()
+        return artifact
+
+    def release(self, reason: str) -> None:
+        """Give the lease back (the next waiter gets it at once); a no-op once ended."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        release(self.client, self.request, self.token, reason)
+
+
+def acquire(client: Client, request: KernelRequest, ttl_s: float = DEFAULT_TTL_S,
+            timeout: float = 3600.0) -> Artifact | HeldLease:
+    """A hit (the artifact), after waiting on another process's lease if one holds it; or
+    the lease, when this process is to compile. CompileLocally when this peer may not
+    publish; TimeoutError after ``timeout`` seconds of waiting."""
+    deadline = time.monotonic() + timeout
+    while True:
+        wait_ms = int(max(0, min(WAIT_MS, (deadline - time.monotonic()) * 1000)))
+        reply = lease(client, request, ttl_s, wait_ms)
+        if reply.state == "hit" and reply.artifact is not None:
+            return reply.artifact
+        if reply.state == "compile_locally":
+            raise CompileLocally(reply.reason or "")
+        if reply.state == "granted" and reply.lease:
+            return HeldLease(client, request, reply.lease, ttl_s)
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"waited {timeout:.0f}s for another process to publish "
+                               f"{request.family} {request.params}"[:400])
+
+
+def publish_bundle(client: Client, request: KernelRequest, files: dict[str, bytes],
+                   compile_seconds: float = 0.0) -> Artifact:
+    """Upload ``files`` in chunks, file by file; the daemon stores the bundle when the last
+    chunk of the last file has arrived and every file matched the manifest."""
+    manifest = {name: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+                for name, data in files.items()}
+    reply = None
+    for name in sorted(files):
+        data, offset = files[name], 0
+        while True:
+            chunk = data[offset:offset + CHUNK_BYTES]
+            final = offset + len(chunk) >= len(data)
+            reply = client.publish_bundle(p.PublishBundleRequest(
+                request=request, files=manifest, file=name, offset=offset, final=final,
+                data=base64.b64encode(chunk).decode(), compile_seconds=compile_seconds),
+                timeout=120)
+            offset += len(chunk)
+            if reply.state == "exists" and reply.artifact is not None:
+                return reply.artifact
+            if final:
+                break
+    if reply is None or reply.state != "stored" or reply.artifact is None:
+        raise CachedError(f"published a {request.family} bundle but the daemon did not store "
+                          f"it ({reply.state if reply else 'nothing sent'})")
+    return reply.artifact
+
+
+def read_bundle(artifact: Artifact) -> dict[str, bytes]:
+    """The files of a bundle artifact, read from the paths the daemon named, each checked
+    against its digest and size; IntegrityError for one that does not match or cannot be
+    read (nothing is returned then)."""
+    if artifact.kind != "bundle":
+        raise IntegrityError(f"{artifact.family} artifact {artifact.key[:12]} is not a bundle")
+    out = {}
+    for f in artifact.files:
+        name, path = f.get("name"), f.get("path")
+        if not isinstance(name, str) or not p.BUNDLE_NAME.match(name) or not path:
+            raise IntegrityError(f"the daemon's bundle {artifact.key[:12]} names a file "
+                                 f"{str(name)[:60]!r} without a usable name or path")
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except OSError as exc:
+            raise IntegrityError(f"bundle file {name} of {artifact.key[:12]} cannot be read: "
+                                 f"{exc.strerror}") from None
+        if len(data) != f.get("size") or hashlib.sha256(data).hexdigest() != f.get("sha256"):
+            raise IntegrityError(f"bundle file {name} of {artifact.key[:12]} does not match its "
+                                 "digest; not using it")
+        out[name] = data
+    return out
+
+
+def obtain_bundle(client: Client, request: KernelRequest,
+                  compile_files: Callable[[], dict[str, bytes]], ttl_s: float = DEFAULT_TTL_S,
+                  timeout: float = 3600.0) -> tuple[Artifact, dict[str, bytes], bool]:
+    """The bundle for ``request``: (artifact, its files checked, whether this process
+    compiled it). On a miss this process compiles (``compile_files()`` returns the files
+    by name) under the lease and publishes; a hit whose files do not match their digests
+    is refused (IntegrityError), never returned."""
+    got = acquire(client, request, ttl_s, timeout)
+    if isinstance(got, Artifact):
+        return got, read_bundle(got), False
+    try:
+        files = compile_files()
+    except BaseException as exc:
+        got.release(f"{type(exc).__name__}: {exc}")
+        raise
+    return got.publish_bundle(files), files, True
