@@ -71,9 +71,13 @@ $(JIT_STAMP): requirements-jit.txt $(STAMP)
 serve: setup
 	$(BIN)/cached serve $(ARGS)
 
+# Three test processes, one test file each at a time (module fixtures are built once): most
+# tests wait on daemons, compiles and sockets, so three share two cores well.
+TEST_PROCS ?= 3
+
 test: setup-test
 	$(BIN)/ruff check cached client tests bench
-	$(BIN)/pytest -q $(ARGS)
+	$(BIN)/pytest -q -n $(TEST_PROCS) --dist loadfile $(ARGS)
 
 bench: setup-test
 	$(BIN)/python bench/run_all.py $(ARGS)

@@ -39,7 +39,8 @@ def peer_uid() -> int:
     try:
         return pwd.getpwnam(USER).pw_uid
     except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", USER], check=True)
+        # another test process (pytest -n) may be adding it at the same moment
+        subprocess.run(["useradd", "--system", "--no-create-home", USER], capture_output=True)
         return pwd.getpwnam(USER).pw_uid
 
 

@@ -350,7 +350,8 @@ def peer_uid() -> int:
     try:
         return pwd.getpwnam(PEER).pw_uid
     except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", PEER], check=True)
+        # another test process (pytest -n) may be adding it at the same moment
+        subprocess.run(["useradd", "--system", "--no-create-home", PEER], capture_output=True)
         return pwd.getpwnam(PEER).pw_uid
 
 

@@ -198,24 +198,16 @@ def test_publish_needs_the_allowlist_and_a_stalled_lease_expires(tmp_path):
     finally:
         d.stop()
     # a daemon whose publish allowlist excludes us: no lease, no publish
-    sock = str(tmp_path / "strict.sock")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cached", "serve", "--store", str(tmp_path / "s2"), "--socket",
-         sock, "--no-http", "--workers", "1", "--publish-uid", "0"
-         if os.getuid() != 0 else "12345"],
-        env={**os.environ, **ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    (tmp_path / "strict").mkdir()
+    strict = DaemonProcess(tmp_path / "strict", workers=1, extra_env=ENV, extra_args=[
+        "--publish-uid", "0" if os.getuid() != 0 else "12345"])
     try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(sock) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(0.5)
-        client = Client(sock)
+        client = strict.client()
         assert lease(client, request, wait_ms=0).state == "compile_locally"
         with pytest.raises(NotAllowed):
             publish(client, request, b"\x7fELF....")
     finally:
-        proc.terminate()
-        proc.wait(30)
+        strict.stop()
 
 
 def test_precompile_becomes_one_prefetch_and_uninstall_restores(fi_daemon, tmp_path):

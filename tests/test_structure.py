@@ -95,6 +95,22 @@ def _names(cell: str) -> list[str]:
     return re.findall(r"`([^`]+)`", cell)
 
 
+def test_every_module_is_in_the_design_docs_module_table():
+    """docs/design.md's module table names every module of both packages (cli/ as one)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    table = text.split("## Modules", 1)[1].split("\n## ", 1)[0]
+    missing = []
+    for root in PACKAGES.values():
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root)
+            if path.name in ("__init__.py", "__main__.py") or rel.parts[0] == "cli":
+                continue
+            if not re.search(rf"(?<![\w.]){re.escape(path.stem)}\.py", table):
+                missing.append(str(path.relative_to(ROOT)))
+    assert "cli/" in table
+    assert not missing, f"add to docs/design.md's module table: {missing}"
+
+
 def test_protocol_doc_matches_the_op_table():
     doc = (ROOT / "docs" / "protocol.md").read_text()
     rows = {_names(r[0])[0]: r for r in _doc_table(doc, "| op | request fields |")}

@@ -509,6 +509,7 @@ def test_identity_is_stated_with_every_request_that_can_return_an_artifact():
     stated = {name for name, op in p.OPS.items() if "identity" in
               {f for f in op.request.__dataclass_fields__}}
     assert stated == {"get", "prefetch", "plan", "lease", "lease_renew", "lease_release",
+                      "publish_bundle",
                       "publish"}
     digest = hashlib.sha256(b"x").hexdigest()
     with pytest.raises(Exception, match="64 lowercase hex"):
