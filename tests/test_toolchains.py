@@ -514,3 +514,31 @@ def test_identity_is_stated_with_every_request_that_can_return_an_artifact():
     digest = hashlib.sha256(b"x").hexdigest()
     with pytest.raises(Exception, match="64 lowercase hex"):
         p.Identity.from_wire({"toolchain": "t", "sources": {"f": digest.upper()}})
+
+
+THREADS_AT_ONCE = """
+import threading
+from cached_client import identity
+out, barrier = [], threading.Barrier(8)
+def ask():
+    barrier.wait()
+    out.append(identity.toolchain())
+threads = [threading.Thread(target=ask) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(len(set(out)), out[0].split(";")[1])
+"""
+
+
+def test_the_fingerprint_is_the_same_in_threads_asking_at_once():
+    """bench/load.py found it: 8 threads of a fresh process asking for the fingerprint at
+    once got two answers (Python 3.11's sysconfig gave some of them SOABI None), so their
+    first requests were unknown_toolchain. Every fresh process here gives one answer."""
+    import sysconfig
+
+    for _ in range(12):
+        out = subprocess.run([sys.executable, "-c", THREADS_AT_ONCE], capture_output=True,
+                             text=True, check=True, timeout=60).stdout.split()
+        assert out == ["1", sysconfig.get_config_var("SOABI")], out

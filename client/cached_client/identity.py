@@ -35,11 +35,13 @@ import base64
 import csv
 import functools
 import hashlib
+import importlib.machinery
 import json
 import os
 import re
 import sys
 import sysconfig
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +53,7 @@ STACK_NAMES = ("torch", "apache-tvm-ffi")
 STACK_PREFIX = "nvidia-cutlass-dsl"
 FLASHINFER_DIST = "flashinfer-python"
 VERSION_NAMES = ("flashinfer-python", "nvidia-cutlass-dsl", "apache-tvm-ffi", "torch")
+_SYSCONFIG_LOCK = threading.Lock()
 _DIST_INFO = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)\.dist-info$")
 
 
@@ -119,8 +122,22 @@ def toolchain() -> str:
     """This environment's compiler stack fingerprint (see the module doc)."""
     stack = [dist_component(d) for name, d in distributions().items()
              if name in STACK_NAMES or name.startswith(STACK_PREFIX)]
-    return ";".join([str(sys.implementation.cache_tag), str(sysconfig.get_config_var("SOABI")),
+    return ";".join([str(sys.implementation.cache_tag), soabi(),
                      *sorted(stack)])
+
+
+def soabi() -> str:
+    """The interpreter's extension ABI tag (``cpython-311-x86_64-linux-gnu``), as
+    ``sysconfig.get_config_var("SOABI")`` gives it, read from the extension suffixes that
+    are fixed at start-up: Python 3.11's sysconfig fills its variables lazily without a
+    lock, so two threads asking first at once can get None
+    (test_toolchains.py::test_the_fingerprint_is_the_same_in_threads_asking_at_once)."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        parts = suffix.split(".")
+        if len(parts) == 3 and parts[2] == "so" and parts[1]:
+            return parts[1]
+    with _SYSCONFIG_LOCK:
+        return str(sysconfig.get_config_var("SOABI"))
 
 
 def digest(fingerprint: str) -> str:
