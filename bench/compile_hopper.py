@@ -1,11 +1,13 @@
 """Compile the whole tactic space of cached.hopper_fp8 (every reduction-order class) for
 sm_90a through a fresh daemon, and report counts and time. `make test` compiles one tactic
-per (tile, cluster) of the S = 1 class, every unswapped split tactic and one swap_ab tactic
-per code path; this is the whole space (392 tactics, the 72 swap_ab ones included).
+per (tile, cluster) of the S = 1 class for the widths 64/128/192/256, every unswapped split
+tactic of those widths, one swap_ab tactic per code path and a sample of the widths 80,
+96, 112, 160; this is the whole space (480 tactics, the 72 swap_ab ones included).
 
-    .venv/bin/python bench/compile_hopper.py [--workers N] [--swap-only]
+    .venv/bin/python bench/compile_hopper.py [--workers N] [--swap-only | --new-widths-only]
 
---swap-only compiles the 72 swap_ab tactics alone.
+--swap-only compiles the 72 swap_ab tactics alone; --new-widths-only the 88 unswapped
+tactics of the widths 80, 96, 112, 160 (72 of S = 1, 16 serial splits).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from cached.families.hopper_fp8 import tactics as T
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workers", type=int, default=None)
-    parser.add_argument("--swap-only", action="store_true")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--swap-only", action="store_true")
+    only.add_argument("--new-widths-only", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         daemon = Daemon(Path(tmp), workers=args.workers)
@@ -39,6 +43,9 @@ def main() -> int:
                                         options={"reduction_class": class_id})
             if args.swap_only:
                 requests = [r for r in requests if r.params["swap_ab"]]
+            if args.new_widths_only:
+                requests = [r for r in requests if not r.params["swap_ab"]
+                            and r.params["tile_n"] not in T.SWIZZLED_TILE_N]
             started = time.monotonic()
             counts = warm(daemon.socket, requests, 7200)
             counts["seconds"] = round(time.monotonic() - started, 1)
