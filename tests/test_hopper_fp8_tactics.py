@@ -183,10 +183,12 @@ def test_enumeration_is_stable_and_shape_aware():
     a = enumerate_tactics(4096, 4096, 4096)
     b = enumerate_tactics(4096, 4096, 4096)
     assert a == b
-    # the model (an (N, K) with no recorded winners): decode-sized M, the smallest M tile;
-    # large M, a 128-row (two-warpgroup) tile
+    # the model (an (N, K) with no recorded winners); large M: a 128-row (two-warpgroup) tile
     assert (14336, 4160) not in {key[1:] for key in T.RECORDED_WINNERS}
-    assert enumerate_tactics(1, 14336, 4160)[0].tile_m == 64
+    # memory-bound decode: a swap_ab tile of few tokens (more CTAs streaming the weight;
+    # the measured winners at M = 1 are 8- and 16-token tiles)
+    first = enumerate_tactics(1, 14336, 4160)[0]
+    assert first.swap_ab and first.tile_m <= 16
     assert enumerate_tactics(8192, 14336, 4160)[0].tile_m >= 128
     for t in enumerate_tactics(7, 2688, 4096, out_dtype="float16"):
         assert t.out_dtype == "float16"

@@ -485,14 +485,20 @@ def work_units(t: HopperFp8Tactic, m: int, n: int) -> int:
 
 
 def estimate_us(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int = H200_NUM_SMS) -> float:
-    """Model time in microseconds.
+    """Model time in microseconds: the larger of model_parts() plus the launch cost."""
+    return max(model_parts(t, m, n, k, num_sms)) + LAUNCH_US
+
+
+def model_parts(t: HopperFp8Tactic, m: int, n: int, k: int,
+                num_sms: int = H200_NUM_SMS) -> tuple[float, float]:
+    """(compute, memory) model times in microseconds, launch cost not included.
 
     Compute side: waves of work units (padding of the last wave and of the cluster grid
     counted) x the K tiles one unit walks x the measured per-K-tile cost of the tile
     shape; a serial split adds one pipeline drain per range boundary, a 'cta' split the
     partial round trip and the last unit's fixed-order sum (and is ranked last when its
     units need more than one wave). Memory side: the unique bytes (A, B, C, partials)
-    over the chip's bandwidth. The larger of the two, plus launch cost.
+    over the chip's bandwidth.
     """
     slots = (num_sms // t.cluster_size) * t.cluster_size
     units = work_units(t, m, n)
@@ -502,7 +508,7 @@ def estimate_us(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int = H200_
     partial_bytes = 0
     if t.split_mode == "cta" and t.splits > 1:
         if waves > 1:  # 'cta' exists to fill one wave; past that 'serial' has the same
-            return CTA_PAST_ONE_WAVE_US + waves  # parallelism without the round trip
+            return CTA_PAST_ONE_WAVE_US + waves, 0.0  # parallelism without the round trip
         rows = min(m, t.tile_m)
         compute = (waves * -(-kt // t.splits) * per + CTA_FIXED_US
                    + t.splits * rows * t.tile_n * 4 / 1024 * CTA_REDUCE_US_PER_KB)
@@ -511,16 +517,21 @@ def estimate_us(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int = H200_
     else:
         compute = waves * (kt + (t.splits - 1) * DRAIN_K_TILES) * per
     memory = (n * k + m * k + 2 * m * n + partial_bytes) / HBM_BYTES_PER_US
-    return max(compute, memory) + LAUNCH_US
+    return compute, memory
 
 
 def _cost(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int) -> tuple:
-    """Smaller is better: model time, then (measured) preferences: no cluster, swizzle 1
+    """Smaller is better: model time, then the compute part of it (in a memory-bound tie,
+    the tactic whose units would finish the math sooner: more CTAs streaming the weight;
+    at M = 1 on 8192x28672 an 8-token swap_ab tile over 128 CTAs took 55 us where a
+    32-token one over 64 CTAs took 71, H200 wide run), then (measured) preferences: no
+    cluster, swizzle 1
     (clusters and swizzle 8 won only a few percent at M=8192 and lost up to 2x at small M
     because of padded, empty tiles), raster along M, fewer work units (less partial
     traffic), then larger tiles."""
     return (
         round(estimate_us(t, m, n, k, num_sms), 3),
+        round(model_parts(t, m, n, k, num_sms)[0], 3),
         t.cluster_size > 1,
         SWIZZLE_CHOICES.index(t.swizzle),
         CLUSTER_CHOICES.index((t.cluster_m, t.cluster_n)),
