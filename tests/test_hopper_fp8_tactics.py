@@ -72,23 +72,25 @@ def test_enumeration_size_and_budget():
 
 def test_split_space():
     """S > 1: 'cta' on six decode tiles, 'serial' on twelve tiles that fit two
-    accumulators, both modes on the eight swap_ab tiles; 480 tactics over the five
-    classes."""
+    accumulators and on four of them with clusters 1x2 and 2x1, both modes on the eight
+    swap_ab tiles; 512 tactics over the five classes."""
     for s in T.SPLIT_CHOICES[1:]:
         ts = T.tactic_space(splits=s)
         cta = [t for t in ts if t.split_mode == "cta" and not t.swap_ab]
         serial = [t for t in ts if t.split_mode == "serial" and not t.swap_ab]
-        assert len(cta) == 6 and len(serial) == 12
+        assert len(cta) == 6 and len(serial) == 20
+        assert len([t for t in serial if t.cluster_size == 2]) == 8
         for mode in T.SPLIT_MODES:
             assert len([t for t in ts if t.swap_ab and t.split_mode == mode]) == 8
-        assert all(t.cluster_size == 1 and t.splits == s for t in ts)
+        assert all(t.splits == s for t in ts)
+        assert all(t.cluster_size == 1 for t in ts if t.split_mode == "cta" or t.swap_ab)
         for t in serial:
             assert 2 * T.acc_regs_per_thread(t.tile_m, t.tile_n) <= T.MAX_ACC_REGS_PER_THREAD
         for t in ts:
             t.validate()
     space = T.tactic_space()
-    assert len(space) == 480 == len({t.name for t in space})
-    assert len(enumerate_tactics(4096, 4096, 4096)) == 480
+    assert len(space) == 512 == len({t.name for t in space})
+    assert len(enumerate_tactics(4096, 4096, 4096)) == 512
 
 
 def test_reduction_order_constants():
@@ -351,7 +353,7 @@ def test_plan_reduction_class_option_and_default():
 
     fam = HopperFp8()
     every = fam.plan((16, 4096, 4096), "sm_90a", 132, {})
-    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 480
+    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 512
     for cid in T.REDUCTION_CLASSES:
         reqs = fam.plan((16, 4096, 4096), "sm_90a", 132, {"reduction_class": cid})
         assert {_class(r) for r in reqs} == {cid}
@@ -562,7 +564,8 @@ def _split_variants() -> list:
     layout (tile_m, tile_n) and S; all of them vary below, and the space is small enough
     to compile whole.
     """
-    return [t for t in T.tactic_space() if t.splits > 1 and t.tile_n in OLD_TILE_N]
+    return [t for t in T.tactic_space() if t.splits > 1 and t.tile_n in OLD_TILE_N
+            and t.cluster_size == 1]
 
 
 def test_split_tactics_compile_for_sm90a_through_the_daemon(daemon):
@@ -587,8 +590,9 @@ def test_split_tactics_compile_for_sm90a_through_the_daemon(daemon):
 def _new_width_variants() -> list:
     """A sample of the N widths 80, 96, 112, 160 (third pass), one per width and code
     path: the 16-column epilogue (80, 112) and the 32-column one (96, 160), one and two
-    consumer warpgroups (tile_m 64, 128, 256), each cluster shape, a serial split (two
-    accumulators) and e5m2/fp16. The whole space: bench/compile_hopper.py."""
+    consumer warpgroups (tile_m 64, 128, 256), each cluster shape, serial splits (two
+    accumulators; one with a cluster) and e5m2/fp16. The whole space:
+    bench/compile_hopper.py."""
     H = HopperFp8Tactic
     return [t.normalized() for t in (
         H(128, 80),
@@ -597,6 +601,7 @@ def _new_width_variants() -> list:
         H(128, 160, 1, 2),
         H(64, 96, splits=2, split_mode="serial"),
         H(128, 160, splits=4, split_mode="serial"),
+        H(128, 96, 1, 2, splits=2, split_mode="serial"),
         H(256, 80, 1, 1, "m", 1, 0, "float16", "e5m2"),
     )]
 

@@ -157,6 +157,21 @@ def _mid_tactics():
     return list(seen.values())
 
 
+def _split_tactics():
+    """The tactics a "split" run times (S = 2, the class of 2112x7168, the only shape whose
+    plan splits): every S = 2 kernel of the mid set, and serial splits with clusters (the
+    plan's split tactics were cluster 1x1 before)."""
+    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
+
+    out = [t for t in _mid_tactics() if t.splits == 2 and t.ab_dtype == "e4m3"
+           and t.out_dtype == "bfloat16"]
+    for tm, tn in [(64, 96), (64, 128), (64, 192), (128, 64), (128, 96), (128, 128),
+                   (128, 160), (128, 192)]:
+        for cm, cn in ((1, 2), (2, 1)):
+            out.append(T(tm, tn, cm, cn, splits=2, split_mode="serial").normalized())
+    return out
+
+
 def _final_plan(top: int):
     """The batch-invariant plan per shape: its class, and the first `top` tactics per M."""
     from cached.families.hopper_fp8.tactics import choose_split, enumerate_tactics
@@ -235,7 +250,7 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
     os.makedirs(os.path.join(out, "obj"), exist_ok=True)
     os.makedirs(os.path.join(out, "kernels"), exist_ok=True)
     plan = _final_plan(top)
-    tactics = {"wide": _wide_tactics, "mid": _mid_tactics}.get(
+    tactics = {"wide": _wide_tactics, "mid": _mid_tactics, "split": _split_tactics}.get(
         which, lambda: _final_tactics(plan))()
     if which in ("wide", "mid"):  # the plan's first choices too, so the run shows them
         names = {t.name for t in tactics}
@@ -692,8 +707,10 @@ class Runner:
 
 
 def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool,
-        budget_s: float, override_ms: list[int] | None = None) -> None:
-    """The phases on the bundle; override_ms replaces a "mid" bundle's M list in perf."""
+        budget_s: float, override_ms: list[int] | None = None,
+        only_shapes: list[str] | None = None) -> None:
+    """The phases on the bundle; override_ms replaces a "mid" or "split" bundle's M list in
+    perf; only_shapes ("NxK") restricts bi and perf to those shapes."""
     os.makedirs(out, exist_ok=True)
     r = Runner(bundle, out, fake)
     torch = r.torch
@@ -710,6 +727,8 @@ def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool
             json.dump(r.results, f, indent=1, default=str)
 
     shapes = [tuple(s) for s in r.manifest["shapes"]]
+    if only_shapes:
+        shapes = [s for s in shapes if f"{s[0]}x{s[1]}" in only_shapes]
     if fake:  # small stand-ins for two seed shapes, with their plans
         shapes = [(272, 400), (256, 1040)]
         r.manifest["plan"]["272x400"] = r.manifest["plan"]["4096x4096"]
@@ -732,7 +751,7 @@ def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool
                         and not (r.is_cta(x) and m > 1024) and not (
                             r.is_swap(x) and m > 256 and r.meta[x]["tile_m"] != 64)]
             ms = MS
-        elif r.manifest["set"] == "mid":
+        elif r.manifest["set"] in ("mid", "split"):
             def pick(n, k, m):
                 # the plan's class for (N, K) only
                 s = plan[f"{n}x{k}"]["splits"]
@@ -880,7 +899,7 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
-    b.add_argument("--set", default="final", choices=["wide", "mid", "final"])
+    b.add_argument("--set", default="final", choices=["wide", "mid", "split", "final"])
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--top", type=int, default=3, help="plan choices per M kept (final)")
     b.add_argument("--dry", action="store_true", help="manifest only, no compile")
@@ -895,8 +914,9 @@ def main():
     r.add_argument("--budget", type=float, default=400.0,
                    help="seconds from start after which perf stops")
     r.add_argument("--fake", action="store_true", help="CPU dry run of the driver")
-    r.add_argument("--ms", default="", help="mid set: comma-separated M to time instead "
-                                            "of MID_MS")
+    r.add_argument("--ms", default="", help="mid/split set: comma-separated M to time "
+                                            "instead of MID_MS")
+    r.add_argument("--shapes", default="", help="comma-separated NxK: bi and perf on these")
     c = sub.add_parser("_compile")
     c.add_argument("jobs_json")
     pr = sub.add_parser("profile")
@@ -920,7 +940,8 @@ def main():
             summarize(json.load(f), json.load(g), print)
     else:
         run(a.bundle, a.out, a.phases.split(","), [x for x in a.exclude.split(",") if x],
-            a.fake, a.budget, [int(x) for x in a.ms.split(",") if x] or None)
+            a.fake, a.budget, [int(x) for x in a.ms.split(",") if x] or None,
+            [x for x in a.shapes.split(",") if x] or None)
 
 
 if __name__ == "__main__":

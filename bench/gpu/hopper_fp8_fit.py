@@ -7,10 +7,11 @@
 RESULT is $OUT/hopper_fp8.json of `hopper_fp8_check.py run` on a "wide" bundle (every
 kernel timed at every shape and M) or a "mid" one (the N widths 80-160 and the cluster
 variants at M = 128..2048), or its CSV form (--write-csv), kept as docs/results/
-h200_hopper_fp8_swap_wide.csv (the wide run with the swap_ab tiles) and
-h200_hopper_fp8_mid.csv (the mid run); h200_hopper_fp8_wide.csv is the run before
-swap_ab. Several RESULTs are merged in order, a later run's (N, K, M) cell replacing an
-earlier one's: the recorded winners come from `swap_wide.csv mid.csv`. For
+h200_hopper_fp8_swap_wide.csv (the wide run with the swap_ab tiles),
+h200_hopper_fp8_mid.csv (the mid run) and h200_hopper_fp8_mid_split.csv (the split run:
+the S = 2 class of 2112x7168); h200_hopper_fp8_wide.csv is the run before swap_ab.
+Several RESULTs are merged in order (see load()): the recorded winners come from
+`swap_wide.csv mid.csv mid_split.csv`. For
 each (N, K) it prints, per reduction-order class S, the geometric mean and the minimum
 over M of cuBLAS(fast accumulation)'s time over the best measured kernel of the class,
 and marks the S that `tactics.choose_split` picks.

@@ -3,6 +3,7 @@
 By bench/gpu/hopper_fp8_fit.py --write-table from
     h200_hopper_fp8_swap_wide.csv
     h200_hopper_fp8_mid.csv
+    h200_hopper_fp8_mid_split.csv
 (runs of bench/gpu/hopper_fp8_check.py on an H200, 132 SMs, 2026-11-30; a later
 run's times of a class at an (N, K, M) replace an earlier run's): per (N, K) and
 reduction-order class S, per M: (M, tactic key, measured us). A key is
@@ -22,10 +23,10 @@ WINNERS = {
         ),
         2: (
             (1, 'w8x64mc', 7.7), (2, 'w8x64mc', 7.8), (4, 'w8x64mc', 7.9), (8, 'w8x64mc', 7.9),
-            (16, 'w16x64mc', 8.1), (32, 'w16x64ms', 8.4), (64, 'w32x64ms', 9.9),
-            (128, 'w64x64ms', 9.4), (256, '64x96ms', 12.1), (512, '128x96ms', 16.3),
-            (1024, '128x192ms', 28.7), (2048, '64x192ms', 48.3), (4096, '128x192ns', 100.1),
-            (8192, '128x192ns', 215.1),
+            (16, 'w16x64mc', 8.1), (32, 'w16x64ms', 8.4), (64, 'w32x64ms', 8.9),
+            (128, '64x64mc', 10.1), (256, '64x96ms', 12.3), (512, '128x64ms@2x1', 14.6),
+            (1024, '128x160ms@2x1', 26.6), (2048, '128x96ms@1x2', 49.2),
+            (4096, '128x192ms@2x1', 100.0), (8192, '128x96ms@1x2', 208.9),
         ),
         4: (
             (1, 'w8x64mc', 7.5), (2, 'w8x64mc', 7.5), (4, 'w8x64mc', 7.6), (8, 'w8x64mc', 7.6),

@@ -549,6 +549,9 @@ SPLIT_CTA_TILES = ((64, 64), (64, 128), (64, 192), (64, 256), (128, 128), (128, 
 SPLIT_SERIAL_TILES = ((64, 64, "m"), (64, 128, "m"), (64, 192, "m"), (128, 64, "m"),
                       (128, 128, "m"), (128, 128, "n"), (128, 192, "m"), (128, 192, "n"),
                       (64, 96, "m"), (64, 160, "m"), (128, 96, "m"), (128, 160, "m"))
+# serial splits with a cluster (raster m): the tiles whose 1x2 or 2x1 cluster won an S = 2
+# point of the H200 split run (2112x7168, M = 512..8192, up to 11 % over cluster 1x1)
+SPLIT_SERIAL_CLUSTER_TILES = ((128, 64), (128, 96), (128, 160), (128, 192))
 # swap_ab tiles (tokens x weight rows), in every class: S = 1, and both split modes for S > 1
 SWAP_TILES = tuple((tm, tn) for tn in SWAP_TILE_N_CHOICES for tm in SWAP_TILE_M_CHOICES)
 
@@ -561,8 +564,9 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
     (11 tiles, 264), the same with swizzle 1 for the widths 80, 96, 112, 160 (12 tiles,
     72), and the 8 swap_ab tiles (344). S > 1: split_mode 'cta' on SPLIT_CTA_TILES and
     'serial' on SPLIT_SERIAL_TILES, cluster 1x1, swizzle 1 (18 per S: clusters and
-    swizzles lost at small M in the S = 1 measurements), and both modes on the 8 swap_ab
-    tiles (34 per S; 480 in all).
+    swizzles lost at small M in the S = 1 measurements), 'serial' on
+    SPLIT_SERIAL_CLUSTER_TILES with clusters 1x2 and 2x1 (8 per S), and both modes on the 8
+    swap_ab tiles (42 per S; 512 in all).
     """
     out: list[HopperFp8Tactic] = []
     for sp in SPLIT_CHOICES if splits is None else (splits,):
@@ -586,6 +590,11 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
             out.append(HopperFp8Tactic(tm, tn, 1, 1, raster, 1,
                                        max_stages_for(tm, tn, out_dtype), out_dtype, ab_dtype,
                                        sp, "serial"))
+        for tm, tn in SPLIT_SERIAL_CLUSTER_TILES:
+            for cm, cn in ((1, 2), (2, 1)):
+                out.append(HopperFp8Tactic(tm, tn, cm, cn, "m", 1,
+                                           max_stages_for(tm, tn, out_dtype), out_dtype,
+                                           ab_dtype, sp, "serial"))
         out += _swap_tactics(sp, "cta", out_dtype, ab_dtype)
         out += _swap_tactics(sp, "serial", out_dtype, ab_dtype)
     return out
