@@ -1,11 +1,15 @@
 """Compile the whole tactic space of cached.hopper_fp8 (every reduction-order class) for
 sm_90a through a fresh daemon, and report counts and time. `make test` compiles one tactic
-per (tile, cluster) of the S = 1 class, every unswapped split tactic and one swap_ab tactic
-per code path; this is the whole space (392 tactics, the 72 swap_ab ones included).
+per (tile, cluster) of the S = 1 class for the widths 64/128/192/256, every unswapped split
+tactic of those widths without a cluster, one swap_ab tactic per code path and a sample of
+the third pass's tactics; this is the whole space (512 tactics, the 72 swap_ab ones
+included).
 
-    .venv/bin/python bench/compile_hopper.py [--workers N] [--swap-only]
+    .venv/bin/python bench/compile_hopper.py [--workers N] [--swap-only | --new-only]
 
---swap-only compiles the 72 swap_ab tactics alone.
+--swap-only compiles the 72 swap_ab tactics alone; --new-only the 120 tactics the third
+pass added: the widths 80, 96, 112, 160 (72 of S = 1, 16 serial splits) and the serial
+splits with a cluster (32).
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from cached.families.hopper_fp8 import tactics as T
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workers", type=int, default=None)
-    parser.add_argument("--swap-only", action="store_true")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--swap-only", action="store_true")
+    only.add_argument("--new-only", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         daemon = Daemon(Path(tmp), workers=args.workers)
@@ -39,6 +45,11 @@ def main() -> int:
                                         options={"reduction_class": class_id})
             if args.swap_only:
                 requests = [r for r in requests if r.params["swap_ab"]]
+            if args.new_only:
+                requests = [r for r in requests if not r.params["swap_ab"] and (
+                    r.params["tile_n"] not in T.SWIZZLED_TILE_N or (
+                        r.params["splits"] > 1
+                        and r.params["cluster_m"] * r.params["cluster_n"] > 1))]
             started = time.monotonic()
             counts = warm(daemon.socket, requests, 7200)
             counts["seconds"] = round(time.monotonic() - started, 1)

@@ -34,9 +34,10 @@ def _env() -> dict[str, str]:
 
 def test_enumeration_size_and_budget():
     every = enumerate_tactics(4096, 4096, 4096, splits=1)
-    # 11 feasible tiles (256x256 dropped) x 3 clusters x 2 rasters x 4 swizzles, and the
-    # 8 swap_ab tiles
-    assert len(every) == 272 and len({t.name for t in every}) == 272
+    # 11 feasible tiles of the widths 64/128/192/256 (256x256 dropped) x 3 clusters x 2
+    # rasters x 4 swizzles, 12 tiles of the widths 80/96/112/160 x 3 clusters x 2 rasters
+    # (swizzle 1), and the 8 swap_ab tiles
+    assert len(every) == 344 and len({t.name for t in every}) == 344
     swapped = [t for t in every if t.swap_ab]
     assert {(t.tile_m, t.tile_n) for t in swapped} == {
         (tm, tn) for tm in (8, 16, 32, 64) for tn in (64, 128)}
@@ -49,10 +50,12 @@ def test_enumeration_size_and_budget():
         assert t.consumer_warpgroups == (1 if t.tile_n == 64 else 2)
         assert t.reduction_class == "k128.acc1.s1.fixed"
     ts = [t for t in every if not t.swap_ab]
-    assert len(ts) == 264
+    assert len(ts) == 336
+    assert all(t.swizzle == 1 for t in ts if t.tile_n not in T.SWIZZLED_TILE_N)
     assert len({t.name for t in ts}) == len(ts)
     tiles = {(t.tile_m, t.tile_n) for t in ts}
-    assert (256, 256) not in tiles and len(tiles) == 11
+    assert (256, 256) not in tiles and len(tiles) == 23
+    assert {tn for _, tn in tiles} == {64, 80, 96, 112, 128, 160, 192, 256}
     for t in ts:
         assert T.MIN_STAGES <= t.stages <= T.MAX_STAGES
         assert smem_bytes(t) <= T.SMEM_CAPACITY_BYTES == 227 * 1024
@@ -68,24 +71,26 @@ def test_enumeration_size_and_budget():
 
 
 def test_split_space():
-    """S > 1: 'cta' on six decode tiles, 'serial' on eight tiles that fit two
-    accumulators, both modes on the eight swap_ab tiles; 392 tactics over the five
-    classes."""
+    """S > 1: 'cta' on six decode tiles, 'serial' on twelve tiles that fit two
+    accumulators and on four of them with clusters 1x2 and 2x1, both modes on the eight
+    swap_ab tiles; 512 tactics over the five classes."""
     for s in T.SPLIT_CHOICES[1:]:
         ts = T.tactic_space(splits=s)
         cta = [t for t in ts if t.split_mode == "cta" and not t.swap_ab]
         serial = [t for t in ts if t.split_mode == "serial" and not t.swap_ab]
-        assert len(cta) == 6 and len(serial) == 8
+        assert len(cta) == 6 and len(serial) == 20
+        assert len([t for t in serial if t.cluster_size == 2]) == 8
         for mode in T.SPLIT_MODES:
             assert len([t for t in ts if t.swap_ab and t.split_mode == mode]) == 8
-        assert all(t.cluster_size == 1 and t.splits == s for t in ts)
+        assert all(t.splits == s for t in ts)
+        assert all(t.cluster_size == 1 for t in ts if t.split_mode == "cta" or t.swap_ab)
         for t in serial:
             assert 2 * T.acc_regs_per_thread(t.tile_m, t.tile_n) <= T.MAX_ACC_REGS_PER_THREAD
         for t in ts:
             t.validate()
     space = T.tactic_space()
-    assert len(space) == 392 == len({t.name for t in space})
-    assert len(enumerate_tactics(4096, 4096, 4096)) == 392
+    assert len(space) == 512 == len({t.name for t in space})
+    assert len(enumerate_tactics(4096, 4096, 4096)) == 512
 
 
 def test_reduction_order_constants():
@@ -180,10 +185,12 @@ def test_enumeration_is_stable_and_shape_aware():
     a = enumerate_tactics(4096, 4096, 4096)
     b = enumerate_tactics(4096, 4096, 4096)
     assert a == b
-    # the model (an (N, K) with no recorded winners): decode-sized M, the smallest M tile;
-    # large M, a 128-row (two-warpgroup) tile
+    # the model (an (N, K) with no recorded winners); large M: a 128-row (two-warpgroup) tile
     assert (14336, 4160) not in {key[1:] for key in T.RECORDED_WINNERS}
-    assert enumerate_tactics(1, 14336, 4160)[0].tile_m == 64
+    # memory-bound decode: a swap_ab tile of few tokens (more CTAs streaming the weight;
+    # the measured winners at M = 1 are 8- and 16-token tiles)
+    first = enumerate_tactics(1, 14336, 4160)[0]
+    assert first.swap_ab and first.tile_m <= 16
     assert enumerate_tactics(8192, 14336, 4160)[0].tile_m >= 128
     for t in enumerate_tactics(7, 2688, 4096, out_dtype="float16"):
         assert t.out_dtype == "float16"
@@ -230,6 +237,12 @@ def test_register_and_smem_feasibility():
     assert T.max_stages_for(8, 64, swap_ab=True) == T.SWAP_MAX_STAGES == 16
     assert T.max_stages_for(64, 128, swap_ab=True) == 9
     assert T.acc_regs_per_thread(8, 128, swap_ab=True) == 4  # two warpgroups of 64 x 8
+    # the epilogue's column sub-tile divides every tile width: 16 for 80 and 112
+    for tm in T.TILE_M_CHOICES:
+        for tn in T.TILE_N_CHOICES:
+            em, en = T.epilogue_tile(tm, tn)
+            assert tn % en == 0 and en == (16 if tn in (80, 112) else 32)
+    assert T.acc_regs_per_thread(256, 160) == 160 and T.max_stages_for(256, 160) == 4
 
 
 # ---------------------------------------------------------------------- encoding
@@ -340,7 +353,7 @@ def test_plan_reduction_class_option_and_default():
 
     fam = HopperFp8()
     every = fam.plan((16, 4096, 4096), "sm_90a", 132, {})
-    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 392
+    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 512
     for cid in T.REDUCTION_CLASSES:
         reqs = fam.plan((16, 4096, 4096), "sm_90a", 132, {"reduction_class": cid})
         assert {_class(r) for r in reqs} == {cid}
@@ -504,17 +517,24 @@ def test_compile_refuses_other_arch(tmp_path):
 
 # ---------------------------------------------------------------------- through the daemon
 
+OLD_TILE_N = (64, 128, 192, 256)  # the widths before the third pass; the others: below
+
+
 def test_every_tile_and_cluster_compiles_for_sm90a_through_the_daemon(daemon):
-    """One S = 1 tactic per (tile, cluster), rasters and swizzles rotating, planned and
-    compiled by the daemon's workers (the whole space: bench/compile_hopper.py)."""
+    """One S = 1 tactic per (tile, cluster) of the widths 64/128/192/256, rasters and
+    swizzles rotating, planned and compiled by the daemon's workers (the widths 80-160:
+    test_new_tile_widths_compile_for_sm90a_through_the_daemon; the whole space:
+    bench/compile_hopper.py)."""
     import json as _json
 
     class_id = "k128.acc1.s1.fixed"
     client = daemon.client()
     requests = client.plan("cached.hopper_fp8", (4096, 4096, 4096), "sm_90a",
                            options={"reduction_class": class_id})
-    assert len(requests) == 272 and {r.max_active_clusters for r in requests} == {132, 66}
+    assert len(requests) == 344 and {r.max_active_clusters for r in requests} == {132, 66}
     requests = [r for r in requests if not r.params["swap_ab"]]  # the next test has them
+    assert len(requests) == 336
+    requests = [r for r in requests if r.params["tile_n"] in OLD_TILE_N]
     assert len(requests) == 264
     by_shape: dict = {}
     for r in requests:
@@ -544,7 +564,8 @@ def _split_variants() -> list:
     layout (tile_m, tile_n) and S; all of them vary below, and the space is small enough
     to compile whole.
     """
-    return [t for t in T.tactic_space() if t.splits > 1]
+    return [t for t in T.tactic_space() if t.splits > 1 and t.tile_n in OLD_TILE_N
+            and t.cluster_size == 1]
 
 
 def test_split_tactics_compile_for_sm90a_through_the_daemon(daemon):
@@ -564,6 +585,47 @@ def test_split_tactics_compile_for_sm90a_through_the_daemon(daemon):
     entries = client.list()
     names = {e["kernel_name"] for e in entries}
     assert len(names) == 56 and all("_k" in nm for nm in names)
+
+
+def _new_width_variants() -> list:
+    """A sample of the N widths 80, 96, 112, 160 (third pass), one per width and code
+    path: the 16-column epilogue (80, 112) and the 32-column one (96, 160), one and two
+    consumer warpgroups (tile_m 64, 128, 256), each cluster shape, serial splits (two
+    accumulators; one with a cluster) and e5m2/fp16. The whole space:
+    bench/compile_hopper.py."""
+    H = HopperFp8Tactic
+    return [t.normalized() for t in (
+        H(128, 80),
+        H(64, 112, 1, 2, "n"),
+        H(256, 96, 2, 1),
+        H(128, 160, 1, 2),
+        H(64, 96, splits=2, split_mode="serial"),
+        H(128, 160, splits=4, split_mode="serial"),
+        H(128, 96, 1, 2, splits=2, split_mode="serial"),
+        H(256, 80, 1, 1, "m", 1, 0, "float16", "e5m2"),
+    )]
+
+
+def test_new_tile_widths_compile_for_sm90a_through_the_daemon(daemon):
+    """The sample of the new N widths (see _new_width_variants), compiled by the daemon's
+    workers; every one is in the family's space and in the class of its S."""
+    from cached_client.keys import KernelRequest
+
+    variants = _new_width_variants()
+    space = {t.name for t in T.tactic_space("float16", "e5m2") + T.tactic_space()}
+    assert all(t.name in space for t in variants)
+    assert {t.tile_n for t in variants} == {80, 96, 112, 160}
+    client = daemon.client()
+    requests = [KernelRequest(family="cached.hopper_fp8", params=t.to_params(), arch="sm_90a",
+                              sm_count=132, max_active_clusters=132 // t.cluster_size)
+                for t in variants]
+    client.prefetch(requests)
+    for r in requests:
+        art = client.get(r, timeout=900)
+        path = art.library_path or art.object_path
+        assert path and os.path.getsize(path) > 1000
+    names = {e["kernel_name"] for e in client.list()}
+    assert len(names) == len(variants)
 
 
 def _swap_variants() -> list:

@@ -2,7 +2,7 @@
 """Hopper FP8 GEMM family: build a bundle here, check and time it on an H200 there.
 
   build (here, with the venv; CUTE_DSL_ARCH=sm_90a):
-      python bench/gpu/hopper_fp8_check.py build --out DIR --set wide|final
+      python bench/gpu/hopper_fp8_check.py build --out DIR --set wide|mid|final
     compiles the chosen tactics to .o, links each into a .so, copies this script, the
     client package (for the launcher), the DSL runtime and the tvm-ffi wheel into DIR
     and writes DIR/manifest.json (kernels, shapes, and the plan's choices: the
@@ -17,8 +17,9 @@
       on and off), M in MS; kernels of one class compared with each other at every M.
     perf: CUDA-event medians over CUDA-graph replays, inputs rotated past the 60 MB L2;
       "wide" times every kernel at every M (the data the split rule and the cost model are
-      fitted to), "final" the plan's first choice (what a client runs) and the next ones in
-      its class, at every M, against torch._scaled_mm.
+      fitted to), "mid" the new N widths and cluster variants beside the old tiles of the
+      plan's class at M in MID_MS (or --ms), "final" the plan's first choice (what a
+      client runs) and the next ones in its class, at every M, against torch._scaled_mm.
     Short tables are printed last; everything goes to $OUT/hopper_fp8.json.
   run --fake: the same driver on the CPU with an emulation of the kernels' arithmetic
     (a dry run of this script; no timing meaning).
@@ -46,6 +47,9 @@ EXTRA = [(2112, 7168), (4608, 7168), (7168, 2304), (4096, 512), (4096, 14336), (
          (8192, 28672), (8192, 8192), (5120, 25600), (5120, 8192)]
 SHAPES = SEEDS + EXTRA
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+# the "mid" set times these M by default (the band where the first choice trailed cuBLAS
+# most); run --ms widens it
+MID_MS = [128, 256, 512, 1024, 2048]
 FULL_M = 2048
 NUM_SMS = 132
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -106,6 +110,66 @@ def _wide_tactics():
             T(16, 64, out_dtype="float16", ab_dtype="e5m2", splits=4, split_mode="cta",
               swap_ab=True)]
     return [t.normalized() for t in out]
+
+
+def _mid_tactics():
+    """The tactics a "mid" run times at M in MID_MS (issue 13, third pass): the N widths
+    between the old ones (80, 96, 112, 160) and the cluster variants the cost model ranks
+    at M = 128..2048, beside the old tiles of the same classes (S = 1 everywhere, S = 2 for
+    2112x7168), so one run compares them on one machine."""
+    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
+
+    widths = (64, 80, 96, 112, 128, 160, 192, 256)
+    out = [T(tm, tn) for tm in (64, 128) for tn in widths]
+    out += [T(128, tn, raster="n") for tn in widths[1:-1]]
+    out += [T(256, tn) for tn in widths[1:-1]]
+    out += [T(128, tn, 1, 2) for tn in widths[:-1]] + [T(64, 64, 1, 2), T(64, 128, 1, 2)]
+    out += [T(128, 64, 2, 1), T(128, 128, 2, 1), T(256, 128, 2, 1)]
+    out += [T(64, 64, swap_ab=True), T(64, 128, swap_ab=True)]
+    for tm, tn, r in [(64, 64, "m"), (64, 96, "m"), (64, 128, "m"), (64, 160, "m"),
+                      (64, 192, "m"), (128, 64, "m"), (128, 96, "m"), (128, 128, "m"),
+                      (128, 160, "m"), (128, 192, "m"), (128, 128, "n"), (128, 192, "n")]:
+        out.append(T(tm, tn, raster=r, splits=2, split_mode="serial"))
+    out += [T(64, 64, splits=2, split_mode="cta"), T(64, 128, splits=2, split_mode="cta"),
+            T(128, 128, splits=2, split_mode="cta"),
+            T(64, 64, splits=2, split_mode="serial", swap_ab=True),
+            T(64, 64, splits=2, split_mode="cta", swap_ab=True),
+            T(64, 128, splits=2, split_mode="serial", swap_ab=True)]
+    # second mid run (M = 64..8192): more cluster shapes of the new widths, 256-row tiles
+    # along N, and every swap_ab tile of S = 1 and 2 (the M = 64 winners)
+    out += [T(128, tn, 2, 1) for tn in (80, 96, 112, 160)]
+    out += [T(256, tn, 1, 2) for tn in (80, 96, 112, 128, 160)]
+    out += [T(64, tn, 1, 2) for tn in (80, 96, 112, 160)]
+    out += [T(128, tn, 1, 2, "n") for tn in (96, 112, 160)]
+    out += [T(256, tn, raster="n") for tn in (96, 128, 160)]
+    for sp, modes in ((1, ("serial",)), (2, ("serial", "cta"))):
+        for mode in modes:
+            out += [T(tm, tn, splits=sp, split_mode=mode, swap_ab=True)
+                    for tn in (64, 128) for tm in (8, 16, 32, 64)]
+    # other dtypes with the 16-column epilogue (80, 112) and a cluster (correctness only)
+    out += [T(128, 80, out_dtype="float16", ab_dtype="e5m2"),
+            T(64, 112, 1, 2, "n", 2, 0, "float16", "e5m2"),
+            T(128, 160, out_dtype="float16", ab_dtype="e5m2", splits=2, split_mode="serial")]
+    seen: dict = {}
+    for t in out:
+        t = t.normalized()
+        seen.setdefault(t.name, t)
+    return list(seen.values())
+
+
+def _split_tactics():
+    """The tactics a "split" run times (S = 2, the class of 2112x7168, the only shape whose
+    plan splits): every S = 2 kernel of the mid set, and serial splits with clusters (the
+    plan's split tactics were cluster 1x1 before)."""
+    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
+
+    out = [t for t in _mid_tactics() if t.splits == 2 and t.ab_dtype == "e4m3"
+           and t.out_dtype == "bfloat16"]
+    for tm, tn in [(64, 96), (64, 128), (64, 192), (128, 64), (128, 96), (128, 128),
+                   (128, 160), (128, 192)]:
+        for cm, cn in ((1, 2), (2, 1)):
+            out.append(T(tm, tn, cm, cn, splits=2, split_mode="serial").normalized())
+    return out
 
 
 def _final_plan(top: int):
@@ -186,10 +250,13 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
     os.makedirs(os.path.join(out, "obj"), exist_ok=True)
     os.makedirs(os.path.join(out, "kernels"), exist_ok=True)
     plan = _final_plan(top)
-    tactics = _wide_tactics() if which == "wide" else _final_tactics(plan)
-    if which == "wide":  # the plan's first choices too, so the run shows them
+    tactics = {"wide": _wide_tactics, "mid": _mid_tactics, "split": _split_tactics}.get(
+        which, lambda: _final_tactics(plan))()
+    if which in ("wide", "mid"):  # the plan's first choices too, so the run shows them
         names = {t.name for t in tactics}
-        for t in _final_tactics({k: {"by_m": {m: v[:1] for m, v in p["by_m"].items()}}
+        ms = {str(m) for m in (MS if which == "wide" else MID_MS)}
+        for t in _final_tactics({k: {"by_m": {m: v[:1] for m, v in p["by_m"].items()
+                                              if m in ms}}
                                  for k, p in plan.items()}):
             if t.name not in names:
                 tactics.append(t)
@@ -640,7 +707,10 @@ class Runner:
 
 
 def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool,
-        budget_s: float) -> None:
+        budget_s: float, override_ms: list[int] | None = None,
+        only_shapes: list[str] | None = None) -> None:
+    """The phases on the bundle; override_ms replaces a "mid" or "split" bundle's M list in
+    perf; only_shapes ("NxK") restricts bi and perf to those shapes."""
     os.makedirs(out, exist_ok=True)
     r = Runner(bundle, out, fake)
     torch = r.torch
@@ -657,6 +727,8 @@ def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool
             json.dump(r.results, f, indent=1, default=str)
 
     shapes = [tuple(s) for s in r.manifest["shapes"]]
+    if only_shapes:
+        shapes = [s for s in shapes if f"{s[0]}x{s[1]}" in only_shapes]
     if fake:  # small stand-ins for two seed shapes, with their plans
         shapes = [(272, 400), (256, 1040)]
         r.manifest["plan"]["272x400"] = r.manifest["plan"]["4096x4096"]
@@ -679,6 +751,12 @@ def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool
                         and not (r.is_cta(x) and m > 1024) and not (
                             r.is_swap(x) and m > 256 and r.meta[x]["tile_m"] != 64)]
             ms = MS
+        elif r.manifest["set"] in ("mid", "split"):
+            def pick(n, k, m):
+                # the plan's class for (N, K) only
+                s = plan[f"{n}x{k}"]["splits"]
+                return [x for x in plain if r.meta[x]["splits"] == s]
+            ms = override_ms or MID_MS
         else:
             def pick(n, k, m):
                 return plan[f"{n}x{k}"]["by_m"][str(m)]
@@ -821,7 +899,7 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
-    b.add_argument("--set", default="final", choices=["wide", "final"])
+    b.add_argument("--set", default="final", choices=["wide", "mid", "split", "final"])
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--top", type=int, default=3, help="plan choices per M kept (final)")
     b.add_argument("--dry", action="store_true", help="manifest only, no compile")
@@ -836,6 +914,9 @@ def main():
     r.add_argument("--budget", type=float, default=400.0,
                    help="seconds from start after which perf stops")
     r.add_argument("--fake", action="store_true", help="CPU dry run of the driver")
+    r.add_argument("--ms", default="", help="mid/split set: comma-separated M to time "
+                                            "instead of MID_MS")
+    r.add_argument("--shapes", default="", help="comma-separated NxK: bi and perf on these")
     c = sub.add_parser("_compile")
     c.add_argument("jobs_json")
     pr = sub.add_parser("profile")
@@ -859,7 +940,8 @@ def main():
             summarize(json.load(f), json.load(g), print)
     else:
         run(a.bundle, a.out, a.phases.split(","), [x for x in a.exclude.split(",") if x],
-            a.fake, a.budget)
+            a.fake, a.budget, [int(x) for x in a.ms.split(",") if x] or None,
+            [x for x in a.shapes.split(",") if x] or None)
 
 
 if __name__ == "__main__":

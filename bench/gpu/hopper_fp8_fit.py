@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """Check the split rule and the cost model of cached.hopper_fp8 against an H200 "wide" run.
 
-    python bench/gpu/hopper_fp8_fit.py RESULT [--sms 132] [--model-only]
+    python bench/gpu/hopper_fp8_fit.py RESULT [RESULT ...] [--sms 132] [--model-only]
         [--write-table PATH] [--write-csv PATH] [--per-k-tile]
 
 RESULT is $OUT/hopper_fp8.json of `hopper_fp8_check.py run` on a "wide" bundle (every
-kernel timed at every shape and M), or its CSV form (--write-csv), kept as
-docs/results/h200_hopper_fp8_swap_wide.csv (the wide run with the swap_ab tiles, which
-the recorded winners come from; h200_hopper_fp8_wide.csv is the run before them). For
+kernel timed at every shape and M) or a "mid" one (the N widths 80-160 and the cluster
+variants at M = 128..2048), or its CSV form (--write-csv), kept as docs/results/
+h200_hopper_fp8_swap_wide.csv (the wide run with the swap_ab tiles),
+h200_hopper_fp8_mid.csv (the mid run) and h200_hopper_fp8_mid_split.csv (the split run:
+the S = 2 class of 2112x7168); h200_hopper_fp8_wide.csv is the run before swap_ab.
+Several RESULTs are merged in order (see load()): the recorded winners come from
+`swap_wide.csv mid.csv mid_split.csv`. For
 each (N, K) it prints, per reduction-order class S, the geometric mean and the minimum
 over M of cuBLAS(fast accumulation)'s time over the best measured kernel of the class,
 and marks the S that `tactics.choose_split` picks.
@@ -39,54 +43,71 @@ def _gm(xs):
 
 
 def compact(name: str) -> str:
-    """'m64n128_c1x1_rm_s1_st8_e4m3_bfloat16_k4c' -> '64x128.m.c.4', and with swap_ab
-    ('..._k4c_sw') 'w64x128.m.c.4' (cuBLAS rows as is); only cluster-1x1, swizzle-1
-    bf16/e4m3 kernels with the most stages that fit, which is what a wide run times."""
+    """'m64n128_c1x1_rm_s1_st8_e4m3_bfloat16_k4c' -> '64x128.m.c.4', with swap_ab
+    ('..._k4c_sw') 'w64x128.m.c.4', with a cluster other than 1x1 a fifth field
+    ('m128n64_c1x2_...' -> '128x64.m.s.1.c1x2'); cuBLAS rows as is. Only swizzle-1
+    bf16/e4m3 kernels with the most stages that fit, which is what wide and mid runs time."""
     if name.startswith("cublas"):
         return name
     t = T.HopperFp8Tactic(*_fields(name)).normalized()
     assert t.name == name, (t.name, name)
     mode = "c" if t.split_mode == "cta" else "s"
-    return f"{'w' if t.swap_ab else ''}{t.tile_m}x{t.tile_n}.{t.raster}.{mode}.{t.splits}"
+    cluster = f".c{t.cluster_m}x{t.cluster_n}" if t.cluster_size > 1 else ""
+    return (f"{'w' if t.swap_ab else ''}{t.tile_m}x{t.tile_n}.{t.raster}.{mode}.{t.splits}"
+            f"{cluster}")
 
 
 def _fields(name: str) -> tuple:
     swap = name.endswith("_sw")
     parts = name.removesuffix("_sw").split("_")
     tm, tn = parts[0][1:].split("n")
-    assert parts[1] == "c1x1" and parts[3] == "s1" and "e4m3_bfloat16" in name, name
+    cm, cn = (int(x) for x in parts[1][1:].split("x"))
+    assert parts[3] == "s1" and "e4m3_bfloat16" in name, name
     s, mode = 1, "serial"
     if parts[-1].startswith("k"):
         s, mode = int(parts[-1][1:-1]), {"c": "cta", "s": "serial"}[parts[-1][-1]]
-    return (int(tm), int(tn), 1, 1, parts[2][1], 1, 0, "bfloat16", "e4m3", s, mode, swap)
+    return (int(tm), int(tn), cm, cn, parts[2][1], 1, 0, "bfloat16", "e4m3", s, mode, swap)
 
 
 def expand(key: str) -> str:
     if key.startswith("cublas"):
         return key
     swap = key.startswith("w")
-    tile, raster, mode, s = key.removeprefix("w").split(".")
+    tile, raster, mode, s, *cluster = key.removeprefix("w").split(".")
     tm, tn = (int(x) for x in tile.split("x"))
-    return T.HopperFp8Tactic(tm, tn, 1, 1, raster, 1, 0, "bfloat16", "e4m3", int(s),
+    cm, cn = (int(x) for x in cluster[0][1:].split("x")) if cluster else (1, 1)
+    return T.HopperFp8Tactic(tm, tn, cm, cn, raster, 1, 0, "bfloat16", "e4m3", int(s),
                              {"c": "cta", "s": "serial"}[mode], swap).normalized().name
 
 
-def load(path: str):
-    """{(N, K): {M: {kernel name: us}}} from a run's hopper_fp8.json or a CSV written by
-    --write-csv (docs/results/h200_hopper_fp8_wide.csv)."""
+def load(paths: list[str]):
+    """{(N, K): {M: {kernel name: us}}} from runs' hopper_fp8.json or CSVs written by
+    --write-csv (docs/results/h200_hopper_fp8_*.csv). Runs are taken in order: a later
+    run's (N, K, M) cell replaces an earlier one's whole (one machine and run per cell,
+    cuBLAS included, so ratios and winners never mix runs)."""
     by = {}
-    if path.endswith(".csv"):
-        with open(path) as f:
-            next(f)
-            for line in f:
-                m, n, k, key, us = line.strip().split(",")
-                by.setdefault((int(n), int(k)), {}).setdefault(int(m), {})[expand(key)] = float(us)
-    else:
-        with open(path) as f:
-            res = json.load(f)
-        for row in res["perf"]:
-            cell = by.setdefault((row["n"], row["k"]), {}).setdefault(row["m"], {})
-            cell[row["impl"]] = row["us"]
+    for path in paths:
+        one = {}
+        if path.endswith(".csv"):
+            with open(path) as f:
+                next(f)
+                for line in f:
+                    m, n, k, key, us = line.strip().split(",")
+                    one.setdefault((int(n), int(k)), {}).setdefault(int(m), {})[
+                        expand(key)] = float(us)
+        else:
+            with open(path) as f:
+                res = json.load(f)
+            for row in res["perf"]:
+                cell = one.setdefault((row["n"], row["k"]), {}).setdefault(row["m"], {})
+                cell[row["impl"]] = row["us"]
+        for nk, bym in one.items():
+            for m, new in bym.items():
+                old = by.setdefault(nk, {}).setdefault(m, {})
+                timed = {splits_of(x) for x in new if not x.startswith("cublas")}
+                for x in [x for x in old if not x.startswith("cublas") and splits_of(x) in timed]:
+                    del old[x]
+                old.update(new)
     return by, {t.name: t for t in T.tactic_space()}
 
 
@@ -109,7 +130,7 @@ def plain(name: str) -> bool:
     return "_e4m3_bfloat16" in name
 
 
-def write_table(by, space, path: str, source: str) -> None:
+def write_table(by, space, path: str, sources: list[str]) -> None:
     """The best measured tactic of the family's space per (N, K), M and class S <= 4."""
     table = {}
     for (n, k), bym in sorted(by.items()):
@@ -125,19 +146,26 @@ def write_table(by, space, path: str, source: str) -> None:
                 table.setdefault((n, k), {})[s] = tuple(row)
     lines = ['"""Recorded H200 winners of cached.hopper_fp8 (generated; do not edit).',
              "",
-             f"By bench/gpu/hopper_fp8_fit.py --write-table from {os.path.basename(source)} (the",
-             "wide run of bench/gpu/hopper_fp8_check.py on an H200, 132 SMs, 2026-11-30): per",
-             "(N, K) and reduction-order class S, per M: (M, tactic key, measured us). A key is",
-             "tactics.recorded_key(t): 'w' for swap_ab, tile, raster and, for S > 1, split",
-             "mode.",
+             "By bench/gpu/hopper_fp8_fit.py --write-table from",
+             *(f"    {os.path.basename(x)}" for x in sources),
+             "(runs of bench/gpu/hopper_fp8_check.py on an H200, 132 SMs, 2026-11-30; a later",
+             "run's times of a class at an (N, K, M) replace an earlier run's): per (N, K) and",
+             "reduction-order class S, per M: (M, tactic key, measured us). A key is",
+             "tactics.recorded_key(t): 'w' for swap_ab, tile, raster, for S > 1 the split mode,",
+             "'@CMxCN' for a cluster.",
              '"""', "", "SM_COUNT = 132", "", "WINNERS = {"]
     for (n, k), per in table.items():
         lines.append(f"    ({n}, {k}): {{")
         for s, row in per.items():
             lines.append(f"        {s}: (")
-            for i in range(0, len(row), 3):
-                lines.append("            " + " ".join(f"({m}, {key!r}, {us})," for m, key, us
-                                                       in row[i:i + 3]))
+            line = ""
+            for m, key, us in row:  # packed, at most 100 characters a line
+                cell = f"({m}, {key!r}, {us}),"
+                if line and len(line) + 1 + len(cell) > 100:
+                    lines.append(line)
+                    line = ""
+                line = f"{line} {cell}" if line else "            " + cell
+            lines.append(line)
             lines.append("        ),")
         lines.append("    },")
     lines.append("}")
@@ -178,7 +206,7 @@ def per_k_tile(by, space, sms: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("json")
+    ap.add_argument("json", nargs="+", help="runs (JSON or CSV), later cells replace earlier")
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--model-only", action="store_true")

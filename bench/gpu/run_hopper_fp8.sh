@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Hopper FP8 GEMM family: build the GPU bundle here, run the check there.
 #
-#   here (CPU, venv):   bench/gpu/run_hopper_fp8.sh build [wide|final] [DIR] [build args]
+#   here (CPU, venv):   bench/gpu/run_hopper_fp8.sh build [wide|mid|final] [DIR] [build args]
 #       -> DIR (default .gpubundle, listed in .git/info/exclude): kernels/*.so, manifest.json,
 #          hopper_fp8_check.py, this script, client/cached_client (the launcher),
 #          libcute_dsl_runtime.so, the cp312 apache-tvm-ffi wheel.
@@ -62,5 +62,5 @@ if [[ $mode == gpu ]]; then
   done
   exit 1
 fi
-echo "usage: $0 build [wide|final] [DIR] | gpu [phases] [args]" >&2
+echo "usage: $0 build [wide|mid|final] [DIR] | gpu [phases] [args]" >&2
 exit 2

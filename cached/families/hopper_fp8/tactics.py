@@ -67,7 +67,14 @@ SPLIT_CHOICES = (1, 2, 4, 8, 16)
 SPLIT_MODES = ("serial", "cta")
 
 TILE_M_CHOICES = (64, 128, 256)
-TILE_N_CHOICES = (64, 128, 192, 256)
+# N widths between 64 and 256 in steps of 16 or 32 (the wgmma takes any N multiple of 8
+# up to 256): at M = 128..1024 they fill the 132 SMs where 64/128/192/256 leave a wave
+# mostly empty or start a second one (e.g. N = 5120: 64 tiles of 80 at M <= 128)
+TILE_N_CHOICES = (64, 80, 96, 112, 128, 160, 192, 256)
+# the widths tactic_space plans with every swizzle; the others with swizzle 1 only (swizzle
+# won a few percent at M = 8192 at most, and every planned kernel is compiled when a
+# manifest is warmed)
+SWIZZLED_TILE_N = (64, 128, 192, 256)
 # swap_ab=True: tokens on the wgmma N side, weight rows on its M side
 SWAP_TILE_M_CHOICES = (8, 16, 32, 64)
 SWAP_TILE_N_CHOICES = (64, 128)
@@ -135,9 +142,10 @@ def mma_tile(tile_m: int, tile_n: int, swap_ab: bool = False) -> tuple[int, int]
 
 
 def epilogue_tile(tile_m: int, tile_n: int) -> tuple[int, int]:
-    """Sub-tile of C staged through shared memory per TMA store."""
+    """Sub-tile of C staged through shared memory per TMA store: 32 columns, or 16 where
+    32 does not divide tile_n (80, 112)."""
     rows = 64 if tile_m == 64 else 128
-    return rows, min(32, tile_n)
+    return rows, min(32 if tile_n % 32 == 0 else 16, tile_n)
 
 
 def acc_regs_per_thread(tile_m: int, tile_n: int, swap_ab: bool = False) -> int:
@@ -398,22 +406,35 @@ def smem_bytes(t: HopperFp8Tactic) -> int:
 # --------------------------------------------------------------------------------------
 
 # Microseconds one CTA spends per 128-deep K tile, by (tile_m, tile_n) and M regime
-# (M <= 64, M <= 1024, larger): the median over the H200 "wide" run (14 (N, K) shapes x
-# 14 M, bench/gpu/hopper_fp8_check.py, 2026-11-30) of (time - 2.5 us) / waves / K tiles,
-# for S = 1, cluster 1x1, swizzle 1. 64x192, 128x64 and 256x64 were not timed at S = 1:
-# interpolated from their neighbours.
+# (M <= 64, M <= 1024, larger): the median over H200 runs (14 (N, K) shapes,
+# bench/gpu/hopper_fp8_check.py, 2026-11-30) of (time - 2.5 us) / waves / K tiles, for
+# S = 1, cluster 1x1, swizzle 1, raster m (bench/gpu/hopper_fp8_fit.py --per-k-tile over
+# docs/results/h200_hopper_fp8_swap_wide.csv then h200_hopper_fp8_mid.csv, whose cells
+# replace the first run's at M = 64..8192). 256x64 was never timed: scaled from 256x80.
 US_PER_K_TILE = {
-    (64, 64): (0.291, 0.184, 0.197),
-    (64, 128): (0.253, 0.284, 0.286),
-    (64, 192): (0.300, 0.340, 0.360),
-    (64, 256): (0.344, 0.397, 0.417),
-    (128, 64): (0.330, 0.270, 0.330),
-    (128, 128): (0.397, 0.368, 0.415),
-    (128, 192): (0.479, 0.518, 0.629),
-    (128, 256): (0.619, 0.670, 0.819),
-    (256, 64): (0.550, 0.550, 0.600),
-    (256, 128): (0.666, 0.672, 0.817),
-    (256, 192): (0.925, 0.964, 1.205),
+    (64, 64): (0.291, 0.189, 0.204),
+    (64, 80): (0.244, 0.217, 0.228),
+    (64, 96): (0.245, 0.242, 0.249),
+    (64, 112): (0.258, 0.259, 0.279),
+    (64, 128): (0.267, 0.291, 0.294),
+    (64, 160): (0.266, 0.346, 0.326),
+    (64, 192): (0.300, 0.382, 0.347),
+    (64, 256): (0.374, 0.434, 0.430),
+    (128, 64): (0.376, 0.258, 0.332),
+    (128, 80): (0.353, 0.293, 0.369),
+    (128, 96): (0.316, 0.317, 0.371),
+    (128, 112): (0.332, 0.351, 0.400),
+    (128, 128): (0.405, 0.391, 0.428),
+    (128, 160): (0.408, 0.460, 0.541),
+    (128, 192): (0.482, 0.522, 0.641),
+    (128, 256): (0.625, 0.671, 0.835),
+    (256, 64): (0.700, 0.460, 0.530),
+    (256, 80): (0.755, 0.490, 0.569),
+    (256, 96): (0.701, 0.557, 0.656),
+    (256, 112): (0.606, 0.639, 0.759),
+    (256, 128): (0.667, 0.686, 0.833),
+    (256, 160): (0.778, 0.830, 1.038),
+    (256, 192): (0.930, 0.977, 1.205),
 }
 
 # swap_ab tiles, (tile_m = tokens, tile_n = weight rows) -> the same three regimes: the
@@ -464,14 +485,20 @@ def work_units(t: HopperFp8Tactic, m: int, n: int) -> int:
 
 
 def estimate_us(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int = H200_NUM_SMS) -> float:
-    """Model time in microseconds.
+    """Model time in microseconds: the larger of model_parts() plus the launch cost."""
+    return max(model_parts(t, m, n, k, num_sms)) + LAUNCH_US
+
+
+def model_parts(t: HopperFp8Tactic, m: int, n: int, k: int,
+                num_sms: int = H200_NUM_SMS) -> tuple[float, float]:
+    """(compute, memory) model times in microseconds, launch cost not included.
 
     Compute side: waves of work units (padding of the last wave and of the cluster grid
     counted) x the K tiles one unit walks x the measured per-K-tile cost of the tile
     shape; a serial split adds one pipeline drain per range boundary, a 'cta' split the
     partial round trip and the last unit's fixed-order sum (and is ranked last when its
     units need more than one wave). Memory side: the unique bytes (A, B, C, partials)
-    over the chip's bandwidth. The larger of the two, plus launch cost.
+    over the chip's bandwidth.
     """
     slots = (num_sms // t.cluster_size) * t.cluster_size
     units = work_units(t, m, n)
@@ -481,7 +508,7 @@ def estimate_us(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int = H200_
     partial_bytes = 0
     if t.split_mode == "cta" and t.splits > 1:
         if waves > 1:  # 'cta' exists to fill one wave; past that 'serial' has the same
-            return CTA_PAST_ONE_WAVE_US + waves  # parallelism without the round trip
+            return CTA_PAST_ONE_WAVE_US + waves, 0.0  # parallelism without the round trip
         rows = min(m, t.tile_m)
         compute = (waves * -(-kt // t.splits) * per + CTA_FIXED_US
                    + t.splits * rows * t.tile_n * 4 / 1024 * CTA_REDUCE_US_PER_KB)
@@ -490,16 +517,21 @@ def estimate_us(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int = H200_
     else:
         compute = waves * (kt + (t.splits - 1) * DRAIN_K_TILES) * per
     memory = (n * k + m * k + 2 * m * n + partial_bytes) / HBM_BYTES_PER_US
-    return max(compute, memory) + LAUNCH_US
+    return compute, memory
 
 
 def _cost(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int) -> tuple:
-    """Smaller is better: model time, then (measured) preferences: no cluster, swizzle 1
+    """Smaller is better: model time, then the compute part of it (in a memory-bound tie,
+    the tactic whose units would finish the math sooner: more CTAs streaming the weight;
+    at M = 1 on 8192x28672 an 8-token swap_ab tile over 128 CTAs took 55 us where a
+    32-token one over 64 CTAs took 71, H200 wide run), then (measured) preferences: no
+    cluster, swizzle 1
     (clusters and swizzle 8 won only a few percent at M=8192 and lost up to 2x at small M
     because of padded, empty tiles), raster along M, fewer work units (less partial
     traffic), then larger tiles."""
     return (
         round(estimate_us(t, m, n, k, num_sms), 3),
+        round(model_parts(t, m, n, k, num_sms)[0], 3),
         t.cluster_size > 1,
         SWIZZLE_CHOICES.index(t.swizzle),
         CLUSTER_CHOICES.index((t.cluster_m, t.cluster_n)),
@@ -515,7 +547,11 @@ def _cost(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int) -> tuple:
 # accumulators and won somewhere in the H200 wide run (bench/gpu/hopper_fp8_check.py).
 SPLIT_CTA_TILES = ((64, 64), (64, 128), (64, 192), (64, 256), (128, 128), (128, 256))
 SPLIT_SERIAL_TILES = ((64, 64, "m"), (64, 128, "m"), (64, 192, "m"), (128, 64, "m"),
-                      (128, 128, "m"), (128, 128, "n"), (128, 192, "m"), (128, 192, "n"))
+                      (128, 128, "m"), (128, 128, "n"), (128, 192, "m"), (128, 192, "n"),
+                      (64, 96, "m"), (64, 160, "m"), (128, 96, "m"), (128, 160, "m"))
+# serial splits with a cluster (raster m): the tiles whose 1x2 or 2x1 cluster won an S = 2
+# point of the H200 split run (2112x7168, M = 512..8192, up to 11 % over cluster 1x1)
+SPLIT_SERIAL_CLUSTER_TILES = ((128, 64), (128, 96), (128, 160), (128, 192))
 # swap_ab tiles (tokens x weight rows), in every class: S = 1, and both split modes for S > 1
 SWAP_TILES = tuple((tm, tn) for tn in SWAP_TILE_N_CHOICES for tm in SWAP_TILE_M_CHOICES)
 
@@ -524,10 +560,13 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
                  splits: int | None = None) -> list[HopperFp8Tactic]:
     """Every tactic the family plans, for one split count S or (None) for all of them.
 
-    S = 1: every feasible tile x cluster x raster x swizzle (264) and the 8 swap_ab tiles
-    (272). S > 1: split_mode 'cta' on SPLIT_CTA_TILES and 'serial' on SPLIT_SERIAL_TILES,
-    cluster 1x1, swizzle 1 (14 per S: clusters and swizzles lost at small M in the S = 1
-    measurements), and both modes on the 8 swap_ab tiles (30 per S; 392 in all).
+    S = 1: every feasible tile x cluster x raster x swizzle of the widths SWIZZLED_TILE_N
+    (11 tiles, 264), the same with swizzle 1 for the widths 80, 96, 112, 160 (12 tiles,
+    72), and the 8 swap_ab tiles (344). S > 1: split_mode 'cta' on SPLIT_CTA_TILES and
+    'serial' on SPLIT_SERIAL_TILES, cluster 1x1, swizzle 1 (18 per S: clusters and
+    swizzles lost at small M in the S = 1 measurements), 'serial' on
+    SPLIT_SERIAL_CLUSTER_TILES with clusters 1x2 and 2x1 (8 per S), and both modes on the 8
+    swap_ab tiles (42 per S; 512 in all).
     """
     out: list[HopperFp8Tactic] = []
     for sp in SPLIT_CHOICES if splits is None else (splits,):
@@ -539,7 +578,7 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
                     stages = max_stages_for(tm, tn, out_dtype)
                     for cm, cn in CLUSTER_CHOICES:
                         for raster in RASTER_CHOICES:
-                            for swz in SWIZZLE_CHOICES:
+                            for swz in SWIZZLE_CHOICES if tn in SWIZZLED_TILE_N else (1,):
                                 out.append(HopperFp8Tactic(tm, tn, cm, cn, raster, swz, stages,
                                                            out_dtype, ab_dtype))
             out += _swap_tactics(sp, "serial", out_dtype, ab_dtype)
@@ -551,6 +590,11 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
             out.append(HopperFp8Tactic(tm, tn, 1, 1, raster, 1,
                                        max_stages_for(tm, tn, out_dtype), out_dtype, ab_dtype,
                                        sp, "serial"))
+        for tm, tn in SPLIT_SERIAL_CLUSTER_TILES:
+            for cm, cn in ((1, 2), (2, 1)):
+                out.append(HopperFp8Tactic(tm, tn, cm, cn, "m", 1,
+                                           max_stages_for(tm, tn, out_dtype), out_dtype,
+                                           ab_dtype, sp, "serial"))
         out += _swap_tactics(sp, "cta", out_dtype, ab_dtype)
         out += _swap_tactics(sp, "serial", out_dtype, ab_dtype)
     return out
@@ -575,20 +619,23 @@ def _check_problem(m: int, n: int, k: int, out_dtype: str, ab_dtype: str) -> Non
 
 
 def recorded_key(t: HopperFp8Tactic) -> str:
-    """Short name of a cluster-1x1, swizzle-1 tactic in a recorded table, e.g. '64x128mc'
-    ('w' first for swap_ab, then the tile, raster, and 'c' or 's' for the split mode of
-    S > 1), e.g. 'w8x128mc'."""
+    """Short name of a swizzle-1 tactic in a recorded table: 'w' first for swap_ab, then
+    the tile, the raster, 'c' or 's' for the split mode of S > 1, and '@CMxCN' for a
+    cluster other than 1x1, e.g. '64x128mc', 'w8x128mc', '128x64m@1x2'."""
     mode = t.split_mode[0] if t.splits > 1 else ""
-    return f"{'w' if t.swap_ab else ''}{t.tile_m}x{t.tile_n}{t.raster}{mode}"
+    cluster = f"@{t.cluster_m}x{t.cluster_n}" if t.cluster_size > 1 else ""
+    return f"{'w' if t.swap_ab else ''}{t.tile_m}x{t.tile_n}{t.raster}{mode}{cluster}"
 
 
 def _from_key(key: str, splits: int, out_dtype: str, ab_dtype: str) -> HopperFp8Tactic:
     swap = key.startswith("w")
     key = key[1:] if swap else key
+    key, _, cluster = key.partition("@")
+    cm, cn = (int(x) for x in cluster.split("x")) if cluster else (1, 1)
     tile, rest = key[:-1 if splits == 1 else -2], key[-1 if splits == 1 else -2:]
     tm, tn = (int(x) for x in tile.split("x"))
     mode = {"c": "cta", "s": "serial"}[rest[1]] if splits > 1 else "serial"
-    return HopperFp8Tactic(tm, tn, 1, 1, rest[0], 1, 0, out_dtype, ab_dtype, splits,
+    return HopperFp8Tactic(tm, tn, cm, cn, rest[0], 1, 0, out_dtype, ab_dtype, splits,
                            mode, swap).normalized()
 
 
