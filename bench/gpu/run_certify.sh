@@ -43,7 +43,11 @@ if [[ $mode == gpu ]]; then
   rm -rf /tmp/store && cp -r "$BUNDLE/store" /tmp/store
   python3 -m cached serve --serve-only --store /tmp/store --socket /tmp/cached.sock --no-http \
     > "$OUT/daemon.log" 2>&1 &
-  for _ in $(seq 50); do [[ -S /tmp/cached.sock ]] && break; sleep 0.2; done
+  for _ in $(seq 100); do  # the socket file exists before the daemon listens: ask it
+    python3 -c "from cached_client import Client; Client('/tmp/cached.sock', timeout=2,
+      fallback=False).hello()" 2>/dev/null && break
+    sleep 0.2
+  done
   args=()
   for s in "${SHAPES[@]}"; do args+=(--shape "$s"); done
   set +e

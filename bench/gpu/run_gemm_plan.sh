@@ -49,7 +49,11 @@ if [[ $mode == gpu ]]; then
   cd /tmp  # `python3 -m` puts the working directory first on sys.path: the bundle's code only
   python3 -m cached serve --serve-only --store /tmp/store --socket /tmp/cached.sock --no-http \
     > "$OUT/daemon.log" 2>&1 &
-  for _ in $(seq 100); do [[ -S /tmp/cached.sock ]] && break; sleep 0.2; done
+  for _ in $(seq 100); do  # the socket file exists before the daemon listens: ask it
+    python3 -c "from cached_client import Client; Client('/tmp/cached.sock', timeout=2,
+      fallback=False).hello()" 2>/dev/null && break
+    sleep 0.2
+  done
   set +e
   python3 "$BUNDLE/gemm_plan_check.py" --socket /tmp/cached.sock --out "$OUT" "${SHAPES[@]}" \
     2>&1 | tee "$OUT/gemm_plan.log"
