@@ -214,10 +214,12 @@ def _toolchains(value: Any) -> tuple[tuple[str, str], ...]:
 
 
 def _path(value: Any) -> str:
+    """An absolute path: a relative one is taken from the daemon's working directory now
+    (compile workers run elsewhere, with the store's absolute path)."""
     text = str(value).strip()
     if not text:
         raise ConfigError("expected a path, got an empty string")
-    return text
+    return os.path.abspath(text)
 
 
 def default_socket() -> str:

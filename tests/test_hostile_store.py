@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cached_client import CompileFailed, KernelRequest
+from cached_client import CachedError, Client, CompileFailed, KernelRequest
 from cached_client import protocol as p
 from cached_client.loader import sha256_file
 from cached_client.writeback import lease, obtain
@@ -661,3 +661,33 @@ def test_the_daemons_own_cgroup_memory_limit_caps_an_explicit_worker_count(tmp_p
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+def test_a_relative_store_and_socket_are_taken_from_the_daemons_directory(tmp_path):
+    """bench/gpu/run_gemm_plan.sh found it: ``--store some/relative/dir`` made every compile
+    fail in publishing (the workers, running elsewhere, wrote to another ``tmp/``), so a
+    store warmed that way stayed empty. Relative paths are made absolute at start."""
+    proc = subprocess.Popen([sys.executable, "-m", "cached", "serve", "--store", "rel/store",
+                             "--socket", "cached.sock", "--no-http", "--workers", "1"],
+                            cwd=tmp_path, env={**os.environ, "CACHED_TEST_FAMILIES": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        socket_path = str(tmp_path / "cached.sock")
+
+        def answers() -> bool:
+            try:
+                return Client(socket_path, timeout=2, fallback=False).stats()["workers_ready"] == 1
+            except CachedError:
+                return False
+
+        wait_for(answers, 60)
+        art = Client(socket_path, timeout=60, fallback=False,
+                     transfer="path").get(kernel("relative"))
+        assert art.origin == "compiled"
+        assert Path(art.library_path).is_relative_to(tmp_path / "rel" / "store" / "blobs")
+        stats = Client(socket_path, timeout=10).stats()
+        assert stats["entries"] == 1 and stats["failures"] == stats["persist_failures"] == 0
+        assert stats["store"] == str(tmp_path / "rel" / "store")
+    finally:
+        proc.terminate()
+        proc.wait(30)
