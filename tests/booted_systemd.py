@@ -102,6 +102,8 @@ def unavailable() -> str | None:
     for path in (Path(__file__).resolve().parents[1], Path(site.getsitepackages()[0])):
         if path.is_relative_to("/home") or path.is_relative_to("/root"):
             return f"{path} is under a path cached.service hides (ProtectHome=)"
+        if path.is_relative_to("/tmp") or path.is_relative_to("/var/tmp"):
+            return f"{path} is under a path cached.service hides (PrivateTmp=)"
     return None
 
 
