@@ -33,6 +33,9 @@ def main() -> None:
         result = json.loads(open(report.name).read())
     result.update(inputs=4 * args.examples, seconds=round(time.monotonic() - started, 1),
                   pytest_rc=proc.returncode, pytest_tail=proc.stdout.strip().splitlines()[-1])
+    if proc.returncode:  # what failed, for the record (the summary line alone says nothing)
+        result["pytest_failures"] = [line for line in proc.stdout.splitlines()
+                                     if line.startswith(("E ", "FAILED", "Falsifying"))][:60]
     save("fuzz", result)
 
 
