@@ -398,8 +398,11 @@ class Server:
                 c.in_frame = False
                 message = p.decode_body(body)
                 del body
-            except _Closed:
+            except _Closed:  # a frame cut short: the requests before it, then why
                 self.room.release(c.peer.uid, reserved)
+                await self._last_word(c, MalformedFrame(
+                    "the connection's sending side closed in the middle of a frame (a "
+                    "frame is a 4-byte big-endian length, then that many bytes of JSON)"))
                 return
             except TimeoutError:
                 self.room.release(c.peer.uid, reserved)

@@ -150,6 +150,21 @@ def test_a_request_still_pending_at_the_peers_half_close_is_answered(fuzz_daemon
     assert replies[0]["id"] == 7
 
 
+@pytest.mark.parametrize("cut", [2, 4, 30], ids=["in-header", "after-header", "in-body"])
+def test_a_frame_cut_short_by_the_peers_half_close_is_told_malformed(fuzz_daemon, cut):
+    """Found by bench/fuzz.py (pipelined frames, 50,000 examples): random bytes whose length
+    header asked for more than followed, then a half-close, got no reply at all. The
+    requests before such a frame are answered, then the peer is told why."""
+    hello = frame({"op": "hello", "id": 1})
+    cut_short = frame({"op": "hello", "id": 2, "pad": "x" * 100})[:cut]
+    replies = exchange(fuzz_daemon.socket, hello + cut_short)
+    assert [r["ok"] for r in replies] == [True, False], replies
+    assert replies[0]["id"] == 1
+    assert replies[1]["error"]["code"] == "malformed_frame"
+    assert "middle of a frame" in replies[1]["error"]["message"]
+    assert fuzz_daemon.client(timeout=10).hello().v == 1
+
+
 # -- nesting, NaN and huge numbers, pipelining (issue 16 item 21; bench/fuzz.py runs these
 # at benchmark size too) -------------------------------------------------------------------
 
