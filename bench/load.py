@@ -12,7 +12,8 @@ daemon's socket is 0666 for it), as a hostile local user would. Mixed: 20 kernel
 as pre-warm work, then 16 clients asking at once for 6 other kernels (4 overlapping):
 compilations must equal distinct kernels, and the waiting clients must finish before the
 pre-warm backlog.
-Usage: python bench/load.py [--clients 64] [--requests 1000]   (as root, for the other uid)
+Usage: python bench/load.py [--clients 64] [--requests 1000] [--transfer fd|path]
+(as root, for the other uid)
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ from cached.cli.warm import warm
 WORKER = """
 import json, sys, threading, time
 from cached_client import Client, KernelRequest  # noqa: F401
-sock, threads, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+sock, threads, n, transfer = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 requests = [KernelRequest.from_wire(w) for w in json.loads(sys.stdin.read())]
 lat, errors = [], []
 def run(t):
-    c = Client(sock, timeout=30)
+    c = Client(sock, timeout=30, transfer=transfer)
     for i in range(n):
         t0 = time.perf_counter()
         try:
@@ -139,7 +140,7 @@ def rss_kib(pid: int) -> int:
 
 
 def hits(d: Daemon, requests: list[KernelRequest], clients: int, per_client: int,
-         against: str | None = None) -> dict:
+         against: str | None = None, transfer: str = "fd") -> dict:
     procs, threads = 8, clients // 8
     wires = json.dumps([r.to_wire() for r in requests])
     before = rss_kib(d.proc.pid)
@@ -148,8 +149,8 @@ def hits(d: Daemon, requests: list[KernelRequest], clients: int, per_client: int
     sampler = RssSampler(d.proc.pid)
     started = time.monotonic()
     ps = [subprocess.Popen([sys.executable, "-c", WORKER, d.socket, str(threads),
-                            str(per_client)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                           text=True) for _ in range(procs)]
+                            str(per_client), transfer], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True) for _ in range(procs)]
     outs = [json.loads(p.communicate(wires)[0]) for p in ps]
     wall = time.monotonic() - started
     peak = sampler.stop()
@@ -200,6 +201,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--transfer", choices=("fd", "path"), default="fd",
+                        help="how the clients take the kernel (fd: the default, descriptors "
+                             "and a private verified copy; path: the store's path)")
     args = parser.parse_args()
     requests = plan()
     with tempfile.TemporaryDirectory() as workdir:
@@ -208,15 +212,18 @@ def main() -> None:
         try:
             stored = requests[:8]
             warm(d.socket, stored, 600)
-            result = {"hits": hits(d, stored, args.clients, args.requests)}
+            result = {"transfer": args.transfer,
+                      "hits": hits(d, stored, args.clients, args.requests,
+                                   transfer=args.transfer)}
             print(json.dumps(result["hits"]), flush=True)
             for kind in ("slow", "flood"):
-                result[f"hits_with_{kind}"] = hits(d, stored, args.clients, args.requests, kind)
+                result[f"hits_with_{kind}"] = hits(d, stored, args.clients, args.requests, kind,
+                                                   args.transfer)
                 print(json.dumps(result[f"hits_with_{kind}"]), flush=True)
             result["mixed"] = mixed(d, requests[20:40], requests[8:14])
         finally:
             d.stop()
-    save("load", result)
+    save("load" if args.transfer == "fd" else f"load_{args.transfer}", result)
 
 
 if __name__ == "__main__":
