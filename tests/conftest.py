@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -134,3 +136,25 @@ def raw_call(socket_path: str, message: dict, timeout: float = 30.0) -> dict:
 def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cached", *args], capture_output=True,
                           text=True, check=check, timeout=600)
+
+
+def serve_once(path: str, reply_for) -> threading.Thread:
+    """A peer that is not a daemon: answers one request on ``path`` with
+    ``reply_for(request)``, then closes."""
+    from cached_client import protocol as p
+
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(1)
+
+    def run() -> None:
+        conn, _ = server.accept()
+        with conn:
+            header = conn.recv(4, socket.MSG_WAITALL)
+            body = conn.recv(int.from_bytes(header, "big"), socket.MSG_WAITALL)
+            conn.sendall(p.encode_frame(reply_for(p.decode_body(body))))
+        server.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread

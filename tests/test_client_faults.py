@@ -8,17 +8,15 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 from cached_client import BadReply, Client, DaemonUnavailable
 from cached_client import protocol as p
 from cached_client.loader import load_library
-from conftest import DaemonProcess, fault
+from conftest import DaemonProcess, fault, serve_once
 
 ENV = {"CUTE_DSL_ARCH": "sm_100a", "CACHED_SM_COUNT": "148"}
 
@@ -257,24 +255,6 @@ def test_flashinfer_builds_with_a_stopped_daemon_compile_here_after_one_short_wa
 
 # -- item 21: malformed replies through Client.load -----------------------------------------
 
-def _fake_daemon(path: str, reply_for, passes_fds: bool = False) -> threading.Thread:
-    server = socket.socket(socket.AF_UNIX)
-    server.bind(path)
-    server.listen(1)
-
-    def run() -> None:
-        conn, _ = server.accept()
-        with conn:
-            header = conn.recv(4, socket.MSG_WAITALL)
-            body = conn.recv(int.from_bytes(header, "big"), socket.MSG_WAITALL)
-            conn.sendall(p.encode_frame(reply_for(p.decode_body(body))))
-        server.close()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
 ARTIFACT = {"key": "a" * 64, "family": "flashinfer.mm_fp4", "kernel_name": "k", "symbol": "s",
             "library_sha256": "b" * 64, "object_sha256": "c" * 64, "toolchain": "t",
             "runtime_library": {"name": "libcute_dsl_runtime.so"}}
@@ -296,7 +276,7 @@ def test_malformed_replies_surface_from_load_as_bad_reply(tmp_path, mm_fp4_reque
     """Item 21: a daemon's malformed reply surfaced from Client.load as KeyError or
     AttributeError; now it is BadReply (a DaemonUnavailable: the caller may fall back)."""
     path = str(tmp_path / "not-a-daemon.sock")
-    thread = _fake_daemon(path, reply_for)
+    thread = serve_once(path, reply_for)
     with pytest.raises(BadReply, match=why):
         Client(path, timeout=5, fallback=False).load(mm_fp4_requests[0])
     thread.join(5)

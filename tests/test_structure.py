@@ -7,17 +7,15 @@ import ast
 import dataclasses
 import os
 import re
-import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 from cached_client import BadReply, Client
 from cached_client import protocol as p
 from cached_client.errors import ERROR_CODES, InternalError
-from conftest import ROOT
+from conftest import ROOT, serve_once
 
 from cached import config
 from cached.server import Access, Server
@@ -151,25 +149,6 @@ def test_requests_are_checked_field_by_field_with_the_field_named():
         p.GetRequest.from_wire({})
 
 
-def _serve_once(path: str, reply_for) -> threading.Thread:
-    """A peer that is not a daemon: answers one request with ``reply_for(request)``."""
-    server = socket.socket(socket.AF_UNIX)
-    server.bind(path)
-    server.listen(1)
-
-    def run() -> None:
-        conn, _ = server.accept()
-        with conn:
-            header = conn.recv(4, socket.MSG_WAITALL)
-            body = conn.recv(int.from_bytes(header, "big"), socket.MSG_WAITALL)
-            conn.sendall(p.encode_frame(reply_for(p.decode_body(body))))
-        server.close()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
 @pytest.mark.parametrize("reply_for, why", [
     (lambda m: {"ok": True, "id": m["id"]}, "does not follow the protocol"),
     (lambda m: {"ok": True, "id": m["id"], "v": "one", "ops": []}, "v must be"),
@@ -177,7 +156,7 @@ def _serve_once(path: str, reply_for) -> threading.Thread:
 ])
 def test_a_malformed_or_mismatched_reply_is_a_typed_error(tmp_path, reply_for, why):
     path = str(tmp_path / "not-a-daemon.sock")
-    thread = _serve_once(path, reply_for)
+    thread = serve_once(path, reply_for)
     with pytest.raises(BadReply, match=why):
         Client(path, timeout=5, fallback=False).hello()
     thread.join(5)
