@@ -28,6 +28,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,9 @@ UNSTORED_HOLD_S = 120.0
 """How long the work directory of an unstored kernel outlives its job (seconds): its
 waiters open the files by path within that time."""
 PRIORITIES = {"interactive": INTERACTIVE, "prewarm": PREWARM}
+RESOLVED_MAX = 4096
+"""Resolved requests remembered (the oldest forgotten first): a hit does not canonicalise
+its request or hash its key again."""
 
 
 @dataclass
@@ -103,6 +107,7 @@ class Scheduler:
         self._seq = itertools.count()
         self._dispatchers: list[asyncio.Task] = []
         self._tasks: set[asyncio.Task] = set()
+        self._resolved: dict[tuple, tuple[Family, KernelRequest, Route]] = {}
 
     @property
     def queued(self) -> int:
@@ -157,16 +162,28 @@ class Scheduler:
     def resolve(self, request: KernelRequest, identity: p.Identity | None = None
                 ) -> tuple[Family, KernelRequest, Route]:
         """Validate a request against its family; returns the family, the canonical request
-        and its route (store key, and who compiles it) for the client's ``identity``."""
-        family = families.get(request.family)
-        request = family.canonical_request(request)
-        return family, request, self.toolchains.route(family, request, identity)
+        and its route (store key, and who compiles it) for the client's ``identity``.
+        Remembered (RESOLVED_MAX): families, their sources and the toolchains are fixed for
+        the daemon's life, so the same request and identity always resolve alike."""
+        memo = _resolve_key(request, identity)
+        resolved = self._resolved.get(memo) if memo is not None else None
+        if resolved is None:
+            family = families.get(request.family)
+            canonical = family.canonical_request(request)
+            resolved = family, canonical, self.toolchains.route(family, canonical, identity)
+            if memo is not None:
+                if len(self._resolved) >= RESOLVED_MAX:
+                    del self._resolved[next(iter(self._resolved))]
+                self._resolved[memo] = resolved
+        return resolved
 
     async def get(self, request: KernelRequest, priority: int = INTERACTIVE,
-                  timeout: float = 60.0, identity: p.Identity | None = None
-                  ) -> tuple[Entry, str]:
+                  timeout: float = 60.0, identity: p.Identity | None = None,
+                  admit: Callable[[str], None] | None = None) -> tuple[Entry, str]:
         """The stored entry for a request and whether it was a ``hit`` or ``compiled``;
-        UnknownToolchain at once for a miss no registered toolchain may compile."""
+        UnknownToolchain at once for a miss no registered toolchain may compile. On a miss,
+        ``admit(key)`` runs right before the compilation is queued (or joined), and may
+        refuse it by raising."""
         family, request, route = self.resolve(request, identity)
         if family.bundle:
             raise InvalidArgument(f"{family.name} artifacts are bundles a client writes back: "
@@ -180,6 +197,8 @@ class Scheduler:
         if route.compiler is None:
             self.stats.count("unknown_toolchain", family.name)
             raise UnknownToolchain(route.why)
+        if admit is not None:
+            admit(key)
         job = self._submit(route, family, request, priority)
         try:
             entry = await asyncio.wait_for(asyncio.shield(job.future), timeout)
@@ -192,10 +211,14 @@ class Scheduler:
             ) from None
 
     async def lookup(self, key: str) -> Entry | None:
-        """The verified stored entry for ``key``; blobs are hashed on the store's reader
-        threads (a FIFO, a link or a slow disk never stalls the event loop)."""
+        """The verified stored entry for ``key``. Blobs unchanged since their last digest
+        check are only ``lstat``-ed here; any other is hashed on the store's reader threads
+        (a FIFO, a link or a slow disk never stalls the event loop)."""
         if not self.store.contains(key):
             return None
+        entry = self.store.lookup_unchanged(key)
+        if entry is not None:
+            return entry
         return await asyncio.get_running_loop().run_in_executor(
             self.store.readers, self.store.lookup, key)
 
@@ -496,6 +519,19 @@ def _plan_here(family: Family, payload: dict) -> list[dict]:
     except ImportError as exc:
         raise InvalidTactic(f"planning {family.name} needs its toolchain here: {exc}") from None
     return [r.to_wire() for r in requests]
+
+
+def _resolve_key(request: KernelRequest, identity: p.Identity | None) -> tuple | None:
+    """What decides a resolution, with types kept apart (JSON: ``true`` is not ``1``, which
+    KernelRequest's own equality does not tell apart); None for params JSON cannot hold."""
+    try:
+        params = json.dumps(dict(request.params), sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+    return (request.family, request.arch, request.sm_count, request.max_active_clusters,
+            params, None if identity is None else (
+                identity.toolchain, json.dumps(identity.sources, sort_keys=True),
+                json.dumps(identity.runtime, sort_keys=True)))
 
 
 def _describe(request: KernelRequest) -> str:

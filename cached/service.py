@@ -35,7 +35,7 @@ from .log import event
 from .scheduler import PRIORITIES, Scheduler
 from .server import Access, Attachment, Handler, Peer
 from .stats import Stats
-from .store import Entry
+from .store import SUFFIXES, Entry, Store
 
 log = logging.getLogger("cached.service")
 
@@ -139,10 +139,12 @@ class Service:
 
     async def _get(self, m: p.GetRequest, peer: Peer
                    ) -> p.GetReply | tuple[p.GetReply, Attachment]:
-        self._admit(peer, m.request, m.identity)
+        admit = None
+        if self.quota.limit and not self.access.may_publish(peer):
+            admit = functools.partial(self._admit, peer)
         for attempt in range(3):
             entry, origin = await self.scheduler.get(
-                m.request, PRIORITIES[m.priority], m.deadline_ms / 1000, m.identity)
+                m.request, PRIORITIES[m.priority], m.deadline_ms / 1000, m.identity, admit)
             if m.transfer == "path":
                 return p.GetReply(artifact=self.scheduler.artifact(entry, origin))
             try:
@@ -152,7 +154,7 @@ class Service:
                                        fds=["object", "library"]),
                             Attachment(fds=fds))
                 fd = await asyncio.get_running_loop().run_in_executor(
-                    None, _open_verified, entry)
+                    None, _open_verified, self.store, entry)
                 return (p.GetReply(artifact=self.scheduler.artifact(entry, origin, False)),
                         Attachment(payload_fd=fd, payload_size=entry.row["library_size"]))
             except FileNotFoundError:  # evicted between the lookup and the open: again
@@ -175,11 +177,10 @@ class Service:
         except CachedError:
             return None
 
-    def _admit(self, peer: Peer, request: KernelRequest, identity: p.Identity | None) -> None:
-        """The queued-compilation quota, before anything is queued for ``peer``."""
-        if self.quota.limit and not self.access.may_publish(peer):
-            if not self.quota.admit(peer, [self._key(request, identity)])[0]:
-                raise self.quota.refusal(peer)
+    def _admit(self, peer: Peer, key: str) -> None:
+        """The queued-compilation quota, right before a miss of ``peer``'s is queued."""
+        if not self.quota.admit(peer, [key])[0]:
+            raise self.quota.refusal(peer)
 
     async def prefetch(self, m: p.PrefetchRequest, peer: Peer) -> p.PrefetchReply:
         if not self.quota.limit or self.access.may_publish(peer):
@@ -308,10 +309,13 @@ def _open_both(entry: Entry) -> list[int]:
     return fds
 
 
-def _open_verified(entry: Entry) -> int:
-    """The library's descriptor after its digest is checked through that descriptor, so the
+def _open_verified(store: Store, entry: Entry) -> int:
+    """The library's descriptor after its digest is checked through that descriptor (unless
+    the file it opened is the one the store checked last: :meth:`Store.unchanged`), so the
     bytes sent (from offset 0) are the bytes checked."""
     fd = _open_blob(entry.library_path, entry.row["library_size"])
+    if store.unchanged(entry.row["library_sha256"], SUFFIXES["library"], os.fstat(fd)):
+        return fd
     digest, offset = hashlib.sha256(), 0
     while chunk := os.pread(fd, 1 << 20, offset):
         digest.update(chunk)

@@ -9,7 +9,9 @@ Layout under the store root::
 
 Invariants: a blob is written to ``tmp/``, fsynced, made read-only and renamed into
 ``blobs/`` before any index row names it, so a crash at any instant leaves either no
-entry or a whole one. Every read recomputes the blob's sha256; a row whose blob is
+entry or a whole one. A blob's sha256 is recomputed when it is first served, whenever its
+file is not the very one last checked (device, inode, size, modification and change times,
+read with ``lstat``), and at least every :data:`REVERIFY_S` seconds; a row whose blob is
 missing or wrong is dropped (and the blob removed), never served. Store paths derive
 only from digests (64 lowercase hex digits, checked on every row read from the index),
 never from client input. Blobs are opened without following links and read only when
@@ -71,6 +73,10 @@ BLOB_SUFFIX = re.compile(r"\.[a-z0-9]{1,16}\Z")
 _CHUNK = 1 << 20
 _OPEN_BLOB = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+REVERIFY_S = 300.0
+"""Seconds a blob checked by its digest is trusted while its file stays the same (same
+device, inode, size, mtime and ctime: any write, rename, link or chmod changes one of them),
+before a hit hashes it again."""
 
 
 class StoreError(ConfigError):
@@ -266,6 +272,9 @@ class Store:
         self._db_lock = threading.RLock()  # the index connection
         self._touched: set[str] = set()
         self._deleted: set[str] = set()  # dropped or evicted keys not yet deleted from the index
+        self._checked: dict[tuple[str, str], tuple[tuple, float, str]] = {}
+        """(sha256, suffix) -> (the blob file's identity, monotonic time, path) at its last
+        digest check; a blob whose file still has that identity is served without hashing."""
         self.index_created = not self.index_path.exists()
         self._open_index()
         self._rows: dict[str, dict] = self._load_rows()
@@ -476,14 +485,31 @@ class Store:
             raise BadBlob(f"{label}: its directory is not a plain directory "
                           f"({exc.strerror})", False) from None
         try:
-            return _read_regular(shard, name, label, size, sha256, keep)
+            data, checked = _read_regular(shard, name, label, size, sha256, keep)
         finally:
             os.close(shard)
+        self._checked[(sha256, suffix)] = (_file_identity(checked), time.monotonic(),
+                                           os.fspath(self.blob_path(sha256, suffix)))
+        return data
+
+    def unchanged(self, sha256: str, suffix: str, st: os.stat_result | None = None) -> bool:
+        """Whether the blob's file (``st``, else ``lstat`` of its path: never opened, never
+        followed) is the very file whose digest was checked less than REVERIFY_S ago."""
+        checked = self._checked.get((sha256, suffix))
+        if checked is None or time.monotonic() - checked[1] > REVERIFY_S:
+            return False
+        if st is None:
+            try:
+                st = os.lstat(checked[2])
+            except OSError:
+                return False
+        return _file_identity(st) == checked[0]
 
     def remove_blob(self, sha256: str, suffix: str) -> None:
         """Remove whatever sits at the blob's name (a file, link, FIFO or directory) without
         following a link; nothing else is touched, no mode is changed."""
         name = self.blob_path(sha256, suffix).name
+        self._checked.pop((sha256, suffix), None)
         try:
             shard = self._shard(sha256)
         except OSError:
@@ -500,15 +526,34 @@ class Store:
         Hashes blobs: call it off the event loop (:attr:`readers`). Never waits on the
         index."""
         row = self._rows.get(key)
+        if row is None or self._hit(key, row) is None:
+            return None
+        return self._verified(row)
+
+    def lookup_unchanged(self, key: str) -> Entry | None:
+        """The entry for ``key`` when each of its blobs is :meth:`unchanged` since its last
+        digest check (``lstat`` only, so it may run on the event loop); None: absent, or
+        some blob must be hashed again (call :meth:`lookup` on a reader thread)."""
+        row = self._rows.get(key)
         if row is None:
             return None
+        if row.get("kind") == "bundle":
+            blobs = [(b.sha256, b.suffix) for b in row_blobs(row)]
+        else:
+            blobs = [(row[f"{kind}_sha256"], suffix) for kind, suffix in SUFFIXES.items()]
+        if not all(self.unchanged(sha, suffix) for sha, suffix in blobs):
+            return None
+        return self._hit(key, row)
+
+    def _hit(self, key: str, row: dict) -> Entry | None:
+        """Count a hit on ``row`` and return its entry (None if it went meanwhile)."""
         with self._lock:
-            if self._rows.get(key) is not row:  # evicted or dropped since the read above
+            if self._rows.get(key) is not row:  # evicted or dropped since it was read
                 return None
             row["hits"] += 1
             row["last_used"] = time.time()
             self._touched.add(key)
-        return self._verified(row)
+        return self._entry(row)
 
     def blob_problem(self, row: Mapping[str, Any]) -> str | None:
         """Why the row's blobs cannot be served (removing what is certainly not a blob at
@@ -1000,8 +1045,14 @@ def _read_all(fd: int) -> bytes:
     return b"".join(parts)
 
 
+def _file_identity(st: os.stat_result) -> tuple:
+    """What changes whenever a file is replaced, written, linked or its mode changed."""
+    return (st.st_dev, st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def _read_regular(shard: int, name: str, label: str, size: int | None, sha256: str,
-                  keep: bool) -> bytes | None:
+                  keep: bool) -> tuple[bytes | None, os.stat_result]:
+    """The blob's bytes (when ``keep``) and the fstat of the file whose digest matched."""
     try:
         st = os.stat(name, dir_fd=shard, follow_symlinks=False)
     except FileNotFoundError:
@@ -1040,7 +1091,7 @@ def _read_regular(shard: int, name: str, label: str, size: int | None, sha256: s
     actual = digest.hexdigest()
     if actual != sha256:
         raise BadBlob(f"{label} has digest {actual[:12]}", True)
-    return b"".join(parts) if keep else None
+    return (b"".join(parts) if keep else None), st
 
 
 def _remove_at(directory: int, name: str) -> None:

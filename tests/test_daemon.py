@@ -106,13 +106,23 @@ def test_kill9_during_compilation_leaves_a_store_that_verifies_and_no_orphans(
         restarted.stop()
 
 
-def test_corrupted_blob_is_detected_and_recompiled_never_served(daemon, mm_fp4_requests):
+@pytest.mark.parametrize("times_put_back", [False, True], ids=["written", "times-put-back"])
+def test_corrupted_blob_is_detected_and_recompiled_never_served(daemon, mm_fp4_requests,
+                                                                 times_put_back):
+    """Also when the blob was served (so checked) just before, and its modification time is
+    put back after the write: the daemon re-hashes any blob whose file changed at all."""
     client = daemon.client(transfer="path")  # the store's blob itself is corrupted here
     art = client.get(mm_fp4_requests[1])
+    assert client.get(mm_fp4_requests[1]).origin == "hit"  # checked, remembered as checked
+    before = os.stat(art.library_path)
     os.chmod(art.library_path, 0o644)
     with open(art.library_path, "r+b") as f:
         f.seek(100)
         f.write(b"\x00\xff\x00\xff")
+    if times_put_back:
+        os.chmod(art.library_path, before.st_mode)
+        os.utime(art.library_path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert os.stat(art.library_path).st_mtime_ns == before.st_mtime_ns
     again = client.get(mm_fp4_requests[1])
     assert again.origin == "compiled"
     assert again.library_sha256 == art.library_sha256
@@ -120,6 +130,21 @@ def test_corrupted_blob_is_detected_and_recompiled_never_served(daemon, mm_fp4_r
         import hashlib
         assert hashlib.sha256(f.read()).hexdigest() == art.library_sha256
     assert daemon.stats()["compiles"] == 2
+
+
+def test_a_remembered_request_never_answers_one_that_differs_only_in_json_type(
+        daemon, mm_fp4_requests):
+    """The daemon remembers how each request resolves; ``1`` where the family wants
+    ``true`` is still refused after the ``true`` one was served (Python's 1 == True)."""
+    client = daemon.client(transfer="path")
+    request = mm_fp4_requests[0]
+    assert request.params["enable_pdl"] is True
+    client.get(request)
+    wire = request.to_wire()
+    wire["params"]["enable_pdl"] = 1
+    with pytest.raises(InvalidTactic, match="enable_pdl=1"):
+        client.get(KernelRequest.from_wire(wire))
+    assert client.get(request).origin == "hit"
 
 
 def _raw(sock_path: str, data: bytes) -> tuple[dict | None, bool]:

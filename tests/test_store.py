@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 
+import cached.store
 from cached.store import Store
 
 
@@ -88,3 +90,51 @@ def test_identical_bytes_are_stored_once(tmp_path):
     a, b = publish(store, "k1"), publish(store, "k2")
     assert a.library_path == b.library_path
     assert len(list(store.blob_dir.glob("*/*"))) == 2
+
+
+def test_a_blob_is_hashed_again_whenever_its_file_changed_at_all(tmp_path):
+    """Checked once, a blob is trusted only while its file is the very same one: written
+    (even with its times put back), replaced by a copy, or swapped for a link, it is
+    hashed again on the next lookup."""
+    store = Store(tmp_path)
+    entry = publish(store, "k1")
+    assert store.lookup_unchanged(K("k1")) is None  # never checked yet
+    assert store.lookup(K("k1")) is not None
+    assert store.lookup_unchanged(K("k1")).row["hits"] == 2  # checked: no hashing now
+    lib = entry.library_path
+    copy = tmp_path / "copy"
+    shutil.copy2(lib, copy)
+    os.chmod(lib, 0o644)
+    os.replace(copy, lib)  # same bytes, another file
+    assert store.lookup_unchanged(K("k1")) is None
+    assert store.lookup(K("k1")) is not None  # hashed again: same digest, served
+    assert store.lookup_unchanged(K("k1")) is not None
+    before = os.stat(lib)
+    with open(lib, "r+b") as f:
+        f.write(b"L")  # same size, other bytes, times put back
+    os.utime(lib, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert store.lookup_unchanged(K("k1")) is None
+    assert store.lookup(K("k1")) is None and not store.contains(K("k1"))
+
+
+def test_a_link_in_place_of_a_checked_blob_is_never_trusted(tmp_path):
+    store = Store(tmp_path)
+    entry = publish(store, "k1")
+    assert store.lookup(K("k1")) is not None
+    target = tmp_path / "elsewhere.so"
+    shutil.copy2(entry.library_path, target)
+    os.chmod(entry.library_path, 0o644)
+    entry.library_path.unlink()
+    os.symlink(target, entry.library_path)
+    assert store.lookup_unchanged(K("k1")) is None
+    assert store.lookup(K("k1")) is None and not store.contains(K("k1"))
+    assert target.exists()  # what the link pointed to is not touched
+
+
+def test_an_unchanged_blob_is_hashed_again_after_reverify_s(tmp_path, monkeypatch):
+    store = Store(tmp_path)
+    publish(store, "k1")
+    assert store.lookup(K("k1")) is not None
+    assert store.lookup_unchanged(K("k1")) is not None
+    monkeypatch.setattr(cached.store, "REVERIFY_S", 0.0)
+    assert store.lookup_unchanged(K("k1")) is None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import tempfile
@@ -123,6 +124,13 @@ def installed_fallback() -> Fallback | None:
     return None
 
 
+@functools.lru_cache(maxsize=256)
+def _environment_identity(families: tuple[str, ...]) -> dict:
+    """This process's identity for ``families``, checked and in wire form (what it is
+    made of is computed once per process: cached_client.identity). Never mutate it."""
+    return p.Identity(**env_identity.for_families(families)).to_wire()
+
+
 class Client:
     """A connection to one daemon socket; safe to share between threads, and across fork."""
 
@@ -191,15 +199,15 @@ class Client:
         if not isinstance(request, spec.request):
             raise TypeError(f"{op} takes a {spec.request.__name__}, not "
                             f"{type(request).__name__}")
+        message = {"v": p.PROTOCOL_VERSION, "op": op, **request.to_wire()}
         if getattr(request, "identity", False) is None and self.identity is not False:
-            request = dataclasses.replace(request, identity=self._identity_for(request))
+            message["identity"] = self._identity_wire(request)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             if self._pid != os.getpid():
                 self._forget_connection()
             self._next_id += 1
-            message = {"v": p.PROTOCOL_VERSION, "id": self._next_id, "op": op,
-                       **request.to_wire()}
+            message["id"] = self._next_id
             reply, payload, fds = self._exchange(message, deadline)
         try:
             if reply.get("ok") is not True:
@@ -286,11 +294,11 @@ class Client:
             return False
         return "ok" in reply
 
-    def _identity_for(self, request: p.Message) -> p.Identity:
-        """The identity ``request`` states: the configured one, or this environment's with
-        the sources of the families the request names."""
+    def _identity_wire(self, request: p.Message) -> dict:
+        """The identity ``request`` states, as sent: the configured one, or this
+        environment's with the sources of the families the request names."""
         if isinstance(self.identity, p.Identity):
-            return self.identity
+            return self.identity.to_wire()
         kernel = getattr(request, "request", None)
         if isinstance(kernel, KernelRequest):
             names = [kernel.family]
@@ -298,7 +306,7 @@ class Client:
             names = [w.get("family") for w in request.requests if isinstance(w, dict)]
         else:
             names = [getattr(request, "family", "")]
-        return p.Identity(**env_identity.for_families(n for n in names if isinstance(n, str)))
+        return _environment_identity(tuple(sorted({n for n in names if isinstance(n, str)})))
 
     def _call(self, op: str, request: p.Message | None, reply_type: type[R],
               timeout: float | None = None) -> R:
