@@ -525,13 +525,16 @@ def _resolve_key(request: KernelRequest, identity: p.Identity | None) -> tuple |
     """What decides a resolution, with types kept apart (JSON: ``true`` is not ``1``, which
     KernelRequest's own equality does not tell apart); None for params JSON cannot hold."""
     try:
-        params = json.dumps(dict(request.params), sort_keys=True)
+        params = _SORTED_JSON(dict(request.params))
     except (TypeError, ValueError):
         return None
     return (request.family, request.arch, request.sm_count, request.max_active_clusters,
-            params, None if identity is None else (
-                identity.toolchain, json.dumps(identity.sources, sort_keys=True),
-                json.dumps(identity.runtime, sort_keys=True)))
+            params, None if identity is None else (  # checked: str keys, str or None values
+                identity.toolchain, tuple(sorted(identity.sources.items())),
+                tuple(sorted(identity.runtime.items()))))
+
+
+_SORTED_JSON = json.JSONEncoder(sort_keys=True).encode
 
 
 def _describe(request: KernelRequest) -> str:

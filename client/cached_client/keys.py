@@ -71,9 +71,14 @@ class KernelRequest:
         object.__setattr__(self, "_frozen", _freeze(self.params))
 
     def to_wire(self) -> dict:
+        """A fresh dict each call (callers may change it); params in canonical JSON form."""
+        params_json = self.__dict__.get("_params_json")
+        if params_json is None:  # computed once: params are not changed after construction
+            params_json = canonical_json(dict(self.params))
+            object.__setattr__(self, "_params_json", params_json)
         return {
             "family": self.family,
-            "params": json.loads(canonical_json(dict(self.params))),
+            "params": json.loads(params_json),
             "arch": self.arch,
             "sm_count": self.sm_count,
             "max_active_clusters": self.max_active_clusters,

@@ -66,9 +66,11 @@ MAX_BUNDLE_FILES = 64
 
 def encode_frame(message: dict) -> bytes:
     """One frame: length header plus compact JSON (finite numbers only)."""
-    body = json.dumps(message, separators=(",", ":"), sort_keys=True,
-                      allow_nan=False).encode()
+    body = _FRAME_JSON(message).encode()
     return HEADER.pack(len(body)) + body
+
+
+_FRAME_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True, allow_nan=False).encode
 
 
 def _refuse_constant(name: str) -> Any:
