@@ -189,6 +189,44 @@ def test_a_peer_without_publish_rights_queues_at_most_its_quota(shared_dir, peer
         d.stop()
 
 
+PEER_GETS = """
+import json, sys
+from cached_client import CachedError, Client, KernelRequest
+client = Client(sys.argv[1], timeout=1.5, fallback=False, identity=False)
+def ask(params):
+    try:
+        return client.get(KernelRequest("cached.test.fault", params, "sm_100a", 148, 148)).origin
+    except CachedError as exc:
+        return exc.code
+sleep = {"action": "sleep", "seconds": 600}
+print(json.dumps([ask({**sleep, "tag": "peer0"}), ask({**sleep, "tag": "peer1"}),
+                  ask({**sleep, "tag": "peer2"}), ask({**sleep, "tag": "peer0"}),
+                  ask({"action": "build", "tag": "stored", "bytes": 100})]))
+"""
+
+
+def test_a_peer_without_publish_rights_gets_at_most_its_quota_compiled(shared_dir,  # noqa: F811
+                                                                       peer_uid):  # noqa: F811
+    """Item 9, through ``get``: the quota (2 here) is asked when a miss would be queued. Two
+    misses queue (their deadlines pass, they keep compiling), a third distinct miss is
+    refused as overloaded, a fourth joining a miss already in flight costs nothing, and a
+    stored kernel is served as a hit."""
+    d = DaemonProcess(shared_dir, workers=1, extra_args=["--socket-mode", "666",
+                                                         "--drain-timeout", "0"],
+                      extra_env={"CACHED_MAX_QUEUED_PER_UID": "2"})
+    try:
+        d.client(timeout=60).get(KernelRequest(  # an operator's: stored, not counted
+            "cached.test.fault", {"action": "build", "tag": "stored", "bytes": 100},
+            "sm_100a", 148, 148))
+        peer = as_peer(peer_uid, PEER_GETS, d.socket)
+        codes = json.loads(peer.communicate(timeout=60)[0])
+        assert codes == ["deadline_exceeded", "deadline_exceeded", "overloaded",
+                         "deadline_exceeded", "hit"]
+        assert d.stats()["in_flight"] == 2
+    finally:
+        d.stop()
+
+
 def test_connections_per_uid_are_capped(shared_dir, peer_uid):  # noqa: F811
     """Item 9: one uid may hold max_connections_per_uid connections (4 here); the next is
     answered overloaded and closed; other uids are unaffected."""
