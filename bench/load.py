@@ -143,6 +143,7 @@ def hits(d: Daemon, requests: list[KernelRequest], clients: int, per_client: int
          against: str | None = None, transfer: str = "fd") -> dict:
     procs, threads = 8, clients // 8
     wires = json.dumps([r.to_wire() for r in requests])
+    loadavg = os.getloadavg()[0]  # anything else running on the machine shows here
     before = rss_kib(d.proc.pid)
     bad = hostile(d, against, requests[0], 600) if against else None
     time.sleep(2 if against else 0)  # the hostile peers are in place
@@ -168,7 +169,7 @@ def hits(d: Daemon, requests: list[KernelRequest], clients: int, per_client: int
             "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99), "max_ms": max(lat),
             "wall_s": wall, "throughput_rps": len(lat) / wall, "rss_kib_before": before,
             "rss_kib_peak": peak, "rss_kib_after": rss_kib(d.proc.pid),
-            "hostile": hostile_report}
+            "loadavg_1min_before": loadavg, "hostile": hostile_report}
 
 
 def mixed(d: Daemon, prewarm: list[KernelRequest], wanted: list[KernelRequest]) -> dict:
