@@ -158,33 +158,46 @@ Handler = Callable[[Any, Peer], Awaitable[Reply]]
 
 class FrameRoom:
     """Room for request frames over :data:`SMALL_FRAME`: per uid and in all. A uid that holds
-    nothing always gets room for one frame (a frame is at most 1 MiB)."""
+    nothing always gets room for one frame (a frame is at most 1 MiB). Waiters are granted
+    room in arrival order as it is freed, each only when it fits; a release wakes only the
+    waiters it grants (a flood of waiting frames is not woken all at once)."""
 
     def __init__(self, per_uid: int = MAX_FRAME_BYTES_PER_UID, total: int = MAX_FRAME_BYTES
                  ) -> None:
         self.per_uid, self.total = per_uid, total
         self.used = 0
         self.by_uid: Counter[int] = Counter()
-        self._freed = asyncio.Event()
+        self._waiters: dict[asyncio.Future, tuple[int, int]] = {}  # in arrival order
 
     def _fits(self, uid: int, n: int) -> bool:
         mine = self.by_uid[uid]
         return (mine == 0 or mine + n <= self.per_uid) and (
             self.used == 0 or self.used + n <= self.total or mine == 0)
 
-    async def reserve(self, uid: int, n: int, deadline: float) -> bool:
-        """Hold ``n`` bytes for ``uid``; False if no room came before ``deadline``
-        (loop time)."""
-        while not self._fits(uid, n):
-            self._freed.clear()
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await self._freed.wait()
-            except TimeoutError:
-                return False
+    def _hold(self, uid: int, n: int) -> None:
         self.used += n
         self.by_uid[uid] += n
-        return True
+
+    async def reserve(self, uid: int, n: int, deadline: float) -> bool:
+        """Hold ``n`` bytes for ``uid``; False if no room came before ``deadline``
+        (loop time). Room granted is the caller's to release, whatever happens after."""
+        if self._fits(uid, n):
+            self._hold(uid, n)
+            return True
+        granted = asyncio.get_running_loop().create_future()
+        self._waiters[granted] = (uid, n)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await granted
+            return True
+        except TimeoutError:
+            return granted.done() and not granted.cancelled()  # granted as time ran out
+        except BaseException:  # cancelled (the connection went): give back what came
+            if granted.done() and not granted.cancelled():
+                self.release(uid, n)
+            raise
+        finally:
+            self._waiters.pop(granted, None)
 
     def release(self, uid: int, n: int) -> None:
         if n:
@@ -192,7 +205,14 @@ class FrameRoom:
             self.by_uid[uid] -= n
             if not self.by_uid[uid]:
                 del self.by_uid[uid]
-            self._freed.set()
+            self._grant()
+
+    def _grant(self) -> None:
+        for granted, (uid, n) in list(self._waiters.items()):
+            if not granted.done() and self._fits(uid, n):
+                self._hold(uid, n)
+                granted.set_result(True)
+                del self._waiters[granted]
 
 
 class _Connection:

@@ -6,7 +6,9 @@ daemon that predates them (and fails there)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -298,3 +300,35 @@ def test_idle_and_stalled_connections_are_closed_and_the_client_reconnects(tmp_p
         assert client.hello().v == 1
     finally:
         d.stop()
+
+
+def test_frame_room_grants_waiters_in_order_and_never_leaks_room():
+    """FrameRoom (item 8's bound on partial frames): a release grants waiters in arrival
+    order, each only if it fits, and wakes no other; a waiter cancelled right after its
+    grant gives the room back; one that times out holds nothing and is forgotten."""
+    from cached.server import FrameRoom
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        room = FrameRoom(per_uid=2, total=3)
+        assert await room.reserve(1, 2, loop.time() + 1)  # uid 1 at its own limit
+        assert await room.reserve(2, 1, loop.time() + 1)  # and the daemon full
+        first = loop.create_task(room.reserve(2, 1, loop.time() + 5))  # needs total room
+        second = loop.create_task(room.reserve(1, 1, loop.time() + 5))  # needs uid 1's
+        late = loop.create_task(room.reserve(2, 1, loop.time() + 0.2))
+        await asyncio.sleep(0.05)
+        assert len(room._waiters) == 3
+        asleep = set(room._waiters)
+        room.release(1, 1)  # fits the first waiter only; the others stay asleep
+        assert room.used == 3 and room.by_uid == {1: 1, 2: 2}
+        assert len(room._waiters) == 2 and not any(f.done() for f in room._waiters)
+        assert sum(f.done() for f in asleep) == 1
+        assert await first is True and not second.done() and not late.done()
+        assert await late is False and len(room._waiters) == 1  # timed out, forgotten
+        room.release(2, 1)  # the second's turn; cancelled before it runs
+        second.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await second
+        assert room.used == 2 and room.by_uid == {1: 1, 2: 1} and not room._waiters
+
+    asyncio.run(scenario())
