@@ -2,8 +2,10 @@
 then a mixed load with misses.
 
 Hits: 8 processes x 8 threads, each thread its own connection, each request a `get` of
-one of 8 stored kernels (the client's default transfer, descriptors). Reports p50/p99
-latency, errors and the daemon's RSS before, at its peak (sampled every 0.1 s) and after.
+one of 8 stored kernels (the client's default transfer, descriptors). Each thread's first
+`get` (connecting; the process's identity computed once) is timed apart (``first_get_*``);
+then all 64 start their timed `get`s together. Reports p50/p99 latency, errors and the
+daemon's RSS before, at its peak (sampled every 0.1 s) and after.
 The same hits run three times: alone; next to slow readers (8 connections each
 pipelining 4,000 `get`s with transfer "bytes" and never reading a reply); and next to a
 partial-frame flood (1,000 connections each sending a 1 MiB header and all but the last
@@ -40,10 +42,19 @@ WORKER = """
 import json, sys, threading, time
 from cached_client import Client, KernelRequest  # noqa: F401
 sock, threads, n, transfer = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-requests = [KernelRequest.from_wire(w) for w in json.loads(sys.stdin.read())]
-lat, errors = [], []
+requests = [KernelRequest.from_wire(w) for w in json.loads(sys.stdin.readline())]
+lat, first, errors = [], [], []
+clients = [Client(sock, timeout=30, transfer=transfer) for _ in range(threads)]
+def warm(t):  # connects, and computes this process's identity once: timed apart
+    t0 = time.perf_counter()
+    clients[t].get(requests[t % len(requests)])
+    first.append(time.perf_counter() - t0)
+ws = [threading.Thread(target=warm, args=(t,)) for t in range(threads)]
+[w.start() for w in ws]; [w.join() for w in ws]
+print("ready", flush=True)
+sys.stdin.readline()  # all processes start the timed gets together
 def run(t):
-    c = Client(sock, timeout=30, transfer=transfer)
+    c = clients[t]
     for i in range(n):
         t0 = time.perf_counter()
         try:
@@ -53,7 +64,7 @@ def run(t):
             errors.append(repr(e))
 ts = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
 [t.start() for t in ts]; [t.join() for t in ts]
-print(json.dumps({"lat": lat, "errors": errors[:5], "n_errors": len(errors)}))
+print(json.dumps({"lat": lat, "first": first, "errors": errors[:5], "n_errors": len(errors)}))
 """
 
 
@@ -148,11 +159,16 @@ def hits(d: Daemon, requests: list[KernelRequest], clients: int, per_client: int
     bad = hostile(d, against, requests[0], 600) if against else None
     time.sleep(2 if against else 0)  # the hostile peers are in place
     sampler = RssSampler(d.proc.pid)
-    started = time.monotonic()
     ps = [subprocess.Popen([sys.executable, "-c", WORKER, d.socket, str(threads),
                             str(per_client), transfer], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, text=True) for _ in range(procs)]
-    outs = [json.loads(p.communicate(wires)[0]) for p in ps]
+    for p in ps:  # each process connected and its identity computed: then all at once
+        p.stdin.write(wires + "\n")
+        p.stdin.flush()
+    for p in ps:
+        assert p.stdout.readline().strip() == "ready"
+    started = time.monotonic()
+    outs = [json.loads(p.communicate("go\n")[0]) for p in ps]
     wall = time.monotonic() - started
     peak = sampler.stop()
     hostile_report = None
@@ -163,10 +179,12 @@ def hits(d: Daemon, requests: list[KernelRequest], clients: int, per_client: int
         hostile_report = {"kind": against, **json.loads(out.strip().splitlines()[-1])}
     time.sleep(2)
     lat = [v * 1000 for o in outs for v in o["lat"]]
+    first = [v * 1000 for o in outs for v in o["first"]]
     return {"clients": procs * threads, "requests": len(lat) + sum(o["n_errors"] for o in outs),
             "errors": sum(o["n_errors"] for o in outs),
             "error_samples": [e for o in outs for e in o["errors"]][:5],
             "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99), "max_ms": max(lat),
+            "first_get_p50_ms": percentile(first, 50), "first_get_max_ms": max(first),
             "wall_s": wall, "throughput_rps": len(lat) / wall, "rss_kib_before": before,
             "rss_kib_peak": peak, "rss_kib_after": rss_kib(d.proc.pid),
             "loadavg_1min_before": loadavg, "hostile": hostile_report}
