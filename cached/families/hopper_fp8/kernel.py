@@ -41,6 +41,11 @@ ones above. The epilogue multiplies by the scale and converts exactly as the TMA
 epilogue does, then stores each element from registers to global memory, guarded by the
 output bounds (at decode sizes C is a few KB, so the scattered stores cost nothing next
 to the weight stream).
+
+Consumer warpgroups along N (tactic.wg_n = 2, tile_m = 64): the tiled MMA's atom layout
+is (1, 2, 1) with a 64 x tile_n/2 wgmma, so warpgroup w reads the whole A stage and the
+B rows [w*tile_n/2, (w+1)*tile_n/2) of each stage, and accumulates its half of the tile
+over the same K tiles, in the same order. It uses the register epilogue above.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from .tactics import (
     epilogue_tile,
     mma_tile,
     num_consumer_warpgroups,
+    register_epilogue,
 )
 
 _AB_DTYPES = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
@@ -86,15 +92,22 @@ class HopperFp8GemmKernel:
         self.raster_along_m = (tactic.raster == "m") != self.swap
         self.stages = tactic.stages
         self.tile_shape_mnk = (*mma_tile(tactic.tile_m, tactic.tile_n, self.swap), TILE_K)
-        self.num_mma_wg = num_consumer_warpgroups(self.tile_shape_mnk[0])
-        self.atom_layout_mnk = (self.num_mma_wg, 1, 1)
+        # consumer warpgroups along N (wg_n = 2): one 64-row wgmma M side, the tile's N
+        # columns in two halves, one per warpgroup; else the warpgroups stack along M
+        self.wg_n = tactic.wg_n
+        self.num_mma_wg = tactic.consumer_warpgroups
+        self.atom_layout_mnk = ((1, 2, 1) if self.wg_n == 2 else
+                                (num_consumer_warpgroups(self.tile_shape_mnk[0]), 1, 1))
+        # swap_ab and wg_n = 2 store C from registers (epilogue_direct)
+        self.direct_epi = register_epilogue(self.swap, self.wg_n)
         self.threads_per_wg = 128
         self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
         self.threads_per_cta = (1 + self.num_mma_wg) * self.threads_per_wg
         self.producer_warp = 0
         self.epi_store_warp = 4  # first warp of the first consumer warpgroup
-        # swap_ab stores from registers: its C buffer is a never-used 8x64 placeholder
-        self.epi_tile = (8, 64) if self.swap else epilogue_tile(tactic.tile_m, tactic.tile_n)
+        # a register epilogue's C buffer is a never-used 8x64 placeholder
+        self.epi_tile = (8, 64) if self.direct_epi else epilogue_tile(tactic.tile_m,
+                                                                      tactic.tile_n)
         self.epi_stages = EPI_STAGES
         self.num_mcast_a = self.cluster_shape_mn[1]
         self.num_mcast_b = self.cluster_shape_mn[0]
@@ -116,7 +129,7 @@ class HopperFp8GemmKernel:
             b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
             self.atom_layout_mnk,
-            tiler_mn=(64, tn),
+            tiler_mn=(64, tn // self.wg_n),
         )
         inst_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])
         assert inst_k * 4 == tk, f"wgmma k {inst_k} x 4 != tile_k {tk}"
@@ -132,7 +145,7 @@ class HopperFp8GemmKernel:
         self.b_smem_staged = staged(b_dtype, b_layout, tn, tk, self.stages)
         em, en = self.epi_tile
         self.epi_smem_staged = staged(c_dtype, c_layout, em, en,
-                                      1 if self.swap else self.epi_stages)
+                                      1 if self.direct_epi else self.epi_stages)
 
     @staticmethod
     def _tma_load(tensor, smem_staged, tile, mcast):
@@ -179,8 +192,8 @@ class HopperFp8GemmKernel:
         tm, tn, tk = self.tile_shape_mnk
         tma_a, tA = self._tma_load(opa, self.a_smem_staged, (tm, tk), self.num_mcast_a)
         tma_b, tB = self._tma_load(opb, self.b_smem_staged, (tn, tk), self.num_mcast_b)
-        tma_c, tC = tma_a, c_out  # swap_ab: no TMA store; tma_a stands in, never used
-        if cutlass.const_expr(not self.swap):
+        tma_c, tC = tma_a, c_out  # register epilogue: no TMA store; tma_a stands in, unused
+        if cutlass.const_expr(not self.direct_epi):
             tma_c, tC = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
                 c,
@@ -380,10 +393,10 @@ class HopperFp8GemmKernel:
             acc_sum = acc
             if cutlass.const_expr(self.split_serial):
                 acc_sum = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
-            # epilogue partitions: registers -> smem (stmatrix) -> gmem (TMA); swap_ab
-            # stores from registers (epilogue_direct) and needs none of them
+            # epilogue partitions: registers -> smem (stmatrix) -> gmem (TMA); swap_ab and
+            # wg_n = 2 store from registers (epilogue_direct) and need none of them
             tiled_r2s = tRS_sC = tRS_acc = tRS_rF = tRS_rC = store_pipe = None
-            if cutlass.const_expr(not self.swap):
+            if cutlass.const_expr(not self.direct_epi):
                 copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
                     self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
                 )
@@ -503,7 +516,7 @@ class HopperFp8GemmKernel:
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
 
-            if cutlass.const_expr(not self.swap):
+            if cutlass.const_expr(not self.direct_epi):
                 store_pipe.producer_tail()
 
     # ---------------------------------------------------------------- device helpers
@@ -557,9 +570,9 @@ class HopperFp8GemmKernel:
     @cute.jit
     def store_tile(self, tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
                    store_pipe, scale, tiles_executed, warp_idx, mC, gcC, crd, thr_c, acc):
-        """The epilogue of one output tile: through shared memory and TMA, or (swap_ab)
-        from registers (thr_c: this thread's slice of the tiled MMA)."""
-        if cutlass.const_expr(self.swap):
+        """The epilogue of one output tile: through shared memory and TMA, or (swap_ab,
+        wg_n = 2) from registers (thr_c: this thread's slice of the tiled MMA)."""
+        if cutlass.const_expr(self.direct_epi):
             self.epilogue_direct(mC, gC_t, gcC[(None, None, crd[0], crd[1])], thr_c, acc,
                                  scale)
         else:
