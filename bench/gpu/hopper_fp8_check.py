@@ -183,13 +183,15 @@ def _pass4_tactics():
     every wg_n = 2 tactic of the plan's space (S = 1: every width and cluster; S = 2:
     the serial splits), after one unswapped wg_n = 1 kernel per class (the class's first
     kernel, which the others are compared with bitwise), beside 128x64 and 64x80 (the
-    M = 128 tiles of the third pass); the build adds the plan's first choices. Two
-    e5m2/fp16 wg_n = 2 kernels for correctness."""
+    M = 128 tiles of the third pass) and the one-warpgroup 64-row tiles with a 2x1 cluster
+    (B multicast to both M tiles, as wg_n = 2's best; never timed before); the build adds
+    the plan's first choices. Two e5m2/fp16 wg_n = 2 kernels for correctness."""
     from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
     from cached.families.hopper_fp8.tactics import tactic_space
 
     out = [T(64, 128), T(64, 96, splits=2, split_mode="serial"), T(128, 64), T(64, 80)]
     out += [t for t in tactic_space(splits=1) + tactic_space(splits=2) if t.wg_n == 2]
+    out += [T(64, tn, 2, 1) for tn in (64, 80, 96, 128)]
     out += [T(64, 80, out_dtype="float16", ab_dtype="e5m2", wg_n=2),
             T(64, 128, 2, 1, out_dtype="float16", ab_dtype="e5m2", splits=2, wg_n=2)]
     seen: dict = {}

@@ -45,7 +45,9 @@ to the weight stream).
 Consumer warpgroups along N (tactic.wg_n = 2, tile_m = 64): the tiled MMA's atom layout
 is (1, 2, 1) with a 64 x tile_n/2 wgmma, so warpgroup w reads the whole A stage and the
 B rows [w*tile_n/2, (w+1)*tile_n/2) of each stage, and accumulates its half of the tile
-over the same K tiles, in the same order. It uses the register epilogue above.
+over the same K tiles, in the same order. Its epilogue scales and converts as the others
+do, writes the whole tile to one row-major shared-memory buffer with plain stores in the
+MMA's register layout, and TMA-stores it in one copy.
 """
 
 from __future__ import annotations
@@ -98,17 +100,22 @@ class HopperFp8GemmKernel:
         self.num_mma_wg = tactic.consumer_warpgroups
         self.atom_layout_mnk = ((1, 2, 1) if self.wg_n == 2 else
                                 (num_consumer_warpgroups(self.tile_shape_mnk[0]), 1, 1))
-        # swap_ab and wg_n = 2 store C from registers (epilogue_direct)
+        # swap_ab stores C from registers (epilogue_direct); wg_n = 2 stages the whole
+        # tile through shared memory (plain stores in the MMA's register layout) and
+        # TMA-stores it at once
         self.direct_epi = register_epilogue(self.swap, self.wg_n)
+        self.tile_epi = self.wg_n == 2
         self.threads_per_wg = 128
         self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
         self.threads_per_cta = (1 + self.num_mma_wg) * self.threads_per_wg
         self.producer_warp = 0
         self.epi_store_warp = 4  # first warp of the first consumer warpgroup
-        # a register epilogue's C buffer is a never-used 8x64 placeholder
-        self.epi_tile = (8, 64) if self.direct_epi else epilogue_tile(tactic.tile_m,
-                                                                      tactic.tile_n)
-        self.epi_stages = EPI_STAGES
+        # a register epilogue's C buffer is a never-used 8x64 placeholder; wg_n = 2 stores
+        # the whole tile from one buffer
+        self.epi_tile = ((8, 64) if self.direct_epi else
+                         (tactic.tile_m, tactic.tile_n) if self.tile_epi else
+                         epilogue_tile(tactic.tile_m, tactic.tile_n))
+        self.epi_stages = 1 if self.tile_epi else EPI_STAGES
         self.num_mcast_a = self.cluster_shape_mn[1]
         self.num_mcast_b = self.cluster_shape_mn[0]
         self.buffer_align = 1024
@@ -144,8 +151,11 @@ class HopperFp8GemmKernel:
         self.a_smem_staged = staged(a_dtype, a_layout, tm, tk, self.stages)
         self.b_smem_staged = staged(b_dtype, b_layout, tn, tk, self.stages)
         em, en = self.epi_tile
-        self.epi_smem_staged = staged(c_dtype, c_layout, em, en,
-                                      1 if self.direct_epi else self.epi_stages)
+        if self.tile_epi:  # row-major, unswizzled: the TMA store's box is the whole tile
+            self.epi_smem_staged = cute.make_layout((em, en, 1), stride=(en, 1, em * en))
+        else:
+            self.epi_smem_staged = staged(c_dtype, c_layout, em, en,
+                                          1 if self.direct_epi else self.epi_stages)
 
     @staticmethod
     def _tma_load(tensor, smem_staged, tile, mcast):
@@ -265,7 +275,7 @@ class HopperFp8GemmKernel:
         cta_layout_mnk: cute.Layout,
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
-        epi_smem_staged: cute.ComposedLayout,
+        epi_smem_staged: cute.ComposedLayout | cute.Layout,
         sched_params: utils.PersistentTileSchedulerParams,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -307,7 +317,10 @@ class HopperFp8GemmKernel:
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-        sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+        if cutlass.const_expr(self.tile_epi):
+            sC = storage.sC.get_tensor(epi_smem_staged)
+        else:
+            sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
 
         tm, tn, tk = self.tile_shape_mnk
         # (bM, bK, RestM, RestK), (bN, bK, RestN, RestK), (bM, bN, RestM, RestN)
@@ -397,15 +410,21 @@ class HopperFp8GemmKernel:
             # wg_n = 2 store from registers (epilogue_direct) and need none of them
             tiled_r2s = tRS_sC = tRS_acc = tRS_rF = tRS_rC = store_pipe = None
             if cutlass.const_expr(not self.direct_epi):
-                copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
-                    self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
-                )
-                copy_atom_c = cute.make_copy_atom(
-                    cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4),
-                    self.c_dtype,
-                )
-                tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
-                tiled_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
+                if cutlass.const_expr(self.tile_epi):
+                    # plain shared-memory stores in the MMA's register layout
+                    tiled_r2s = cute.make_tiled_copy_C(
+                        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.c_dtype),
+                        tiled_mma)
+                else:
+                    copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
+                        self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
+                    )
+                    copy_atom_c = cute.make_copy_atom(
+                        cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4),
+                        self.c_dtype,
+                    )
+                    tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
+                    tiled_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
                 thr_r2s = tiled_r2s.get_slice(tidx - self.threads_per_wg)
                 tRS_sC = thr_r2s.partition_D(sC)
                 tRS_acc = tiled_r2s.retile(acc_sum)
@@ -570,8 +589,8 @@ class HopperFp8GemmKernel:
     @cute.jit
     def store_tile(self, tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
                    store_pipe, scale, tiles_executed, warp_idx, mC, gcC, crd, thr_c, acc):
-        """The epilogue of one output tile: through shared memory and TMA, or (swap_ab,
-        wg_n = 2) from registers (thr_c: this thread's slice of the tiled MMA)."""
+        """The epilogue of one output tile: through shared memory and TMA, or (swap_ab)
+        from registers (thr_c: this thread's slice of the tiled MMA)."""
         if cutlass.const_expr(self.direct_epi):
             self.epilogue_direct(mC, gC_t, gcC[(None, None, crd[0], crd[1])], thr_c, acc,
                                  scale)

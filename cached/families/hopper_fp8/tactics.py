@@ -50,9 +50,9 @@ issuing 64 x tile_n/2 wgmma on its half of the weight tile (cuBLAS's decode-band
 64-row tile over 128 CTAs at M = 128 with two warpgroups issuing, where the one-warpgroup
 64-row tiles left the tensor cores waiting). Each warpgroup walks the same K tiles with
 the same four k32 wgmma per K tile as every other tactic, so an output element is the same
-sum in the same order: a wg_n=2 tactic is in the class of its S. Its epilogue stores from
-registers (as swap_ab's does: scale in fp32, round, guarded stores), which costs little
-at the decode and mid sizes it is planned for.
+sum in the same order: a wg_n=2 tactic is in the class of its S. Its epilogue scales in
+fp32 and rounds as every other's, then stages the whole tile in one shared-memory buffer
+and TMA-stores it.
 
 Choosing S: ``choose_split(n, k, sm_count)`` depends on N, K and the device only, never
 on M, so a batch-invariant plan for one (N, K) uses one class for every M.
@@ -90,8 +90,8 @@ SWAP_TILE_M_CHOICES = (8, 16, 32, 64)
 SWAP_TILE_N_CHOICES = (64, 128)
 SWAP_MAX_STAGES = 16  # small stages: deeper rings keep more weight bytes in flight
 # consumer warpgroups along N (wg_n = 2): tile_m = 64, tile_n split in two halves of
-# tile_n/2 columns (a multiple of 8, the wgmma N step); register epilogue, stages capped at
-# SWAP_MAX_STAGES like the swap_ab tiles
+# tile_n/2 columns (a multiple of 8, the wgmma N step); the epilogue stages the whole tile
+# in one shared-memory buffer; stages capped at SWAP_MAX_STAGES like the swap_ab tiles
 WG_N_CHOICES = (1, 2)
 WG_N_TILE_N = (64, 80, 96, 128, 160, 192, 256)
 CLUSTER_CHOICES = ((1, 1), (2, 1), (1, 2))
@@ -111,8 +111,8 @@ BUFFER_ALIGN_BYTES = 1024
 EPI_STAGES = 2
 MAX_STAGES = 8
 MIN_STAGES = 2
-# swap_ab and wg_n = 2: the epilogue stores from registers; the kernel still declares a
-# 1-stage 8x64 C buffer (never used), 1 KB after alignment
+# swap_ab: the epilogue stores from registers; the kernel still declares a 1-stage 8x64
+# C buffer (never used), 1 KB after alignment
 SWAP_EPI_BYTES = 1024
 
 THREADS_PER_WARPGROUP = 128
@@ -170,9 +170,9 @@ def acc_regs_per_thread(tile_m: int, tile_n: int, swap_ab: bool = False, wg_n: i
 
 
 def register_epilogue(swap_ab: bool, wg_n: int) -> bool:
-    """Whether the kernel stores C from registers (swap_ab, wg_n = 2) rather than through
-    shared memory and TMA."""
-    return swap_ab or wg_n != 1
+    """Whether the kernel stores C from registers (swap_ab) rather than through shared
+    memory and TMA (wg_n = 2: the whole tile in one buffer, see _epi_bytes)."""
+    return swap_ab
 
 
 def acc_sets(splits: int, split_mode: str) -> int:
@@ -208,6 +208,9 @@ def _epi_bytes(tile_m: int, tile_n: int, out_dtype: str, swap_ab: bool = False,
                wg_n: int = 1) -> int:
     if register_epilogue(swap_ab, wg_n):
         return SWAP_EPI_BYTES
+    if wg_n == 2:  # the whole tile_m x tile_n tile, one buffer
+        raw = tile_m * tile_n * OUT_DTYPE_BYTES[out_dtype]
+        return -(-raw // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
     em, en = epilogue_tile(tile_m, tile_n)
     raw = em * en * OUT_DTYPE_BYTES[out_dtype] * EPI_STAGES
     return -(-raw // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
@@ -227,11 +230,11 @@ def smem_bytes_for(tile_m: int, tile_n: int, stages: int, out_dtype: str = "bflo
 def max_stages_for(tile_m: int, tile_n: int, out_dtype: str = "bfloat16",
                    swap_ab: bool = False, wg_n: int = 1) -> int:
     """Most A/B stages that fit the budget (capped at MAX_STAGES, SWAP_MAX_STAGES for
-    the register-epilogue tiles, swap_ab and wg_n = 2); may be < 2."""
+    swap_ab and wg_n = 2); may be < 2."""
     fixed = (STATIC_SMEM_BYTES + MBAR_REGION_BYTES
              + _epi_bytes(tile_m, tile_n, out_dtype, swap_ab, wg_n))
     free = SMEM_CAPACITY_BYTES - fixed
-    cap = SWAP_MAX_STAGES if register_epilogue(swap_ab, wg_n) else MAX_STAGES
+    cap = SWAP_MAX_STAGES if swap_ab or wg_n == 2 else MAX_STAGES
     return min(cap, free // _stage_bytes(tile_m, tile_n))
 
 
@@ -488,8 +491,19 @@ SWAP_US_PER_K_TILE = {
     (64, 128): (0.270, 0.307, 0.317),
 }
 
-# wg_n = 2 tiles (64 x tile_n, two consumer warpgroups along N) -> the same three regimes
-WG_N_US_PER_K_TILE: dict[tuple[int, int], tuple[float, float, float]] = {}
+# wg_n = 2 tiles (64 x tile_n, two consumer warpgroups along N) -> the same three regimes:
+# the same median over the H200 pass4 run (14 (N, K) x M = 64..2048, the plan's class;
+# docs/results/h200_hopper_fp8_pass4.log, printed by bench/gpu/hopper_fp8_fit.py
+# --per-k-tile over that run's JSON)
+WG_N_US_PER_K_TILE = {
+    (64, 64): (0.210, 0.198, 0.201),
+    (64, 80): (0.210, 0.221, 0.213),
+    (64, 96): (0.223, 0.243, 0.228),
+    (64, 128): (0.267, 0.306, 0.272),
+    (64, 160): (0.291, 0.351, 0.293),
+    (64, 192): (0.322, 0.377, 0.344),
+    (64, 256): (0.430, 0.463, 0.460),
+}
 
 # Fitted on the same run (bench/gpu/hopper_fp8_fit.py): the constants that rank each
 # class's measured tactics best (geometric mean of first choice / best 1.035 over 588
