@@ -36,9 +36,8 @@ def test_enumeration_size_and_budget():
     every = enumerate_tactics(4096, 4096, 4096, splits=1)
     # 11 feasible tiles of the widths 64/128/192/256 (256x256 dropped) x 3 clusters x 2
     # rasters x 4 swizzles, 12 tiles of the widths 80/96/112/160 x 3 clusters x 2 rasters
-    # (swizzle 1), the same for the 5 feasible 128- and 256-row tiles of the widths 176-240,
-    # the 8 swap_ab tiles and 7 wg_n=2 widths x 3 clusters
-    assert len(every) == 395 and len({t.name for t in every}) == 395
+    # (swizzle 1), the 8 swap_ab tiles and 7 wg_n=2 widths x 3 clusters
+    assert len(every) == 365 and len({t.name for t in every}) == 365
     swapped = [t for t in every if t.swap_ab]
     assert {(t.tile_m, t.tile_n) for t in swapped} == {
         (tm, tn) for tm in (8, 16, 32, 64) for tn in (64, 128)}
@@ -51,14 +50,12 @@ def test_enumeration_size_and_budget():
         assert t.consumer_warpgroups == (1 if t.tile_n == 64 else 2)
         assert t.reduction_class == "k128.acc1.s1.fixed"
     ts = [t for t in every if not t.swap_ab and t.wg_n == 1]
-    assert len(ts) == 366
+    assert len(ts) == 336
     assert all(t.swizzle == 1 for t in ts if t.tile_n not in T.SWIZZLED_TILE_N)
     assert len({t.name for t in ts}) == len(ts)
     tiles = {(t.tile_m, t.tile_n) for t in ts}
-    assert (256, 256) not in tiles and len(tiles) == 28
-    assert {tn for _, tn in tiles} == set(T.TILE_N_CHOICES)
-    assert {(tm, tn) for tm, tn in tiles if tn in T.WIDE_TILE_N} == {
-        (128, 176), (128, 208), (128, 224), (128, 240), (256, 176)}
+    assert (256, 256) not in tiles and len(tiles) == 23
+    assert {tn for _, tn in tiles} == {64, 80, 96, 112, 128, 160, 192, 256}
     for t in ts:
         assert T.MIN_STAGES <= t.stages <= T.MAX_STAGES
         assert smem_bytes(t) <= T.SMEM_CAPACITY_BYTES == 227 * 1024
@@ -76,7 +73,7 @@ def test_enumeration_size_and_budget():
 def test_split_space():
     """S > 1: 'cta' on six decode tiles, 'serial' on twelve tiles that fit two
     accumulators and on four of them with clusters 1x2 and 2x1, 'serial' on four wg_n=2
-    tiles with clusters 1x1 and 2x1, both modes on the eight swap_ab tiles; 595 tactics
+    tiles with clusters 1x1 and 2x1, both modes on the eight swap_ab tiles; 565 tactics
     over the five classes."""
     for s in T.SPLIT_CHOICES[1:]:
         ts = T.tactic_space(splits=s)
@@ -96,8 +93,8 @@ def test_split_space():
         for t in ts:
             t.validate()
     space = T.tactic_space()
-    assert len(space) == 595 == len({t.name for t in space})
-    assert len(enumerate_tactics(4096, 4096, 4096)) == 595
+    assert len(space) == 565 == len({t.name for t in space})
+    assert len(enumerate_tactics(4096, 4096, 4096)) == 565
 
 
 def test_reduction_order_constants():
@@ -248,7 +245,7 @@ def test_register_and_smem_feasibility():
     for tm in T.TILE_M_CHOICES:
         for tn in T.TILE_N_CHOICES:
             em, en = T.epilogue_tile(tm, tn)
-            assert tn % en == 0 and en == (16 if tn in (80, 112, 176, 208, 240) else 32)
+            assert tn % en == 0 and en == (16 if tn in (80, 112) else 32)
     assert T.acc_regs_per_thread(256, 160) == 160 and T.max_stages_for(256, 160) == 4
 
 
@@ -396,7 +393,7 @@ def test_plan_reduction_class_option_and_default():
 
     fam = HopperFp8()
     every = fam.plan((16, 4096, 4096), "sm_90a", 132, {})
-    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 595
+    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 565
     for cid in T.REDUCTION_CLASSES:
         reqs = fam.plan((16, 4096, 4096), "sm_90a", 132, {"reduction_class": cid})
         assert {_class(r) for r in reqs} == {cid}
@@ -574,10 +571,10 @@ def test_every_tile_and_cluster_compiles_for_sm90a_through_the_daemon(daemon):
     client = daemon.client()
     requests = client.plan("cached.hopper_fp8", (4096, 4096, 4096), "sm_90a",
                            options={"reduction_class": class_id})
-    assert len(requests) == 395 and {r.max_active_clusters for r in requests} == {132, 66}
+    assert len(requests) == 365 and {r.max_active_clusters for r in requests} == {132, 66}
     # the swap_ab and wg_n=2 tactics: their own tests below
     requests = [r for r in requests if not r.params["swap_ab"] and r.params["wg_n"] == 1]
-    assert len(requests) == 366
+    assert len(requests) == 336
     requests = [r for r in requests if r.params["tile_n"] in OLD_TILE_N]
     assert len(requests) == 264
     by_shape: dict = {}

@@ -20,8 +20,7 @@
       fitted to), "mid" the new N widths and cluster variants beside the old tiles of the
       plan's class at M in MID_MS (or --ms), "pass4" the wg_n=2 tiles (two consumer
       warpgroups along N) beside the plan's earlier first choices at M in PASS4_MS (or
-      --ms), "wide4" the N widths 176-240 of the 128- and 256-row tiles at M in WIDE4_MS,
-      "final" the plan's first choice (what a
+      --ms), "final" the plan's first choice (what a
       client runs) and the next ones in its class, at every M, against torch._scaled_mm.
     Short tables are printed last; everything goes to $OUT/hopper_fp8.json.
   run --fake: the same driver on the CPU with an emulation of the kernels' arithmetic
@@ -55,8 +54,6 @@ MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 MID_MS = [128, 256, 512, 1024, 2048]
 # the "pass4" set (issue 13, fourth pass: wg_n = 2) times these M by default
 PASS4_MS = [64, 128, 256, 512, 1024]
-# the "wide4" set (fourth pass: the widths 176-240) times these M by default
-WIDE4_MS = [1024, 2048, 4096, 8192]
 FULL_M = 2048
 NUM_SMS = 132
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -204,19 +201,6 @@ def _pass4_tactics():
     return list(seen.values())
 
 
-def _wide4_tactics():
-    """The tactics a "wide4" run times at M in WIDE4_MS (issue 13, fourth pass): every S = 1
-    tactic of the widths WIDE_TILE_N (128 and 256 rows, each cluster and raster), after the
-    class's first kernel; the build adds the plan's first choices at those M."""
-    from cached.families.hopper_fp8.tactics import WIDE_TILE_N, tactic_space
-    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
-
-    out = [T(64, 128).normalized()]
-    out += [t for t in tactic_space(splits=1) if t.tile_n in WIDE_TILE_N]
-    out += [T(128, 176, 1, 2, "n", 1, 0, "float16", "e5m2").normalized()]
-    return out
-
-
 def _final_plan(top: int):
     """The batch-invariant plan per shape: its class, and the first `top` tactics per M."""
     from cached.families.hopper_fp8.tactics import choose_split, enumerate_tactics
@@ -296,12 +280,10 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
     os.makedirs(os.path.join(out, "kernels"), exist_ok=True)
     plan = _final_plan(top)
     tactics = {"wide": _wide_tactics, "mid": _mid_tactics, "split": _split_tactics,
-               "pass4": _pass4_tactics, "wide4": _wide4_tactics}.get(
-        which, lambda: _final_tactics(plan))()
-    if which in ("wide", "mid", "pass4", "wide4"):  # the plan's first choices too
+               "pass4": _pass4_tactics}.get(which, lambda: _final_tactics(plan))()
+    if which in ("wide", "mid", "pass4"):  # the plan's first choices too, so the run shows them
         names = {t.name for t in tactics}
-        ms = {str(m) for m in {"wide": MS, "mid": MID_MS, "pass4": PASS4_MS,
-                               "wide4": WIDE4_MS}[which]}
+        ms = {str(m) for m in {"wide": MS, "mid": MID_MS, "pass4": PASS4_MS}[which]}
         for t in _final_tactics({k: {"by_m": {m: v[:1] for m, v in p["by_m"].items()
                                               if m in ms}}
                                  for k, p in plan.items()}):
@@ -756,8 +738,8 @@ class Runner:
 def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool,
         budget_s: float, override_ms: list[int] | None = None,
         only_shapes: list[str] | None = None) -> None:
-    """The phases on the bundle; override_ms replaces a "mid", "split", "pass4" or "wide4"
-    bundle's M list in perf; only_shapes ("NxK") restricts bi and perf to those shapes."""
+    """The phases on the bundle; override_ms replaces a "mid", "split" or "pass4" bundle's M
+    list in perf; only_shapes ("NxK") restricts bi and perf to those shapes."""
     os.makedirs(out, exist_ok=True)
     r = Runner(bundle, out, fake)
     torch = r.torch
@@ -798,13 +780,12 @@ def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool
                         and not (r.is_cta(x) and m > 1024) and not (
                             r.is_swap(x) and m > 256 and r.meta[x]["tile_m"] != 64)]
             ms = MS
-        elif r.manifest["set"] in ("mid", "split", "pass4", "wide4"):
+        elif r.manifest["set"] in ("mid", "split", "pass4"):
             def pick(n, k, m):
                 # the plan's class for (N, K) only
                 s = plan[f"{n}x{k}"]["splits"]
                 return [x for x in plain if r.meta[x]["splits"] == s]
-            ms = override_ms or {"pass4": PASS4_MS, "wide4": WIDE4_MS}.get(
-                r.manifest["set"], MID_MS)
+            ms = override_ms or (PASS4_MS if r.manifest["set"] == "pass4" else MID_MS)
         else:
             def pick(n, k, m):
                 return plan[f"{n}x{k}"]["by_m"][str(m)]
@@ -948,7 +929,7 @@ def main():
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
     b.add_argument("--set", default="final",
-                   choices=["wide", "mid", "split", "pass4", "wide4", "final"])
+                   choices=["wide", "mid", "split", "pass4", "final"])
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--top", type=int, default=3, help="plan choices per M kept (final)")
     b.add_argument("--dry", action="store_true", help="manifest only, no compile")

@@ -80,11 +80,7 @@ TILE_M_CHOICES = (64, 128, 256)
 # N widths between 64 and 256 in steps of 16 or 32 (the wgmma takes any N multiple of 8
 # up to 256): at M = 128..1024 they fill the 132 SMs where 64/128/192/256 leave a wave
 # mostly empty or start a second one (e.g. N = 5120: 64 tiles of 80 at M <= 128)
-TILE_N_CHOICES = (64, 80, 96, 112, 128, 160, 176, 192, 208, 224, 240, 256)
-# widths between 160 and 256 for the large-M tiles (tile_m 128 and 256, swizzle 1): whole
-# waves of 128-row tiles where 128/192/256 leave the last wave part empty (N = 14336: 82
-# tiles of 176, cuBLAS's choice at M = 1024 on the H200, against 112 of 128)
-WIDE_TILE_N = (176, 208, 224, 240)
+TILE_N_CHOICES = (64, 80, 96, 112, 128, 160, 192, 256)
 # the widths tactic_space plans with every swizzle; the others with swizzle 1 only (swizzle
 # won a few percent at M = 8192 at most, and every planned kernel is compiled when a
 # manifest is warmed)
@@ -624,21 +620,18 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
 
     S = 1: every feasible tile x cluster x raster x swizzle of the widths SWIZZLED_TILE_N
     (11 tiles, 264), the same with swizzle 1 for the widths 80, 96, 112, 160 (12 tiles,
-    72) and, with tile_m 128 or 256, for WIDE_TILE_N (5 feasible tiles, 30), the 8 swap_ab
-    tiles and the 21 wg_n = 2 tactics (395). S > 1: split_mode 'cta' on SPLIT_CTA_TILES and
+    72), and the 8 swap_ab tiles (344). S > 1: split_mode 'cta' on SPLIT_CTA_TILES and
     'serial' on SPLIT_SERIAL_TILES, cluster 1x1, swizzle 1 (18 per S: clusters and
     swizzles lost at small M in the S = 1 measurements), 'serial' on
-    SPLIT_SERIAL_CLUSTER_TILES with clusters 1x2 and 2x1 (8 per S), 'serial' on the wg_n = 2
-    tiles of SPLIT_SERIAL_WG_N_TILE_N with clusters 1x1 and 2x1 (8 per S), and both modes on
-    the 8 swap_ab tiles (50 per S; 595 in all).
+    SPLIT_SERIAL_CLUSTER_TILES with clusters 1x2 and 2x1 (8 per S), and both modes on the 8
+    swap_ab tiles (42 per S; 512 in all).
     """
     out: list[HopperFp8Tactic] = []
     for sp in SPLIT_CHOICES if splits is None else (splits,):
         if sp == 1:
             for tm in TILE_M_CHOICES:
                 for tn in TILE_N_CHOICES:
-                    if not tile_is_feasible(tm, tn, out_dtype)[0] or (
-                            tm == 64 and tn in WIDE_TILE_N):
+                    if not tile_is_feasible(tm, tn, out_dtype)[0]:
                         continue
                     stages = max_stages_for(tm, tn, out_dtype)
                     for cm, cn in CLUSTER_CHOICES:
