@@ -54,6 +54,8 @@ MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 MID_MS = [128, 256, 512, 1024, 2048]
 # the "pass4" set (issue 13, fourth pass: wg_n = 2) times these M by default
 PASS4_MS = [64, 128, 256, 512, 1024]
+# the "pingpong" set (fourth pass, issue 13 item 4) times these M by default
+PINGPONG_MS = [1024, 2048, 4096, 8192]
 FULL_M = 2048
 NUM_SMS = 132
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -75,7 +77,8 @@ def group_of(params: dict) -> str:
     are the evidence that swapping the operands, or splitting N between two warpgroups,
     keeps the class)."""
     return class_of(params) + (" swap_ab" if params.get("swap_ab") else "") + (
-        " wg_n2" if params.get("wg_n", 1) == 2 else "")
+        " wg_n2" if params.get("wg_n", 1) == 2 else "") + (
+        " pingpong" if params.get("pingpong") else "")
 
 
 # ====================================================================================
@@ -201,6 +204,20 @@ def _pass4_tactics():
     return list(seen.values())
 
 
+def _pingpong_tactics():
+    """The tactics a "pingpong" run checks and times at M in PINGPONG_MS: every ping-pong
+    tactic of the space after the class's first kernel, and one e5m2/fp16 ping-pong kernel
+    for correctness; the build adds the plan's first choices at those M."""
+    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
+    from cached.families.hopper_fp8.tactics import tactic_space
+
+    out = [T(64, 128).normalized()]
+    out += [t for t in tactic_space(splits=1) if t.pingpong]
+    out += [T(64, 256, 1, 2, "n", out_dtype="float16", ab_dtype="e5m2",
+              pingpong=True).normalized()]
+    return out
+
+
 def _final_plan(top: int):
     """The batch-invariant plan per shape: its class, and the first `top` tactics per M."""
     from cached.families.hopper_fp8.tactics import choose_split, enumerate_tactics
@@ -280,10 +297,12 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
     os.makedirs(os.path.join(out, "kernels"), exist_ok=True)
     plan = _final_plan(top)
     tactics = {"wide": _wide_tactics, "mid": _mid_tactics, "split": _split_tactics,
-               "pass4": _pass4_tactics}.get(which, lambda: _final_tactics(plan))()
-    if which in ("wide", "mid", "pass4"):  # the plan's first choices too, so the run shows them
+               "pass4": _pass4_tactics, "pingpong": _pingpong_tactics}.get(
+        which, lambda: _final_tactics(plan))()
+    if which in ("wide", "mid", "pass4", "pingpong"):  # the plan's first choices too
         names = {t.name for t in tactics}
-        ms = {str(m) for m in {"wide": MS, "mid": MID_MS, "pass4": PASS4_MS}[which]}
+        ms = {str(m) for m in {"wide": MS, "mid": MID_MS, "pass4": PASS4_MS,
+                               "pingpong": PINGPONG_MS}[which]}
         for t in _final_tactics({k: {"by_m": {m: v[:1] for m, v in p["by_m"].items()
                                               if m in ms}}
                                  for k, p in plan.items()}):
@@ -780,12 +799,13 @@ def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool
                         and not (r.is_cta(x) and m > 1024) and not (
                             r.is_swap(x) and m > 256 and r.meta[x]["tile_m"] != 64)]
             ms = MS
-        elif r.manifest["set"] in ("mid", "split", "pass4"):
+        elif r.manifest["set"] in ("mid", "split", "pass4", "pingpong"):
             def pick(n, k, m):
                 # the plan's class for (N, K) only
                 s = plan[f"{n}x{k}"]["splits"]
                 return [x for x in plain if r.meta[x]["splits"] == s]
-            ms = override_ms or (PASS4_MS if r.manifest["set"] == "pass4" else MID_MS)
+            ms = override_ms or {"pass4": PASS4_MS, "pingpong": PINGPONG_MS}.get(
+                r.manifest["set"], MID_MS)
         else:
             def pick(n, k, m):
                 return plan[f"{n}x{k}"]["by_m"][str(m)]
@@ -929,7 +949,7 @@ def main():
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
     b.add_argument("--set", default="final",
-                   choices=["wide", "mid", "split", "pass4", "final"])
+                   choices=["wide", "mid", "split", "pass4", "pingpong", "final"])
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--top", type=int, default=3, help="plan choices per M kept (final)")
     b.add_argument("--dry", action="store_true", help="manifest only, no compile")

@@ -54,12 +54,14 @@ def compact(name: str) -> str:
     assert t.name == name, (t.name, name)
     mode = "c" if t.split_mode == "cta" else "s"
     cluster = f".c{t.cluster_m}x{t.cluster_n}" if t.cluster_size > 1 else ""
-    lead = "w" if t.swap_ab else ("n" if t.wg_n == 2 else "")
+    lead = "w" if t.swap_ab else ("n" if t.wg_n == 2 else ("p" if t.pingpong else ""))
     return (f"{lead}{t.tile_m}x{t.tile_n}.{t.raster}.{mode}.{t.splits}"
             f"{cluster}")
 
 
 def _fields(name: str) -> tuple:
+    pp = name.endswith("_pp")
+    name = name.removesuffix("_pp")
     wg_n = 2 if name.endswith("_wn2") else 1
     name = name.removesuffix("_wn2")
     swap = name.endswith("_sw")
@@ -71,7 +73,7 @@ def _fields(name: str) -> tuple:
     if parts[-1].startswith("k"):
         s, mode = int(parts[-1][1:-1]), {"c": "cta", "s": "serial"}[parts[-1][-1]]
     return (int(tm), int(tn), cm, cn, parts[2][1], 1, 0, "bfloat16", "e4m3", s, mode, swap,
-            wg_n)
+            wg_n, pp)
 
 
 def expand(key: str) -> str:
@@ -79,11 +81,12 @@ def expand(key: str) -> str:
         return key
     swap = key.startswith("w")
     wg_n = 2 if key.startswith("n") else 1
-    tile, raster, mode, s, *cluster = key.lstrip("wn").split(".")
+    pp = key.startswith("p")
+    tile, raster, mode, s, *cluster = key.lstrip("wnp").split(".")
     tm, tn = (int(x) for x in tile.split("x"))
     cm, cn = (int(x) for x in cluster[0][1:].split("x")) if cluster else (1, 1)
     return T.HopperFp8Tactic(tm, tn, cm, cn, raster, 1, 0, "bfloat16", "e4m3", int(s),
-                             {"c": "cta", "s": "serial"}[mode], swap, wg_n).normalized().name
+                             {"c": "cta", "s": "serial"}[mode], swap, wg_n, pp).normalized().name
 
 
 def load(paths: list[str]):
@@ -128,7 +131,7 @@ def write_csv(by, path: str) -> None:
 
 
 def splits_of(name: str) -> int:
-    tail = name.removesuffix("_wn2").removesuffix("_sw").rsplit("_", 1)[-1]
+    tail = name.removesuffix("_pp").removesuffix("_wn2").removesuffix("_sw").rsplit("_", 1)[-1]
     return int(tail[1:-1]) if tail.startswith("k") and tail[-1] in "cs" else 1
 
 
@@ -184,7 +187,8 @@ def write_table(by, space, path: str, sources: list[str]) -> None:
 def per_k_tile(by, space, sms: int) -> None:
     """Per tile shape of the S = 1 kernels and M regime (M <= 64, <= 1024, larger): the
     median over the run of (time - LAUNCH_US) / waves / K tiles, the model's
-    US_PER_K_TILE, SWAP_US_PER_K_TILE and WG_N_US_PER_K_TILE (printed as Python literals)."""
+    US_PER_K_TILE, SWAP_US_PER_K_TILE, WG_N_US_PER_K_TILE and PINGPONG_US_PER_K_TILE
+    (printed as Python literals)."""
     import statistics
 
     samples: dict = {}
@@ -198,11 +202,13 @@ def per_k_tile(by, space, sms: int) -> None:
                 waves = -(-T.work_units(t, m, n) // sms)
                 kt = -(-k // T.TILE_K)
                 reg = 0 if m <= 64 else (1 if m <= 1024 else 2)
-                kind = "swap" if t.swap_ab else ("wg_n" if t.wg_n == 2 else "plain")
+                kind = "swap" if t.swap_ab else ("wg_n" if t.wg_n == 2 else (
+                    "pingpong" if t.pingpong else "plain"))
                 samples.setdefault((kind, t.tile_m, t.tile_n), {}).setdefault(
                     reg, []).append((us - T.LAUNCH_US) / waves / kt)
     for kind, table in (("plain", "US_PER_K_TILE"), ("swap", "SWAP_US_PER_K_TILE"),
-                        ("wg_n", "WG_N_US_PER_K_TILE")):
+                        ("wg_n", "WG_N_US_PER_K_TILE"),
+                        ("pingpong", "PINGPONG_US_PER_K_TILE")):
         print(f"{table} = {{")
         for (kd, tm, tn), regs in sorted(samples.items()):
             if kd != kind:

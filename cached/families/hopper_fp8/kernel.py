@@ -97,6 +97,9 @@ class HopperFp8GemmKernel:
         # consumer warpgroups along N (wg_n = 2): one 64-row wgmma M side, the tile's N
         # columns in two halves, one per warpgroup; else the warpgroups stack along M
         self.wg_n = tactic.wg_n
+        # ping-pong (tactic.pingpong): two consumer warpgroups, each with whole 64-row
+        # tiles of its own (the CTA's tiles alternate between them)
+        self.pingpong = tactic.pingpong
         self.num_mma_wg = tactic.consumer_warpgroups
         self.atom_layout_mnk = ((1, 2, 1) if self.wg_n == 2 else
                                 (num_consumer_warpgroups(self.tile_shape_mnk[0]), 1, 1))
@@ -116,6 +119,10 @@ class HopperFp8GemmKernel:
                          (tactic.tile_m, tactic.tile_n) if self.tile_epi else
                          epilogue_tile(tactic.tile_m, tactic.tile_n))
         self.epi_stages = 1 if self.tile_epi else EPI_STAGES
+        # C buffers: one ring of epi_stages per warpgroup that stores tiles on its own
+        self.epi_buffers = self.epi_stages * (2 if self.pingpong else 1)
+        # threads that share one output tile (and its epilogue barrier)
+        self.tile_threads = self.threads_per_wg if self.pingpong else self.num_mma_threads
         self.num_mcast_a = self.cluster_shape_mn[1]
         self.num_mcast_b = self.cluster_shape_mn[0]
         self.buffer_align = 1024
@@ -155,7 +162,7 @@ class HopperFp8GemmKernel:
             self.epi_smem_staged = cute.make_layout((em, en, 1), stride=(en, 1, em * en))
         else:
             self.epi_smem_staged = staged(c_dtype, c_layout, em, en,
-                                          1 if self.direct_epi else self.epi_stages)
+                                          1 if self.direct_epi else self.epi_buffers)
 
     @staticmethod
     def _tma_load(tensor, smem_staged, tile, mcast):
@@ -307,7 +314,8 @@ class HopperFp8GemmKernel:
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, mcast_size * self.num_mma_wg * 4
+                pipeline.Agent.Thread,
+                mcast_size * (1 if self.pingpong else self.num_mma_wg) * 4
             ),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
@@ -341,7 +349,7 @@ class HopperFp8GemmKernel:
 
         wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
         mma_wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
-        thr_mma = tiled_mma.get_slice(mma_wg_layout(wg_idx - 1))
+        thr_mma = tiled_mma.get_slice(0 if self.pingpong else mma_wg_layout(wg_idx - 1))
         tCsA = thr_mma.partition_A(sA)
         tCsB = thr_mma.partition_B(sB)
         tCrA = tiled_mma.make_fragment_A(tCsA)
@@ -398,6 +406,13 @@ class HopperFp8GemmKernel:
             release_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.stages
             )
+            if cutlass.const_expr(self.pingpong):
+                # the second warpgroup takes the CTA's odd tiles: skip tile 0 and its
+                # stages (no branch: the scheduler's state must not change inside one)
+                read_state, release_state = self.skip_stages(read_state, release_state,
+                                                             (wg_idx - 1) * k_tiles)
+                sched.advance_to_next_work(advance_count=wg_idx - 1)
+                work = sched.get_current_work()
             # scale, read once on the device; applied once per element after the K loop
             scale = mAScale[0] * mBScale[0]
 
@@ -425,7 +440,7 @@ class HopperFp8GemmKernel:
                     )
                     tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
                     tiled_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
-                thr_r2s = tiled_r2s.get_slice(tidx - self.threads_per_wg)
+                thr_r2s = tiled_r2s.get_slice((tidx - self.threads_per_wg) % self.tile_threads)
                 tRS_sC = thr_r2s.partition_D(sC)
                 tRS_acc = tiled_r2s.retile(acc_sum)
                 rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
@@ -435,7 +450,7 @@ class HopperFp8GemmKernel:
                 store_pipe = pipeline.PipelineTmaStore.create(
                     num_stages=self.epi_stages,
                     producer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, self.num_mma_threads
+                        pipeline.Agent.Thread, self.tile_threads
                     ),
                 )
 
@@ -457,6 +472,16 @@ class HopperFp8GemmKernel:
                 ws_ok = (mWs.shape[0] >= tiles_m * tiles_n * (self.splits * slot_elems)) and (
                     mCnt.shape[0] >= tiles_m * tiles_n)
 
+            # ping-pong order: a warpgroup starts a main loop only after the other one has
+            # finished its previous one (named barriers 3 and 4, both warpgroups), so no
+            # consumer waits on a stage more than one ring round ahead of the producer
+            order_wait = order_signal = None
+            if cutlass.const_expr(self.pingpong):
+                order_wait = pipeline.NamedBarrier(barrier_id=5 - wg_idx,
+                                                   num_threads=self.num_mma_threads)
+                order_signal = pipeline.NamedBarrier(barrier_id=wg_idx + 2,
+                                                     num_threads=self.num_mma_threads)
+            own_tiles = cutlass.Int32(0)
             while work.is_valid_tile:
                 crd = work.tile_idx
                 gC_t = gC[(None, None, crd[0], crd[1])]
@@ -524,21 +549,41 @@ class HopperFp8GemmKernel:
                                             sched.num_tiles_executed, warp_idx,
                                             mC, gcC, crd, thr_c, acc_sum)
                 else:
+                    if cutlass.const_expr(self.pingpong):
+                        if wg_idx == 2 or own_tiles > 0:
+                            order_wait.arrive_and_wait()
                     read_state, release_state = self.mainloop(
                         ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
                         0, k_tiles, False,
                     )
+                    if cutlass.const_expr(self.pingpong):
+                        order_signal.arrive()
                     self.store_tile(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
                                     store_pipe, scale, sched.num_tiles_executed, warp_idx,
                                     mC, gcC, crd, thr_c, acc_sum)
 
-                sched.advance_to_next_work()
+                own_tiles = own_tiles + 1
+                if cutlass.const_expr(self.pingpong):
+                    # the other warpgroup's next tile: skip its stages
+                    read_state, release_state = self.skip_stages(read_state, release_state,
+                                                                 k_tiles)
+                    sched.advance_to_next_work(advance_count=2)
+                else:
+                    sched.advance_to_next_work()
                 work = sched.get_current_work()
 
             if cutlass.const_expr(not self.direct_epi):
                 store_pipe.producer_tail()
 
     # ---------------------------------------------------------------- device helpers
+    @cute.jit
+    def skip_stages(self, read_state, release_state, n):
+        """Advance both consumer states past n stages (another warpgroup's tile)."""
+        for _i in range(n):
+            read_state.advance()
+            release_state.advance()
+        return read_state, release_state
+
     @cute.jit
     def mainloop(self, ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
                  k_begin, k_end, may_be_empty: cutlass.Constexpr):
@@ -627,18 +672,27 @@ class HopperFp8GemmKernel:
         epi_shape = gC_epi.shape[1]
         epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
         prev_epi = tiles_executed * epi_num
+        epi_bar = self.epi_barrier
+        store_warp = warp_idx == self.epi_store_warp
+        first_buf = 0
+        if cutlass.const_expr(self.pingpong):
+            # this warpgroup's barrier (ids 1, 2), store warp and C buffers
+            cwg = warp_idx // 4 - 1
+            epi_bar = pipeline.NamedBarrier(barrier_id=cwg + 1, num_threads=self.tile_threads)
+            store_warp = warp_idx % 4 == 0
+            first_buf = cwg * self.epi_stages
         for e in cutlass.range_constexpr(epi_num):
             for v in cutlass.range_constexpr(frag_size):
                 tRS_rF[v] = tRS_acc[e * frag_size + v]
             vals = tRS_rF.load() * scale
             tRS_rC.store(vals.to(self.c_dtype))
-            buf = (prev_epi + e) % self.epi_stages
+            buf = first_buf + (prev_epi + e) % self.epi_stages
             cute.copy(tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
             cute.arch.fence_proxy("async.shared", space="cta")
-            self.epi_barrier.arrive_and_wait()
-            if warp_idx == self.epi_store_warp:
+            epi_bar.arrive_and_wait()
+            if store_warp:
                 cute.copy(tma_c, bSG_sC[(None, buf)],
                           bSG_gC[(None, epi_layout.get_hier_coord(e))])
                 store_pipe.producer_commit()
                 store_pipe.producer_acquire()
-            self.epi_barrier.arrive_and_wait()
+            epi_bar.arrive_and_wait()

@@ -94,6 +94,10 @@ SWAP_MAX_STAGES = 16  # small stages: deeper rings keep more weight bytes in fli
 # in one shared-memory buffer; stages capped at SWAP_MAX_STAGES like the swap_ab tiles
 WG_N_CHOICES = (1, 2)
 WG_N_TILE_N = (64, 80, 96, 128, 160, 192, 256)
+# ping-pong (pingpong = True): two consumer warpgroups, each with whole 64 x tile_n tiles
+# of its own, the CTA's tiles alternating between them, so one warpgroup's epilogue runs
+# under the other's main loop (issue 13 item 4); tile_m = 64, S = 1
+PINGPONG_TILE_N = (128, 192, 256)
 CLUSTER_CHOICES = ((1, 1), (2, 1), (1, 2))
 RASTER_CHOICES = ("m", "n")
 SWIZZLE_CHOICES = (1, 2, 4, 8)
@@ -143,6 +147,7 @@ PARAM_KEYS = (
     "split_mode",
     "swap_ab",
     "wg_n",
+    "pingpong",
 )
 
 
@@ -205,34 +210,35 @@ def _stage_bytes(tile_m: int, tile_n: int) -> int:
 
 
 def _epi_bytes(tile_m: int, tile_n: int, out_dtype: str, swap_ab: bool = False,
-               wg_n: int = 1) -> int:
+               wg_n: int = 1, pingpong: bool = False) -> int:
     if register_epilogue(swap_ab, wg_n):
         return SWAP_EPI_BYTES
     if wg_n == 2:  # the whole tile_m x tile_n tile, one buffer
         raw = tile_m * tile_n * OUT_DTYPE_BYTES[out_dtype]
         return -(-raw // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
     em, en = epilogue_tile(tile_m, tile_n)
-    raw = em * en * OUT_DTYPE_BYTES[out_dtype] * EPI_STAGES
+    # ping-pong: one ring of C buffers per warpgroup
+    raw = em * en * OUT_DTYPE_BYTES[out_dtype] * EPI_STAGES * (2 if pingpong else 1)
     return -(-raw // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
 
 
 def smem_bytes_for(tile_m: int, tile_n: int, stages: int, out_dtype: str = "bfloat16",
-                   swap_ab: bool = False, wg_n: int = 1) -> int:
+                   swap_ab: bool = False, wg_n: int = 1, pingpong: bool = False) -> int:
     """Dynamic shared memory of one CTA: mbarriers + A/B stage buffers + C staging."""
     return (
         STATIC_SMEM_BYTES
         + MBAR_REGION_BYTES
         + stages * _stage_bytes(tile_m, tile_n)
-        + _epi_bytes(tile_m, tile_n, out_dtype, swap_ab, wg_n)
+        + _epi_bytes(tile_m, tile_n, out_dtype, swap_ab, wg_n, pingpong)
     )
 
 
 def max_stages_for(tile_m: int, tile_n: int, out_dtype: str = "bfloat16",
-                   swap_ab: bool = False, wg_n: int = 1) -> int:
+                   swap_ab: bool = False, wg_n: int = 1, pingpong: bool = False) -> int:
     """Most A/B stages that fit the budget (capped at MAX_STAGES, SWAP_MAX_STAGES for
     swap_ab and wg_n = 2); may be < 2."""
     fixed = (STATIC_SMEM_BYTES + MBAR_REGION_BYTES
-             + _epi_bytes(tile_m, tile_n, out_dtype, swap_ab, wg_n))
+             + _epi_bytes(tile_m, tile_n, out_dtype, swap_ab, wg_n, pingpong))
     free = SMEM_CAPACITY_BYTES - fixed
     cap = SWAP_MAX_STAGES if swap_ab or wg_n == 2 else MAX_STAGES
     return min(cap, free // _stage_bytes(tile_m, tile_n))
@@ -297,6 +303,7 @@ class HopperFp8Tactic:
     split_mode: str = "serial"
     swap_ab: bool = False
     wg_n: int = 1
+    pingpong: bool = False
 
     # -- derived facts -------------------------------------------------------------
     @property
@@ -309,6 +316,8 @@ class HopperFp8Tactic:
 
     @property
     def consumer_warpgroups(self) -> int:
+        if self.pingpong:
+            return 2
         return (num_consumer_warpgroups(mma_tile(self.tile_m, self.tile_n, self.swap_ab)[0])
                 * self.wg_n)
 
@@ -334,6 +343,7 @@ class HopperFp8Tactic:
             f"m{self.tile_m}n{self.tile_n}_c{self.cluster_m}x{self.cluster_n}"
             f"_r{self.raster}_s{self.swizzle}_st{self.stages}_{self.ab_dtype}_{self.out_dtype}"
             f"{split}{'_sw' if self.swap_ab else ''}{'_wn2' if self.wg_n == 2 else ''}"
+            f"{'_pp' if self.pingpong else ''}"
         )
 
     # -- validation / encoding -------------------------------------------------------
@@ -344,7 +354,7 @@ class HopperFp8Tactic:
                   else (TILE_M_CHOICES, TILE_N_CHOICES))
         if t.stages == 0 and t.tile_m in ms and t.tile_n in ns and t.out_dtype in OUT_DTYPES:
             t = dataclasses.replace(t, stages=max_stages_for(t.tile_m, t.tile_n, t.out_dtype,
-                                                             t.swap_ab, t.wg_n))
+                                                             t.swap_ab, t.wg_n, t.pingpong))
         t.validate()
         return t
 
@@ -380,6 +390,11 @@ class HopperFp8Tactic:
             bad("wg_n=2 (two consumer warpgroups along N) needs tile_m=64 and swap_ab=false")
         if self.wg_n == 2 and self.split_mode == "cta" and self.splits > 1:
             bad("wg_n=2 takes split_mode 'serial' only")
+        if not isinstance(self.pingpong, bool):
+            bad(f"pingpong must be true or false, got {type(self.pingpong).__name__}")
+        if self.pingpong and (self.tile_m != 64 or self.swap_ab or self.wg_n != 1
+                              or self.splits != 1):
+            bad("pingpong needs tile_m=64, splits=1, wg_n=1 and swap_ab=false")
         if (self.cluster_m, self.cluster_n) not in CLUSTER_CHOICES:
             bad(f"(cluster_m, cluster_n) must be one of {CLUSTER_CHOICES}")
         if self.raster not in RASTER_CHOICES:
@@ -403,10 +418,11 @@ class HopperFp8Tactic:
                                    self.wg_n)
         if not ok:
             bad(why)
-        top = max_stages_for(self.tile_m, self.tile_n, self.out_dtype, self.swap_ab, self.wg_n)
+        top = max_stages_for(self.tile_m, self.tile_n, self.out_dtype, self.swap_ab, self.wg_n,
+                             self.pingpong)
         if not (MIN_STAGES <= self.stages <= top):
             used = smem_bytes_for(self.tile_m, self.tile_n, self.stages, self.out_dtype,
-                                  self.swap_ab, self.wg_n)
+                                  self.swap_ab, self.wg_n, self.pingpong)
             bad(
                 f"stages must be in [{MIN_STAGES}, {top}] for tile {self.tile_m}x{self.tile_n} "
                 f"({used} B of "
@@ -436,7 +452,8 @@ def tactic_from_params(params: Mapping[str, Any]) -> HopperFp8Tactic:
 
 
 def smem_bytes(t: HopperFp8Tactic) -> int:
-    return smem_bytes_for(t.tile_m, t.tile_n, t.stages, t.out_dtype, t.swap_ab, t.wg_n)
+    return smem_bytes_for(t.tile_m, t.tile_n, t.stages, t.out_dtype, t.swap_ab, t.wg_n,
+                          t.pingpong)
 
 
 # --------------------------------------------------------------------------------------
@@ -505,6 +522,16 @@ WG_N_US_PER_K_TILE = {
     (64, 256): (0.430, 0.463, 0.460),
 }
 
+# ping-pong tiles (64 x tile_n per consumer warpgroup) -> the same three regimes: the same
+# median over the H200 pingpong run (14 (N, K) x M = 1024..8192, the plan's class;
+# docs/results/h200_hopper_fp8_pass4_pingpong.log, hopper_fp8_fit.py --per-k-tile over its
+# JSON); not timed at M <= 64: 1.0 us ranks them behind every measured tile there
+PINGPONG_US_PER_K_TILE = {
+    (64, 128): (1.0, 0.287, 0.273),
+    (64, 192): (1.0, 0.337, 0.344),
+    (64, 256): (1.0, 0.414, 0.421),
+}
+
 # Fitted on the same run (bench/gpu/hopper_fp8_fit.py): the constants that rank each
 # class's measured tactics best (geometric mean of first choice / best 1.035 over 588
 # (shape, M, class) points before the recorded winners below).
@@ -521,9 +548,9 @@ def _regime(m: int) -> int:
 
 
 def _per_k_tile_us(tile_m: int, tile_n: int, m: int, swap_ab: bool = False,
-                   wg_n: int = 1) -> float:
-    table = SWAP_US_PER_K_TILE if swap_ab else (WG_N_US_PER_K_TILE if wg_n == 2
-                                                else US_PER_K_TILE)
+                   wg_n: int = 1, pingpong: bool = False) -> float:
+    table = (SWAP_US_PER_K_TILE if swap_ab else WG_N_US_PER_K_TILE if wg_n == 2
+             else PINGPONG_US_PER_K_TILE if pingpong else US_PER_K_TILE)
     per = table.get((tile_m, tile_n))
     if per is None:  # a tile shape not measured: scale from operand bytes per K tile
         return 0.0032 * (tile_m + tile_n) * max(1.0, tile_m * tile_n / 16384)
@@ -559,7 +586,7 @@ def model_parts(t: HopperFp8Tactic, m: int, n: int, k: int,
     units = work_units(t, m, n)
     waves = -(-units // slots)
     kt = -(-k // TILE_K)
-    per = _per_k_tile_us(t.tile_m, t.tile_n, m, t.swap_ab, t.wg_n)
+    per = _per_k_tile_us(t.tile_m, t.tile_n, m, t.swap_ab, t.wg_n, t.pingpong)
     partial_bytes = 0
     if t.split_mode == "cta" and t.splits > 1:
         if waves > 1:  # 'cta' exists to fill one wave; past that 'serial' has the same
@@ -641,6 +668,11 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
                                                            out_dtype, ab_dtype))
             out += _swap_tactics(sp, "serial", out_dtype, ab_dtype)
             out += _wg_n_tactics(out_dtype, ab_dtype)
+            out += [HopperFp8Tactic(64, tn, cm, cn, r, 1,
+                                    max_stages_for(64, tn, out_dtype, pingpong=True),
+                                    out_dtype, ab_dtype, pingpong=True)
+                    for tn in PINGPONG_TILE_N for cm, cn in CLUSTER_CHOICES
+                    for r in RASTER_CHOICES]
             continue
         for tm, tn in SPLIT_CTA_TILES:
             out.append(HopperFp8Tactic(tm, tn, 1, 1, "m", 1, max_stages_for(tm, tn, out_dtype),
@@ -695,21 +727,22 @@ def recorded_key(t: HopperFp8Tactic) -> str:
     'n64x80m@2x1'."""
     mode = t.split_mode[0] if t.splits > 1 else ""
     cluster = f"@{t.cluster_m}x{t.cluster_n}" if t.cluster_size > 1 else ""
-    lead = "w" if t.swap_ab else ("n" if t.wg_n == 2 else "")
+    lead = "w" if t.swap_ab else ("n" if t.wg_n == 2 else ("p" if t.pingpong else ""))
     return f"{lead}{t.tile_m}x{t.tile_n}{t.raster}{mode}{cluster}"
 
 
 def _from_key(key: str, splits: int, out_dtype: str, ab_dtype: str) -> HopperFp8Tactic:
     swap = key.startswith("w")
     wg_n = 2 if key.startswith("n") else 1
-    key = key[1:] if swap or wg_n == 2 else key
+    pp = key.startswith("p")
+    key = key[1:] if swap or wg_n == 2 or pp else key
     key, _, cluster = key.partition("@")
     cm, cn = (int(x) for x in cluster.split("x")) if cluster else (1, 1)
     tile, rest = key[:-1 if splits == 1 else -2], key[-1 if splits == 1 else -2:]
     tm, tn = (int(x) for x in tile.split("x"))
     mode = {"c": "cta", "s": "serial"}[rest[1]] if splits > 1 else "serial"
     return HopperFp8Tactic(tm, tn, cm, cn, rest[0], 1, 0, out_dtype, ab_dtype, splits,
-                           mode, swap, wg_n).normalized()
+                           mode, swap, wg_n, pp).normalized()
 
 
 def _load_recorded() -> dict:
