@@ -2,14 +2,17 @@
 sm_90a through a fresh daemon, and report counts and time. `make test` compiles one tactic
 per (tile, cluster) of the S = 1 class for the widths 64/128/192/256, every unswapped split
 tactic of those widths without a cluster, one swap_ab tactic per code path and a sample of
-the third pass's tactics; this is the whole space (512 tactics, the 72 swap_ab ones
-included).
+the third pass's tactics and of the fourth pass's wg_n=2 and ping-pong tactics; this is the
+whole space (583 tactics, the 72 swap_ab ones included).
 
-    .venv/bin/python bench/compile_hopper.py [--workers N] [--swap-only | --new-only]
+    .venv/bin/python bench/compile_hopper.py [--workers N] [--swap-only | --new-only |
+        --wg-n-only | --pingpong-only] [--out-dtype float16 --ab-dtype e5m2]
 
 --swap-only compiles the 72 swap_ab tactics alone; --new-only the 120 tactics the third
 pass added: the widths 80, 96, 112, 160 (72 of S = 1, 16 serial splits) and the serial
-splits with a cluster (32).
+splits with a cluster (32); --wg-n-only the 53 wg_n=2 tactics of the fourth pass (21 of
+S = 1, 8 serial splits per S > 1); --pingpong-only the 18 ping-pong tactics (S = 1).
+--out-dtype / --ab-dtype plan with other dtypes.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ def main() -> int:
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--swap-only", action="store_true")
     only.add_argument("--new-only", action="store_true")
+    only.add_argument("--wg-n-only", action="store_true")
+    only.add_argument("--pingpong-only", action="store_true")
+    parser.add_argument("--out-dtype", default="bfloat16", choices=T.OUT_DTYPES)
+    parser.add_argument("--ab-dtype", default="e4m3", choices=T.AB_DTYPES)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         daemon = Daemon(Path(tmp), workers=args.workers)
@@ -42,11 +49,18 @@ def main() -> int:
             requests = []
             for class_id in T.REDUCTION_CLASSES:
                 requests += client.plan("cached.hopper_fp8", (4096, 4096, 4096), "sm_90a",
-                                        options={"reduction_class": class_id})
+                                        options={"reduction_class": class_id,
+                                                 "out_dtype": args.out_dtype,
+                                                 "ab_dtype": args.ab_dtype})
             if args.swap_only:
                 requests = [r for r in requests if r.params["swap_ab"]]
+            if args.wg_n_only:
+                requests = [r for r in requests if r.params["wg_n"] == 2]
+            if args.pingpong_only:
+                requests = [r for r in requests if r.params["pingpong"]]
             if args.new_only:
-                requests = [r for r in requests if not r.params["swap_ab"] and (
+                requests = [r for r in requests if not r.params["swap_ab"]
+                            and r.params["wg_n"] == 1 and not r.params["pingpong"] and (
                     r.params["tile_n"] not in T.SWIZZLED_TILE_N or (
                         r.params["splits"] > 1
                         and r.params["cluster_m"] * r.params["cluster_n"] > 1))]

@@ -36,8 +36,9 @@ def test_enumeration_size_and_budget():
     every = enumerate_tactics(4096, 4096, 4096, splits=1)
     # 11 feasible tiles of the widths 64/128/192/256 (256x256 dropped) x 3 clusters x 2
     # rasters x 4 swizzles, 12 tiles of the widths 80/96/112/160 x 3 clusters x 2 rasters
-    # (swizzle 1), and the 8 swap_ab tiles
-    assert len(every) == 344 and len({t.name for t in every}) == 344
+    # (swizzle 1), the 8 swap_ab tiles, 7 wg_n=2 widths x 3 clusters and 3 ping-pong widths
+    # x 3 clusters x 2 rasters
+    assert len(every) == 383 and len({t.name for t in every}) == 383
     swapped = [t for t in every if t.swap_ab]
     assert {(t.tile_m, t.tile_n) for t in swapped} == {
         (tm, tn) for tm in (8, 16, 32, 64) for tn in (64, 128)}
@@ -49,7 +50,7 @@ def test_enumeration_size_and_budget():
         # the weight rows are the wgmma M side: 64 -> one consumer warpgroup, 128 -> two
         assert t.consumer_warpgroups == (1 if t.tile_n == 64 else 2)
         assert t.reduction_class == "k128.acc1.s1.fixed"
-    ts = [t for t in every if not t.swap_ab]
+    ts = [t for t in every if not t.swap_ab and t.wg_n == 1 and not t.pingpong]
     assert len(ts) == 336
     assert all(t.swizzle == 1 for t in ts if t.tile_n not in T.SWIZZLED_TILE_N)
     assert len({t.name for t in ts}) == len(ts)
@@ -72,13 +73,17 @@ def test_enumeration_size_and_budget():
 
 def test_split_space():
     """S > 1: 'cta' on six decode tiles, 'serial' on twelve tiles that fit two
-    accumulators and on four of them with clusters 1x2 and 2x1, both modes on the eight
-    swap_ab tiles; 512 tactics over the five classes."""
+    accumulators and on four of them with clusters 1x2 and 2x1, 'serial' on four wg_n=2
+    tiles with clusters 1x1 and 2x1, both modes on the eight swap_ab tiles; 583 tactics
+    over the five classes (18 ping-pong ones in S = 1)."""
     for s in T.SPLIT_CHOICES[1:]:
         ts = T.tactic_space(splits=s)
         cta = [t for t in ts if t.split_mode == "cta" and not t.swap_ab]
-        serial = [t for t in ts if t.split_mode == "serial" and not t.swap_ab]
-        assert len(cta) == 6 and len(serial) == 20
+        serial = [t for t in ts if t.split_mode == "serial" and not t.swap_ab
+                  and t.wg_n == 1]
+        wgn = [t for t in ts if t.wg_n == 2]
+        assert len(cta) == 6 and len(serial) == 20 and len(wgn) == 8
+        assert all(t.split_mode == "serial" and t.tile_m == 64 for t in wgn)
         assert len([t for t in serial if t.cluster_size == 2]) == 8
         for mode in T.SPLIT_MODES:
             assert len([t for t in ts if t.swap_ab and t.split_mode == mode]) == 8
@@ -89,8 +94,8 @@ def test_split_space():
         for t in ts:
             t.validate()
     space = T.tactic_space()
-    assert len(space) == 512 == len({t.name for t in space})
-    assert len(enumerate_tactics(4096, 4096, 4096)) == 512
+    assert len(space) == 583 == len({t.name for t in space})
+    assert len(enumerate_tactics(4096, 4096, 4096)) == 583
 
 
 def test_reduction_order_constants():
@@ -245,6 +250,57 @@ def test_register_and_smem_feasibility():
     assert T.acc_regs_per_thread(256, 160) == 160 and T.max_stages_for(256, 160) == 4
 
 
+def test_consumer_warpgroups_along_n():
+    """wg_n=2: a 64-row tile whose N is split between two consumer warpgroups (each 64 x
+    tile_n/2 wgmma, the K order unchanged): the class of its S, two consumer warpgroups,
+    half the accumulator registers, one C buffer for the whole tile (the epilogue's one TMA
+    store) and up to SWAP_MAX_STAGES stages."""
+    for tn in T.WG_N_TILE_N:
+        one = HopperFp8Tactic(64, tn).normalized()
+        two = HopperFp8Tactic(64, tn, wg_n=2).normalized()
+        assert two.consumer_warpgroups == 2 and one.consumer_warpgroups == 1
+        assert two.threads_per_cta == 384
+        assert T.acc_regs_per_thread(64, tn, wg_n=2) * 2 == T.acc_regs_per_thread(64, tn)
+        assert (tn // 2) % 8 == 0  # the wgmma N step
+        assert two.reduction_class == one.reduction_class == "k128.acc1.s1.fixed"
+        assert two.reduction_order == one.reduction_order
+        epi = -(-64 * tn * 2 // 1024) * 1024  # bf16, 1024-B aligned
+        assert two.stages == min(T.SWAP_MAX_STAGES,
+                                 (T.SMEM_CAPACITY_BYTES - 2 * 1024 - epi) // ((64 + tn) * 128))
+        assert T.smem_bytes(two) == 2 * 1024 + epi + two.stages * (64 + tn) * 128
+        assert T.smem_bytes(two) <= T.SMEM_CAPACITY_BYTES
+        assert two.name == one.name.replace(f"_st{one.stages}_", f"_st{two.stages}_") + "_wn2"
+        assert T.recorded_key(two) == f"n64x{tn}m"
+        assert T._from_key(f"n64x{tn}m@2x1", 1, "bfloat16", "e4m3") == dataclasses.replace(
+            two, cluster_m=2)
+        assert tactic_from_params(two.to_params()) == two
+    s2 = HopperFp8Tactic(64, 96, splits=2, wg_n=2).normalized()
+    assert s2.reduction_class == "k128.acc1.s2.fixed" and T.recorded_key(s2) == "n64x96ms"
+    # params written before wg_n existed have one consumer warpgroup along N
+    assert tactic_from_params({"tile_m": 64, "tile_n": 80}).wg_n == 1
+
+
+def test_pingpong_tactics():
+    """pingpong: two consumer warpgroups with whole 64 x tile_n tiles of their own (S = 1):
+    the class of S = 1, the registers of one 64-row warpgroup, a C buffer ring per
+    warpgroup, recorded key 'p...'."""
+    space = [t for t in T.tactic_space() if t.pingpong]
+    assert len(space) == 18 and {t.tile_n for t in space} == set(T.PINGPONG_TILE_N)
+    for t in space:
+        one = dataclasses.replace(t, pingpong=False, stages=0).normalized()
+        assert t.tile_m == 64 and t.splits == 1 and t.consumer_warpgroups == 2
+        assert t.threads_per_cta == 384 and one.consumer_warpgroups == 1
+        assert t.reduction_class == "k128.acc1.s1.fixed" and t.name.endswith("_pp")
+        em, en = T.epilogue_tile(64, t.tile_n)
+        assert T.smem_bytes(t) == T.smem_bytes_for(64, t.tile_n, t.stages) + -(
+            -em * en * 2 * T.EPI_STAGES // 1024) * 1024
+        assert T.smem_bytes(t) <= T.SMEM_CAPACITY_BYTES
+        assert T._from_key(T.recorded_key(t), 1, "bfloat16", "e4m3") == t
+        assert T.recorded_key(t).startswith("p64x")
+        assert tactic_from_params(t.to_params()) == t
+    assert tactic_from_params({"tile_m": 64, "tile_n": 128}).pingpong is False
+
+
 # ---------------------------------------------------------------------- encoding
 
 def test_params_round_trip():
@@ -291,6 +347,15 @@ def test_stages_default_to_most_that_fit():
         ({"swap_ab": 1}, "swap_ab must be true or false"),
         ({"swap_ab": True, "tile_m": 8, "tile_n": 64, "stages": 17}, "stages must be in [2, 16]"),
         ({"tile_m": 8, "tile_n": 64}, "tile_m must be one of (64, 128, 256)"),
+        ({"wg_n": 3}, "wg_n must be one of (1, 2)"),
+        ({"wg_n": True}, "int"),
+        ({"tile_m": 128, "tile_n": 128, "wg_n": 2}, "needs tile_m=64"),
+        ({"tile_m": 8, "tile_n": 64, "swap_ab": True, "wg_n": 2}, "swap_ab=false"),
+        ({"tile_m": 64, "tile_n": 128, "wg_n": 2, "splits": 2, "split_mode": "cta"},
+         "wg_n=2 takes split_mode 'serial' only"),
+        ({"tile_m": 128, "tile_n": 128, "pingpong": True}, "pingpong needs tile_m=64"),
+        ({"tile_m": 64, "tile_n": 128, "pingpong": True, "splits": 2}, "pingpong needs"),
+        ({"tile_m": 64, "tile_n": 128, "pingpong": 1}, "pingpong must be true or false"),
     ],
 )
 def test_validation_errors(params, words):
@@ -353,7 +418,7 @@ def test_plan_reduction_class_option_and_default():
 
     fam = HopperFp8()
     every = fam.plan((16, 4096, 4096), "sm_90a", 132, {})
-    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 512
+    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 583
     for cid in T.REDUCTION_CLASSES:
         reqs = fam.plan((16, 4096, 4096), "sm_90a", 132, {"reduction_class": cid})
         assert {_class(r) for r in reqs} == {cid}
@@ -531,8 +596,10 @@ def test_every_tile_and_cluster_compiles_for_sm90a_through_the_daemon(daemon):
     client = daemon.client()
     requests = client.plan("cached.hopper_fp8", (4096, 4096, 4096), "sm_90a",
                            options={"reduction_class": class_id})
-    assert len(requests) == 344 and {r.max_active_clusters for r in requests} == {132, 66}
-    requests = [r for r in requests if not r.params["swap_ab"]]  # the next test has them
+    assert len(requests) == 383 and {r.max_active_clusters for r in requests} == {132, 66}
+    # the swap_ab, wg_n=2 and ping-pong tactics: their own tests below
+    requests = [r for r in requests if not r.params["swap_ab"] and r.params["wg_n"] == 1
+                and not r.params["pingpong"]]
     assert len(requests) == 336
     requests = [r for r in requests if r.params["tile_n"] in OLD_TILE_N]
     assert len(requests) == 264
@@ -565,7 +632,7 @@ def _split_variants() -> list:
     to compile whole.
     """
     return [t for t in T.tactic_space() if t.splits > 1 and t.tile_n in OLD_TILE_N
-            and t.cluster_size == 1]
+            and t.cluster_size == 1 and t.wg_n == 1]
 
 
 def test_split_tactics_compile_for_sm90a_through_the_daemon(daemon):
@@ -661,4 +728,77 @@ def test_swap_tactics_compile_for_sm90a_through_the_daemon(daemon):
         assert path and os.path.getsize(path) > 1000
     names = {e["kernel_name"] for e in client.list()}
     assert len(names) == len(variants) and all(nm.split("_mac")[0].endswith("_sw")
+                                               for nm in names)
+
+
+def _wg_n_variants() -> list:
+    """wg_n=2 tactics (two consumer warpgroups along N), one per distinct code path:
+    the narrowest and widest halves (wgmma N 32 and 128), a 16-column-odd half (80 -> 40),
+    clusters 2x1 and 1x2, a serial split, and e5m2/fp16."""
+    H = HopperFp8Tactic
+    return [t.normalized() for t in (
+        H(64, 64, wg_n=2),
+        H(64, 80, wg_n=2),
+        H(64, 256, wg_n=2),
+        H(64, 160, 2, 1, wg_n=2),
+        H(64, 96, 1, 2, wg_n=2),
+        H(64, 128, 2, 1, splits=2, split_mode="serial", wg_n=2),
+        H(64, 80, 1, 1, "m", 1, 0, "float16", "e5m2", wg_n=2),
+    )]
+
+
+def test_wg_n_tactics_compile_for_sm90a_through_the_daemon(daemon):
+    """The wg_n=2 variants (see _wg_n_variants), compiled by the daemon's workers; every
+    one is in the family's space (its class checked bitwise on an H200:
+    docs/benchmarks.md, fourth pass)."""
+    from cached_client.keys import KernelRequest
+
+    variants = _wg_n_variants()
+    space = {t.name for t in T.tactic_space("float16", "e5m2") + T.tactic_space()}
+    assert all(t.name in space for t in variants)
+    client = daemon.client()
+    requests = [KernelRequest(family="cached.hopper_fp8", params=t.to_params(), arch="sm_90a",
+                              sm_count=132, max_active_clusters=132 // t.cluster_size)
+                for t in variants]
+    client.prefetch(requests)
+    for r in requests:
+        art = client.get(r, timeout=900)
+        path = art.library_path or art.object_path
+        assert path and os.path.getsize(path) > 1000
+    names = {e["kernel_name"] for e in client.list()}
+    assert len(names) == len(variants) and all(nm.split("_mac")[0].endswith("_wn2")
+                                               for nm in names)
+
+
+def _pingpong_variants() -> list:
+    """Ping-pong tactics, one per distinct code path: each width (wgmma N 128, 192, 256),
+    both clusters, raster n, and e5m2/fp16."""
+    H = HopperFp8Tactic
+    return [t.normalized() for t in (
+        H(64, 128, pingpong=True),
+        H(64, 192, 2, 1, pingpong=True),
+        H(64, 256, 1, 2, "n", pingpong=True),
+        H(64, 256, 1, 1, "m", 1, 0, "float16", "e5m2", pingpong=True),
+    )]
+
+
+def test_pingpong_tactics_compile_for_sm90a_through_the_daemon(daemon):
+    """The ping-pong variants (see _pingpong_variants), compiled by the daemon's workers
+    (their class checked bitwise on an H200: docs/benchmarks.md, fourth pass)."""
+    from cached_client.keys import KernelRequest
+
+    variants = _pingpong_variants()
+    space = {t.name for t in T.tactic_space("float16", "e5m2") + T.tactic_space()}
+    assert all(t.name in space for t in variants)
+    client = daemon.client()
+    requests = [KernelRequest(family="cached.hopper_fp8", params=t.to_params(), arch="sm_90a",
+                              sm_count=132, max_active_clusters=132 // t.cluster_size)
+                for t in variants]
+    client.prefetch(requests)
+    for r in requests:
+        art = client.get(r, timeout=900)
+        path = art.library_path or art.object_path
+        assert path and os.path.getsize(path) > 1000
+    names = {e["kernel_name"] for e in client.list()}
+    assert len(names) == len(variants) and all(nm.split("_mac")[0].endswith("_pp")
                                                for nm in names)

@@ -18,7 +18,9 @@
     perf: CUDA-event medians over CUDA-graph replays, inputs rotated past the 60 MB L2;
       "wide" times every kernel at every M (the data the split rule and the cost model are
       fitted to), "mid" the new N widths and cluster variants beside the old tiles of the
-      plan's class at M in MID_MS (or --ms), "final" the plan's first choice (what a
+      plan's class at M in MID_MS (or --ms), "pass4" the wg_n=2 tiles (two consumer
+      warpgroups along N) beside the plan's earlier first choices at M in PASS4_MS (or
+      --ms), "final" the plan's first choice (what a
       client runs) and the next ones in its class, at every M, against torch._scaled_mm.
     Short tables are printed last; everything goes to $OUT/hopper_fp8.json.
   run --fake: the same driver on the CPU with an emulation of the kernels' arithmetic
@@ -50,6 +52,10 @@ MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 # the "mid" set times these M by default (the band where the first choice trailed cuBLAS
 # most); run --ms widens it
 MID_MS = [128, 256, 512, 1024, 2048]
+# the "pass4" set (issue 13, fourth pass: wg_n = 2) times these M by default
+PASS4_MS = [64, 128, 256, 512, 1024]
+# the "pingpong" set (fourth pass, issue 13 item 4) times these M by default
+PINGPONG_MS = [1024, 2048, 4096, 8192]
 FULL_M = 2048
 NUM_SMS = 132
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -67,9 +73,12 @@ def class_of(params: dict) -> str:
 
 
 def group_of(params: dict) -> str:
-    """The class, with the swap_ab kernels apart (their cross-kernel rows are the
-    evidence that swapping the operands keeps the class)."""
-    return class_of(params) + (" swap_ab" if params.get("swap_ab") else "")
+    """The class, with the swap_ab and the wg_n = 2 kernels apart (their cross-kernel rows
+    are the evidence that swapping the operands, or splitting N between two warpgroups,
+    keeps the class)."""
+    return class_of(params) + (" swap_ab" if params.get("swap_ab") else "") + (
+        " wg_n2" if params.get("wg_n", 1) == 2 else "") + (
+        " pingpong" if params.get("pingpong") else "")
 
 
 # ====================================================================================
@@ -172,6 +181,43 @@ def _split_tactics():
     return out
 
 
+def _pass4_tactics():
+    """The tactics a "pass4" run checks and times at M in PASS4_MS (issue 13, fourth pass):
+    every wg_n = 2 tactic of the plan's space (S = 1: every width and cluster; S = 2:
+    the serial splits), after one unswapped wg_n = 1 kernel per class (the class's first
+    kernel, which the others are compared with bitwise), beside 128x64 and 64x80 (the
+    M = 128 tiles of the third pass) and the one-warpgroup 64-row tiles with a 2x1 cluster
+    (B multicast to both M tiles, as wg_n = 2's best; never timed before); the build adds
+    the plan's first choices. Two e5m2/fp16 wg_n = 2 kernels for correctness."""
+    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
+    from cached.families.hopper_fp8.tactics import tactic_space
+
+    out = [T(64, 128), T(64, 96, splits=2, split_mode="serial"), T(128, 64), T(64, 80)]
+    out += [t for t in tactic_space(splits=1) + tactic_space(splits=2) if t.wg_n == 2]
+    out += [T(64, tn, 2, 1) for tn in (64, 80, 96, 128)]
+    out += [T(64, 80, out_dtype="float16", ab_dtype="e5m2", wg_n=2),
+            T(64, 128, 2, 1, out_dtype="float16", ab_dtype="e5m2", splits=2, wg_n=2)]
+    seen: dict = {}
+    for t in out:
+        t = t.normalized()
+        seen.setdefault(t.name, t)
+    return list(seen.values())
+
+
+def _pingpong_tactics():
+    """The tactics a "pingpong" run checks and times at M in PINGPONG_MS: every ping-pong
+    tactic of the space after the class's first kernel, and one e5m2/fp16 ping-pong kernel
+    for correctness; the build adds the plan's first choices at those M."""
+    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
+    from cached.families.hopper_fp8.tactics import tactic_space
+
+    out = [T(64, 128).normalized()]
+    out += [t for t in tactic_space(splits=1) if t.pingpong]
+    out += [T(64, 256, 1, 2, "n", out_dtype="float16", ab_dtype="e5m2",
+              pingpong=True).normalized()]
+    return out
+
+
 def _final_plan(top: int):
     """The batch-invariant plan per shape: its class, and the first `top` tactics per M."""
     from cached.families.hopper_fp8.tactics import choose_split, enumerate_tactics
@@ -250,11 +296,13 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
     os.makedirs(os.path.join(out, "obj"), exist_ok=True)
     os.makedirs(os.path.join(out, "kernels"), exist_ok=True)
     plan = _final_plan(top)
-    tactics = {"wide": _wide_tactics, "mid": _mid_tactics, "split": _split_tactics}.get(
+    tactics = {"wide": _wide_tactics, "mid": _mid_tactics, "split": _split_tactics,
+               "pass4": _pass4_tactics, "pingpong": _pingpong_tactics}.get(
         which, lambda: _final_tactics(plan))()
-    if which in ("wide", "mid"):  # the plan's first choices too, so the run shows them
+    if which in ("wide", "mid", "pass4", "pingpong"):  # the plan's first choices too
         names = {t.name for t in tactics}
-        ms = {str(m) for m in (MS if which == "wide" else MID_MS)}
+        ms = {str(m) for m in {"wide": MS, "mid": MID_MS, "pass4": PASS4_MS,
+                               "pingpong": PINGPONG_MS}[which]}
         for t in _final_tactics({k: {"by_m": {m: v[:1] for m, v in p["by_m"].items()
                                               if m in ms}}
                                  for k, p in plan.items()}):
@@ -709,8 +757,8 @@ class Runner:
 def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool,
         budget_s: float, override_ms: list[int] | None = None,
         only_shapes: list[str] | None = None) -> None:
-    """The phases on the bundle; override_ms replaces a "mid" or "split" bundle's M list in
-    perf; only_shapes ("NxK") restricts bi and perf to those shapes."""
+    """The phases on the bundle; override_ms replaces a "mid", "split" or "pass4" bundle's M
+    list in perf; only_shapes ("NxK") restricts bi and perf to those shapes."""
     os.makedirs(out, exist_ok=True)
     r = Runner(bundle, out, fake)
     torch = r.torch
@@ -751,12 +799,13 @@ def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool
                         and not (r.is_cta(x) and m > 1024) and not (
                             r.is_swap(x) and m > 256 and r.meta[x]["tile_m"] != 64)]
             ms = MS
-        elif r.manifest["set"] in ("mid", "split"):
+        elif r.manifest["set"] in ("mid", "split", "pass4", "pingpong"):
             def pick(n, k, m):
                 # the plan's class for (N, K) only
                 s = plan[f"{n}x{k}"]["splits"]
                 return [x for x in plain if r.meta[x]["splits"] == s]
-            ms = override_ms or MID_MS
+            ms = override_ms or {"pass4": PASS4_MS, "pingpong": PINGPONG_MS}.get(
+                r.manifest["set"], MID_MS)
         else:
             def pick(n, k, m):
                 return plan[f"{n}x{k}"]["by_m"][str(m)]
@@ -899,7 +948,8 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
-    b.add_argument("--set", default="final", choices=["wide", "mid", "split", "final"])
+    b.add_argument("--set", default="final",
+                   choices=["wide", "mid", "split", "pass4", "pingpong", "final"])
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--top", type=int, default=3, help="plan choices per M kept (final)")
     b.add_argument("--dry", action="store_true", help="manifest only, no compile")

@@ -44,7 +44,8 @@ def _gm(xs):
 
 def compact(name: str) -> str:
     """'m64n128_c1x1_rm_s1_st8_e4m3_bfloat16_k4c' -> '64x128.m.c.4', with swap_ab
-    ('..._k4c_sw') 'w64x128.m.c.4', with a cluster other than 1x1 a fifth field
+    ('..._k4c_sw') 'w64x128.m.c.4', with wg_n = 2 ('..._wn2') 'n64x80.m.s.1', with a
+    cluster other than 1x1 a fifth field
     ('m128n64_c1x2_...' -> '128x64.m.s.1.c1x2'); cuBLAS rows as is. Only swizzle-1
     bf16/e4m3 kernels with the most stages that fit, which is what wide and mid runs time."""
     if name.startswith("cublas"):
@@ -53,11 +54,16 @@ def compact(name: str) -> str:
     assert t.name == name, (t.name, name)
     mode = "c" if t.split_mode == "cta" else "s"
     cluster = f".c{t.cluster_m}x{t.cluster_n}" if t.cluster_size > 1 else ""
-    return (f"{'w' if t.swap_ab else ''}{t.tile_m}x{t.tile_n}.{t.raster}.{mode}.{t.splits}"
+    lead = "w" if t.swap_ab else ("n" if t.wg_n == 2 else ("p" if t.pingpong else ""))
+    return (f"{lead}{t.tile_m}x{t.tile_n}.{t.raster}.{mode}.{t.splits}"
             f"{cluster}")
 
 
 def _fields(name: str) -> tuple:
+    pp = name.endswith("_pp")
+    name = name.removesuffix("_pp")
+    wg_n = 2 if name.endswith("_wn2") else 1
+    name = name.removesuffix("_wn2")
     swap = name.endswith("_sw")
     parts = name.removesuffix("_sw").split("_")
     tm, tn = parts[0][1:].split("n")
@@ -66,18 +72,21 @@ def _fields(name: str) -> tuple:
     s, mode = 1, "serial"
     if parts[-1].startswith("k"):
         s, mode = int(parts[-1][1:-1]), {"c": "cta", "s": "serial"}[parts[-1][-1]]
-    return (int(tm), int(tn), cm, cn, parts[2][1], 1, 0, "bfloat16", "e4m3", s, mode, swap)
+    return (int(tm), int(tn), cm, cn, parts[2][1], 1, 0, "bfloat16", "e4m3", s, mode, swap,
+            wg_n, pp)
 
 
 def expand(key: str) -> str:
     if key.startswith("cublas"):
         return key
     swap = key.startswith("w")
-    tile, raster, mode, s, *cluster = key.removeprefix("w").split(".")
+    wg_n = 2 if key.startswith("n") else 1
+    pp = key.startswith("p")
+    tile, raster, mode, s, *cluster = key.lstrip("wnp").split(".")
     tm, tn = (int(x) for x in tile.split("x"))
     cm, cn = (int(x) for x in cluster[0][1:].split("x")) if cluster else (1, 1)
     return T.HopperFp8Tactic(tm, tn, cm, cn, raster, 1, 0, "bfloat16", "e4m3", int(s),
-                             {"c": "cta", "s": "serial"}[mode], swap).normalized().name
+                             {"c": "cta", "s": "serial"}[mode], swap, wg_n, pp).normalized().name
 
 
 def load(paths: list[str]):
@@ -122,7 +131,7 @@ def write_csv(by, path: str) -> None:
 
 
 def splits_of(name: str) -> int:
-    tail = name.removesuffix("_sw").rsplit("_", 1)[-1]
+    tail = name.removesuffix("_pp").removesuffix("_wn2").removesuffix("_sw").rsplit("_", 1)[-1]
     return int(tail[1:-1]) if tail.startswith("k") and tail[-1] in "cs" else 1
 
 
@@ -151,7 +160,8 @@ def write_table(by, space, path: str, sources: list[str]) -> None:
              "(runs of bench/gpu/hopper_fp8_check.py on an H200, 132 SMs, 2026-11-30; a later",
              "run's times of a class at an (N, K, M) replace an earlier run's): per (N, K) and",
              "reduction-order class S, per M: (M, tactic key, measured us). A key is",
-             "tactics.recorded_key(t): 'w' for swap_ab, tile, raster, for S > 1 the split mode,",
+             "tactics.recorded_key(t): 'w' for swap_ab, 'n' for wg_n = 2, tile, raster, for",
+             "S > 1 the split mode,",
              "'@CMxCN' for a cluster.",
              '"""', "", "SM_COUNT = 132", "", "WINNERS = {"]
     for (n, k), per in table.items():
@@ -177,7 +187,8 @@ def write_table(by, space, path: str, sources: list[str]) -> None:
 def per_k_tile(by, space, sms: int) -> None:
     """Per tile shape of the S = 1 kernels and M regime (M <= 64, <= 1024, larger): the
     median over the run of (time - LAUNCH_US) / waves / K tiles, the model's
-    US_PER_K_TILE and SWAP_US_PER_K_TILE (printed as Python literals)."""
+    US_PER_K_TILE, SWAP_US_PER_K_TILE, WG_N_US_PER_K_TILE and PINGPONG_US_PER_K_TILE
+    (printed as Python literals)."""
     import statistics
 
     samples: dict = {}
@@ -191,12 +202,16 @@ def per_k_tile(by, space, sms: int) -> None:
                 waves = -(-T.work_units(t, m, n) // sms)
                 kt = -(-k // T.TILE_K)
                 reg = 0 if m <= 64 else (1 if m <= 1024 else 2)
-                samples.setdefault((t.swap_ab, t.tile_m, t.tile_n), {}).setdefault(
+                kind = "swap" if t.swap_ab else ("wg_n" if t.wg_n == 2 else (
+                    "pingpong" if t.pingpong else "plain"))
+                samples.setdefault((kind, t.tile_m, t.tile_n), {}).setdefault(
                     reg, []).append((us - T.LAUNCH_US) / waves / kt)
-    for swap in (False, True):
-        print("SWAP_US_PER_K_TILE = {" if swap else "US_PER_K_TILE = {")
-        for (sw, tm, tn), regs in sorted(samples.items()):
-            if sw != swap:
+    for kind, table in (("plain", "US_PER_K_TILE"), ("swap", "SWAP_US_PER_K_TILE"),
+                        ("wg_n", "WG_N_US_PER_K_TILE"),
+                        ("pingpong", "PINGPONG_US_PER_K_TILE")):
+        print(f"{table} = {{")
+        for (kd, tm, tn), regs in sorted(samples.items()):
+            if kd != kind:
                 continue
             cells = ", ".join(f"{statistics.median(regs[r]):.3f}" if r in regs else "None"
                               for r in range(3))

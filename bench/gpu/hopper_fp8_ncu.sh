@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Nsight Compute on points where the plan's first choice trails cuBLAS (run there, from the
 # bundle, after run_hopper_fp8.sh gpu installed tvm-ffi into /tmp/site):
-#   bash DIR/hopper_fp8_ncu.sh "M,N,K" ... > $OUT/ncu.txt
-# For each point: our plan's first choice (the kernel the client runs) and cuBLAS with
-# fast accumulation, Speed Of Light and memory sections, clocks left alone.
+#   bash DIR/hopper_fp8_ncu.sh "M,N,K[,KERNEL]" ... > $OUT/ncu.txt
+# For each point: our plan's first choice (the kernel the client runs; or KERNEL, a name
+# from the bundle's manifest) and cuBLAS with fast accumulation, Speed Of Light and memory
+# sections, clocks left alone.
 set -uo pipefail
 BUNDLE=$(cd "$(dirname "$0")" && pwd)
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-for mnk in "$@"; do
-  IFS=, read -r m n k <<< "$mnk"
-  name=$(python3 -c "import json; p=json.load(open('$BUNDLE/manifest.json'))['plan']; print(p['${n}x${k}']['by_m']['$m'][0])")
+for point in "$@"; do
+  IFS=, read -r m n k name <<< "$point"
+  mnk="$m,$n,$k"
+  if [[ -z ${name:-} ]]; then
+    name=$(python3 -c "import json; p=json.load(open('$BUNDLE/manifest.json'))['plan']; print(p['${n}x${k}']['by_m']['$m'][0])")
+  fi
   for what in "$name" cublas_fast1; do
     if [[ $what == cublas* ]]; then filt='regex:^(?!.*(cutlass_kernel|elementwise|distribution|fill|copy))'; else filt='regex:cutlass_kernel'; fi
     echo "=== $mnk $what"

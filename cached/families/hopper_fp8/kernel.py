@@ -41,6 +41,13 @@ ones above. The epilogue multiplies by the scale and converts exactly as the TMA
 epilogue does, then stores each element from registers to global memory, guarded by the
 output bounds (at decode sizes C is a few KB, so the scattered stores cost nothing next
 to the weight stream).
+
+Consumer warpgroups along N (tactic.wg_n = 2, tile_m = 64): the tiled MMA's atom layout
+is (1, 2, 1) with a 64 x tile_n/2 wgmma, so warpgroup w reads the whole A stage and the
+B rows [w*tile_n/2, (w+1)*tile_n/2) of each stage, and accumulates its half of the tile
+over the same K tiles, in the same order. Its epilogue scales and converts as the others
+do, writes the whole tile to one row-major shared-memory buffer with plain stores in the
+MMA's register layout, and TMA-stores it in one copy.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from .tactics import (
     epilogue_tile,
     mma_tile,
     num_consumer_warpgroups,
+    register_epilogue,
 )
 
 _AB_DTYPES = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
@@ -86,16 +94,35 @@ class HopperFp8GemmKernel:
         self.raster_along_m = (tactic.raster == "m") != self.swap
         self.stages = tactic.stages
         self.tile_shape_mnk = (*mma_tile(tactic.tile_m, tactic.tile_n, self.swap), TILE_K)
-        self.num_mma_wg = num_consumer_warpgroups(self.tile_shape_mnk[0])
-        self.atom_layout_mnk = (self.num_mma_wg, 1, 1)
+        # consumer warpgroups along N (wg_n = 2): one 64-row wgmma M side, the tile's N
+        # columns in two halves, one per warpgroup; else the warpgroups stack along M
+        self.wg_n = tactic.wg_n
+        # ping-pong (tactic.pingpong): two consumer warpgroups, each with whole 64-row
+        # tiles of its own (the CTA's tiles alternate between them)
+        self.pingpong = tactic.pingpong
+        self.num_mma_wg = tactic.consumer_warpgroups
+        self.atom_layout_mnk = ((1, 2, 1) if self.wg_n == 2 else
+                                (num_consumer_warpgroups(self.tile_shape_mnk[0]), 1, 1))
+        # swap_ab stores C from registers (epilogue_direct); wg_n = 2 stages the whole
+        # tile through shared memory (plain stores in the MMA's register layout) and
+        # TMA-stores it at once
+        self.direct_epi = register_epilogue(self.swap, self.wg_n)
+        self.tile_epi = self.wg_n == 2
         self.threads_per_wg = 128
         self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
         self.threads_per_cta = (1 + self.num_mma_wg) * self.threads_per_wg
         self.producer_warp = 0
         self.epi_store_warp = 4  # first warp of the first consumer warpgroup
-        # swap_ab stores from registers: its C buffer is a never-used 8x64 placeholder
-        self.epi_tile = (8, 64) if self.swap else epilogue_tile(tactic.tile_m, tactic.tile_n)
-        self.epi_stages = EPI_STAGES
+        # a register epilogue's C buffer is a never-used 8x64 placeholder; wg_n = 2 stores
+        # the whole tile from one buffer
+        self.epi_tile = ((8, 64) if self.direct_epi else
+                         (tactic.tile_m, tactic.tile_n) if self.tile_epi else
+                         epilogue_tile(tactic.tile_m, tactic.tile_n))
+        self.epi_stages = 1 if self.tile_epi else EPI_STAGES
+        # C buffers: one ring of epi_stages per warpgroup that stores tiles on its own
+        self.epi_buffers = self.epi_stages * (2 if self.pingpong else 1)
+        # threads that share one output tile (and its epilogue barrier)
+        self.tile_threads = self.threads_per_wg if self.pingpong else self.num_mma_threads
         self.num_mcast_a = self.cluster_shape_mn[1]
         self.num_mcast_b = self.cluster_shape_mn[0]
         self.buffer_align = 1024
@@ -116,7 +143,7 @@ class HopperFp8GemmKernel:
             b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
             self.atom_layout_mnk,
-            tiler_mn=(64, tn),
+            tiler_mn=(64, tn // self.wg_n),
         )
         inst_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])
         assert inst_k * 4 == tk, f"wgmma k {inst_k} x 4 != tile_k {tk}"
@@ -131,8 +158,11 @@ class HopperFp8GemmKernel:
         self.a_smem_staged = staged(a_dtype, a_layout, tm, tk, self.stages)
         self.b_smem_staged = staged(b_dtype, b_layout, tn, tk, self.stages)
         em, en = self.epi_tile
-        self.epi_smem_staged = staged(c_dtype, c_layout, em, en,
-                                      1 if self.swap else self.epi_stages)
+        if self.tile_epi:  # row-major, unswizzled: the TMA store's box is the whole tile
+            self.epi_smem_staged = cute.make_layout((em, en, 1), stride=(en, 1, em * en))
+        else:
+            self.epi_smem_staged = staged(c_dtype, c_layout, em, en,
+                                          1 if self.direct_epi else self.epi_buffers)
 
     @staticmethod
     def _tma_load(tensor, smem_staged, tile, mcast):
@@ -179,8 +209,8 @@ class HopperFp8GemmKernel:
         tm, tn, tk = self.tile_shape_mnk
         tma_a, tA = self._tma_load(opa, self.a_smem_staged, (tm, tk), self.num_mcast_a)
         tma_b, tB = self._tma_load(opb, self.b_smem_staged, (tn, tk), self.num_mcast_b)
-        tma_c, tC = tma_a, c_out  # swap_ab: no TMA store; tma_a stands in, never used
-        if cutlass.const_expr(not self.swap):
+        tma_c, tC = tma_a, c_out  # register epilogue: no TMA store; tma_a stands in, unused
+        if cutlass.const_expr(not self.direct_epi):
             tma_c, tC = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
                 c,
@@ -252,7 +282,7 @@ class HopperFp8GemmKernel:
         cta_layout_mnk: cute.Layout,
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
-        epi_smem_staged: cute.ComposedLayout,
+        epi_smem_staged: cute.ComposedLayout | cute.Layout,
         sched_params: utils.PersistentTileSchedulerParams,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -284,7 +314,8 @@ class HopperFp8GemmKernel:
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, mcast_size * self.num_mma_wg * 4
+                pipeline.Agent.Thread,
+                mcast_size * (1 if self.pingpong else self.num_mma_wg) * 4
             ),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
@@ -294,7 +325,10 @@ class HopperFp8GemmKernel:
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-        sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+        if cutlass.const_expr(self.tile_epi):
+            sC = storage.sC.get_tensor(epi_smem_staged)
+        else:
+            sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
 
         tm, tn, tk = self.tile_shape_mnk
         # (bM, bK, RestM, RestK), (bN, bK, RestN, RestK), (bM, bN, RestM, RestN)
@@ -315,7 +349,7 @@ class HopperFp8GemmKernel:
 
         wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
         mma_wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
-        thr_mma = tiled_mma.get_slice(mma_wg_layout(wg_idx - 1))
+        thr_mma = tiled_mma.get_slice(0 if self.pingpong else mma_wg_layout(wg_idx - 1))
         tCsA = thr_mma.partition_A(sA)
         tCsB = thr_mma.partition_B(sB)
         tCrA = tiled_mma.make_fragment_A(tCsA)
@@ -372,6 +406,13 @@ class HopperFp8GemmKernel:
             release_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.stages
             )
+            if cutlass.const_expr(self.pingpong):
+                # the second warpgroup takes the CTA's odd tiles: skip tile 0 and its
+                # stages (no branch: the scheduler's state must not change inside one)
+                read_state, release_state = self.skip_stages(read_state, release_state,
+                                                             (wg_idx - 1) * k_tiles)
+                sched.advance_to_next_work(advance_count=wg_idx - 1)
+                work = sched.get_current_work()
             # scale, read once on the device; applied once per element after the K loop
             scale = mAScale[0] * mBScale[0]
 
@@ -380,20 +421,26 @@ class HopperFp8GemmKernel:
             acc_sum = acc
             if cutlass.const_expr(self.split_serial):
                 acc_sum = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
-            # epilogue partitions: registers -> smem (stmatrix) -> gmem (TMA); swap_ab
-            # stores from registers (epilogue_direct) and needs none of them
+            # epilogue partitions: registers -> smem (stmatrix) -> gmem (TMA); swap_ab and
+            # wg_n = 2 store from registers (epilogue_direct) and need none of them
             tiled_r2s = tRS_sC = tRS_acc = tRS_rF = tRS_rC = store_pipe = None
-            if cutlass.const_expr(not self.swap):
-                copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
-                    self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
-                )
-                copy_atom_c = cute.make_copy_atom(
-                    cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4),
-                    self.c_dtype,
-                )
-                tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
-                tiled_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
-                thr_r2s = tiled_r2s.get_slice(tidx - self.threads_per_wg)
+            if cutlass.const_expr(not self.direct_epi):
+                if cutlass.const_expr(self.tile_epi):
+                    # plain shared-memory stores in the MMA's register layout
+                    tiled_r2s = cute.make_tiled_copy_C(
+                        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.c_dtype),
+                        tiled_mma)
+                else:
+                    copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
+                        self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
+                    )
+                    copy_atom_c = cute.make_copy_atom(
+                        cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4),
+                        self.c_dtype,
+                    )
+                    tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
+                    tiled_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
+                thr_r2s = tiled_r2s.get_slice((tidx - self.threads_per_wg) % self.tile_threads)
                 tRS_sC = thr_r2s.partition_D(sC)
                 tRS_acc = tiled_r2s.retile(acc_sum)
                 rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
@@ -403,7 +450,7 @@ class HopperFp8GemmKernel:
                 store_pipe = pipeline.PipelineTmaStore.create(
                     num_stages=self.epi_stages,
                     producer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, self.num_mma_threads
+                        pipeline.Agent.Thread, self.tile_threads
                     ),
                 )
 
@@ -425,6 +472,16 @@ class HopperFp8GemmKernel:
                 ws_ok = (mWs.shape[0] >= tiles_m * tiles_n * (self.splits * slot_elems)) and (
                     mCnt.shape[0] >= tiles_m * tiles_n)
 
+            # ping-pong order: a warpgroup starts a main loop only after the other one has
+            # finished its previous one (named barriers 3 and 4, both warpgroups), so no
+            # consumer waits on a stage more than one ring round ahead of the producer
+            order_wait = order_signal = None
+            if cutlass.const_expr(self.pingpong):
+                order_wait = pipeline.NamedBarrier(barrier_id=5 - wg_idx,
+                                                   num_threads=self.num_mma_threads)
+                order_signal = pipeline.NamedBarrier(barrier_id=wg_idx + 2,
+                                                     num_threads=self.num_mma_threads)
+            own_tiles = cutlass.Int32(0)
             while work.is_valid_tile:
                 crd = work.tile_idx
                 gC_t = gC[(None, None, crd[0], crd[1])]
@@ -492,21 +549,41 @@ class HopperFp8GemmKernel:
                                             sched.num_tiles_executed, warp_idx,
                                             mC, gcC, crd, thr_c, acc_sum)
                 else:
+                    if cutlass.const_expr(self.pingpong):
+                        if wg_idx == 2 or own_tiles > 0:
+                            order_wait.arrive_and_wait()
                     read_state, release_state = self.mainloop(
                         ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
                         0, k_tiles, False,
                     )
+                    if cutlass.const_expr(self.pingpong):
+                        order_signal.arrive()
                     self.store_tile(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
                                     store_pipe, scale, sched.num_tiles_executed, warp_idx,
                                     mC, gcC, crd, thr_c, acc_sum)
 
-                sched.advance_to_next_work()
+                own_tiles = own_tiles + 1
+                if cutlass.const_expr(self.pingpong):
+                    # the other warpgroup's next tile: skip its stages
+                    read_state, release_state = self.skip_stages(read_state, release_state,
+                                                                 k_tiles)
+                    sched.advance_to_next_work(advance_count=2)
+                else:
+                    sched.advance_to_next_work()
                 work = sched.get_current_work()
 
-            if cutlass.const_expr(not self.swap):
+            if cutlass.const_expr(not self.direct_epi):
                 store_pipe.producer_tail()
 
     # ---------------------------------------------------------------- device helpers
+    @cute.jit
+    def skip_stages(self, read_state, release_state, n):
+        """Advance both consumer states past n stages (another warpgroup's tile)."""
+        for _i in range(n):
+            read_state.advance()
+            release_state.advance()
+        return read_state, release_state
+
     @cute.jit
     def mainloop(self, ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
                  k_begin, k_end, may_be_empty: cutlass.Constexpr):
@@ -559,7 +636,7 @@ class HopperFp8GemmKernel:
                    store_pipe, scale, tiles_executed, warp_idx, mC, gcC, crd, thr_c, acc):
         """The epilogue of one output tile: through shared memory and TMA, or (swap_ab)
         from registers (thr_c: this thread's slice of the tiled MMA)."""
-        if cutlass.const_expr(self.swap):
+        if cutlass.const_expr(self.direct_epi):
             self.epilogue_direct(mC, gC_t, gcC[(None, None, crd[0], crd[1])], thr_c, acc,
                                  scale)
         else:
@@ -595,18 +672,27 @@ class HopperFp8GemmKernel:
         epi_shape = gC_epi.shape[1]
         epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
         prev_epi = tiles_executed * epi_num
+        epi_bar = self.epi_barrier
+        store_warp = warp_idx == self.epi_store_warp
+        first_buf = 0
+        if cutlass.const_expr(self.pingpong):
+            # this warpgroup's barrier (ids 1, 2), store warp and C buffers
+            cwg = warp_idx // 4 - 1
+            epi_bar = pipeline.NamedBarrier(barrier_id=cwg + 1, num_threads=self.tile_threads)
+            store_warp = warp_idx % 4 == 0
+            first_buf = cwg * self.epi_stages
         for e in cutlass.range_constexpr(epi_num):
             for v in cutlass.range_constexpr(frag_size):
                 tRS_rF[v] = tRS_acc[e * frag_size + v]
             vals = tRS_rF.load() * scale
             tRS_rC.store(vals.to(self.c_dtype))
-            buf = (prev_epi + e) % self.epi_stages
+            buf = first_buf + (prev_epi + e) % self.epi_stages
             cute.copy(tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
             cute.arch.fence_proxy("async.shared", space="cta")
-            self.epi_barrier.arrive_and_wait()
-            if warp_idx == self.epi_store_warp:
+            epi_bar.arrive_and_wait()
+            if store_warp:
                 cute.copy(tma_c, bSG_sC[(None, buf)],
                           bSG_gC[(None, epi_layout.get_hier_coord(e))])
                 store_pipe.producer_commit()
                 store_pipe.producer_acquire()
-            self.epi_barrier.arrive_and_wait()
+            epi_bar.arrive_and_wait()

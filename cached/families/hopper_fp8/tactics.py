@@ -44,6 +44,16 @@ boundary) or ``cta`` (S work units per tile, partials through a caller-provided 
 workspace, reduced in split order by the unit that arrives last; see kernel.py). Checked
 on an H200 by bench/gpu/hopper_fp8_check.py.
 
+Consumer warpgroups along N (``wg_n=2``, tile_m = 64 only): the tile's 64 token rows are
+one wgmma M side, and its N columns are split between two consumer warpgroups, each
+issuing 64 x tile_n/2 wgmma on its half of the weight tile (cuBLAS's decode-band shape: a
+64-row tile over 128 CTAs at M = 128 with two warpgroups issuing, where the one-warpgroup
+64-row tiles left the tensor cores waiting). Each warpgroup walks the same K tiles with
+the same four k32 wgmma per K tile as every other tactic, so an output element is the same
+sum in the same order: a wg_n=2 tactic is in the class of its S. Its epilogue scales in
+fp32 and rounds as every other's, then stages the whole tile in one shared-memory buffer
+and TMA-stores it.
+
 Choosing S: ``choose_split(n, k, sm_count)`` depends on N, K and the device only, never
 on M, so a batch-invariant plan for one (N, K) uses one class for every M.
 """
@@ -79,6 +89,15 @@ SWIZZLED_TILE_N = (64, 128, 192, 256)
 SWAP_TILE_M_CHOICES = (8, 16, 32, 64)
 SWAP_TILE_N_CHOICES = (64, 128)
 SWAP_MAX_STAGES = 16  # small stages: deeper rings keep more weight bytes in flight
+# consumer warpgroups along N (wg_n = 2): tile_m = 64, tile_n split in two halves of
+# tile_n/2 columns (a multiple of 8, the wgmma N step); the epilogue stages the whole tile
+# in one shared-memory buffer; stages capped at SWAP_MAX_STAGES like the swap_ab tiles
+WG_N_CHOICES = (1, 2)
+WG_N_TILE_N = (64, 80, 96, 128, 160, 192, 256)
+# ping-pong (pingpong = True): two consumer warpgroups, each with whole 64 x tile_n tiles
+# of its own, the CTA's tiles alternating between them, so one warpgroup's epilogue runs
+# under the other's main loop (issue 13 item 4); tile_m = 64, S = 1
+PINGPONG_TILE_N = (128, 192, 256)
 CLUSTER_CHOICES = ((1, 1), (2, 1), (1, 2))
 RASTER_CHOICES = ("m", "n")
 SWIZZLE_CHOICES = (1, 2, 4, 8)
@@ -127,6 +146,8 @@ PARAM_KEYS = (
     "splits",
     "split_mode",
     "swap_ab",
+    "wg_n",
+    "pingpong",
 )
 
 
@@ -148,9 +169,15 @@ def epilogue_tile(tile_m: int, tile_n: int) -> tuple[int, int]:
     return rows, min(32 if tile_n % 32 == 0 else 16, tile_n)
 
 
-def acc_regs_per_thread(tile_m: int, tile_n: int, swap_ab: bool = False) -> int:
+def acc_regs_per_thread(tile_m: int, tile_n: int, swap_ab: bool = False, wg_n: int = 1) -> int:
     rows = mma_tile(tile_m, tile_n, swap_ab)[0]
-    return tile_m * tile_n // (num_consumer_warpgroups(rows) * THREADS_PER_WARPGROUP)
+    return tile_m * tile_n // (num_consumer_warpgroups(rows) * wg_n * THREADS_PER_WARPGROUP)
+
+
+def register_epilogue(swap_ab: bool, wg_n: int) -> bool:
+    """Whether the kernel stores C from registers (swap_ab) rather than through shared
+    memory and TMA (wg_n = 2: the whole tile in one buffer, see _epi_bytes)."""
+    return swap_ab
 
 
 def acc_sets(splits: int, split_mode: str) -> int:
@@ -182,51 +209,56 @@ def _stage_bytes(tile_m: int, tile_n: int) -> int:
     return (tile_m + tile_n) * TILE_K
 
 
-def _epi_bytes(tile_m: int, tile_n: int, out_dtype: str, swap_ab: bool = False) -> int:
-    if swap_ab:
+def _epi_bytes(tile_m: int, tile_n: int, out_dtype: str, swap_ab: bool = False,
+               wg_n: int = 1, pingpong: bool = False) -> int:
+    if register_epilogue(swap_ab, wg_n):
         return SWAP_EPI_BYTES
+    if wg_n == 2:  # the whole tile_m x tile_n tile, one buffer
+        raw = tile_m * tile_n * OUT_DTYPE_BYTES[out_dtype]
+        return -(-raw // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
     em, en = epilogue_tile(tile_m, tile_n)
-    raw = em * en * OUT_DTYPE_BYTES[out_dtype] * EPI_STAGES
+    # ping-pong: one ring of C buffers per warpgroup
+    raw = em * en * OUT_DTYPE_BYTES[out_dtype] * EPI_STAGES * (2 if pingpong else 1)
     return -(-raw // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
 
 
 def smem_bytes_for(tile_m: int, tile_n: int, stages: int, out_dtype: str = "bfloat16",
-                   swap_ab: bool = False) -> int:
+                   swap_ab: bool = False, wg_n: int = 1, pingpong: bool = False) -> int:
     """Dynamic shared memory of one CTA: mbarriers + A/B stage buffers + C staging."""
     return (
         STATIC_SMEM_BYTES
         + MBAR_REGION_BYTES
         + stages * _stage_bytes(tile_m, tile_n)
-        + _epi_bytes(tile_m, tile_n, out_dtype, swap_ab)
+        + _epi_bytes(tile_m, tile_n, out_dtype, swap_ab, wg_n, pingpong)
     )
 
 
 def max_stages_for(tile_m: int, tile_n: int, out_dtype: str = "bfloat16",
-                   swap_ab: bool = False) -> int:
+                   swap_ab: bool = False, wg_n: int = 1, pingpong: bool = False) -> int:
     """Most A/B stages that fit the budget (capped at MAX_STAGES, SWAP_MAX_STAGES for
-    swap_ab); may be < 2."""
+    swap_ab and wg_n = 2); may be < 2."""
     fixed = (STATIC_SMEM_BYTES + MBAR_REGION_BYTES
-             + _epi_bytes(tile_m, tile_n, out_dtype, swap_ab))
+             + _epi_bytes(tile_m, tile_n, out_dtype, swap_ab, wg_n, pingpong))
     free = SMEM_CAPACITY_BYTES - fixed
-    cap = SWAP_MAX_STAGES if swap_ab else MAX_STAGES
+    cap = SWAP_MAX_STAGES if swap_ab or wg_n == 2 else MAX_STAGES
     return min(cap, free // _stage_bytes(tile_m, tile_n))
 
 
 def tile_is_feasible(tile_m: int, tile_n: int, out_dtype: str = "bfloat16",
-                     sets: int = 1, swap_ab: bool = False) -> tuple[bool, str]:
+                     sets: int = 1, swap_ab: bool = False, wg_n: int = 1) -> tuple[bool, str]:
     """Whether the tile fits registers (``sets`` accumulator copies) and shared memory."""
-    regs = acc_regs_per_thread(tile_m, tile_n, swap_ab)
+    regs = acc_regs_per_thread(tile_m, tile_n, swap_ab, wg_n)
     if sets * regs > MAX_ACC_REGS_PER_THREAD:
         what = "" if sets == 1 else f" x {sets} (a serial split keeps a running sum)"
         return False, (
             f"tile {tile_m}x{tile_n} needs {regs}{what} fp32 "
             f"accumulator registers per consumer thread "
-            f"({num_consumer_warpgroups(mma_tile(tile_m, tile_n, swap_ab)[0])} consumer "
+            f"({num_consumer_warpgroups(mma_tile(tile_m, tile_n, swap_ab)[0]) * wg_n} consumer "
             f"warpgroup(s)); the limit is "
             f"{MAX_ACC_REGS_PER_THREAD} (consumer budget {CONSUMER_MAX_REGS} regs/thread). "
             f"Use a smaller tile, tile_m=128, or split_mode 'cta'."
         )
-    if max_stages_for(tile_m, tile_n, out_dtype, swap_ab) < MIN_STAGES:
+    if max_stages_for(tile_m, tile_n, out_dtype, swap_ab, wg_n) < MIN_STAGES:
         return False, (
             f"tile {tile_m}x{tile_n} does not fit {MIN_STAGES} pipeline stages in "
             f"{SMEM_CAPACITY_BYTES} B of shared memory"
@@ -254,6 +286,8 @@ class HopperFp8Tactic:
       swap_ab          False, or True for the decode tiles: weight rows on the wgmma M
                        side, tokens on its N side (module doc); tile_m in
                        SWAP_TILE_M_CHOICES, tile_n in SWAP_TILE_N_CHOICES, cluster 1x1.
+      wg_n             consumer warpgroups along N: 1, or 2 for tile_m = 64 with the
+                       tile's N split between two warpgroups (module doc); not with swap_ab.
     """
 
     tile_m: int = 128
@@ -268,6 +302,8 @@ class HopperFp8Tactic:
     splits: int = 1
     split_mode: str = "serial"
     swap_ab: bool = False
+    wg_n: int = 1
+    pingpong: bool = False
 
     # -- derived facts -------------------------------------------------------------
     @property
@@ -280,7 +316,10 @@ class HopperFp8Tactic:
 
     @property
     def consumer_warpgroups(self) -> int:
-        return num_consumer_warpgroups(mma_tile(self.tile_m, self.tile_n, self.swap_ab)[0])
+        if self.pingpong:
+            return 2
+        return (num_consumer_warpgroups(mma_tile(self.tile_m, self.tile_n, self.swap_ab)[0])
+                * self.wg_n)
 
     @property
     def threads_per_cta(self) -> int:
@@ -303,7 +342,8 @@ class HopperFp8Tactic:
         return (
             f"m{self.tile_m}n{self.tile_n}_c{self.cluster_m}x{self.cluster_n}"
             f"_r{self.raster}_s{self.swizzle}_st{self.stages}_{self.ab_dtype}_{self.out_dtype}"
-            f"{split}{'_sw' if self.swap_ab else ''}"
+            f"{split}{'_sw' if self.swap_ab else ''}{'_wn2' if self.wg_n == 2 else ''}"
+            f"{'_pp' if self.pingpong else ''}"
         )
 
     # -- validation / encoding -------------------------------------------------------
@@ -314,7 +354,7 @@ class HopperFp8Tactic:
                   else (TILE_M_CHOICES, TILE_N_CHOICES))
         if t.stages == 0 and t.tile_m in ms and t.tile_n in ns and t.out_dtype in OUT_DTYPES:
             t = dataclasses.replace(t, stages=max_stages_for(t.tile_m, t.tile_n, t.out_dtype,
-                                                             t.swap_ab))
+                                                             t.swap_ab, t.wg_n, t.pingpong))
         t.validate()
         return t
 
@@ -323,7 +363,8 @@ class HopperFp8Tactic:
         def bad(msg: str) -> None:
             raise ValueError(f"invalid {FAMILY} tactic {self.to_params()}: {msg}")
 
-        for f in ("tile_m", "tile_n", "cluster_m", "cluster_n", "swizzle", "stages", "splits"):
+        for f in ("tile_m", "tile_n", "cluster_m", "cluster_n", "swizzle", "stages", "splits",
+                  "wg_n"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool):
                 bad(f"{f} must be an int, got {type(v).__name__}")
@@ -343,6 +384,17 @@ class HopperFp8Tactic:
                 bad(f"tile_m must be one of {TILE_M_CHOICES}")
             if self.tile_n not in TILE_N_CHOICES:
                 bad(f"tile_n must be one of {TILE_N_CHOICES}")
+        if self.wg_n not in WG_N_CHOICES:
+            bad(f"wg_n must be one of {WG_N_CHOICES}")
+        if self.wg_n == 2 and (self.swap_ab or self.tile_m != 64):
+            bad("wg_n=2 (two consumer warpgroups along N) needs tile_m=64 and swap_ab=false")
+        if self.wg_n == 2 and self.split_mode == "cta" and self.splits > 1:
+            bad("wg_n=2 takes split_mode 'serial' only")
+        if not isinstance(self.pingpong, bool):
+            bad(f"pingpong must be true or false, got {type(self.pingpong).__name__}")
+        if self.pingpong and (self.tile_m != 64 or self.swap_ab or self.wg_n != 1
+                              or self.splits != 1):
+            bad("pingpong needs tile_m=64, splits=1, wg_n=1 and swap_ab=false")
         if (self.cluster_m, self.cluster_n) not in CLUSTER_CHOICES:
             bad(f"(cluster_m, cluster_n) must be one of {CLUSTER_CHOICES}")
         if self.raster not in RASTER_CHOICES:
@@ -362,13 +414,15 @@ class HopperFp8Tactic:
         if self.split_mode == "cta" and self.cluster_size != 1:
             bad("split_mode 'cta' needs cluster_m = cluster_n = 1")
         ok, why = tile_is_feasible(self.tile_m, self.tile_n, self.out_dtype,
-                                   acc_sets(self.splits, self.split_mode), self.swap_ab)
+                                   acc_sets(self.splits, self.split_mode), self.swap_ab,
+                                   self.wg_n)
         if not ok:
             bad(why)
-        top = max_stages_for(self.tile_m, self.tile_n, self.out_dtype, self.swap_ab)
+        top = max_stages_for(self.tile_m, self.tile_n, self.out_dtype, self.swap_ab, self.wg_n,
+                             self.pingpong)
         if not (MIN_STAGES <= self.stages <= top):
             used = smem_bytes_for(self.tile_m, self.tile_n, self.stages, self.out_dtype,
-                                  self.swap_ab)
+                                  self.swap_ab, self.wg_n, self.pingpong)
             bad(
                 f"stages must be in [{MIN_STAGES}, {top}] for tile {self.tile_m}x{self.tile_n} "
                 f"({used} B of "
@@ -398,7 +452,8 @@ def tactic_from_params(params: Mapping[str, Any]) -> HopperFp8Tactic:
 
 
 def smem_bytes(t: HopperFp8Tactic) -> int:
-    return smem_bytes_for(t.tile_m, t.tile_n, t.stages, t.out_dtype, t.swap_ab)
+    return smem_bytes_for(t.tile_m, t.tile_n, t.stages, t.out_dtype, t.swap_ab, t.wg_n,
+                          t.pingpong)
 
 
 # --------------------------------------------------------------------------------------
@@ -453,6 +508,30 @@ SWAP_US_PER_K_TILE = {
     (64, 128): (0.270, 0.307, 0.317),
 }
 
+# wg_n = 2 tiles (64 x tile_n, two consumer warpgroups along N) -> the same three regimes:
+# the same median over the H200 pass4 run (14 (N, K) x M = 64..2048, the plan's class;
+# docs/results/h200_hopper_fp8_pass4.log, printed by bench/gpu/hopper_fp8_fit.py
+# --per-k-tile over that run's JSON)
+WG_N_US_PER_K_TILE = {
+    (64, 64): (0.210, 0.198, 0.201),
+    (64, 80): (0.210, 0.221, 0.213),
+    (64, 96): (0.223, 0.243, 0.228),
+    (64, 128): (0.267, 0.306, 0.272),
+    (64, 160): (0.291, 0.351, 0.293),
+    (64, 192): (0.322, 0.377, 0.344),
+    (64, 256): (0.430, 0.463, 0.460),
+}
+
+# ping-pong tiles (64 x tile_n per consumer warpgroup) -> the same three regimes: the same
+# median over the H200 pingpong run (14 (N, K) x M = 1024..8192, the plan's class;
+# docs/results/h200_hopper_fp8_pass4_pingpong.log, hopper_fp8_fit.py --per-k-tile over its
+# JSON); not timed at M <= 64: 1.0 us ranks them behind every measured tile there
+PINGPONG_US_PER_K_TILE = {
+    (64, 128): (1.0, 0.287, 0.273),
+    (64, 192): (1.0, 0.337, 0.344),
+    (64, 256): (1.0, 0.414, 0.421),
+}
+
 # Fitted on the same run (bench/gpu/hopper_fp8_fit.py): the constants that rank each
 # class's measured tactics best (geometric mean of first choice / best 1.035 over 588
 # (shape, M, class) points before the recorded winners below).
@@ -468,8 +547,11 @@ def _regime(m: int) -> int:
     return 0 if m <= 64 else (1 if m <= 1024 else 2)
 
 
-def _per_k_tile_us(tile_m: int, tile_n: int, m: int, swap_ab: bool = False) -> float:
-    per = (SWAP_US_PER_K_TILE if swap_ab else US_PER_K_TILE).get((tile_m, tile_n))
+def _per_k_tile_us(tile_m: int, tile_n: int, m: int, swap_ab: bool = False,
+                   wg_n: int = 1, pingpong: bool = False) -> float:
+    table = (SWAP_US_PER_K_TILE if swap_ab else WG_N_US_PER_K_TILE if wg_n == 2
+             else PINGPONG_US_PER_K_TILE if pingpong else US_PER_K_TILE)
+    per = table.get((tile_m, tile_n))
     if per is None:  # a tile shape not measured: scale from operand bytes per K tile
         return 0.0032 * (tile_m + tile_n) * max(1.0, tile_m * tile_n / 16384)
     return per[_regime(m)]
@@ -504,7 +586,7 @@ def model_parts(t: HopperFp8Tactic, m: int, n: int, k: int,
     units = work_units(t, m, n)
     waves = -(-units // slots)
     kt = -(-k // TILE_K)
-    per = _per_k_tile_us(t.tile_m, t.tile_n, m, t.swap_ab)
+    per = _per_k_tile_us(t.tile_m, t.tile_n, m, t.swap_ab, t.wg_n, t.pingpong)
     partial_bytes = 0
     if t.split_mode == "cta" and t.splits > 1:
         if waves > 1:  # 'cta' exists to fill one wave; past that 'serial' has the same
@@ -552,6 +634,9 @@ SPLIT_SERIAL_TILES = ((64, 64, "m"), (64, 128, "m"), (64, 192, "m"), (128, 64, "
 # serial splits with a cluster (raster m): the tiles whose 1x2 or 2x1 cluster won an S = 2
 # point of the H200 split run (2112x7168, M = 512..8192, up to 11 % over cluster 1x1)
 SPLIT_SERIAL_CLUSTER_TILES = ((128, 64), (128, 96), (128, 160), (128, 192))
+# wg_n = 2 serial splits (tile 64 x tile_n, clusters 1x1 and 2x1): for the S = 2 class at
+# M = 128..512, where 64 x 64 fills the 132 SMs on N = 2112
+SPLIT_SERIAL_WG_N_TILE_N = (64, 96, 128, 160)
 # swap_ab tiles (tokens x weight rows), in every class: S = 1, and both split modes for S > 1
 SWAP_TILES = tuple((tm, tn) for tn in SWAP_TILE_N_CHOICES for tm in SWAP_TILE_M_CHOICES)
 
@@ -582,6 +667,12 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
                                 out.append(HopperFp8Tactic(tm, tn, cm, cn, raster, swz, stages,
                                                            out_dtype, ab_dtype))
             out += _swap_tactics(sp, "serial", out_dtype, ab_dtype)
+            out += _wg_n_tactics(out_dtype, ab_dtype)
+            out += [HopperFp8Tactic(64, tn, cm, cn, r, 1,
+                                    max_stages_for(64, tn, out_dtype, pingpong=True),
+                                    out_dtype, ab_dtype, pingpong=True)
+                    for tn in PINGPONG_TILE_N for cm, cn in CLUSTER_CHOICES
+                    for r in RASTER_CHOICES]
             continue
         for tm, tn in SPLIT_CTA_TILES:
             out.append(HopperFp8Tactic(tm, tn, 1, 1, "m", 1, max_stages_for(tm, tn, out_dtype),
@@ -595,9 +686,20 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
                 out.append(HopperFp8Tactic(tm, tn, cm, cn, "m", 1,
                                            max_stages_for(tm, tn, out_dtype), out_dtype,
                                            ab_dtype, sp, "serial"))
+        for tn in SPLIT_SERIAL_WG_N_TILE_N:
+            for cm in (1, 2):
+                out.append(HopperFp8Tactic(64, tn, cm, 1, "m", 1,
+                                           max_stages_for(64, tn, out_dtype, wg_n=2),
+                                           out_dtype, ab_dtype, sp, "serial", wg_n=2))
         out += _swap_tactics(sp, "cta", out_dtype, ab_dtype)
         out += _swap_tactics(sp, "serial", out_dtype, ab_dtype)
     return out
+
+
+def _wg_n_tactics(out_dtype: str, ab_dtype: str) -> list[HopperFp8Tactic]:
+    return [HopperFp8Tactic(64, tn, cm, cn, "m", 1, max_stages_for(64, tn, out_dtype, wg_n=2),
+                            out_dtype, ab_dtype, wg_n=2)
+            for tn in WG_N_TILE_N for cm, cn in CLUSTER_CHOICES]
 
 
 def _swap_tactics(splits: int, mode: str, out_dtype: str, ab_dtype: str
@@ -619,24 +721,28 @@ def _check_problem(m: int, n: int, k: int, out_dtype: str, ab_dtype: str) -> Non
 
 
 def recorded_key(t: HopperFp8Tactic) -> str:
-    """Short name of a swizzle-1 tactic in a recorded table: 'w' first for swap_ab, then
-    the tile, the raster, 'c' or 's' for the split mode of S > 1, and '@CMxCN' for a
-    cluster other than 1x1, e.g. '64x128mc', 'w8x128mc', '128x64m@1x2'."""
+    """Short name of a swizzle-1 tactic in a recorded table: 'w' first for swap_ab, 'n'
+    for wg_n = 2, then the tile, the raster, 'c' or 's' for the split mode of S > 1, and
+    '@CMxCN' for a cluster other than 1x1, e.g. '64x128mc', 'w8x128mc', '128x64m@1x2',
+    'n64x80m@2x1'."""
     mode = t.split_mode[0] if t.splits > 1 else ""
     cluster = f"@{t.cluster_m}x{t.cluster_n}" if t.cluster_size > 1 else ""
-    return f"{'w' if t.swap_ab else ''}{t.tile_m}x{t.tile_n}{t.raster}{mode}{cluster}"
+    lead = "w" if t.swap_ab else ("n" if t.wg_n == 2 else ("p" if t.pingpong else ""))
+    return f"{lead}{t.tile_m}x{t.tile_n}{t.raster}{mode}{cluster}"
 
 
 def _from_key(key: str, splits: int, out_dtype: str, ab_dtype: str) -> HopperFp8Tactic:
     swap = key.startswith("w")
-    key = key[1:] if swap else key
+    wg_n = 2 if key.startswith("n") else 1
+    pp = key.startswith("p")
+    key = key[1:] if swap or wg_n == 2 or pp else key
     key, _, cluster = key.partition("@")
     cm, cn = (int(x) for x in cluster.split("x")) if cluster else (1, 1)
     tile, rest = key[:-1 if splits == 1 else -2], key[-1 if splits == 1 else -2:]
     tm, tn = (int(x) for x in tile.split("x"))
     mode = {"c": "cta", "s": "serial"}[rest[1]] if splits > 1 else "serial"
     return HopperFp8Tactic(tm, tn, cm, cn, rest[0], 1, 0, out_dtype, ab_dtype, splits,
-                           mode, swap).normalized()
+                           mode, swap, wg_n, pp).normalized()
 
 
 def _load_recorded() -> dict:
