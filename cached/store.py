@@ -526,7 +526,7 @@ class Store:
         Hashes blobs: call it off the event loop (:attr:`readers`). Never waits on the
         index."""
         row = self._rows.get(key)
-        if row is None or self._hit(key, row) is None:
+        if row is None or not self._count_hit(key, row):
             return None
         return self._verified(row)
 
@@ -543,17 +543,17 @@ class Store:
             blobs = [(row[f"{kind}_sha256"], suffix) for kind, suffix in SUFFIXES.items()]
         if not all(self.unchanged(sha, suffix) for sha, suffix in blobs):
             return None
-        return self._hit(key, row)
+        return self._entry(row) if self._count_hit(key, row) else None
 
-    def _hit(self, key: str, row: dict) -> Entry | None:
-        """Count a hit on ``row`` and return its entry (None if it went meanwhile)."""
+    def _count_hit(self, key: str, row: dict) -> bool:
+        """Count a hit on ``row``; False if it was evicted or dropped since it was read."""
         with self._lock:
-            if self._rows.get(key) is not row:  # evicted or dropped since it was read
-                return None
+            if self._rows.get(key) is not row:
+                return False
             row["hits"] += 1
             row["last_used"] = time.time()
             self._touched.add(key)
-        return self._entry(row)
+        return True
 
     def blob_problem(self, row: Mapping[str, Any]) -> str | None:
         """Why the row's blobs cannot be served (removing what is certainly not a blob at
