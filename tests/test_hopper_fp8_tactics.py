@@ -635,22 +635,30 @@ def _split_variants() -> list:
             and t.cluster_size == 1 and t.wg_n == 1]
 
 
-def test_split_tactics_compile_for_sm90a_through_the_daemon(daemon):
-    """The split-K variants (see _split_variants), compiled by the daemon's workers."""
+def _compile_through_daemon(daemon, variants: list) -> set[str]:
+    """Compile ``variants`` (tactics of the family's space) with the daemon's workers for
+    sm_90a: each served with a real artifact; returns the stored kernel names."""
     from cached_client.keys import KernelRequest
 
+    space = {t.name for t in T.tactic_space("float16", "e5m2") + T.tactic_space()}
+    assert all(t.name in space for t in variants)
     client = daemon.client()
     requests = [KernelRequest(family="cached.hopper_fp8", params=t.to_params(), arch="sm_90a",
-                              sm_count=132, max_active_clusters=132)
-                for t in _split_variants() if not t.swap_ab]
-    assert len(requests) == 56
+                              sm_count=132, max_active_clusters=132 // t.cluster_size)
+                for t in variants]
     client.prefetch(requests)
     for r in requests:
         art = client.get(r, timeout=900)
         path = art.library_path or art.object_path
         assert path and os.path.getsize(path) > 1000
-    entries = client.list()
-    names = {e["kernel_name"] for e in entries}
+    return {e["kernel_name"] for e in client.list()}
+
+
+def test_split_tactics_compile_for_sm90a_through_the_daemon(daemon):
+    """The split-K variants (see _split_variants), compiled by the daemon's workers."""
+    variants = [t for t in _split_variants() if not t.swap_ab]
+    assert len(variants) == 56
+    names = _compile_through_daemon(daemon, variants)
     assert len(names) == 56 and all("_k" in nm for nm in names)
 
 
@@ -676,25 +684,9 @@ def _new_width_variants() -> list:
 def test_new_tile_widths_compile_for_sm90a_through_the_daemon(daemon):
     """The sample of the new N widths (see _new_width_variants), compiled by the daemon's
     workers; every one is in the family's space and in the class of its S."""
-    from cached_client.keys import KernelRequest
-
     variants = _new_width_variants()
-    space = {t.name for t in T.tactic_space("float16", "e5m2") + T.tactic_space()}
-    assert all(t.name in space for t in variants)
     assert {t.tile_n for t in variants} == {80, 96, 112, 160}
-    client = daemon.client()
-    requests = [KernelRequest(family="cached.hopper_fp8", params=t.to_params(), arch="sm_90a",
-                              sm_count=132, max_active_clusters=132 // t.cluster_size)
-                for t in variants]
-    client.prefetch(requests)
-    for r in requests:
-        art = client.get(r, timeout=900)
-        path = art.library_path or art.object_path
-        assert path and os.path.getsize(path) > 1000
-    names = {e["kernel_name"] for e in client.list()}
-    assert len(names) == len(variants)
-
-
+    assert len(_compile_through_daemon(daemon, variants)) == len(variants)
 def _swap_variants() -> list:
     """swap_ab tactics, one per distinct code path: S = 1 and both split modes, one and
     two consumer warpgroups (64 or 128 weight rows), every token tile (the wgmma N: 8,
@@ -713,24 +705,10 @@ def _swap_variants() -> list:
 
 def test_swap_tactics_compile_for_sm90a_through_the_daemon(daemon):
     """The swap_ab variants (see _swap_variants), compiled by the daemon's workers."""
-    from cached_client.keys import KernelRequest
-
     variants = _swap_variants()
-    space = {t.name for t in T.tactic_space("float16", "e5m2") + T.tactic_space()}
-    assert all(t.name in space for t in variants)
-    client = daemon.client()
-    requests = [KernelRequest(family="cached.hopper_fp8", params=t.to_params(), arch="sm_90a",
-                              sm_count=132, max_active_clusters=132) for t in variants]
-    client.prefetch(requests)
-    for r in requests:
-        art = client.get(r, timeout=900)
-        path = art.library_path or art.object_path
-        assert path and os.path.getsize(path) > 1000
-    names = {e["kernel_name"] for e in client.list()}
+    names = _compile_through_daemon(daemon, variants)
     assert len(names) == len(variants) and all(nm.split("_mac")[0].endswith("_sw")
                                                for nm in names)
-
-
 def _wg_n_variants() -> list:
     """wg_n=2 tactics (two consumer warpgroups along N), one per distinct code path:
     the narrowest and widest halves (wgmma N 32 and 128), a 16-column-odd half (80 -> 40),
@@ -751,25 +729,10 @@ def test_wg_n_tactics_compile_for_sm90a_through_the_daemon(daemon):
     """The wg_n=2 variants (see _wg_n_variants), compiled by the daemon's workers; every
     one is in the family's space (its class checked bitwise on an H200:
     docs/benchmarks.md, fourth pass)."""
-    from cached_client.keys import KernelRequest
-
     variants = _wg_n_variants()
-    space = {t.name for t in T.tactic_space("float16", "e5m2") + T.tactic_space()}
-    assert all(t.name in space for t in variants)
-    client = daemon.client()
-    requests = [KernelRequest(family="cached.hopper_fp8", params=t.to_params(), arch="sm_90a",
-                              sm_count=132, max_active_clusters=132 // t.cluster_size)
-                for t in variants]
-    client.prefetch(requests)
-    for r in requests:
-        art = client.get(r, timeout=900)
-        path = art.library_path or art.object_path
-        assert path and os.path.getsize(path) > 1000
-    names = {e["kernel_name"] for e in client.list()}
+    names = _compile_through_daemon(daemon, variants)
     assert len(names) == len(variants) and all(nm.split("_mac")[0].endswith("_wn2")
                                                for nm in names)
-
-
 def _pingpong_variants() -> list:
     """Ping-pong tactics, one per distinct code path: each width (wgmma N 128, 192, 256),
     both clusters, raster n, and e5m2/fp16."""
@@ -785,20 +748,7 @@ def _pingpong_variants() -> list:
 def test_pingpong_tactics_compile_for_sm90a_through_the_daemon(daemon):
     """The ping-pong variants (see _pingpong_variants), compiled by the daemon's workers
     (their class checked bitwise on an H200: docs/benchmarks.md, fourth pass)."""
-    from cached_client.keys import KernelRequest
-
     variants = _pingpong_variants()
-    space = {t.name for t in T.tactic_space("float16", "e5m2") + T.tactic_space()}
-    assert all(t.name in space for t in variants)
-    client = daemon.client()
-    requests = [KernelRequest(family="cached.hopper_fp8", params=t.to_params(), arch="sm_90a",
-                              sm_count=132, max_active_clusters=132 // t.cluster_size)
-                for t in variants]
-    client.prefetch(requests)
-    for r in requests:
-        art = client.get(r, timeout=900)
-        path = art.library_path or art.object_path
-        assert path and os.path.getsize(path) > 1000
-    names = {e["kernel_name"] for e in client.list()}
+    names = _compile_through_daemon(daemon, variants)
     assert len(names) == len(variants) and all(nm.split("_mac")[0].endswith("_pp")
                                                for nm in names)
