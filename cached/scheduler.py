@@ -522,19 +522,17 @@ def _plan_here(family: Family, payload: dict) -> list[dict]:
 
 
 def _resolve_key(request: KernelRequest, identity: p.Identity | None) -> tuple | None:
-    """What decides a resolution, with types kept apart (JSON: ``true`` is not ``1``, which
-    KernelRequest's own equality does not tell apart); None for params JSON cannot hold."""
+    """What decides a resolution, with types kept apart (params as canonical JSON: ``true``
+    is not ``1``, which KernelRequest's own equality does not tell apart); None for params
+    JSON cannot hold."""
     try:
-        params = _SORTED_JSON(dict(request.params))
+        params = request.params_json
     except (TypeError, ValueError):
         return None
     return (request.family, request.arch, request.sm_count, request.max_active_clusters,
             params, None if identity is None else (  # checked: str keys, str or None values
                 identity.toolchain, tuple(sorted(identity.sources.items())),
                 tuple(sorted(identity.runtime.items()))))
-
-
-_SORTED_JSON = json.JSONEncoder(sort_keys=True).encode
 
 
 def _describe(request: KernelRequest) -> str:

@@ -159,8 +159,13 @@ def _mid_tactics():
     out += [T(128, 80, out_dtype="float16", ab_dtype="e5m2"),
             T(64, 112, 1, 2, "n", 2, 0, "float16", "e5m2"),
             T(128, 160, out_dtype="float16", ab_dtype="e5m2", splits=2, split_mode="serial")]
+    return _unique(out)
+
+
+def _unique(tactics: list) -> list:
+    """``tactics`` normalized, each name once (the first kept), in order."""
     seen: dict = {}
-    for t in out:
+    for t in tactics:
         t = t.normalized()
         seen.setdefault(t.name, t)
     return list(seen.values())
@@ -197,11 +202,7 @@ def _pass4_tactics():
     out += [T(64, tn, 2, 1) for tn in (64, 80, 96, 128)]
     out += [T(64, 80, out_dtype="float16", ab_dtype="e5m2", wg_n=2),
             T(64, 128, 2, 1, out_dtype="float16", ab_dtype="e5m2", splits=2, wg_n=2)]
-    seen: dict = {}
-    for t in out:
-        t = t.normalized()
-        seen.setdefault(t.name, t)
-    return list(seen.values())
+    return _unique(out)
 
 
 def _pingpong_tactics():

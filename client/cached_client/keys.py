@@ -28,7 +28,10 @@ MAX_SM_COUNT = 1024
 
 def canonical_json(value: Any) -> str:
     """Deterministic JSON: sorted keys, no spaces, tuples as lists."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return _CANONICAL(value)
+
+
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode
 
 
 def _freeze(value: Any) -> Any:
@@ -70,15 +73,22 @@ class KernelRequest:
             raise InvalidArgument("request.params must be an object")
         object.__setattr__(self, "_frozen", _freeze(self.params))
 
+    @property
+    def params_json(self) -> str:
+        """``params`` as canonical JSON, which tells apart what Python equality does not
+        (``1`` and ``true``); computed once (params are not changed after construction).
+        TypeError/ValueError for params JSON cannot hold."""
+        text = self.__dict__.get("_params_json")
+        if text is None:
+            text = canonical_json(dict(self.params))
+            object.__setattr__(self, "_params_json", text)
+        return text
+
     def to_wire(self) -> dict:
         """A fresh dict each call (callers may change it); params in canonical JSON form."""
-        params_json = self.__dict__.get("_params_json")
-        if params_json is None:  # computed once: params are not changed after construction
-            params_json = canonical_json(dict(self.params))
-            object.__setattr__(self, "_params_json", params_json)
         return {
             "family": self.family,
-            "params": json.loads(params_json),
+            "params": json.loads(self.params_json),
             "arch": self.arch,
             "sm_count": self.sm_count,
             "max_active_clusters": self.max_active_clusters,
