@@ -48,6 +48,15 @@ B rows [w*tile_n/2, (w+1)*tile_n/2) of each stage, and accumulates its half of t
 over the same K tiles, in the same order. Its epilogue scales and converts as the others
 do, writes the whole tile to one row-major shared-memory buffer with plain stores in the
 MMA's register layout, and TMA-stores it in one copy.
+
+Ping-pong (tactic.pingpong, S = 1): two consumer warpgroups, each owning whole tiles (the
+CTA's persistent tiles alternate between them, each skipping the other's tiles and their
+stages), so one warpgroup's epilogue runs while the other's main loop issues wgmma. The
+tiled MMA is one warpgroup's m64 atom (atom layout (1, 1, 1)); a 128-row tile repeats it
+twice along M (tile_n accumulator registers per thread). Named barriers 3 and 4 order
+the main loops (a warpgroup starts one only after the other finished its previous one);
+each warpgroup has its own epilogue barrier (1, 2), store warp and ring of 64-row C
+buffers. The K walk is every tactic's.
 """
 
 from __future__ import annotations
@@ -97,12 +106,13 @@ class HopperFp8GemmKernel:
         # consumer warpgroups along N (wg_n = 2): one 64-row wgmma M side, the tile's N
         # columns in two halves, one per warpgroup; else the warpgroups stack along M
         self.wg_n = tactic.wg_n
-        # ping-pong (tactic.pingpong): two consumer warpgroups, each with whole 64-row
-        # tiles of its own (the CTA's tiles alternate between them)
+        # ping-pong (tactic.pingpong): two consumer warpgroups, each with whole tiles of
+        # its own (the CTA's tiles alternate between them); the tiled MMA is one
+        # warpgroup's m64 atom, repeated along M for a 128-row tile
         self.pingpong = tactic.pingpong
         self.num_mma_wg = tactic.consumer_warpgroups
-        self.atom_layout_mnk = ((1, 2, 1) if self.wg_n == 2 else
-                                (num_consumer_warpgroups(self.tile_shape_mnk[0]), 1, 1))
+        self.atom_layout_mnk = ((1, 2, 1) if self.wg_n == 2 else (1, 1, 1) if self.pingpong
+                                else (num_consumer_warpgroups(self.tile_shape_mnk[0]), 1, 1))
         # swap_ab stores C from registers (epilogue_direct); wg_n = 2 stages the whole
         # tile through shared memory (plain stores in the MMA's register layout) and
         # TMA-stores it at once
@@ -117,7 +127,7 @@ class HopperFp8GemmKernel:
         # the whole tile from one buffer
         self.epi_tile = ((8, 64) if self.direct_epi else
                          (tactic.tile_m, tactic.tile_n) if self.tile_epi else
-                         epilogue_tile(tactic.tile_m, tactic.tile_n))
+                         epilogue_tile(tactic.tile_m, tactic.tile_n, tactic.pingpong))
         self.epi_stages = 1 if self.tile_epi else EPI_STAGES
         # C buffers: one ring of epi_stages per warpgroup that stores tiles on its own
         self.epi_buffers = self.epi_stages * (2 if self.pingpong else 1)
