@@ -73,29 +73,34 @@ def test_enumeration_size_and_budget():
 
 def test_split_space():
     """S > 1: 'cta' on six decode tiles, 'serial' on twelve tiles that fit two
-    accumulators and on four of them with clusters 1x2 and 2x1, 'serial' on four wg_n=2
-    tiles with clusters 1x1 and 2x1, both modes on the eight swap_ab tiles; 583 tactics
-    over the five classes (36 ping-pong ones in S = 1)."""
+    accumulators and on four of them with clusters 1x2 and 2x1 and both rasters, 'serial'
+    on four wg_n=2 tiles with clusters 1x1 and 2x1, 'serial' ping-pong on 64 x (128, 192)
+    with clusters 1x1 and 2x1 and both rasters, both modes on the eight swap_ab tiles; 665
+    tactics over the five classes (36 ping-pong ones in S = 1, 8 per S > 1)."""
     for s in T.SPLIT_CHOICES[1:]:
         ts = T.tactic_space(splits=s)
         cta = [t for t in ts if t.split_mode == "cta" and not t.swap_ab]
         serial = [t for t in ts if t.split_mode == "serial" and not t.swap_ab
                   and t.wg_n == 1]
         wgn = [t for t in ts if t.wg_n == 2]
-        assert len(cta) == 6 and len(serial) == 20 and len(wgn) == 8
+        pp = [t for t in serial if t.pingpong]
+        assert len(cta) == 6 and len(serial) == 36 and len(wgn) == 8 and len(pp) == 8
         assert all(t.split_mode == "serial" and t.tile_m == 64 for t in wgn)
-        assert len([t for t in serial if t.cluster_size == 2]) == 8
+        assert {(t.tile_m, t.tile_n) for t in pp} == set(T.PINGPONG_SPLIT_TILES)
+        assert len([t for t in serial if t.cluster_size == 2 and not t.pingpong]) == 16
+        assert {t.raster for t in serial if t.cluster_size == 2} == {"m", "n"}
         for mode in T.SPLIT_MODES:
             assert len([t for t in ts if t.swap_ab and t.split_mode == mode]) == 8
         assert all(t.splits == s for t in ts)
         assert all(t.cluster_size == 1 for t in ts if t.split_mode == "cta" or t.swap_ab)
         for t in serial:
-            assert 2 * T.acc_regs_per_thread(t.tile_m, t.tile_n) <= T.MAX_ACC_REGS_PER_THREAD
+            assert 2 * T.acc_regs_per_thread(t.tile_m, t.tile_n, pingpong=t.pingpong) \
+                <= T.MAX_ACC_REGS_PER_THREAD
         for t in ts:
             t.validate()
     space = T.tactic_space()
-    assert len(space) == 601 == len({t.name for t in space})
-    assert len(enumerate_tactics(4096, 4096, 4096)) == 601
+    assert len(space) == 665 == len({t.name for t in space})
+    assert len(enumerate_tactics(4096, 4096, 4096)) == 665
 
 
 def test_reduction_order_constants():
@@ -285,7 +290,7 @@ def test_pingpong_tactics():
     (S = 1; tile_m 64, or 128 = two m64 atoms per warpgroup): the class of S = 1, the whole
     tile's accumulator in one warpgroup's registers, 64-row epilogue sub-tiles, a C buffer
     ring per warpgroup, recorded key 'p...'."""
-    space = [t for t in T.tactic_space() if t.pingpong]
+    space = [t for t in T.tactic_space(splits=1) if t.pingpong]
     assert len(space) == 36
     assert {(t.tile_m, t.tile_n) for t in space} == set(T.PINGPONG_TILES) == {
         (64, 128), (64, 192), (64, 256), (128, 128), (128, 160), (128, 192)}
@@ -371,7 +376,11 @@ def test_stages_default_to_most_that_fit():
          "pingpong needs tile_m in (64, 128)"),
         ({"tile_m": 128, "tile_n": 96, "pingpong": True}, "needs tile_n >= 128"),
         ({"tile_m": 128, "tile_n": 256, "pingpong": True}, "256 fp32 accumulator registers"),
-        ({"tile_m": 64, "tile_n": 128, "pingpong": True, "splits": 2}, "pingpong needs"),
+        ({"tile_m": 64, "tile_n": 128, "pingpong": True, "splits": 2, "split_mode": "cta"},
+         "pingpong takes split_mode 'serial' only"),
+        ({"tile_m": 64, "tile_n": 256, "pingpong": True, "splits": 2},
+         "serial split keeps a running sum"),
+        ({"tile_m": 64, "tile_n": 128, "pingpong": True, "swap_ab": True}, "pingpong needs"),
         ({"tile_m": 64, "tile_n": 128, "pingpong": 1}, "pingpong must be true or false"),
     ],
 )
@@ -435,7 +444,7 @@ def test_plan_reduction_class_option_and_default():
 
     fam = HopperFp8()
     every = fam.plan((16, 4096, 4096), "sm_90a", 132, {})
-    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 601
+    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 665
     for cid in T.REDUCTION_CLASSES:
         reqs = fam.plan((16, 4096, 4096), "sm_90a", 132, {"reduction_class": cid})
         assert {_class(r) for r in reqs} == {cid}
@@ -764,13 +773,17 @@ def _pingpong_variants() -> list:
 
 def _pingpong_128_variants() -> list:
     """128-row ping-pong tactics (two m64 atoms per warpgroup), one per distinct code path:
-    each width (wgmma N 128, 160, 192), both clusters, raster n, and e5m2/fp16."""
+    each width (wgmma N 128, 160, 192), both clusters, raster n, and e5m2/fp16; and the
+    serial-split ping-pong tactics (S = 2 and 4)."""
     H = HopperFp8Tactic
     return [t.normalized() for t in (
         H(128, 128, pingpong=True),
         H(128, 160, 2, 1, pingpong=True),
         H(128, 192, 1, 2, "n", pingpong=True),
         H(128, 192, 1, 1, "m", 1, 0, "float16", "e5m2", pingpong=True),
+        # serial splits: the ranges inside one ordered main-loop turn, two accumulators
+        H(64, 192, 2, 1, "n", splits=2, pingpong=True),
+        H(64, 128, 1, 1, "m", 1, 0, "float16", "e5m2", splits=4, pingpong=True),
     )]
 
 

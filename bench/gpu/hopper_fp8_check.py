@@ -236,6 +236,22 @@ def _pp128_tactics():
     return out
 
 
+def _split5_tactics():
+    """The tactics a "split5" run (fifth pass) checks and times at M in PP128_MS: every
+    unswapped S = 2 tactic of the space (the class of 2112x7168, the only shape whose plan
+    splits; new: serial splits with clusters and raster n, serial-split ping-pong), after
+    the class's first kernel, and one e5m2/fp16 split ping-pong kernel for correctness; the
+    build adds the plan's first choices at those M."""
+    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
+    from cached.families.hopper_fp8.tactics import tactic_space
+
+    out = [T(64, 128, splits=2, split_mode="cta").normalized()]
+    out += [t for t in tactic_space(splits=2) if not t.swap_ab]
+    out += [T(64, 192, 2, 1, "n", out_dtype="float16", ab_dtype="e5m2", splits=2,
+              pingpong=True).normalized()]
+    return _unique(out)
+
+
 def _final_plan(top: int):
     """The batch-invariant plan per shape: its class, and the first `top` tactics per M."""
     from cached.families.hopper_fp8.tactics import choose_split, enumerate_tactics
@@ -337,7 +353,8 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
     plan = _final_plan(top)
     tactics = {"wide": _wide_tactics, "mid": _mid_tactics, "split": _split_tactics,
                "pass4": _pass4_tactics, "pingpong": _pingpong_tactics,
-               "pp128": _pp128_tactics}.get(which, lambda: _final_tactics(plan))()
+               "pp128": _pp128_tactics, "split5": _split5_tactics}.get(
+        which, lambda: _final_tactics(plan))()
     plan_alt = None
     if alt_winners:  # final: the other plan's first choices too, timed beside the plan's
         from cached.families.hopper_fp8.tactics import tactic_space
@@ -351,10 +368,11 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
                     if nm not in have:
                         tactics.append(by_name[nm])
                         have.add(nm)
-    if which in ("wide", "mid", "pass4", "pingpong", "pp128"):  # the plan's first choices
+    if which in ("wide", "mid", "pass4", "pingpong", "pp128", "split5"):  # + first choices
         names = {t.name for t in tactics}
         ms = {str(m) for m in {"wide": MS, "mid": MID_MS, "pass4": PASS4_MS,
-                               "pingpong": PINGPONG_MS, "pp128": PP128_MS}[which]}
+                               "pingpong": PINGPONG_MS, "pp128": PP128_MS,
+                               "split5": PP128_MS}[which]}
         for t in _final_tactics({k: {"by_m": {m: v[:1] for m, v in p["by_m"].items()
                                               if m in ms}}
                                  for k, p in plan.items()}):
@@ -881,13 +899,13 @@ def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool
                         and not (r.is_cta(x) and m > 1024) and not (
                             r.is_swap(x) and m > 256 and r.meta[x]["tile_m"] != 64)]
             ms = MS
-        elif r.manifest["set"] in ("mid", "split", "pass4", "pingpong", "pp128"):
+        elif r.manifest["set"] in ("mid", "split", "pass4", "pingpong", "pp128", "split5"):
             def pick(n, k, m):
                 # the plan's class for (N, K) only
                 s = plan[f"{n}x{k}"]["splits"]
                 return [x for x in plain if r.meta[x]["splits"] == s]
             ms = override_ms or {"pass4": PASS4_MS, "pingpong": PINGPONG_MS,
-                                 "pp128": PP128_MS}.get(
+                                 "pp128": PP128_MS, "split5": PP128_MS}.get(
                 r.manifest["set"], MID_MS)
         else:
             alt = r.manifest.get("plan_alt") or {}
@@ -1127,7 +1145,8 @@ def main():
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
     b.add_argument("--set", default="final",
-                   choices=["wide", "mid", "split", "pass4", "pingpong", "pp128", "final"])
+                   choices=["wide", "mid", "split", "pass4", "pingpong", "pp128", "split5",
+                            "final"])
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--top", type=int, default=3, help="plan choices per M kept (final)")
     b.add_argument("--alt-winners", default=None,

@@ -49,14 +49,16 @@ over the same K tiles, in the same order. Its epilogue scales and converts as th
 do, writes the whole tile to one row-major shared-memory buffer with plain stores in the
 MMA's register layout, and TMA-stores it in one copy.
 
-Ping-pong (tactic.pingpong, S = 1): two consumer warpgroups, each owning whole tiles (the
-CTA's persistent tiles alternate between them, each skipping the other's tiles and their
-stages), so one warpgroup's epilogue runs while the other's main loop issues wgmma. The
-tiled MMA is one warpgroup's m64 atom (atom layout (1, 1, 1)); a 128-row tile repeats it
-twice along M (tile_n accumulator registers per thread). Named barriers 3 and 4 order
-the main loops (a warpgroup starts one only after the other finished its previous one);
-each warpgroup has its own epilogue barrier (1, 2), store warp and ring of 64-row C
-buffers. The K walk is every tactic's.
+Ping-pong (tactic.pingpong; S = 1, or a serial split): two consumer warpgroups, each
+owning whole tiles (the CTA's persistent tiles alternate between them, each skipping the
+other's tiles and their stages), so one warpgroup's epilogue runs while the other's main
+loop issues wgmma. The tiled MMA is one warpgroup's m64 atom (atom layout (1, 1, 1)); a
+128-row tile repeats it twice along M (tile_n accumulator registers per thread). Named
+barriers 3 and 4 order the main loops (a warpgroup starts one only after the other
+finished its previous one); each warpgroup has its own epilogue barrier (1, 2), store
+warp and ring of 64-row C buffers. The K walk is every tactic's; a serial split walks
+all S ranges of its tile inside one ordered main-loop turn (the ranges' stages sum to
+the tile's K tiles, which the other warpgroup skips).
 """
 
 from __future__ import annotations
@@ -498,6 +500,9 @@ class HopperFp8GemmKernel:
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
 
                 if cutlass.const_expr(self.split_serial):
+                    if cutlass.const_expr(self.pingpong):
+                        if wg_idx == 2 or own_tiles > 0:
+                            order_wait.arrive_and_wait()
                     acc_sum.fill(0.0)
                     for seg in range(self.splits):
                         read_state, release_state = self.mainloop(
@@ -507,6 +512,8 @@ class HopperFp8GemmKernel:
                         )
                         for v in cutlass.range_constexpr(frag):
                             acc_sum[v] = acc_sum[v] + acc[v]
+                    if cutlass.const_expr(self.pingpong):
+                        order_signal.arrive()
                     self.store_tile(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
                                     store_pipe, scale, sched.num_tiles_executed, warp_idx,
                                     mC, gcC, crd, thr_c, acc_sum)

@@ -96,14 +96,16 @@ WG_N_CHOICES = (1, 2)
 WG_N_TILE_N = (64, 80, 96, 128, 160, 192, 256)
 # ping-pong (pingpong = True): two consumer warpgroups, each with whole tile_m x tile_n
 # tiles of its own, the CTA's tiles alternating between them, so one warpgroup's epilogue
-# runs under the other's main loop (issue 13 item 4); S = 1. tile_m = 64 (one m64 wgmma
-# atom) or 128 (two m64 atoms along M per warpgroup: tile_n accumulator registers per
-# thread, so tile_n <= MAX_ACC_REGS_PER_THREAD)
+# runs under the other's main loop (issue 13 item 4). tile_m = 64 (one m64 wgmma atom) or
+# 128 (two m64 atoms along M per warpgroup: tile_n accumulator registers per thread, so
+# tile_n <= MAX_ACC_REGS_PER_THREAD). S > 1: split_mode 'serial' only, on the tiles whose
+# two accumulators fit (PINGPONG_SPLIT_TILES)
 PINGPONG_TILE_M = (64, 128)
 PINGPONG_TILE_N = (128, 192, 256)
 PINGPONG_128_TILE_N = (128, 160, 192)
 PINGPONG_TILES = (tuple((64, tn) for tn in PINGPONG_TILE_N)
                   + tuple((128, tn) for tn in PINGPONG_128_TILE_N))
+PINGPONG_SPLIT_TILES = ((64, 128), (64, 192))
 CLUSTER_CHOICES = ((1, 1), (2, 1), (1, 2))
 RASTER_CHOICES = ("m", "n")
 SWIZZLE_CHOICES = (1, 2, 4, 8)
@@ -405,9 +407,10 @@ class HopperFp8Tactic:
         if not isinstance(self.pingpong, bool):
             bad(f"pingpong must be true or false, got {type(self.pingpong).__name__}")
         if self.pingpong and (self.tile_m not in PINGPONG_TILE_M or self.swap_ab
-                              or self.wg_n != 1 or self.splits != 1):
-            bad(f"pingpong needs tile_m in {PINGPONG_TILE_M}, splits=1, wg_n=1 and "
-                f"swap_ab=false")
+                              or self.wg_n != 1):
+            bad(f"pingpong needs tile_m in {PINGPONG_TILE_M}, wg_n=1 and swap_ab=false")
+        if self.pingpong and self.splits > 1 and self.split_mode != "serial":
+            bad("pingpong takes split_mode 'serial' only")
         if self.pingpong and self.tile_m == 128 and self.tile_n < 128:
             bad("pingpong with tile_m=128 needs tile_n >= 128 (each warpgroup owns a whole "
                 "128-row tile)")
@@ -655,6 +658,10 @@ SPLIT_SERIAL_TILES = ((64, 64, "m"), (64, 128, "m"), (64, 192, "m"), (128, 64, "
 # serial splits with a cluster (raster m): the tiles whose 1x2 or 2x1 cluster won an S = 2
 # point of the H200 split run (2112x7168, M = 512..8192, up to 11 % over cluster 1x1)
 SPLIT_SERIAL_CLUSTER_TILES = ((128, 64), (128, 96), (128, 160), (128, 192))
+# ... and with raster n (fifth pass): at M = 8192 on 2112x7168 the raster-m 128x96 split
+# streamed A (58 MB, near the L2's size) from DRAM once per two N tiles (ncu: 68 % DRAM,
+# 44 % L2 hits, against cuBLAS's 21 %); walking N first keeps the 15 MB weight in L2
+SPLIT_SERIAL_CLUSTER_RASTERS = ("m", "n")
 # wg_n = 2 serial splits (tile 64 x tile_n, clusters 1x1 and 2x1): for the S = 2 class at
 # M = 128..512, where 64 x 64 fills the 132 SMs on N = 2112
 SPLIT_SERIAL_WG_N_TILE_N = (64, 96, 128, 160)
@@ -666,13 +673,15 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
                  splits: int | None = None) -> list[HopperFp8Tactic]:
     """Every tactic the family plans, for one split count S or (None) for all of them.
 
-    S = 1: every feasible tile x cluster x raster x swizzle of the widths SWIZZLED_TILE_N
-    (11 tiles, 264), the same with swizzle 1 for the widths 80, 96, 112, 160 (12 tiles,
-    72), and the 8 swap_ab tiles (344). S > 1: split_mode 'cta' on SPLIT_CTA_TILES and
-    'serial' on SPLIT_SERIAL_TILES, cluster 1x1, swizzle 1 (18 per S: clusters and
-    swizzles lost at small M in the S = 1 measurements), 'serial' on
-    SPLIT_SERIAL_CLUSTER_TILES with clusters 1x2 and 2x1 (8 per S), and both modes on the 8
-    swap_ab tiles (42 per S; 512 in all).
+    S = 1 (401): every feasible tile x cluster x raster x swizzle of the widths
+    SWIZZLED_TILE_N (11 tiles, 264), the same with swizzle 1 for the widths 80, 96, 112,
+    160 (12 tiles, 72), the 8 swap_ab tiles, the wg_n = 2 tiles (21) and the ping-pong
+    tiles PINGPONG_TILES x cluster x raster (36). S > 1 (66 per S): split_mode 'cta' on
+    SPLIT_CTA_TILES and 'serial' on SPLIT_SERIAL_TILES, cluster 1x1, swizzle 1 (18:
+    clusters and swizzles lost at small M in the S = 1 measurements), 'serial' on
+    SPLIT_SERIAL_CLUSTER_TILES with clusters 1x2 and 2x1 and both rasters (16), on the
+    wg_n = 2 tiles (8), 'serial' ping-pong on PINGPONG_SPLIT_TILES with clusters 1x1 and
+    2x1 and both rasters (8), and both modes on the 8 swap_ab tiles (16); 665 in all.
     """
     out: list[HopperFp8Tactic] = []
     for sp in SPLIT_CHOICES if splits is None else (splits,):
@@ -703,10 +712,15 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
                                        max_stages_for(tm, tn, out_dtype), out_dtype, ab_dtype,
                                        sp, "serial"))
         for tm, tn in SPLIT_SERIAL_CLUSTER_TILES:
-            for cm, cn in ((1, 2), (2, 1)):
-                out.append(HopperFp8Tactic(tm, tn, cm, cn, "m", 1,
-                                           max_stages_for(tm, tn, out_dtype), out_dtype,
-                                           ab_dtype, sp, "serial"))
+            for raster in SPLIT_SERIAL_CLUSTER_RASTERS:
+                for cm, cn in ((1, 2), (2, 1)):
+                    out.append(HopperFp8Tactic(tm, tn, cm, cn, raster, 1,
+                                               max_stages_for(tm, tn, out_dtype), out_dtype,
+                                               ab_dtype, sp, "serial"))
+        out += [HopperFp8Tactic(tm, tn, cm, 1, r, 1,
+                                max_stages_for(tm, tn, out_dtype, pingpong=True),
+                                out_dtype, ab_dtype, sp, "serial", pingpong=True)
+                for tm, tn in PINGPONG_SPLIT_TILES for cm in (1, 2) for r in RASTER_CHOICES]
         for tn in SPLIT_SERIAL_WG_N_TILE_N:
             for cm in (1, 2):
                 out.append(HopperFp8Tactic(64, tn, cm, 1, "m", 1,
