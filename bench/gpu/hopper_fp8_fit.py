@@ -102,10 +102,19 @@ def load(paths: list[str]):
         if path.endswith(".csv"):
             with open(path) as f:
                 next(f)
+                gone = set()
                 for line in f:
                     m, n, k, key, us = line.strip().split(",")
-                    one.setdefault((int(n), int(k)), {}).setdefault(int(m), {})[
-                        expand(key)] = float(us)
+                    try:
+                        name = expand(key)
+                    except ValueError:  # a tactic the space no longer has (e.g. 128x176)
+                        gone.add(key)
+                        continue
+                    one.setdefault((int(n), int(k)), {}).setdefault(int(m), {})[name] = \
+                        float(us)
+                if gone:
+                    print(f"{os.path.basename(path)}: skipped {len(gone)} tactics no longer "
+                          f"in the space", file=sys.stderr)
         else:
             with open(path) as f:
                 res = json.load(f)
