@@ -2,7 +2,7 @@
 """Hopper FP8 GEMM family: build a bundle here, check and time it on an H200 there.
 
   build (here, with the venv; CUTE_DSL_ARCH=sm_90a):
-      python bench/gpu/hopper_fp8_check.py build --out DIR --set wide|mid|final
+      python bench/gpu/hopper_fp8_check.py build --out DIR --set wide|mid|...|final
     compiles the chosen tactics to .o, links each into a .so, copies this script, the
     client package (for the launcher), the DSL runtime and the tvm-ffi wheel into DIR
     and writes DIR/manifest.json (kernels, shapes, and the plan's choices: the
@@ -20,9 +20,15 @@
       fitted to), "mid" the new N widths and cluster variants beside the old tiles of the
       plan's class at M in MID_MS (or --ms), "pass4" the wg_n=2 tiles (two consumer
       warpgroups along N) beside the plan's earlier first choices at M in PASS4_MS (or
-      --ms), "final" the plan's first choice (what a
-      client runs) and the next ones in its class, at every M, against torch._scaled_mm.
+      --ms), "pingpong" / "pp128" the ping-pong tiles (64 / 128 rows) at M in PINGPONG_MS
+      / PP128_MS, "split5" every unswapped S = 2 tactic at PP128_MS, "final" the plan's
+      first choice (what a client runs) and the next ones in its class (build --top), and
+      with build --alt-winners another recorded table's first choices too, at every M,
+      against torch._scaled_mm. run --rounds R times every implementation of a point in
+      R interleaved rounds; ratios are then the median of the per-round ratios.
     Short tables are printed last; everything goes to $OUT/hopper_fp8.json.
+  summarize JSON MANIFEST [--markdown [--alt]]: the tables again; --markdown the final
+    run's three tables (us, ratio fast, ratio exact) and the counts by M band.
   run --fake: the same driver on the CPU with an emulation of the kernels' arithmetic
     (a dry run of this script; no timing meaning).
 """

@@ -302,6 +302,10 @@ class HopperFp8Tactic:
                        SWAP_TILE_M_CHOICES, tile_n in SWAP_TILE_N_CHOICES, cluster 1x1.
       wg_n             consumer warpgroups along N: 1, or 2 for tile_m = 64 with the
                        tile's N split between two warpgroups (module doc); not with swap_ab.
+      pingpong         False, or True: two consumer warpgroups that each own whole tiles
+                       (tile_m 64 or 128), the CTA's tiles alternating between them
+                       (PINGPONG_TILES; S > 1 with split_mode 'serial' on
+                       PINGPONG_SPLIT_TILES); not with swap_ab or wg_n = 2.
     """
 
     tile_m: int = 128
