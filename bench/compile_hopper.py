@@ -2,16 +2,18 @@
 sm_90a through a fresh daemon, and report counts and time. `make test` compiles one tactic
 per (tile, cluster) of the S = 1 class for the widths 64/128/192/256, every unswapped split
 tactic of those widths without a cluster, one swap_ab tactic per code path and a sample of
-the third pass's tactics and of the fourth pass's wg_n=2 and ping-pong tactics; this is the
-whole space (583 tactics, the 72 swap_ab ones included).
+the third pass's tactics, of the fourth pass's wg_n=2 and ping-pong tactics and of the
+fifth pass's 128-row and serial-split ping-pong tactics; this is the whole space (665
+tactics, the 72 swap_ab ones included).
 
     .venv/bin/python bench/compile_hopper.py [--workers N] [--swap-only | --new-only |
         --wg-n-only | --pingpong-only] [--out-dtype float16 --ab-dtype e5m2]
 
---swap-only compiles the 72 swap_ab tactics alone; --new-only the 120 tactics the third
-pass added: the widths 80, 96, 112, 160 (72 of S = 1, 16 serial splits) and the serial
-splits with a cluster (32); --wg-n-only the 53 wg_n=2 tactics of the fourth pass (21 of
-S = 1, 8 serial splits per S > 1); --pingpong-only the 18 ping-pong tactics (S = 1).
+--swap-only compiles the 72 swap_ab tactics alone; --new-only the 152 tactics of the widths
+80, 96, 112, 160 (72 of S = 1, 16 serial splits) and the serial splits with a cluster (64,
+both rasters); --wg-n-only the 53 wg_n=2 tactics of the fourth pass (21 of S = 1, 8
+serial splits per S > 1); --pingpong-only the 68 ping-pong tactics (36 of S = 1, 8 serial
+splits per S > 1).
 --out-dtype / --ab-dtype plan with other dtypes.
 """
 

@@ -36,9 +36,9 @@ def test_enumeration_size_and_budget():
     every = enumerate_tactics(4096, 4096, 4096, splits=1)
     # 11 feasible tiles of the widths 64/128/192/256 (256x256 dropped) x 3 clusters x 2
     # rasters x 4 swizzles, 12 tiles of the widths 80/96/112/160 x 3 clusters x 2 rasters
-    # (swizzle 1), the 8 swap_ab tiles, 7 wg_n=2 widths x 3 clusters and 3 ping-pong widths
-    # x 3 clusters x 2 rasters
-    assert len(every) == 383 and len({t.name for t in every}) == 383
+    # (swizzle 1), the 8 swap_ab tiles, 7 wg_n=2 widths x 3 clusters and 6 ping-pong tiles
+    # (64 x 3 widths, 128 x 3 widths) x 3 clusters x 2 rasters
+    assert len(every) == 401 and len({t.name for t in every}) == 401
     swapped = [t for t in every if t.swap_ab]
     assert {(t.tile_m, t.tile_n) for t in swapped} == {
         (tm, tn) for tm in (8, 16, 32, 64) for tn in (64, 128)}
@@ -73,29 +73,34 @@ def test_enumeration_size_and_budget():
 
 def test_split_space():
     """S > 1: 'cta' on six decode tiles, 'serial' on twelve tiles that fit two
-    accumulators and on four of them with clusters 1x2 and 2x1, 'serial' on four wg_n=2
-    tiles with clusters 1x1 and 2x1, both modes on the eight swap_ab tiles; 583 tactics
-    over the five classes (18 ping-pong ones in S = 1)."""
+    accumulators and on four of them with clusters 1x2 and 2x1 and both rasters, 'serial'
+    on four wg_n=2 tiles with clusters 1x1 and 2x1, 'serial' ping-pong on 64 x (128, 192)
+    with clusters 1x1 and 2x1 and both rasters, both modes on the eight swap_ab tiles; 665
+    tactics over the five classes (36 ping-pong ones in S = 1, 8 per S > 1)."""
     for s in T.SPLIT_CHOICES[1:]:
         ts = T.tactic_space(splits=s)
         cta = [t for t in ts if t.split_mode == "cta" and not t.swap_ab]
         serial = [t for t in ts if t.split_mode == "serial" and not t.swap_ab
                   and t.wg_n == 1]
         wgn = [t for t in ts if t.wg_n == 2]
-        assert len(cta) == 6 and len(serial) == 20 and len(wgn) == 8
+        pp = [t for t in serial if t.pingpong]
+        assert len(cta) == 6 and len(serial) == 36 and len(wgn) == 8 and len(pp) == 8
         assert all(t.split_mode == "serial" and t.tile_m == 64 for t in wgn)
-        assert len([t for t in serial if t.cluster_size == 2]) == 8
+        assert {(t.tile_m, t.tile_n) for t in pp} == set(T.PINGPONG_SPLIT_TILES)
+        assert len([t for t in serial if t.cluster_size == 2 and not t.pingpong]) == 16
+        assert {t.raster for t in serial if t.cluster_size == 2} == {"m", "n"}
         for mode in T.SPLIT_MODES:
             assert len([t for t in ts if t.swap_ab and t.split_mode == mode]) == 8
         assert all(t.splits == s for t in ts)
         assert all(t.cluster_size == 1 for t in ts if t.split_mode == "cta" or t.swap_ab)
         for t in serial:
-            assert 2 * T.acc_regs_per_thread(t.tile_m, t.tile_n) <= T.MAX_ACC_REGS_PER_THREAD
+            assert 2 * T.acc_regs_per_thread(t.tile_m, t.tile_n, pingpong=t.pingpong) \
+                <= T.MAX_ACC_REGS_PER_THREAD
         for t in ts:
             t.validate()
     space = T.tactic_space()
-    assert len(space) == 583 == len({t.name for t in space})
-    assert len(enumerate_tactics(4096, 4096, 4096)) == 583
+    assert len(space) == 665 == len({t.name for t in space})
+    assert len(enumerate_tactics(4096, 4096, 4096)) == 665
 
 
 def test_reduction_order_constants():
@@ -281,23 +286,37 @@ def test_consumer_warpgroups_along_n():
 
 
 def test_pingpong_tactics():
-    """pingpong: two consumer warpgroups with whole 64 x tile_n tiles of their own (S = 1):
-    the class of S = 1, the registers of one 64-row warpgroup, a C buffer ring per
-    warpgroup, recorded key 'p...'."""
-    space = [t for t in T.tactic_space() if t.pingpong]
-    assert len(space) == 18 and {t.tile_n for t in space} == set(T.PINGPONG_TILE_N)
+    """pingpong: two consumer warpgroups with whole tile_m x tile_n tiles of their own
+    (S = 1; tile_m 64, or 128 = two m64 atoms per warpgroup): the class of S = 1, the whole
+    tile's accumulator in one warpgroup's registers, 64-row epilogue sub-tiles, a C buffer
+    ring per warpgroup, recorded key 'p...'."""
+    space = [t for t in T.tactic_space(splits=1) if t.pingpong]
+    assert len(space) == 36
+    assert {(t.tile_m, t.tile_n) for t in space} == set(T.PINGPONG_TILES) == {
+        (64, 128), (64, 192), (64, 256), (128, 128), (128, 160), (128, 192)}
     for t in space:
         one = dataclasses.replace(t, pingpong=False, stages=0).normalized()
-        assert t.tile_m == 64 and t.splits == 1 and t.consumer_warpgroups == 2
-        assert t.threads_per_cta == 384 and one.consumer_warpgroups == 1
-        assert t.reduction_class == "k128.acc1.s1.fixed" and t.name.endswith("_pp")
-        em, en = T.epilogue_tile(64, t.tile_n)
-        assert T.smem_bytes(t) == T.smem_bytes_for(64, t.tile_n, t.stages) + -(
-            -em * en * 2 * T.EPI_STAGES // 1024) * 1024
+        assert t.splits == 1 and t.consumer_warpgroups == 2 and t.threads_per_cta == 384
+        assert one.consumer_warpgroups == (1 if t.tile_m == 64 else 2)
+        assert t.reduction_class == one.reduction_class == "k128.acc1.s1.fixed"
+        assert t.reduction_order == one.reduction_order and t.name.endswith("_pp")
+        # one warpgroup holds the whole tile: twice the registers of the cooperative
+        # 128-row tile, within the budget
+        regs = T.acc_regs_per_thread(t.tile_m, t.tile_n, pingpong=True)
+        assert regs == t.tile_m * t.tile_n // 128 <= T.MAX_ACC_REGS_PER_THREAD
+        assert T.epilogue_tile(t.tile_m, t.tile_n, True) == (64, 32)
+        assert T.smem_bytes(t) == 2 * 1024 + t.stages * (t.tile_m + t.tile_n) * 128 + (
+            64 * 32 * 2 * T.EPI_STAGES * 2)
         assert T.smem_bytes(t) <= T.SMEM_CAPACITY_BYTES
+        assert T.smem_bytes_for(t.tile_m, t.tile_n, t.stages + 1,
+                                pingpong=True) > T.SMEM_CAPACITY_BYTES or t.stages == 8
         assert T._from_key(T.recorded_key(t), 1, "bfloat16", "e4m3") == t
-        assert T.recorded_key(t).startswith("p64x")
+        assert T.recorded_key(t).startswith(f"p{t.tile_m}x")
         assert tactic_from_params(t.to_params()) == t
+    assert [t.stages for t in space if t.tile_m == 128 and t.cluster_size == 1
+            and t.raster == "m"] == [6, 5, 5]
+    assert T.acc_regs_per_thread(128, 192) == 96  # cooperative: two warpgroups share it
+    assert not T.tile_is_feasible(128, 256, pingpong=True)[0]
     assert tactic_from_params({"tile_m": 64, "tile_n": 128}).pingpong is False
 
 
@@ -353,8 +372,15 @@ def test_stages_default_to_most_that_fit():
         ({"tile_m": 8, "tile_n": 64, "swap_ab": True, "wg_n": 2}, "swap_ab=false"),
         ({"tile_m": 64, "tile_n": 128, "wg_n": 2, "splits": 2, "split_mode": "cta"},
          "wg_n=2 takes split_mode 'serial' only"),
-        ({"tile_m": 128, "tile_n": 128, "pingpong": True}, "pingpong needs tile_m=64"),
-        ({"tile_m": 64, "tile_n": 128, "pingpong": True, "splits": 2}, "pingpong needs"),
+        ({"tile_m": 256, "tile_n": 128, "pingpong": True},
+         "pingpong needs tile_m in (64, 128)"),
+        ({"tile_m": 128, "tile_n": 96, "pingpong": True}, "needs tile_n >= 128"),
+        ({"tile_m": 128, "tile_n": 256, "pingpong": True}, "256 fp32 accumulator registers"),
+        ({"tile_m": 64, "tile_n": 128, "pingpong": True, "splits": 2, "split_mode": "cta"},
+         "pingpong takes split_mode 'serial' only"),
+        ({"tile_m": 64, "tile_n": 256, "pingpong": True, "splits": 2},
+         "serial split keeps a running sum"),
+        ({"tile_m": 64, "tile_n": 128, "pingpong": True, "swap_ab": True}, "pingpong needs"),
         ({"tile_m": 64, "tile_n": 128, "pingpong": 1}, "pingpong must be true or false"),
     ],
 )
@@ -418,7 +444,7 @@ def test_plan_reduction_class_option_and_default():
 
     fam = HopperFp8()
     every = fam.plan((16, 4096, 4096), "sm_90a", 132, {})
-    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 583
+    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 665
     for cid in T.REDUCTION_CLASSES:
         reqs = fam.plan((16, 4096, 4096), "sm_90a", 132, {"reduction_class": cid})
         assert {_class(r) for r in reqs} == {cid}
@@ -596,7 +622,7 @@ def test_every_tile_and_cluster_compiles_for_sm90a_through_the_daemon(daemon):
     client = daemon.client()
     requests = client.plan("cached.hopper_fp8", (4096, 4096, 4096), "sm_90a",
                            options={"reduction_class": class_id})
-    assert len(requests) == 383 and {r.max_active_clusters for r in requests} == {132, 66}
+    assert len(requests) == 401 and {r.max_active_clusters for r in requests} == {132, 66}
     # the swap_ab, wg_n=2 and ping-pong tactics: their own tests below
     requests = [r for r in requests if not r.params["swap_ab"] and r.params["wg_n"] == 1
                 and not r.params["pingpong"]]
@@ -622,7 +648,8 @@ def test_every_tile_and_cluster_compiles_for_sm90a_through_the_daemon(daemon):
 
 
 def _split_variants() -> list:
-    """The split tactics compiled by the test below: all 56 (14 per S > 1).
+    """The split tactics compiled by the test below: all 56 (14 per S > 1; the ping-pong
+    splits: _pingpong_128_variants).
 
     Every field of a tactic is a compile-time constant, so every tactic is its own object
     code. What decides a different code path (the thing a compile can break on) is the
@@ -632,7 +659,7 @@ def _split_variants() -> list:
     to compile whole.
     """
     return [t for t in T.tactic_space() if t.splits > 1 and t.tile_n in OLD_TILE_N
-            and t.cluster_size == 1 and t.wg_n == 1]
+            and t.cluster_size == 1 and t.wg_n == 1 and not t.pingpong]
 
 
 def _compile_through_daemon(daemon, variants: list) -> set[str]:
@@ -743,6 +770,32 @@ def _pingpong_variants() -> list:
         H(64, 256, 1, 2, "n", pingpong=True),
         H(64, 256, 1, 1, "m", 1, 0, "float16", "e5m2", pingpong=True),
     )]
+
+
+def _pingpong_128_variants() -> list:
+    """128-row ping-pong tactics (two m64 atoms per warpgroup), one per distinct code path:
+    each width (wgmma N 128, 160, 192), both clusters, raster n, and e5m2/fp16; and the
+    serial-split ping-pong tactics (S = 2 and 4)."""
+    H = HopperFp8Tactic
+    return [t.normalized() for t in (
+        H(128, 128, pingpong=True),
+        H(128, 160, 2, 1, pingpong=True),
+        H(128, 192, 1, 2, "n", pingpong=True),
+        H(128, 192, 1, 1, "m", 1, 0, "float16", "e5m2", pingpong=True),
+        # serial splits: the ranges inside one ordered main-loop turn, two accumulators
+        H(64, 192, 2, 1, "n", splits=2, pingpong=True),
+        H(64, 128, 1, 1, "m", 1, 0, "float16", "e5m2", splits=4, pingpong=True),
+    )]
+
+
+def test_pingpong_128_row_tactics_compile_for_sm90a_through_the_daemon(daemon):
+    """The 128-row ping-pong variants (see _pingpong_128_variants), compiled by the
+    daemon's workers (their class checked bitwise on an H200: docs/benchmarks.md, fifth
+    pass)."""
+    variants = _pingpong_128_variants()
+    names = _compile_through_daemon(daemon, variants)
+    assert len(names) == len(variants) and all(nm.split("_mac")[0].endswith("_pp")
+                                               for nm in names)
 
 
 def test_pingpong_tactics_compile_for_sm90a_through_the_daemon(daemon):

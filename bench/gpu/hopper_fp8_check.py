@@ -2,7 +2,7 @@
 """Hopper FP8 GEMM family: build a bundle here, check and time it on an H200 there.
 
   build (here, with the venv; CUTE_DSL_ARCH=sm_90a):
-      python bench/gpu/hopper_fp8_check.py build --out DIR --set wide|mid|final
+      python bench/gpu/hopper_fp8_check.py build --out DIR --set wide|mid|...|final
     compiles the chosen tactics to .o, links each into a .so, copies this script, the
     client package (for the launcher), the DSL runtime and the tvm-ffi wheel into DIR
     and writes DIR/manifest.json (kernels, shapes, and the plan's choices: the
@@ -20,9 +20,15 @@
       fitted to), "mid" the new N widths and cluster variants beside the old tiles of the
       plan's class at M in MID_MS (or --ms), "pass4" the wg_n=2 tiles (two consumer
       warpgroups along N) beside the plan's earlier first choices at M in PASS4_MS (or
-      --ms), "final" the plan's first choice (what a
-      client runs) and the next ones in its class, at every M, against torch._scaled_mm.
+      --ms), "pingpong" / "pp128" the ping-pong tiles (64 / 128 rows) at M in PINGPONG_MS
+      / PP128_MS, "split5" every unswapped S = 2 tactic at PP128_MS, "final" the plan's
+      first choice (what a client runs) and the next ones in its class (build --top), and
+      with build --alt-winners another recorded table's first choices too, at every M,
+      against torch._scaled_mm. run --rounds R times every implementation of a point in
+      R interleaved rounds; ratios are then the median of the per-round ratios.
     Short tables are printed last; everything goes to $OUT/hopper_fp8.json.
+  summarize JSON MANIFEST [--markdown [--alt]]: the tables again; --markdown the final
+    run's three tables (us, ratio fast, ratio exact) and the counts by M band.
   run --fake: the same driver on the CPU with an emulation of the kernels' arithmetic
     (a dry run of this script; no timing meaning).
 """
@@ -56,6 +62,8 @@ MID_MS = [128, 256, 512, 1024, 2048]
 PASS4_MS = [64, 128, 256, 512, 1024]
 # the "pingpong" set (fourth pass, issue 13 item 4) times these M by default
 PINGPONG_MS = [1024, 2048, 4096, 8192]
+# the "pp128" set (fifth pass: 128-row ping-pong tiles) times these M by default
+PP128_MS = [256, 512, 1024, 2048, 4096, 8192]
 FULL_M = 2048
 NUM_SMS = 132
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -219,6 +227,37 @@ def _pingpong_tactics():
     return out
 
 
+def _pp128_tactics():
+    """The tactics a "pp128" run (fifth pass) checks and times at M in PP128_MS: every
+    ping-pong tactic of the space (the 128-row ones new, the 64-row ones re-timed) after
+    the class's first kernel, and one e5m2/fp16 128-row ping-pong kernel for correctness;
+    the build adds the plan's first choices at those M."""
+    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
+    from cached.families.hopper_fp8.tactics import tactic_space
+
+    out = [T(64, 128).normalized()]
+    out += [t for t in tactic_space(splits=1) if t.pingpong]
+    out += [T(128, 192, 1, 2, "n", out_dtype="float16", ab_dtype="e5m2",
+              pingpong=True).normalized()]
+    return out
+
+
+def _split5_tactics():
+    """The tactics a "split5" run (fifth pass) checks and times at M in PP128_MS: every
+    unswapped S = 2 tactic of the space (the class of 2112x7168, the only shape whose plan
+    splits; new: serial splits with clusters and raster n, serial-split ping-pong), after
+    the class's first kernel, and one e5m2/fp16 split ping-pong kernel for correctness; the
+    build adds the plan's first choices at those M."""
+    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
+    from cached.families.hopper_fp8.tactics import tactic_space
+
+    out = [T(64, 128, splits=2, split_mode="cta").normalized()]
+    out += [t for t in tactic_space(splits=2) if not t.swap_ab]
+    out += [T(64, 192, 2, 1, "n", out_dtype="float16", ab_dtype="e5m2", splits=2,
+              pingpong=True).normalized()]
+    return _unique(out)
+
+
 def _final_plan(top: int):
     """The batch-invariant plan per shape: its class, and the first `top` tactics per M."""
     from cached.families.hopper_fp8.tactics import choose_split, enumerate_tactics
@@ -233,6 +272,27 @@ def _final_plan(top: int):
                      for m in MS},
         }
     return plan
+
+
+def _alt_plan(winners_path: str):
+    """The plan's first choice per shape and M with the recorded winners of another
+    h200_winners.py (e.g. the one before a refit), for a final run that times both plans
+    side by side (the same machine, interleaved rounds)."""
+    import importlib.util
+
+    from cached.families.hopper_fp8 import tactics as T
+
+    spec = importlib.util.spec_from_file_location("_alt_winners", winners_path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    saved = dict(T.RECORDED_WINNERS)
+    T.RECORDED_WINNERS.clear()
+    T.RECORDED_WINNERS.update({(mod.SM_COUNT, n, k): per for (n, k), per in mod.WINNERS.items()})
+    try:
+        return _final_plan(1)
+    finally:
+        T.RECORDED_WINNERS.clear()
+        T.RECORDED_WINNERS.update(saved)
 
 
 def _final_tactics(plan):
@@ -287,23 +347,38 @@ def _codegen_constants() -> dict:
     return {k: getattr(T, k) for k in (
         "TILE_K", "EPI_STAGES", "CONSUMER_MAX_REGS", "SWAP_EPI_BYTES", "MBAR_REGION_BYTES",
         "STATIC_SMEM_BYTES", "BUFFER_ALIGN_BYTES")} | {
-        "epilogue_tiles": [list(T.epilogue_tile(m, n)) for m in T.TILE_M_CHOICES
-                           for n in T.TILE_N_CHOICES]}
+        "epilogue_tiles": [list(T.epilogue_tile(m, n, pp)) for m in T.TILE_M_CHOICES
+                           for n in T.TILE_N_CHOICES for pp in (False, True)]}
 
 
 def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
-          reuse_code: bool = False) -> None:
+          reuse_code: bool = False, alt_winners: str | None = None) -> None:
     _repo_on_path()
     os.makedirs(os.path.join(out, "obj"), exist_ok=True)
     os.makedirs(os.path.join(out, "kernels"), exist_ok=True)
     plan = _final_plan(top)
     tactics = {"wide": _wide_tactics, "mid": _mid_tactics, "split": _split_tactics,
-               "pass4": _pass4_tactics, "pingpong": _pingpong_tactics}.get(
+               "pass4": _pass4_tactics, "pingpong": _pingpong_tactics,
+               "pp128": _pp128_tactics, "split5": _split5_tactics}.get(
         which, lambda: _final_tactics(plan))()
-    if which in ("wide", "mid", "pass4", "pingpong"):  # the plan's first choices too
+    plan_alt = None
+    if alt_winners:  # final: the other plan's first choices too, timed beside the plan's
+        from cached.families.hopper_fp8.tactics import tactic_space
+
+        plan_alt = _alt_plan(alt_winners)
+        by_name = {t.name: t for t in tactic_space()}
+        have = {t.name for t in tactics}
+        for p in plan_alt.values():
+            for names in p["by_m"].values():
+                for nm in names:
+                    if nm not in have:
+                        tactics.append(by_name[nm])
+                        have.add(nm)
+    if which in ("wide", "mid", "pass4", "pingpong", "pp128", "split5"):  # + first choices
         names = {t.name for t in tactics}
         ms = {str(m) for m in {"wide": MS, "mid": MID_MS, "pass4": PASS4_MS,
-                               "pingpong": PINGPONG_MS}[which]}
+                               "pingpong": PINGPONG_MS, "pp128": PP128_MS,
+                               "split5": PP128_MS}[which]}
         for t in _final_tactics({k: {"by_m": {m: v[:1] for m, v in p["by_m"].items()
                                               if m in ms}}
                                  for k, p in plan.items()}):
@@ -394,6 +469,8 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
             os.remove(os.path.join(out, "kernels", f))
     with open(mpath, "w") as f:
         json.dump({"set": which, "kernels": entries, "plan": plan, "shapes": SHAPES,
+                   "plan_alt": plan_alt,
+                   "alt_winners": os.path.basename(alt_winners) if alt_winners else None,
                    "source_sha256": src, "code_sha256": code_sha,
                    "codegen_constants": _codegen_constants(),
                    "num_sms": NUM_SMS, "compiled_now": len(todo),
@@ -672,15 +749,15 @@ class Runner:
         self.results["bi"] = rows
 
     # -- phase: throughput ----------------------------------------------------------
-    def _time(self, launch, nsets, iters):
-        """Median us per launch; a CUDA graph of `iters` launches cycling over `nsets`
-        input sets, replayed after warm-up (eager on the CPU)."""
+    def _graph(self, launch, nsets, iters):
+        """A replayable of `iters` launches cycling over `nsets` input sets: a CUDA graph,
+        warmed up (eager on the CPU)."""
         t = self.torch
         if self.fake:
-            t0 = time.perf_counter()
-            for i in range(iters):
-                launch(i % nsets)
-            return (time.perf_counter() - t0) * 1e6 / iters
+            def eager():
+                for i in range(iters):
+                    launch(i % nsets)
+            return eager
         s = t.cuda.Stream()
         s.wait_stream(t.cuda.current_stream())
         with t.cuda.stream(s):
@@ -694,23 +771,39 @@ class Runner:
                 launch(i % nsets)
         g.replay()
         t.cuda.synchronize()
+        return g.replay
+
+    def _replay_us(self, replay, iters, reps):
+        """Median us per launch over `reps` timed replays."""
+        t = self.torch
+        if self.fake:
+            t0 = time.perf_counter()
+            replay()
+            return (time.perf_counter() - t0) * 1e6 / iters
         samples = []
-        for _ in range(5):
+        for _ in range(reps):
             e0 = t.cuda.Event(enable_timing=True)
             e1 = t.cuda.Event(enable_timing=True)
             e0.record()
-            g.replay()
+            replay()
             e1.record()
             e1.synchronize()
             samples.append(e0.elapsed_time(e1) * 1e3 / iters)
-        del g
         return statistics.median(samples)
 
-    def perf(self, shapes, ms, pick, deadline):
-        """pick(n, k, m) -> kernel names to time (cuBLAS fast/exact always)."""
+    def perf(self, shapes, ms, pick, deadline, rounds=1):
+        """pick(n, k, m) -> kernel names to time (cuBLAS fast/exact always).
+
+        Each implementation's graph is captured once per point; then `rounds` rounds
+        time every implementation in turn (the order rotated by one each round), each
+        a median of 5 replays (3 when rounds > 1). A row's `us` is the median over the
+        rounds and `rounds_us` keeps each round's time, so a ratio to cuBLAS can be the
+        median of the per-round ratios (summarize), which a slow moment of the GPU
+        during one implementation's turn does not move."""
         t = self.torch
         sa, sb = self.scales()
         rows = []
+        reps = 5 if rounds == 1 else 3
         for (n, k) in shapes:
             for m in ms:
                 if time.time() > deadline:
@@ -730,22 +823,33 @@ class Runner:
                 iters = 20 if m * n * k < (1 << 36) else 8
                 if self.fake:
                     iters = 1
-                res = {}
+                graphs = {}
                 for fa in (True, False):
                     def ls(i, fa=fa, A=A, B=B):
                         self.scaled_mm(A[i], B[i], sa, sb, fa)
-                    res[f"cublas_fast{int(fa)}"] = self._time(ls, nsets, iters)
+                    graphs[f"cublas_fast{int(fa)}"] = self._graph(ls, nsets, iters)
                 for name in todo:
                     fn = self.fns[name]
                     self.watchdog(name)
 
                     def ls(i, fn=fn, A=A, B=B, C=C, ws=ws, cnt=cnt):
                         fn(A[i], B[i], C[i], sa, sb, ws, cnt)
-                    res[name] = self._time(ls, nsets, iters)
+                    graphs[name] = self._graph(ls, nsets, iters)
                     self.watchdog("")
+                keys = list(graphs)
+                samples = {key: [] for key in keys}
+                for r in range(rounds):
+                    for j in range(len(keys)):
+                        key = keys[(j + r) % len(keys)]
+                        self.watchdog("" if key.startswith("cublas") else key)
+                        samples[key].append(self._replay_us(graphs[key], iters, reps))
+                self.watchdog("")
+                del graphs
+                res = {key: statistics.median(v) for key, v in samples.items()}
                 for key, us in res.items():
                     rows.append(dict(m=m, n=n, k=k, impl=key, us=us,
-                                     tflops=2.0 * m * n * k / us / 1e6))
+                                     tflops=2.0 * m * n * k / us / 1e6,
+                                     rounds_us=[round(x, 3) for x in samples[key]]))
                 del A, B, C
                 ours = [x for x in res if not x.startswith("cublas")]
                 if ours:
@@ -757,9 +861,10 @@ class Runner:
 
 def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool,
         budget_s: float, override_ms: list[int] | None = None,
-        only_shapes: list[str] | None = None) -> None:
+        only_shapes: list[str] | None = None, rounds: int = 1) -> None:
     """The phases on the bundle; override_ms replaces a "mid", "split" or "pass4" bundle's M
-    list in perf; only_shapes ("NxK") restricts bi and perf to those shapes."""
+    list in perf; only_shapes ("NxK") restricts bi and perf to those shapes; rounds: timing
+    rounds per point in perf (Runner.perf)."""
     os.makedirs(out, exist_ok=True)
     r = Runner(bundle, out, fake)
     torch = r.torch
@@ -800,20 +905,28 @@ def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool
                         and not (r.is_cta(x) and m > 1024) and not (
                             r.is_swap(x) and m > 256 and r.meta[x]["tile_m"] != 64)]
             ms = MS
-        elif r.manifest["set"] in ("mid", "split", "pass4", "pingpong"):
+        elif r.manifest["set"] in ("mid", "split", "pass4", "pingpong", "pp128", "split5"):
             def pick(n, k, m):
                 # the plan's class for (N, K) only
                 s = plan[f"{n}x{k}"]["splits"]
                 return [x for x in plain if r.meta[x]["splits"] == s]
-            ms = override_ms or {"pass4": PASS4_MS, "pingpong": PINGPONG_MS}.get(
+            ms = override_ms or {"pass4": PASS4_MS, "pingpong": PINGPONG_MS,
+                                 "pp128": PP128_MS, "split5": PP128_MS}.get(
                 r.manifest["set"], MID_MS)
         else:
+            alt = r.manifest.get("plan_alt") or {}
+
             def pick(n, k, m):
-                return plan[f"{n}x{k}"]["by_m"][str(m)]
+                names = list(plan[f"{n}x{k}"]["by_m"][str(m)])
+                for nm in alt.get(f"{n}x{k}", {}).get("by_m", {}).get(str(m), []):
+                    if nm not in names:
+                        names.append(nm)
+                return names
             ms = MS
         if fake:
             ms = [1, 64]
-        r.perf(shapes, ms, pick, t_start + budget_s)
+        r.results["rounds"] = rounds
+        r.perf(shapes, ms, pick, t_start + budget_s, rounds)
         dump()
     r.results["wall_seconds"] = round(time.time() - t_start, 1)
     dump()
@@ -827,6 +940,61 @@ def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool
 def _gm(xs):
     xs = [x for x in xs if x and x > 0]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def points(res, manifest, alt: bool = False) -> dict:
+    """{(n, k, m): (kernel, us, r1, r0)} of the plan's first choice (alt: the alternative
+    plan's) in a final run's perf rows; r1/r0 = cuBLAS time over ours (fast accumulation
+    on/off), the median of the per-round ratios where the run timed in rounds."""
+    cells, rounds = {}, {}
+    for row in res.get("perf", []):
+        cells.setdefault((row["n"], row["k"], row["m"]), {})[row["impl"]] = row["us"]
+        if row.get("rounds_us"):
+            rounds[(row["n"], row["k"], row["m"], row["impl"])] = row["rounds_us"]
+    plan = manifest.get("plan_alt" if alt else "plan") or {}
+    out = {}
+    for (n, k, m), d in cells.items():
+        first = (plan.get(f"{n}x{k}", {}).get("by_m", {}).get(str(m)) or [None])[0]
+        if first not in d:
+            continue
+        rs = []
+        for cub in ("cublas_fast1", "cublas_fast0"):
+            a, b = rounds.get((n, k, m, cub)), rounds.get((n, k, m, first))
+            rs.append(statistics.median(x / y for x, y in zip(a, b, strict=True))
+                      if a and b and len(a) == len(b) > 1 else d[cub] / d[first])
+        out[(n, k, m)] = (first, d[first], rs[0], rs[1])
+    return out
+
+
+def markdown(res, manifest, alt: bool = False) -> None:
+    """The final run's three tables (plan's first choice in us; cuBLAS fast / ours, bold
+    under 0.9; cuBLAS exact / ours, bold under 1.0) and the geometric means and counts by
+    M band, as markdown."""
+    pts = points(res, manifest, alt)
+    shapes = [tuple(s) for s in manifest["shapes"]]
+    plan = manifest.get("plan_alt" if alt else "plan") or {}
+    head = "| N x K | S | " + " | ".join(str(m) for m in MS) + " |"
+    rule = "|---|---|" + "---|" * len(MS)
+    for title, col, fmt in (("us", 1, lambda v: f"{v:.1f}"),
+                            ("fast", 2, lambda v: f"**{v:.2f}**" if v < 0.9 else f"{v:.2f}"),
+                            ("exact", 3, lambda v: f"**{v:.2f}**" if v < 1.0 else f"{v:.2f}")):
+        print(f"\n{title}:\n\n{head}\n{rule}")
+        for n, k in shapes:
+            s = plan.get(f"{n}x{k}", {}).get("splits", "")
+            cells = [fmt(pts[(n, k, m)][col]) if (n, k, m) in pts else "-" for m in MS]
+            print(f"| {n}x{k} | {s} | " + " | ".join(cells) + " |")
+    bands = (("all", 1, 8192), ("M <= 64", 1, 64), ("M = 128-1024", 128, 1024),
+             ("M = 2048-8192", 2048, 8192))
+    print()
+    for name, lo, hi in bands:
+        v = [x for (_, _, m), x in pts.items() if lo <= m <= hi]
+        if not v:
+            continue
+        r1 = [x[2] for x in v]
+        r0 = [x[3] for x in v]
+        print(f"- {name}: {len(v)} points, geomean fast {_gm(r1):.3f} / exact {_gm(r0):.3f}, "
+              f"min {min(r1):.2f} / {min(r0):.2f}, under 0.9 fast {sum(x < 0.9 for x in r1)}, "
+              f"under 1.0 exact {sum(x < 1.0 for x in r0)}")
 
 
 def summarize(res, manifest, p) -> None:
@@ -895,14 +1063,24 @@ def summarize(res, manifest, p) -> None:
             p(f"  {(key + f' ({nk})')[:38]:38s}" + "".join(c.rjust(12) for c in cells))
         p("  (k128.* cells: seeds' method rows / cross-kernel rows within the class)")
     if "perf" in res:
-        by = {}
+        by, rounds = {}, {}
         for row in res["perf"]:
             cell = by.setdefault((row["n"], row["k"]), {}).setdefault(row["m"], {})
             cell[row["impl"]] = row["us"]
+            if row.get("rounds_us"):
+                rounds[(row["n"], row["k"], row["m"], row["impl"])] = row["rounds_us"]
+
+        def ratio(n, k, m, cub, ours, d):
+            """cuBLAS time / ours: the median of the per-round ratios where the run timed
+            in rounds, else the ratio of the medians."""
+            a, b = rounds.get((n, k, m, cub)), rounds.get((n, k, m, ours))
+            if a and b and len(a) == len(b) > 1:
+                return statistics.median(x / y for x, y in zip(a, b, strict=True))
+            return d[cub] / d[ours]
         plan = manifest.get("plan", {})
         p("THROUGHPUT (us per GEMM, bf16 out; r1/r0 = cuBLAS fast-accum on/off time / ours)")
         p("      M  N x K          cuB1     cuB0    plan   r1    r0      best   r1b  plan kernel")
-        allr1, allr0 = [], []
+        allr1, allr0, spread = [], [], []
         for (n, k), bym in by.items():
             pl = plan.get(f"{n}x{k}", {}).get("by_m", {})
             for m in sorted(bym):
@@ -913,11 +1091,15 @@ def summarize(res, manifest, p) -> None:
                 first = (pl.get(str(m)) or [None])[0]
                 best = min(ours, key=ours.get)
                 pv = ours.get(first)
-                r1 = d["cublas_fast1"] / pv if pv else float("nan")
-                r0 = d["cublas_fast0"] / pv if pv else float("nan")
+                r1 = ratio(n, k, m, "cublas_fast1", first, d) if pv else float("nan")
+                r0 = ratio(n, k, m, "cublas_fast0", first, d) if pv else float("nan")
                 if pv and manifest.get("set") == "final":
                     allr1.append(r1)
                     allr0.append(r0)
+                a, b = rounds.get((n, k, m, "cublas_fast1")), rounds.get((n, k, m, first))
+                if pv and a and b and len(a) == len(b) > 1:
+                    per = [x / y for x, y in zip(a, b, strict=True)]
+                    spread.append(max(per) / min(per))
                 p(f"  {m:5d}  {n}x{k}".ljust(22) + f"{d['cublas_fast1']:8.1f} "
                   f"{d['cublas_fast0']:8.1f} " + (f"{pv:7.1f} {r1:5.2f} {r0:5.2f}" if pv else
                                                   f"{'-':>7} {'-':>5} {'-':>5}") +
@@ -926,6 +1108,25 @@ def summarize(res, manifest, p) -> None:
             p(f"  plan's first choice: geomean r1 {_gm(allr1):.3f} (min {min(allr1):.2f}), "
               f"geomean r0 {_gm(allr0):.3f} (min {min(allr0):.2f}); points {len(allr1)}; "
               f"r1 < 0.9: {sum(x < 0.9 for x in allr1)}; r0 < 1.0: {sum(x < 1.0 for x in allr0)}")
+        if manifest.get("plan_alt"):
+            new, old = points(res, manifest), points(res, manifest, alt=True)
+            both = [x for x in new if x in old]
+            if both:
+                moved = [x for x in both if new[x][0] != old[x][0]]
+                p(f"  alternative plan ({manifest.get('alt_winners')}), same run: geomean r1 "
+                  f"{_gm([old[x][2] for x in both]):.3f}, r0 {_gm([old[x][3] for x in both]):.3f}"
+                  f"; r1 < 0.9: {sum(old[x][2] < 0.9 for x in both)}; r0 < 1.0: "
+                  f"{sum(old[x][3] < 1.0 for x in both)}; at the {len(moved)} points whose "
+                  f"first choice differs, r1 plan/alt geomean "
+                  f"{_gm([new[x][2] for x in moved]) / _gm([old[x][2] for x in moved]):.3f}"
+                  if moved else "")
+        if spread:
+            spread.sort()
+            nr = len(next(iter(rounds.values())))
+            p(f"  r1 of the plan's first choice across the {nr} rounds (max/min per point): "
+              f"median {statistics.median(spread):.3f}, "
+              f"90th percentile {spread[round(0.9 * (len(spread) - 1))]:.3f}, "
+              f"worst {spread[-1]:.3f} over {len(spread)} points")
     p(f"wall {res.get('wall_seconds')} s")
 
 
@@ -950,9 +1151,13 @@ def main():
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
     b.add_argument("--set", default="final",
-                   choices=["wide", "mid", "split", "pass4", "pingpong", "final"])
+                   choices=["wide", "mid", "split", "pass4", "pingpong", "pp128", "split5",
+                            "final"])
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--top", type=int, default=3, help="plan choices per M kept (final)")
+    b.add_argument("--alt-winners", default=None,
+                   help="final: another h200_winners.py whose plan's first choices are "
+                        "timed beside the plan's (summarize compares the two)")
     b.add_argument("--dry", action="store_true", help="manifest only, no compile")
     b.add_argument("--reuse-code", action="store_true",
                    help="reuse the bundle's kernels across a tactics.py change that leaves "
@@ -968,6 +1173,9 @@ def main():
     r.add_argument("--ms", default="", help="mid/split set: comma-separated M to time "
                                             "instead of MID_MS")
     r.add_argument("--shapes", default="", help="comma-separated NxK: bi and perf on these")
+    r.add_argument("--rounds", type=int, default=1,
+                   help="perf: timing rounds per point, implementations interleaved; the "
+                        "ratios to cuBLAS are the median of the per-round ratios")
     c = sub.add_parser("_compile")
     c.add_argument("jobs_json")
     pr = sub.add_parser("profile")
@@ -978,9 +1186,14 @@ def main():
     s = sub.add_parser("summarize")
     s.add_argument("json")
     s.add_argument("manifest")
+    s.add_argument("--markdown", action="store_true",
+                   help="final: the three tables (us, ratio fast, ratio exact) as markdown, "
+                        "and the geometric means and counts by M band")
+    s.add_argument("--alt", action="store_true",
+                   help="--markdown: tables of the alternative plan (--alt-winners) instead")
     a = ap.parse_args()
     if a.cmd == "build":
-        build(a.out, a.set, a.jobs, a.top, a.dry, a.reuse_code)
+        build(a.out, a.set, a.jobs, a.top, a.dry, a.reuse_code, a.alt_winners)
     elif a.cmd == "_compile":
         _compile_worker(a.jobs_json)
     elif a.cmd == "profile":
@@ -988,11 +1201,15 @@ def main():
         profile(a.bundle, a.kernel, m, n, k, a.reps)
     elif a.cmd == "summarize":
         with open(a.json) as f, open(a.manifest) as g:
-            summarize(json.load(f), json.load(g), print)
+            res, man = json.load(f), json.load(g)
+        if a.markdown:
+            markdown(res, man, a.alt)
+        else:
+            summarize(res, man, print)
     else:
         run(a.bundle, a.out, a.phases.split(","), [x for x in a.exclude.split(",") if x],
             a.fake, a.budget, [int(x) for x in a.ms.split(",") if x] or None,
-            [x for x in a.shapes.split(",") if x] or None)
+            [x for x in a.shapes.split(",") if x] or None, a.rounds)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ run did not time is listed as unmeasured. --model-only ranks without the recorde
 winners (tactics.RECORDED_WINNERS), which is how the plan ranks an (N, K) nobody measured.
 --per-k-tile prints the per-K-tile costs the model's tables hold, from the run.
 --write-table writes those recorded winners (the best measured tactic per (N, K), M and
-class S in 1, 2, 4) as cached/families/hopper_fp8/h200_winners.py.
+class S in 1, 2, 4) as cached/families/hopper_fp8/h200_winners.py. --update-table PATH
+--margin F starts from the winners recorded in PATH instead and replaces one only where a
+run timed it beside a tactic of its class faster by more than the margin (update_table).
 """
 
 from __future__ import annotations
@@ -100,10 +102,19 @@ def load(paths: list[str]):
         if path.endswith(".csv"):
             with open(path) as f:
                 next(f)
+                gone = set()
                 for line in f:
                     m, n, k, key, us = line.strip().split(",")
-                    one.setdefault((int(n), int(k)), {}).setdefault(int(m), {})[
-                        expand(key)] = float(us)
+                    try:
+                        name = expand(key)
+                    except ValueError:  # a tactic the space no longer has (e.g. 128x176)
+                        gone.add(key)
+                        continue
+                    one.setdefault((int(n), int(k)), {}).setdefault(int(m), {})[name] = \
+                        float(us)
+                if gone:
+                    print(f"{os.path.basename(path)}: skipped {len(gone)} tactics no longer "
+                          f"in the space", file=sys.stderr)
         else:
             with open(path) as f:
                 res = json.load(f)
@@ -141,7 +152,7 @@ def plain(name: str) -> bool:
 
 def write_table(by, space, path: str, sources: list[str]) -> None:
     """The best measured tactic of the family's space per (N, K), M and class S <= 4."""
-    table = {}
+    table: dict = {}
     for (n, k), bym in sorted(by.items()):
         for s in (1, 2, 4):
             row = []
@@ -153,16 +164,69 @@ def write_table(by, space, path: str, sources: list[str]) -> None:
                 row.append((m, T.recorded_key(space[best]), round(d[best], 1)))
             if row:
                 table.setdefault((n, k), {})[s] = tuple(row)
+    _emit(table, path, ["By bench/gpu/hopper_fp8_fit.py --write-table from",
+                        *(f"    {os.path.basename(x)}" for x in sources),
+                        "(runs of bench/gpu/hopper_fp8_check.py on an H200, 132 SMs, "
+                        "2026-11-30; a later", "run's times of a class at an (N, K, M) "
+                        "replace an earlier run's)."])
+
+
+def update_table(by, space, path: str, sources: list[str], margin: float) -> None:
+    """Start from the recorded winners in ``path`` and replace a (N, K, class S, M) winner
+    only where the runs ``by`` timed it and the best tactic of its class in the same cell
+    (one run, one machine) is faster by more than ``margin`` (0.05: 5 %). Cells the runs
+    did not time, or whose recorded winner they did not time, are kept: times from two
+    machines are never compared, and a win within the run-to-run spread changes nothing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_recorded", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    # the recorded file's own provenance: its docstring up to "per (N, K)"
+    head = []
+    for line in mod.__doc__.strip().splitlines()[2:]:
+        before, hit, _ = line.partition("per (N, K)")
+        if before.strip():
+            head.append(before.rstrip())
+        if hit:
+            break
+    head[-1] = head[-1].removesuffix(":")
+    table: dict = {}
+    changed = kept = 0
+    for (n, k), per in mod.WINNERS.items():
+        for s, row in per.items():
+            out = []
+            for m, key, us in row:
+                d = by.get((n, k), {}).get(m, {})
+                old = T._from_key(key, s, "bfloat16", "e4m3").name
+                ks = [x for x in d if x in space and space[x].splits == s]
+                if old in d and ks:
+                    best = min(ks, key=d.get)
+                    if best != old and d[old] > d[best] * (1 + margin):
+                        print(f"  {n}x{k} S={s} M={m}: {key} {d[old]:.1f} us -> "
+                              f"{T.recorded_key(space[best])} {d[best]:.1f} us "
+                              f"({d[old] / d[best]:.3f}x)")
+                        out.append((m, T.recorded_key(space[best]), round(d[best], 1)))
+                        changed += 1
+                        continue
+                    kept += 1
+                out.append((m, key, us))
+            table.setdefault((n, k), {})[s] = tuple(out)
+    _emit(table, path, head + [f"then --update-table --margin {margin} from",
+                               *(f"    {os.path.basename(x)}" for x in sources),
+                               "(a winner replaced only where the same run timed it and a "
+                               "tactic of its", f"class beat it by more than "
+                               f"{margin * 100:.0f} %)."])
+    print(f"update: {changed} winners replaced, {kept} timed and kept")
+
+
+def _emit(table: dict, path: str, how: list[str]) -> None:
     lines = ['"""Recorded H200 winners of cached.hopper_fp8 (generated; do not edit).',
              "",
-             "By bench/gpu/hopper_fp8_fit.py --write-table from",
-             *(f"    {os.path.basename(x)}" for x in sources),
-             "(runs of bench/gpu/hopper_fp8_check.py on an H200, 132 SMs, 2026-11-30; a later",
-             "run's times of a class at an (N, K, M) replace an earlier run's): per (N, K) and",
-             "reduction-order class S, per M: (M, tactic key, measured us). A key is",
-             "tactics.recorded_key(t): 'w' for swap_ab, 'n' for wg_n = 2, tile, raster, for",
-             "S > 1 the split mode,",
-             "'@CMxCN' for a cluster.",
+             *how,
+             "per (N, K) and reduction-order class S, per M: (M, tactic key, measured us).",
+             "A key is tactics.recorded_key(t): 'w' for swap_ab, 'n' for wg_n = 2, 'p' for",
+             "ping-pong, tile, raster, for S > 1 the split mode, '@CMxCN' for a cluster.",
              '"""', "", "SM_COUNT = 132", "", "WINNERS = {"]
     for (n, k), per in table.items():
         lines.append(f"    ({n}, {k}): {{")
@@ -182,6 +246,45 @@ def write_table(by, space, path: str, sources: list[str]) -> None:
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {path}: {len(table)} shapes")
+
+
+def spread(path_a: str, path_b: str, space) -> None:
+    """How much a run-to-run change moves the ranking of two kernels: over every
+    (N, K, M) cell and pair of tactics of one class that both runs timed, q = (t_x / t_y)
+    in run b over the same in run a (1.0: the two runs agree on how much faster x is).
+    Prints quantiles of max(q, 1/q), the margin update_table needs for a win to be
+    taken only where it survives a change of machine."""
+    import statistics
+
+    a, _ = load([path_a])
+    b, _ = load([path_b])
+    qs = []
+    for nk, bym in a.items():
+        for m, da in bym.items():
+            db = b.get(nk, {}).get(m, {})
+            both = sorted(x for x in da if x in db and x in space)
+            for i, x in enumerate(both):
+                for y in both[i + 1:]:
+                    if space[x].splits == space[y].splits:
+                        q = (db[x] / db[y]) / (da[x] / da[y])
+                        qs.append(max(q, 1 / q))
+    cub = []
+    for nk, bym in a.items():
+        for m, da in bym.items():
+            db = b.get(nk, {}).get(m, {})
+            for x in da:
+                if x in db and x in space and "cublas_fast1" in da and "cublas_fast1" in db:
+                    q = (db["cublas_fast1"] / db[x]) / (da["cublas_fast1"] / da[x])
+                    cub.append(max(q, 1 / q))
+    for what, v in (("pairs of our kernels (same cell, same class)", qs),
+                    ("cuBLAS fast / ours, same kernel", cub)):
+        if not v:
+            print(f"{what}: nothing timed in both runs")
+            continue
+        v.sort()
+        print(f"{what}: {len(v)}; max(q, 1/q) median {statistics.median(v):.3f}, "
+              f"80th {v[round(0.8 * (len(v) - 1))]:.3f}, 90th {v[round(0.9 * (len(v) - 1))]:.3f}, "
+              f"95th {v[round(0.95 * (len(v) - 1))]:.3f}, max {v[-1]:.3f}")
 
 
 def per_k_tile(by, space, sms: int) -> None:
@@ -226,9 +329,19 @@ def main() -> int:
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--model-only", action="store_true")
     ap.add_argument("--write-table")
+    ap.add_argument("--update-table", help="recorded winners to update from the runs "
+                    "(see update_table), written back in place")
+    ap.add_argument("--margin", type=float, default=0.05,
+                    help="--update-table: a faster tactic replaces a winner only when the "
+                         "winner's time over its is more than 1 + margin")
     ap.add_argument("--write-csv")
     ap.add_argument("--per-k-tile", action="store_true")
+    ap.add_argument("--spread", action="store_true",
+                    help="two runs: how far their relative times disagree (see spread)")
     a = ap.parse_args()
+    if a.spread:
+        spread(a.json[0], a.json[1], {t.name: t for t in T.tactic_space()})
+        return 0
     by, space = load(a.json)
     if a.per_k_tile:
         per_k_tile(by, space, a.sms)
@@ -238,6 +351,9 @@ def main() -> int:
         return 0
     if a.write_table:
         write_table(by, space, a.write_table, a.json)
+        return 0
+    if a.update_table:
+        update_table(by, space, a.update_table, a.json, a.margin)
         return 0
     if a.model_only:
         T.RECORDED_WINNERS.clear()

@@ -48,6 +48,17 @@ B rows [w*tile_n/2, (w+1)*tile_n/2) of each stage, and accumulates its half of t
 over the same K tiles, in the same order. Its epilogue scales and converts as the others
 do, writes the whole tile to one row-major shared-memory buffer with plain stores in the
 MMA's register layout, and TMA-stores it in one copy.
+
+Ping-pong (tactic.pingpong; S = 1, or a serial split): two consumer warpgroups, each
+owning whole tiles (the CTA's persistent tiles alternate between them, each skipping the
+other's tiles and their stages), so one warpgroup's epilogue runs while the other's main
+loop issues wgmma. The tiled MMA is one warpgroup's m64 atom (atom layout (1, 1, 1)); a
+128-row tile repeats it twice along M (tile_n accumulator registers per thread). Named
+barriers 3 and 4 order the main loops (a warpgroup starts one only after the other
+finished its previous one); each warpgroup has its own epilogue barrier (1, 2), store
+warp and ring of 64-row C buffers. The K walk is every tactic's; a serial split walks
+all S ranges of its tile inside one ordered main-loop turn (the ranges' stages sum to
+the tile's K tiles, which the other warpgroup skips).
 """
 
 from __future__ import annotations
@@ -97,12 +108,13 @@ class HopperFp8GemmKernel:
         # consumer warpgroups along N (wg_n = 2): one 64-row wgmma M side, the tile's N
         # columns in two halves, one per warpgroup; else the warpgroups stack along M
         self.wg_n = tactic.wg_n
-        # ping-pong (tactic.pingpong): two consumer warpgroups, each with whole 64-row
-        # tiles of its own (the CTA's tiles alternate between them)
+        # ping-pong (tactic.pingpong): two consumer warpgroups, each with whole tiles of
+        # its own (the CTA's tiles alternate between them); the tiled MMA is one
+        # warpgroup's m64 atom, repeated along M for a 128-row tile
         self.pingpong = tactic.pingpong
         self.num_mma_wg = tactic.consumer_warpgroups
-        self.atom_layout_mnk = ((1, 2, 1) if self.wg_n == 2 else
-                                (num_consumer_warpgroups(self.tile_shape_mnk[0]), 1, 1))
+        self.atom_layout_mnk = ((1, 2, 1) if self.wg_n == 2 else (1, 1, 1) if self.pingpong
+                                else (num_consumer_warpgroups(self.tile_shape_mnk[0]), 1, 1))
         # swap_ab stores C from registers (epilogue_direct); wg_n = 2 stages the whole
         # tile through shared memory (plain stores in the MMA's register layout) and
         # TMA-stores it at once
@@ -117,7 +129,7 @@ class HopperFp8GemmKernel:
         # the whole tile from one buffer
         self.epi_tile = ((8, 64) if self.direct_epi else
                          (tactic.tile_m, tactic.tile_n) if self.tile_epi else
-                         epilogue_tile(tactic.tile_m, tactic.tile_n))
+                         epilogue_tile(tactic.tile_m, tactic.tile_n, tactic.pingpong))
         self.epi_stages = 1 if self.tile_epi else EPI_STAGES
         # C buffers: one ring of epi_stages per warpgroup that stores tiles on its own
         self.epi_buffers = self.epi_stages * (2 if self.pingpong else 1)
@@ -488,6 +500,9 @@ class HopperFp8GemmKernel:
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
 
                 if cutlass.const_expr(self.split_serial):
+                    if cutlass.const_expr(self.pingpong):
+                        if wg_idx == 2 or own_tiles > 0:
+                            order_wait.arrive_and_wait()
                     acc_sum.fill(0.0)
                     for seg in range(self.splits):
                         read_state, release_state = self.mainloop(
@@ -497,6 +512,8 @@ class HopperFp8GemmKernel:
                         )
                         for v in cutlass.range_constexpr(frag):
                             acc_sum[v] = acc_sum[v] + acc[v]
+                    if cutlass.const_expr(self.pingpong):
+                        order_signal.arrive()
                     self.store_tile(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
                                     store_pipe, scale, sched.num_tiles_executed, warp_idx,
                                     mC, gcC, crd, thr_c, acc_sum)

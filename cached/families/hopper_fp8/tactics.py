@@ -94,10 +94,18 @@ SWAP_MAX_STAGES = 16  # small stages: deeper rings keep more weight bytes in fli
 # in one shared-memory buffer; stages capped at SWAP_MAX_STAGES like the swap_ab tiles
 WG_N_CHOICES = (1, 2)
 WG_N_TILE_N = (64, 80, 96, 128, 160, 192, 256)
-# ping-pong (pingpong = True): two consumer warpgroups, each with whole 64 x tile_n tiles
-# of its own, the CTA's tiles alternating between them, so one warpgroup's epilogue runs
-# under the other's main loop (issue 13 item 4); tile_m = 64, S = 1
+# ping-pong (pingpong = True): two consumer warpgroups, each with whole tile_m x tile_n
+# tiles of its own, the CTA's tiles alternating between them, so one warpgroup's epilogue
+# runs under the other's main loop (issue 13 item 4). tile_m = 64 (one m64 wgmma atom) or
+# 128 (two m64 atoms along M per warpgroup: tile_n accumulator registers per thread, so
+# tile_n <= MAX_ACC_REGS_PER_THREAD). S > 1: split_mode 'serial' only, on the tiles whose
+# two accumulators fit (PINGPONG_SPLIT_TILES)
+PINGPONG_TILE_M = (64, 128)
 PINGPONG_TILE_N = (128, 192, 256)
+PINGPONG_128_TILE_N = (128, 160, 192)
+PINGPONG_TILES = (tuple((64, tn) for tn in PINGPONG_TILE_N)
+                  + tuple((128, tn) for tn in PINGPONG_128_TILE_N))
+PINGPONG_SPLIT_TILES = ((64, 128), (64, 192))
 CLUSTER_CHOICES = ((1, 1), (2, 1), (1, 2))
 RASTER_CHOICES = ("m", "n")
 SWIZZLE_CHOICES = (1, 2, 4, 8)
@@ -162,16 +170,21 @@ def mma_tile(tile_m: int, tile_n: int, swap_ab: bool = False) -> tuple[int, int]
     return (tile_n, tile_m) if swap_ab else (tile_m, tile_n)
 
 
-def epilogue_tile(tile_m: int, tile_n: int) -> tuple[int, int]:
+def epilogue_tile(tile_m: int, tile_n: int, pingpong: bool = False) -> tuple[int, int]:
     """Sub-tile of C staged through shared memory per TMA store: 32 columns, or 16 where
-    32 does not divide tile_n (80, 112)."""
-    rows = 64 if tile_m == 64 else 128
+    32 does not divide tile_n (80, 112); as many rows as the tiled MMA has (64 for one
+    warpgroup's tiles: tile_m = 64, or ping-pong), else 128."""
+    rows = 64 if tile_m == 64 or pingpong else 128
     return rows, min(32 if tile_n % 32 == 0 else 16, tile_n)
 
 
-def acc_regs_per_thread(tile_m: int, tile_n: int, swap_ab: bool = False, wg_n: int = 1) -> int:
+def acc_regs_per_thread(tile_m: int, tile_n: int, swap_ab: bool = False, wg_n: int = 1,
+                        pingpong: bool = False) -> int:
+    """fp32 accumulator registers per consumer thread: the tile over the warpgroups that
+    share it (ping-pong: one warpgroup owns the whole tile)."""
     rows = mma_tile(tile_m, tile_n, swap_ab)[0]
-    return tile_m * tile_n // (num_consumer_warpgroups(rows) * wg_n * THREADS_PER_WARPGROUP)
+    wgs = 1 if pingpong else num_consumer_warpgroups(rows) * wg_n
+    return tile_m * tile_n // (wgs * THREADS_PER_WARPGROUP)
 
 
 def register_epilogue(swap_ab: bool, wg_n: int) -> bool:
@@ -216,7 +229,7 @@ def _epi_bytes(tile_m: int, tile_n: int, out_dtype: str, swap_ab: bool = False,
     if wg_n == 2:  # the whole tile_m x tile_n tile, one buffer
         raw = tile_m * tile_n * OUT_DTYPE_BYTES[out_dtype]
         return -(-raw // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
-    em, en = epilogue_tile(tile_m, tile_n)
+    em, en = epilogue_tile(tile_m, tile_n, pingpong)
     # ping-pong: one ring of C buffers per warpgroup
     raw = em * en * OUT_DTYPE_BYTES[out_dtype] * EPI_STAGES * (2 if pingpong else 1)
     return -(-raw // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
@@ -245,20 +258,21 @@ def max_stages_for(tile_m: int, tile_n: int, out_dtype: str = "bfloat16",
 
 
 def tile_is_feasible(tile_m: int, tile_n: int, out_dtype: str = "bfloat16",
-                     sets: int = 1, swap_ab: bool = False, wg_n: int = 1) -> tuple[bool, str]:
+                     sets: int = 1, swap_ab: bool = False, wg_n: int = 1,
+                     pingpong: bool = False) -> tuple[bool, str]:
     """Whether the tile fits registers (``sets`` accumulator copies) and shared memory."""
-    regs = acc_regs_per_thread(tile_m, tile_n, swap_ab, wg_n)
+    regs = acc_regs_per_thread(tile_m, tile_n, swap_ab, wg_n, pingpong)
+    wgs = 1 if pingpong else num_consumer_warpgroups(mma_tile(tile_m, tile_n, swap_ab)[0]) * wg_n
     if sets * regs > MAX_ACC_REGS_PER_THREAD:
         what = "" if sets == 1 else f" x {sets} (a serial split keeps a running sum)"
         return False, (
             f"tile {tile_m}x{tile_n} needs {regs}{what} fp32 "
             f"accumulator registers per consumer thread "
-            f"({num_consumer_warpgroups(mma_tile(tile_m, tile_n, swap_ab)[0]) * wg_n} consumer "
-            f"warpgroup(s)); the limit is "
+            f"({wgs} consumer warpgroup(s) per tile); the limit is "
             f"{MAX_ACC_REGS_PER_THREAD} (consumer budget {CONSUMER_MAX_REGS} regs/thread). "
             f"Use a smaller tile, tile_m=128, or split_mode 'cta'."
         )
-    if max_stages_for(tile_m, tile_n, out_dtype, swap_ab, wg_n) < MIN_STAGES:
+    if max_stages_for(tile_m, tile_n, out_dtype, swap_ab, wg_n, pingpong) < MIN_STAGES:
         return False, (
             f"tile {tile_m}x{tile_n} does not fit {MIN_STAGES} pipeline stages in "
             f"{SMEM_CAPACITY_BYTES} B of shared memory"
@@ -288,6 +302,10 @@ class HopperFp8Tactic:
                        SWAP_TILE_M_CHOICES, tile_n in SWAP_TILE_N_CHOICES, cluster 1x1.
       wg_n             consumer warpgroups along N: 1, or 2 for tile_m = 64 with the
                        tile's N split between two warpgroups (module doc); not with swap_ab.
+      pingpong         False, or True: two consumer warpgroups that each own whole tiles
+                       (tile_m 64 or 128), the CTA's tiles alternating between them
+                       (PINGPONG_TILES; S > 1 with split_mode 'serial' on
+                       PINGPONG_SPLIT_TILES); not with swap_ab or wg_n = 2.
     """
 
     tile_m: int = 128
@@ -392,9 +410,14 @@ class HopperFp8Tactic:
             bad("wg_n=2 takes split_mode 'serial' only")
         if not isinstance(self.pingpong, bool):
             bad(f"pingpong must be true or false, got {type(self.pingpong).__name__}")
-        if self.pingpong and (self.tile_m != 64 or self.swap_ab or self.wg_n != 1
-                              or self.splits != 1):
-            bad("pingpong needs tile_m=64, splits=1, wg_n=1 and swap_ab=false")
+        if self.pingpong and (self.tile_m not in PINGPONG_TILE_M or self.swap_ab
+                              or self.wg_n != 1):
+            bad(f"pingpong needs tile_m in {PINGPONG_TILE_M}, wg_n=1 and swap_ab=false")
+        if self.pingpong and self.splits > 1 and self.split_mode != "serial":
+            bad("pingpong takes split_mode 'serial' only")
+        if self.pingpong and self.tile_m == 128 and self.tile_n < 128:
+            bad("pingpong with tile_m=128 needs tile_n >= 128 (each warpgroup owns a whole "
+                "128-row tile)")
         if (self.cluster_m, self.cluster_n) not in CLUSTER_CHOICES:
             bad(f"(cluster_m, cluster_n) must be one of {CLUSTER_CHOICES}")
         if self.raster not in RASTER_CHOICES:
@@ -415,7 +438,7 @@ class HopperFp8Tactic:
             bad("split_mode 'cta' needs cluster_m = cluster_n = 1")
         ok, why = tile_is_feasible(self.tile_m, self.tile_n, self.out_dtype,
                                    acc_sets(self.splits, self.split_mode), self.swap_ab,
-                                   self.wg_n)
+                                   self.wg_n, self.pingpong)
         if not ok:
             bad(why)
         top = max_stages_for(self.tile_m, self.tile_n, self.out_dtype, self.swap_ab, self.wg_n,
@@ -522,14 +545,19 @@ WG_N_US_PER_K_TILE = {
     (64, 256): (0.430, 0.463, 0.460),
 }
 
-# ping-pong tiles (64 x tile_n per consumer warpgroup) -> the same three regimes: the same
-# median over the H200 pingpong run (14 (N, K) x M = 1024..8192, the plan's class;
-# docs/results/h200_hopper_fp8_pass4_pingpong.log, hopper_fp8_fit.py --per-k-tile over its
-# JSON); not timed at M <= 64: 1.0 us ranks them behind every measured tile there
+# ping-pong tiles (tile_m x tile_n per consumer warpgroup) -> the same three regimes: the
+# same median over the H200 pingpong run for the 64-row tiles (14 (N, K) x M = 1024..8192,
+# the plan's class; docs/results/h200_hopper_fp8_pass4_pingpong.log) and over the pp128
+# run for the 128-row ones (M = 256..8192; docs/results/h200_hopper_fp8_pass5_pp128.csv),
+# hopper_fp8_fit.py --per-k-tile; not timed at M <= 64: 1.0 us ranks them behind every
+# measured tile there
 PINGPONG_US_PER_K_TILE = {
     (64, 128): (1.0, 0.287, 0.273),
     (64, 192): (1.0, 0.337, 0.344),
     (64, 256): (1.0, 0.414, 0.421),
+    (128, 128): (1.0, 0.398, 0.421),
+    (128, 160): (1.0, 0.485, 0.531),
+    (128, 192): (1.0, 0.575, 0.634),
 }
 
 # Fitted on the same run (bench/gpu/hopper_fp8_fit.py): the constants that rank each
@@ -634,6 +662,10 @@ SPLIT_SERIAL_TILES = ((64, 64, "m"), (64, 128, "m"), (64, 192, "m"), (128, 64, "
 # serial splits with a cluster (raster m): the tiles whose 1x2 or 2x1 cluster won an S = 2
 # point of the H200 split run (2112x7168, M = 512..8192, up to 11 % over cluster 1x1)
 SPLIT_SERIAL_CLUSTER_TILES = ((128, 64), (128, 96), (128, 160), (128, 192))
+# ... and with raster n (fifth pass): at M = 8192 on 2112x7168 the raster-m 128x96 split
+# streamed A (58 MB, near the L2's size) from DRAM once per two N tiles (ncu: 68 % DRAM,
+# 44 % L2 hits, against cuBLAS's 21 %); walking N first keeps the 15 MB weight in L2
+SPLIT_SERIAL_CLUSTER_RASTERS = ("m", "n")
 # wg_n = 2 serial splits (tile 64 x tile_n, clusters 1x1 and 2x1): for the S = 2 class at
 # M = 128..512, where 64 x 64 fills the 132 SMs on N = 2112
 SPLIT_SERIAL_WG_N_TILE_N = (64, 96, 128, 160)
@@ -645,13 +677,15 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
                  splits: int | None = None) -> list[HopperFp8Tactic]:
     """Every tactic the family plans, for one split count S or (None) for all of them.
 
-    S = 1: every feasible tile x cluster x raster x swizzle of the widths SWIZZLED_TILE_N
-    (11 tiles, 264), the same with swizzle 1 for the widths 80, 96, 112, 160 (12 tiles,
-    72), and the 8 swap_ab tiles (344). S > 1: split_mode 'cta' on SPLIT_CTA_TILES and
-    'serial' on SPLIT_SERIAL_TILES, cluster 1x1, swizzle 1 (18 per S: clusters and
-    swizzles lost at small M in the S = 1 measurements), 'serial' on
-    SPLIT_SERIAL_CLUSTER_TILES with clusters 1x2 and 2x1 (8 per S), and both modes on the 8
-    swap_ab tiles (42 per S; 512 in all).
+    S = 1 (401): every feasible tile x cluster x raster x swizzle of the widths
+    SWIZZLED_TILE_N (11 tiles, 264), the same with swizzle 1 for the widths 80, 96, 112,
+    160 (12 tiles, 72), the 8 swap_ab tiles, the wg_n = 2 tiles (21) and the ping-pong
+    tiles PINGPONG_TILES x cluster x raster (36). S > 1 (66 per S): split_mode 'cta' on
+    SPLIT_CTA_TILES and 'serial' on SPLIT_SERIAL_TILES, cluster 1x1, swizzle 1 (18:
+    clusters and swizzles lost at small M in the S = 1 measurements), 'serial' on
+    SPLIT_SERIAL_CLUSTER_TILES with clusters 1x2 and 2x1 and both rasters (16), on the
+    wg_n = 2 tiles (8), 'serial' ping-pong on PINGPONG_SPLIT_TILES with clusters 1x1 and
+    2x1 and both rasters (8), and both modes on the 8 swap_ab tiles (16); 665 in all.
     """
     out: list[HopperFp8Tactic] = []
     for sp in SPLIT_CHOICES if splits is None else (splits,):
@@ -668,10 +702,10 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
                                                            out_dtype, ab_dtype))
             out += _swap_tactics(sp, "serial", out_dtype, ab_dtype)
             out += _wg_n_tactics(out_dtype, ab_dtype)
-            out += [HopperFp8Tactic(64, tn, cm, cn, r, 1,
-                                    max_stages_for(64, tn, out_dtype, pingpong=True),
+            out += [HopperFp8Tactic(tm, tn, cm, cn, r, 1,
+                                    max_stages_for(tm, tn, out_dtype, pingpong=True),
                                     out_dtype, ab_dtype, pingpong=True)
-                    for tn in PINGPONG_TILE_N for cm, cn in CLUSTER_CHOICES
+                    for tm, tn in PINGPONG_TILES for cm, cn in CLUSTER_CHOICES
                     for r in RASTER_CHOICES]
             continue
         for tm, tn in SPLIT_CTA_TILES:
@@ -682,10 +716,15 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
                                        max_stages_for(tm, tn, out_dtype), out_dtype, ab_dtype,
                                        sp, "serial"))
         for tm, tn in SPLIT_SERIAL_CLUSTER_TILES:
-            for cm, cn in ((1, 2), (2, 1)):
-                out.append(HopperFp8Tactic(tm, tn, cm, cn, "m", 1,
-                                           max_stages_for(tm, tn, out_dtype), out_dtype,
-                                           ab_dtype, sp, "serial"))
+            for raster in SPLIT_SERIAL_CLUSTER_RASTERS:
+                for cm, cn in ((1, 2), (2, 1)):
+                    out.append(HopperFp8Tactic(tm, tn, cm, cn, raster, 1,
+                                               max_stages_for(tm, tn, out_dtype), out_dtype,
+                                               ab_dtype, sp, "serial"))
+        out += [HopperFp8Tactic(tm, tn, cm, 1, r, 1,
+                                max_stages_for(tm, tn, out_dtype, pingpong=True),
+                                out_dtype, ab_dtype, sp, "serial", pingpong=True)
+                for tm, tn in PINGPONG_SPLIT_TILES for cm in (1, 2) for r in RASTER_CHOICES]
         for tn in SPLIT_SERIAL_WG_N_TILE_N:
             for cm in (1, 2):
                 out.append(HopperFp8Tactic(64, tn, cm, 1, "m", 1,
