@@ -21,8 +21,11 @@
       plan's class at M in MID_MS (or --ms), "pass4" the wg_n=2 tiles (two consumer
       warpgroups along N) beside the plan's earlier first choices at M in PASS4_MS (or
       --ms), "pingpong" / "pp128" the ping-pong tiles (64 / 128 rows) at M in PINGPONG_MS
-      / PP128_MS, "split5" every unswapped S = 2 tactic at PP128_MS, "final" the plan's
-      first choice (what a client runs) and the next ones in its class (build --top), and
+      / PP128_MS, "split5" every unswapped S = 2 tactic at PP128_MS, "decode6" the plan's
+      first choice beside its class's decode candidates at M in DECODE_MS and the S = 2
+      class's unswapped tactics at DECODE6_SPLIT_MS (with a per-round spread table),
+      "final" the plan's first choice (what a client runs) and the next ones in its class
+      (build --top), and
       with build --alt-winners another recorded table's first choices too, at every M,
       against torch._scaled_mm. run --rounds R times every implementation of a point in
       R interleaved rounds; ratios are then the median of the per-round ratios.
@@ -64,6 +67,10 @@ PASS4_MS = [64, 128, 256, 512, 1024]
 PINGPONG_MS = [1024, 2048, 4096, 8192]
 # the "pp128" set (fifth pass: 128-row ping-pong tiles) times these M by default
 PP128_MS = [256, 512, 1024, 2048, 4096, 8192]
+# the "decode6" set (sixth pass) times these M: the decode band with the same-class
+# alternatives of the plan's first choice, and the large M of the S = 2 class
+DECODE_MS = [1, 2, 4, 8, 16, 32, 64]
+DECODE6_SPLIT_MS = [2048, 4096, 8192]
 FULL_M = 2048
 NUM_SMS = 132
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -258,6 +265,30 @@ def _split5_tactics():
     return _unique(out)
 
 
+def decode_candidate(params: dict) -> bool:
+    """A tactic the "decode6" run times at M <= 64 beside the plan's first choice: a
+    swap_ab decode tile, or a one-CTA-row 64-row tile (wg_n 1 or 2, no ping-pong) of
+    width <= 128, raster m, swizzle 1, any cluster."""
+    return bool(params["swap_ab"]) or (
+        params["tile_m"] == 64 and params["tile_n"] <= 128 and not params["pingpong"]
+        and params["raster"] == "m" and params["swizzle"] == 1)
+
+
+def _decode6_tactics():
+    """The tactics a "decode6" run (sixth pass) checks and times: at M in DECODE_MS, every
+    decode_candidate of the classes S = 1 and 2 (the plans' classes on the 14 shapes);
+    at M in DECODE6_SPLIT_MS, every unswapped S = 2 tactic (the class of 2112x7168). The
+    classes' first kernels lead; the build adds the plan's first choices at DECODE_MS."""
+    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
+    from cached.families.hopper_fp8.tactics import tactic_space
+
+    out = [T(64, 128).normalized(), T(64, 128, splits=2, split_mode="cta").normalized()]
+    out += [t for t in tactic_space(splits=1) if decode_candidate(t.to_params())]
+    out += [t for t in tactic_space(splits=2)
+            if decode_candidate(t.to_params()) or not t.swap_ab]
+    return _unique(out)
+
+
 def _final_plan(top: int):
     """The batch-invariant plan per shape: its class, and the first `top` tactics per M."""
     from cached.families.hopper_fp8.tactics import choose_split, enumerate_tactics
@@ -359,7 +390,8 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
     plan = _final_plan(top)
     tactics = {"wide": _wide_tactics, "mid": _mid_tactics, "split": _split_tactics,
                "pass4": _pass4_tactics, "pingpong": _pingpong_tactics,
-               "pp128": _pp128_tactics, "split5": _split5_tactics}.get(
+               "pp128": _pp128_tactics, "split5": _split5_tactics,
+               "decode6": _decode6_tactics}.get(
         which, lambda: _final_tactics(plan))()
     plan_alt = None
     if alt_winners:  # final: the other plan's first choices too, timed beside the plan's
@@ -374,11 +406,11 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
                     if nm not in have:
                         tactics.append(by_name[nm])
                         have.add(nm)
-    if which in ("wide", "mid", "pass4", "pingpong", "pp128", "split5"):  # + first choices
-        names = {t.name for t in tactics}
+    if which in ("wide", "mid", "pass4", "pingpong", "pp128", "split5", "decode6"):
+        names = {t.name for t in tactics}  # + the plan's first choices at the set's M
         ms = {str(m) for m in {"wide": MS, "mid": MID_MS, "pass4": PASS4_MS,
                                "pingpong": PINGPONG_MS, "pp128": PP128_MS,
-                               "split5": PP128_MS}[which]}
+                               "split5": PP128_MS, "decode6": DECODE_MS}[which]}
         for t in _final_tactics({k: {"by_m": {m: v[:1] for m, v in p["by_m"].items()
                                               if m in ms}}
                                  for k, p in plan.items()}):
@@ -812,6 +844,8 @@ class Runner:
                     self.results["perf"] = rows
                     return
                 todo = [x for x in pick(n, k, m) if x in self.fns and self.fits(x, m, n)]
+                if not todo:  # a set that times this shape at other M only
+                    continue
                 per = m * k + n * k + 2 * m * n
                 nsets = max(1, min(16, -(-(200 << 20) // per)))
                 if self.fake:
@@ -913,6 +947,20 @@ def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool
             ms = override_ms or {"pass4": PASS4_MS, "pingpong": PINGPONG_MS,
                                  "pp128": PP128_MS, "split5": PP128_MS}.get(
                 r.manifest["set"], MID_MS)
+        elif r.manifest["set"] == "decode6":
+            def pick(n, k, m):
+                # the plan's first choice, then its class's decode candidates (M <= 64) or,
+                # at M in DECODE6_SPLIT_MS, the class S = 2's unswapped tactics
+                s = plan[f"{n}x{k}"]["splits"]
+                out = list(plan[f"{n}x{k}"]["by_m"].get(str(m), [])[:1])
+                if m <= DECODE_MS[-1]:
+                    out += [x for x in plain if r.meta[x]["splits"] == s
+                            and decode_candidate(r.meta[x])]
+                elif s == 2:
+                    out += [x for x in plain if r.meta[x]["splits"] == s
+                            and not r.meta[x]["swap_ab"]]
+                return list(dict.fromkeys(out))
+            ms = override_ms or DECODE_MS + DECODE6_SPLIT_MS
         else:
             alt = r.manifest.get("plan_alt") or {}
 
@@ -995,6 +1043,46 @@ def markdown(res, manifest, alt: bool = False) -> None:
         print(f"- {name}: {len(v)} points, geomean fast {_gm(r1):.3f} / exact {_gm(r0):.3f}, "
               f"min {min(r1):.2f} / {min(r0):.2f}, under 0.9 fast {sum(x < 0.9 for x in r1)}, "
               f"under 1.0 exact {sum(x < 1.0 for x in r0)}")
+
+
+def rounds_report(res, manifest, p, max_m: int = 8192) -> None:
+    """Per point (M <= max_m) of a run timed in rounds: the plan's first choice's ratio to
+    cuBLAS (fast on / off) as the median of the per-round ratios with its min-max over
+    the rounds, and the fastest other kernel of the point (all timed kernels are of the
+    plan's class) with the first choice's time over its time (median of the per-round
+    quotients, min-max)."""
+    cells = {}
+    for row in res.get("perf", []):
+        if row.get("rounds_us") and row["m"] <= max_m:
+            cells.setdefault((row["n"], row["k"], row["m"]), {})[row["impl"]] = row["rounds_us"]
+    plan = manifest.get("plan", {})
+    p("PER-ROUND SPREAD (ratio = median of per-round ratios [min-max over rounds]; "
+      "first/best = first choice's time over the fastest other kernel's)")
+    p("      M  N x K           r1 fast [min-max]     r0 exact [min-max]    first/best "
+      "[min-max]   first -> best")
+    order = [tuple(s) for s in manifest["shapes"]]
+    def where(c):
+        nk = (c[0], c[1])
+        return (order.index(nk) if nk in order else len(order), nk, c[2])
+    for (n, k, m) in sorted(cells, key=where):
+        d = cells[(n, k, m)]
+        first = (plan.get(f"{n}x{k}", {}).get("by_m", {}).get(str(m)) or [None])[0]
+        if first not in d:
+            continue
+
+        def q(a, b):
+            per = [x / y for x, y in zip(a, b, strict=True)]
+            return statistics.median(per), min(per), max(per)
+        r1, r0 = q(d["cublas_fast1"], d[first]), q(d["cublas_fast0"], d[first])
+        others = {x: statistics.median(v) for x, v in d.items()
+                  if not x.startswith("cublas") and x != first}
+        line = (f"  {m:5d}  {n}x{k}".ljust(22) + f"{r1[0]:5.3f} [{r1[1]:.3f}-{r1[2]:.3f}]   "
+                f"{r0[0]:5.3f} [{r0[1]:.3f}-{r0[2]:.3f}]")
+        if others:
+            best = min(others, key=others.get)
+            fb = q(d[first], d[best])
+            line += f"   {fb[0]:5.3f} [{fb[1]:.3f}-{fb[2]:.3f}]   {first} -> {best}"
+        p(line)
 
 
 def summarize(res, manifest, p) -> None:
@@ -1127,6 +1215,8 @@ def summarize(res, manifest, p) -> None:
               f"median {statistics.median(spread):.3f}, "
               f"90th percentile {spread[round(0.9 * (len(spread) - 1))]:.3f}, "
               f"worst {spread[-1]:.3f} over {len(spread)} points")
+    if manifest.get("set") == "decode6" and res.get("rounds", 1) > 1:
+        rounds_report(res, manifest, p)
     p(f"wall {res.get('wall_seconds')} s")
 
 
@@ -1152,7 +1242,7 @@ def main():
     b.add_argument("--out", required=True)
     b.add_argument("--set", default="final",
                    choices=["wide", "mid", "split", "pass4", "pingpong", "pp128", "split5",
-                            "final"])
+                            "decode6", "final"])
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--top", type=int, default=3, help="plan choices per M kept (final)")
     b.add_argument("--alt-winners", default=None,

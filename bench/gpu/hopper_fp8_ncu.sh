@@ -4,7 +4,8 @@
 #   bash DIR/hopper_fp8_ncu.sh "M,N,K[,KERNEL]" ... > $OUT/ncu.txt
 # For each point: our plan's first choice (the kernel the client runs; or KERNEL, a name
 # from the bundle's manifest) and cuBLAS with fast accumulation, Speed Of Light and memory
-# sections, clocks left alone.
+# sections, clocks left alone. NCU_CUBLAS="cublas_fast1 cublas_fast0" profiles cuBLAS without
+# fast accumulation too.
 set -uo pipefail
 BUNDLE=$(cd "$(dirname "$0")" && pwd)
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -14,7 +15,7 @@ for point in "$@"; do
   if [[ -z ${name:-} ]]; then
     name=$(python3 -c "import json; p=json.load(open('$BUNDLE/manifest.json'))['plan']; print(p['${n}x${k}']['by_m']['$m'][0])")
   fi
-  for what in "$name" cublas_fast1; do
+  for what in "$name" ${NCU_CUBLAS:-cublas_fast1}; do
     if [[ $what == cublas* ]]; then filt='regex:^(?!.*(cutlass_kernel|elementwise|distribution|fill|copy))'; else filt='regex:cutlass_kernel'; fi
     echo "=== $mnk $what"
     timeout 120 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \

@@ -1,0 +1,74 @@
+"""The H200 check script of the Hopper FP8 family (bench/gpu/hopper_fp8_check.py) on the
+CPU: which tactics and points its "decode6" set times, and the per-round spread table
+that reports them (docs/benchmarks.md, sixth pass)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from cached.families.hopper_fp8.tactics import tactic_space
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _check_script():
+    spec = importlib.util.spec_from_file_location(
+        "hopper_fp8_check", ROOT / "bench" / "gpu" / "hopper_fp8_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_decode6_set_is_the_decode_candidates_of_classes_1_and_2() -> None:
+    """S = 1: the 8 swap_ab tiles, the 64 x (64, 80, 96, 112, 128) tiles (wg_n 1) and the
+    64 x (64, 80, 96, 128) tiles with wg_n 2, raster m, swizzle 1, 3 clusters (27): 35;
+    S = 2: every tactic of the class (66: its unswapped ones for the large-M points, its
+    swap_ab ones as decode candidates)."""
+    h = _check_script()
+    got = h._decode6_tactics()
+    names = [t.name for t in got]
+    assert len(names) == len(set(names))
+    space = {t.name for t in tactic_space()}
+    assert set(names) <= space
+    s1 = [t for t in got if t.splits == 1]
+    s2 = [t for t in got if t.splits == 2]
+    assert len(got) == len(s1) + len(s2)
+    assert len(s1) == 35 and len(s2) == 66
+    assert sum(t.swap_ab for t in s1) == 8
+    assert {t.name for t in s2} == {t.name for t in tactic_space(splits=2)}
+    assert not any(t.pingpong or t.tile_m != 64 for t in s1 if not t.swap_ab)
+    assert {(t.tile_n, t.wg_n) for t in s1 if not t.swap_ab} == {
+        (tn, w) for tn in (64, 80, 96, 112, 128) for w in (1, 2) if (tn, w) != (112, 2)}
+    # a wide, ping-pong or swizzled tile is no decode candidate
+    for t in tactic_space(splits=1):
+        cand = h.decode_candidate(t.to_params())
+        assert cand == (t.swap_ab or (t.tile_m == 64 and t.tile_n <= 128 and not t.pingpong
+                                      and t.raster == "m" and t.swizzle == 1))
+
+
+def test_rounds_report_gives_median_and_range_of_per_round_ratios() -> None:
+    """The first choice's ratio to cuBLAS is the median of the per-round ratios, with
+    their min and max; first/best is its time over the fastest other kernel's."""
+    h = _check_script()
+    manifest = {"shapes": [[4096, 512]],
+                "plan": {"4096x512": {"splits": 1, "by_m": {"64": ["ours"], "128": ["ours"]}}}}
+    rows = [dict(n=4096, k=512, m=64, impl="cublas_fast1", us=9.0, rounds_us=[9.0, 10.0, 8.0]),
+            dict(n=4096, k=512, m=64, impl="cublas_fast0", us=10.0,
+                 rounds_us=[10.0, 10.0, 10.0]),
+            dict(n=4096, k=512, m=64, impl="ours", us=10.0, rounds_us=[10.0, 10.0, 10.0]),
+            dict(n=4096, k=512, m=64, impl="other", us=8.0, rounds_us=[8.0, 12.5, 8.0]),
+            # past max_m: left out
+            dict(n=4096, k=512, m=128, impl="cublas_fast1", us=9.0, rounds_us=[9.0, 9.0]),
+            dict(n=4096, k=512, m=128, impl="cublas_fast0", us=9.0, rounds_us=[9.0, 9.0]),
+            dict(n=4096, k=512, m=128, impl="ours", us=9.0, rounds_us=[9.0, 9.0])]
+    lines: list[str] = []
+    h.rounds_report({"perf": rows}, manifest, lambda *a: lines.append(" ".join(map(str, a))),
+                    max_m=64)
+    body = [x for x in lines if x.strip().startswith("64 ")]
+    assert len(body) == 1 and not any(x.strip().startswith("128 ") for x in lines)
+    line = body[0]
+    assert "0.900 [0.800-1.000]" in line  # fast: 0.9, 1.0, 0.8
+    assert "1.000 [1.000-1.000]" in line  # exact
+    assert "1.250 [0.800-1.250]" in line  # ours / other: 1.25, 0.8, 1.25
+    assert line.endswith("ours -> other")
