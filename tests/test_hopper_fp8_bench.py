@@ -21,8 +21,9 @@ def _check_script():
 
 
 def test_decode6_set_is_the_decode_candidates_of_classes_1_and_2() -> None:
-    """S = 1: the 8 swap_ab tiles, the 64 x (64, 80, 96, 112, 128) tiles (wg_n 1) and the
-    64 x (64, 80, 96, 128) tiles with wg_n 2, raster m, swizzle 1, 3 clusters (27): 35;
+    """S = 1: the 8 swap_ab tiles, the 64 x (40, 48, 56, 64, 80, 96, 112, 128) tiles (wg_n
+    1) and the 64 x (48, 64, 80, 96, 128) tiles with wg_n 2, raster m, swizzle 1, 3
+    clusters (39): 47 (35 before the seventh pass's narrow tiles);
     S = 2: every tactic of the class (66: its unswapped ones for the large-M points, its
     swap_ab ones as decode candidates)."""
     h = _check_script()
@@ -34,17 +35,38 @@ def test_decode6_set_is_the_decode_candidates_of_classes_1_and_2() -> None:
     s1 = [t for t in got if t.splits == 1]
     s2 = [t for t in got if t.splits == 2]
     assert len(got) == len(s1) + len(s2)
-    assert len(s1) == 35 and len(s2) == 66
+    assert len(s1) == 47 and len(s2) == 66
     assert sum(t.swap_ab for t in s1) == 8
     assert {t.name for t in s2} == {t.name for t in tactic_space(splits=2)}
     assert not any(t.pingpong or t.tile_m != 64 for t in s1 if not t.swap_ab)
     assert {(t.tile_n, t.wg_n) for t in s1 if not t.swap_ab} == {
-        (tn, w) for tn in (64, 80, 96, 112, 128) for w in (1, 2) if (tn, w) != (112, 2)}
+        (tn, w) for tn in (40, 48, 56, 64, 80, 96, 112, 128) for w in (1, 2)
+        if (tn, w) not in ((112, 2), (40, 2), (56, 2))}
     # a wide, ping-pong or swizzled tile is no decode candidate
     for t in tactic_space(splits=1):
         cand = h.decode_candidate(t.to_params())
         assert cand == (t.swap_ab or (t.tile_m == 64 and t.tile_n <= 128 and not t.pingpong
                                       and t.raster == "m" and t.swizzle == 1))
+
+
+def test_decode7_set_is_class_1_decode_candidates_with_the_narrow_tiles() -> None:
+    """decode7 (seventh pass): the classes' first kernels (64x128, and the S = 2 'cta' one
+    that leads 2112x7168's class) and class S = 1's 47 decode candidates, among them the 9
+    narrow 64 x 40/48/56 tiles and the 3 64 x 48 wg_n = 2 ones; the build adds the
+    plan's first choices at M <= 64."""
+    h = _check_script()
+    got = h._decode7_tactics()
+    names = [t.name for t in got]
+    assert len(names) == len(set(names)) == 48
+    assert set(names) <= {t.name for t in tactic_space()}
+    assert got[0].name == "m64n128_c1x1_rm_s1_st8_e4m3_bfloat16"
+    assert got[1].splits == 2 and got[1].split_mode == "cta" and not got[1].swap_ab
+    s1 = [t for t in got if t.splits == 1]
+    assert len(s1) == 47 and all(h.decode_candidate(t.to_params()) for t in s1)
+    narrow = [t for t in s1 if t.tile_n in (40, 48, 56) and not t.swap_ab]
+    assert len(narrow) == 12
+    assert sorted({(t.tile_n, t.wg_n) for t in narrow}) == [(40, 1), (48, 1), (48, 2),
+                                                            (56, 1)]
 
 
 def test_rounds_report_gives_median_and_range_of_per_round_ratios() -> None:

@@ -36,9 +36,10 @@ def test_enumeration_size_and_budget():
     every = enumerate_tactics(4096, 4096, 4096, splits=1)
     # 11 feasible tiles of the widths 64/128/192/256 (256x256 dropped) x 3 clusters x 2
     # rasters x 4 swizzles, 12 tiles of the widths 80/96/112/160 x 3 clusters x 2 rasters
-    # (swizzle 1), the 8 swap_ab tiles, 7 wg_n=2 widths x 3 clusters and 6 ping-pong tiles
-    # (64 x 3 widths, 128 x 3 widths) x 3 clusters x 2 rasters
-    assert len(every) == 401 and len({t.name for t in every}) == 401
+    # (swizzle 1), the 8 swap_ab tiles, 8 wg_n=2 widths x 3 clusters, 6 ping-pong tiles
+    # (64 x 3 widths, 128 x 3 widths) x 3 clusters x 2 rasters and the 3 narrow decode
+    # tiles 64 x 40/48/56 x 3 clusters (raster m, swizzle 1)
+    assert len(every) == 413 and len({t.name for t in every}) == 413
     swapped = [t for t in every if t.swap_ab]
     assert {(t.tile_m, t.tile_n) for t in swapped} == {
         (tm, tn) for tm in (8, 16, 32, 64) for tn in (64, 128)}
@@ -51,17 +52,18 @@ def test_enumeration_size_and_budget():
         assert t.consumer_warpgroups == (1 if t.tile_n == 64 else 2)
         assert t.reduction_class == "k128.acc1.s1.fixed"
     ts = [t for t in every if not t.swap_ab and t.wg_n == 1 and not t.pingpong]
-    assert len(ts) == 336
+    assert len(ts) == 345
     assert all(t.swizzle == 1 for t in ts if t.tile_n not in T.SWIZZLED_TILE_N)
     assert len({t.name for t in ts}) == len(ts)
     tiles = {(t.tile_m, t.tile_n) for t in ts}
-    assert (256, 256) not in tiles and len(tiles) == 23
-    assert {tn for _, tn in tiles} == {64, 80, 96, 112, 128, 160, 192, 256}
+    assert (256, 256) not in tiles and len(tiles) == 26
+    assert {tn for _, tn in tiles} == {40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 256}
     for t in ts:
-        assert T.MIN_STAGES <= t.stages <= T.MAX_STAGES
+        cap = T.SWAP_MAX_STAGES if t.tile_n in T.NARROW_TILE_N else T.MAX_STAGES
+        assert T.MIN_STAGES <= t.stages <= cap
         assert smem_bytes(t) <= T.SMEM_CAPACITY_BYTES == 227 * 1024
         # one more stage would not fit, unless capped
-        if t.stages < T.MAX_STAGES:
+        if t.stages < cap:
             bigger = T.smem_bytes_for(t.tile_m, t.tile_n, t.stages + 1, t.out_dtype)
             assert bigger > T.SMEM_CAPACITY_BYTES
         assert T.acc_regs_per_thread(t.tile_m, t.tile_n) <= T.MAX_ACC_REGS_PER_THREAD
@@ -76,7 +78,8 @@ def test_split_space():
     accumulators and on four of them with clusters 1x2 and 2x1 and both rasters, 'serial'
     on four wg_n=2 tiles with clusters 1x1 and 2x1, 'serial' ping-pong on 64 x (128, 192)
     with clusters 1x1 and 2x1 and both rasters, both modes on the eight swap_ab tiles; 665
-    tactics over the five classes (36 ping-pong ones in S = 1, 8 per S > 1)."""
+    tactics over the five classes (36 ping-pong ones and 9 narrow decode tiles in S = 1, 8
+    ping-pong ones per S > 1)."""
     for s in T.SPLIT_CHOICES[1:]:
         ts = T.tactic_space(splits=s)
         cta = [t for t in ts if t.split_mode == "cta" and not t.swap_ab]
@@ -99,8 +102,8 @@ def test_split_space():
         for t in ts:
             t.validate()
     space = T.tactic_space()
-    assert len(space) == 665 == len({t.name for t in space})
-    assert len(enumerate_tactics(4096, 4096, 4096)) == 665
+    assert len(space) == 677 == len({t.name for t in space})
+    assert len(enumerate_tactics(4096, 4096, 4096)) == 677
 
 
 def test_reduction_order_constants():
@@ -285,6 +288,58 @@ def test_consumer_warpgroups_along_n():
     assert tactic_from_params({"tile_m": 64, "tile_n": 80}).wg_n == 1
 
 
+def test_narrow_decode_tiles():
+    """64 x 40/48/56 (tokens on the wgmma M side, 40-56 weight rows on its N side): one
+    consumer warpgroup, the class of S = 1, clusters 1x1/2x1/1x2, raster m, swizzle 1, up
+    to SWAP_MAX_STAGES stages, the whole tile staged for one TMA store (tile_epilogue);
+    more CTAs than 64-row tiles on N = 4096..5120 (88-100 for 64 x 48 / 56)."""
+    space = [t for t in T.tactic_space(splits=1) if t.tile_n in T.NARROW_TILE_N
+             and t.wg_n == 1]
+    assert len(space) == 9 and T.NARROW_TILE_N == (40, 48, 56)
+    assert {(t.tile_n, t.cluster_m, t.cluster_n) for t in space} == {
+        (tn, cm, cn) for tn in (40, 48, 56) for cm, cn in T.CLUSTER_CHOICES}
+    for t in space:
+        assert t.tile_m == 64 and t.raster == "m" and t.swizzle == 1 and t.wg_n == 1
+        assert not t.swap_ab and not t.pingpong and t.consumer_warpgroups == 1
+        assert t.reduction_class == "k128.acc1.s1.fixed"
+        assert t.reduction_order == T.REDUCTION_ORDER
+        assert T.tile_epilogue(t.tile_n, t.wg_n, t.swap_ab)
+        epi = -(-64 * t.tile_n * 2 // 1024) * 1024  # the whole bf16 tile, 1024-B aligned
+        assert t.stages == min(T.SWAP_MAX_STAGES,
+                               (T.SMEM_CAPACITY_BYTES - 2 * 1024 - epi)
+                               // ((64 + t.tile_n) * 128))
+        assert T.smem_bytes(t) == 2 * 1024 + epi + t.stages * (64 + t.tile_n) * 128
+        assert T.smem_bytes(t) <= T.SMEM_CAPACITY_BYTES
+        assert T.acc_regs_per_thread(64, t.tile_n) == t.tile_n // 2
+        key = T.recorded_key(t)
+        assert T._from_key(key, 1, "bfloat16", "e4m3") == t
+        assert tactic_from_params(t.to_params()) == t
+    assert [t.stages for t in space if t.cluster_size == 1] == [16, 15, 14]
+    assert T.recorded_key(HopperFp8Tactic(64, 48, 2, 1).normalized()) == "64x48m@2x1"
+    # wg_n = 2 on 48 columns (two 64 x 24 wgmma), in the space with its three clusters
+    two = [t for t in T.tactic_space(splits=1) if t.wg_n == 2 and t.tile_n == 48]
+    assert len(two) == 3 and all(T.tile_epilogue(48, 2) for _ in two)
+    assert T.recorded_key(two[0]) == "n64x48m" and two[0].consumer_warpgroups == 2
+    # CTAs on the weight stream at M <= 64
+    assert [T.work_units(HopperFp8Tactic(64, tn).normalized(), 64, 4096)
+            for tn in (40, 48, 56, 64)] == [103, 86, 74, 64]
+    assert [T.work_units(HopperFp8Tactic(64, tn).normalized(), 64, 5120)
+            for tn in (48, 56)] == [107, 92]
+    # the other widths keep their epilogue (no tile epilogue unless wg_n = 2)
+    assert not any(T.tile_epilogue(tn, 1) for tn in T.TILE_N_CHOICES)
+    assert not T.tile_epilogue(48, 1, swap_ab=True)
+    # the cost model has a row for each (not the unmeasured-tile fallback): M <= 64 from
+    # the H200 decode7 run, under 64x64's; past M = 64 (not timed) 64x64's figures; and a
+    # serial split of a narrow tile is a valid tactic of its class
+    for t in space:
+        per = T.US_PER_K_TILE[(64, t.tile_n)]
+        assert T._per_k_tile_us(64, t.tile_n, 64) == per[0] < T.US_PER_K_TILE[(64, 64)][0]
+        assert per[1:] == T.US_PER_K_TILE[(64, 64)][1:]
+    assert (64, 48) in T.WG_N_US_PER_K_TILE
+    s2 = HopperFp8Tactic(64, 48, splits=2).normalized()
+    assert s2.reduction_class == "k128.acc1.s2.fixed" and T.recorded_key(s2) == "64x48ms"
+
+
 def test_pingpong_tactics():
     """pingpong: two consumer warpgroups with whole tile_m x tile_n tiles of their own
     (S = 1; tile_m 64, or 128 = two m64 atoms per warpgroup): the class of S = 1, the whole
@@ -382,6 +437,15 @@ def test_stages_default_to_most_that_fit():
          "serial split keeps a running sum"),
         ({"tile_m": 64, "tile_n": 128, "pingpong": True, "swap_ab": True}, "pingpong needs"),
         ({"tile_m": 64, "tile_n": 128, "pingpong": 1}, "pingpong must be true or false"),
+        ({"tile_m": 128, "tile_n": 48}, "tile_n in (40, 48, 56) (narrow decode tiles) needs "
+                                        "tile_m=64"),
+        ({"tile_m": 64, "tile_n": 40, "pingpong": True}, "needs tile_m=64 and pingpong=false"),
+        ({"tile_m": 64, "tile_n": 56, "splits": 2, "split_mode": "cta"},
+         "tile_n in (40, 48, 56) takes split_mode 'serial' only"),
+        ({"tile_m": 64, "tile_n": 40, "wg_n": 2}, "tile_n=40 gives 20"),
+        ({"tile_m": 64, "tile_n": 56, "wg_n": 2}, "tile_n/2 a multiple of 8"),
+        ({"tile_m": 64, "tile_n": 32}, "tile_n must be one of"),
+        ({"tile_m": 8, "tile_n": 48, "swap_ab": True}, "tile_n must be one of (64, 128)"),
     ],
 )
 def test_validation_errors(params, words):
@@ -444,7 +508,7 @@ def test_plan_reduction_class_option_and_default():
 
     fam = HopperFp8()
     every = fam.plan((16, 4096, 4096), "sm_90a", 132, {})
-    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 665
+    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 677
     for cid in T.REDUCTION_CLASSES:
         reqs = fam.plan((16, 4096, 4096), "sm_90a", 132, {"reduction_class": cid})
         assert {_class(r) for r in reqs} == {cid}
@@ -622,11 +686,11 @@ def test_every_tile_and_cluster_compiles_for_sm90a_through_the_daemon(daemon):
     client = daemon.client()
     requests = client.plan("cached.hopper_fp8", (4096, 4096, 4096), "sm_90a",
                            options={"reduction_class": class_id})
-    assert len(requests) == 401 and {r.max_active_clusters for r in requests} == {132, 66}
+    assert len(requests) == 413 and {r.max_active_clusters for r in requests} == {132, 66}
     # the swap_ab, wg_n=2 and ping-pong tactics: their own tests below
     requests = [r for r in requests if not r.params["swap_ab"] and r.params["wg_n"] == 1
                 and not r.params["pingpong"]]
-    assert len(requests) == 336
+    assert len(requests) == 345
     requests = [r for r in requests if r.params["tile_n"] in OLD_TILE_N]
     assert len(requests) == 264
     by_shape: dict = {}
@@ -760,6 +824,33 @@ def test_wg_n_tactics_compile_for_sm90a_through_the_daemon(daemon):
     names = _compile_through_daemon(daemon, variants)
     assert len(names) == len(variants) and all(nm.split("_mac")[0].endswith("_wn2")
                                                for nm in names)
+def _narrow_variants() -> list:
+    """The narrow decode tiles (seventh pass), one per distinct code path: each width
+    (wgmma N 40, 48, 56), each cluster (2x1 multicasts the weight tile to both token
+    tiles), wg_n = 2 on 48 columns (wgmma N 24) with and without a cluster, and
+    e5m2/fp16."""
+    H = HopperFp8Tactic
+    return [t.normalized() for t in (
+        H(64, 40),
+        H(64, 48, 2, 1),
+        H(64, 56, 1, 2),
+        H(64, 48, wg_n=2),
+        H(64, 48, 2, 1, wg_n=2),
+        H(64, 56, 1, 1, "m", 1, 0, "float16", "e5m2"),
+    )]
+
+
+def test_narrow_decode_tiles_compile_for_sm90a_through_the_daemon(daemon):
+    """The narrow decode tiles (see _narrow_variants), compiled by the daemon's workers;
+    every one is in the family's space (their class checked bitwise on an H200:
+    docs/benchmarks.md, seventh pass)."""
+    variants = _narrow_variants()
+    assert {t.tile_n for t in variants} == set(T.NARROW_TILE_N)
+    names = _compile_through_daemon(daemon, variants)
+    assert len(names) == len(variants)
+    assert {nm.split("_c")[0] for nm in names} == {"m64n40", "m64n48", "m64n56"}
+
+
 def _pingpong_variants() -> list:
     """Ping-pong tactics, one per distinct code path: each width (wgmma N 128, 192, 256),
     both clusters, raster n, and e5m2/fp16."""

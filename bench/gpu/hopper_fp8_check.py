@@ -24,6 +24,8 @@
       / PP128_MS, "split5" every unswapped S = 2 tactic at PP128_MS, "decode6" the plan's
       first choice beside its class's decode candidates at M in DECODE_MS and the S = 2
       class's unswapped tactics at DECODE6_SPLIT_MS (with a per-round spread table),
+      "decode7" the same at DECODE_MS only, class S = 1's decode candidates with the
+      narrow 64 x 40/48/56 tiles (seventh pass),
       "final" the plan's first choice (what a client runs) and the next ones in its class
       (build --top), and
       with build --alt-winners another recorded table's first choices too, at every M,
@@ -289,6 +291,19 @@ def _decode6_tactics():
     return _unique(out)
 
 
+def _decode7_tactics():
+    """The tactics a "decode7" run (seventh pass) checks and times at M in DECODE_MS: the
+    decode_candidates of class S = 1 (with the narrow 64 x 40/48/56 tiles and 64 x 48
+    wg_n = 2), after the classes' first kernels; the build adds the plan's first choices
+    at DECODE_MS (2112x7168's S = 2 ones among them, timed alone in their class)."""
+    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
+    from cached.families.hopper_fp8.tactics import tactic_space
+
+    out = [T(64, 128).normalized(), T(64, 128, splits=2, split_mode="cta").normalized()]
+    out += [t for t in tactic_space(splits=1) if decode_candidate(t.to_params())]
+    return _unique(out)
+
+
 def _final_plan(top: int):
     """The batch-invariant plan per shape: its class, and the first `top` tactics per M."""
     from cached.families.hopper_fp8.tactics import choose_split, enumerate_tactics
@@ -391,7 +406,7 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
     tactics = {"wide": _wide_tactics, "mid": _mid_tactics, "split": _split_tactics,
                "pass4": _pass4_tactics, "pingpong": _pingpong_tactics,
                "pp128": _pp128_tactics, "split5": _split5_tactics,
-               "decode6": _decode6_tactics}.get(
+               "decode6": _decode6_tactics, "decode7": _decode7_tactics}.get(
         which, lambda: _final_tactics(plan))()
     plan_alt = None
     if alt_winners:  # final: the other plan's first choices too, timed beside the plan's
@@ -406,11 +421,12 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
                     if nm not in have:
                         tactics.append(by_name[nm])
                         have.add(nm)
-    if which in ("wide", "mid", "pass4", "pingpong", "pp128", "split5", "decode6"):
+    if which in ("wide", "mid", "pass4", "pingpong", "pp128", "split5", "decode6", "decode7"):
         names = {t.name for t in tactics}  # + the plan's first choices at the set's M
         ms = {str(m) for m in {"wide": MS, "mid": MID_MS, "pass4": PASS4_MS,
                                "pingpong": PINGPONG_MS, "pp128": PP128_MS,
-                               "split5": PP128_MS, "decode6": DECODE_MS}[which]}
+                               "split5": PP128_MS, "decode6": DECODE_MS,
+                               "decode7": DECODE_MS}[which]}
         for t in _final_tactics({k: {"by_m": {m: v[:1] for m, v in p["by_m"].items()
                                               if m in ms}}
                                  for k, p in plan.items()}):
@@ -947,7 +963,7 @@ def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool
             ms = override_ms or {"pass4": PASS4_MS, "pingpong": PINGPONG_MS,
                                  "pp128": PP128_MS, "split5": PP128_MS}.get(
                 r.manifest["set"], MID_MS)
-        elif r.manifest["set"] == "decode6":
+        elif r.manifest["set"] in ("decode6", "decode7"):
             def pick(n, k, m):
                 # the plan's first choice, then its class's decode candidates (M <= 64) or,
                 # at M in DECODE6_SPLIT_MS, the class S = 2's unswapped tactics
@@ -960,7 +976,8 @@ def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool
                     out += [x for x in plain if r.meta[x]["splits"] == s
                             and not r.meta[x]["swap_ab"]]
                 return list(dict.fromkeys(out))
-            ms = override_ms or DECODE_MS + DECODE6_SPLIT_MS
+            ms = override_ms or DECODE_MS + (DECODE6_SPLIT_MS if r.manifest["set"] == "decode6"
+                                             else [])
         else:
             alt = r.manifest.get("plan_alt") or {}
 
@@ -1215,7 +1232,7 @@ def summarize(res, manifest, p) -> None:
               f"median {statistics.median(spread):.3f}, "
               f"90th percentile {spread[round(0.9 * (len(spread) - 1))]:.3f}, "
               f"worst {spread[-1]:.3f} over {len(spread)} points")
-    if manifest.get("set") == "decode6" and res.get("rounds", 1) > 1:
+    if manifest.get("set") in ("decode6", "decode7") and res.get("rounds", 1) > 1:
         rounds_report(res, manifest, p)
     p(f"wall {res.get('wall_seconds')} s")
 
@@ -1242,7 +1259,7 @@ def main():
     b.add_argument("--out", required=True)
     b.add_argument("--set", default="final",
                    choices=["wide", "mid", "split", "pass4", "pingpong", "pp128", "split5",
-                            "decode6", "final"])
+                            "decode6", "decode7", "final"])
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--top", type=int, default=3, help="plan choices per M kept (final)")
     b.add_argument("--alt-winners", default=None,

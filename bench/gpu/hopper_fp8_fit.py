@@ -23,7 +23,8 @@ winners (tactics.RECORDED_WINNERS), which is how the plan ranks an (N, K) nobody
 --write-table writes those recorded winners (the best measured tactic per (N, K), M and
 class S in 1, 2, 4) as cached/families/hopper_fp8/h200_winners.py. --update-table PATH
 --margin F starts from the winners recorded in PATH instead and replaces one only where a
-run timed it beside a tactic of its class faster by more than the margin (update_table).
+run timed it beside a tactic of its class faster by more than the margin (update_table);
+with --per-round (JSON runs timed in rounds) faster by more than the margin in every round.
 """
 
 from __future__ import annotations
@@ -131,6 +132,23 @@ def load(paths: list[str]):
     return by, {t.name: t for t in T.tactic_space()}
 
 
+def load_rounds(paths: list[str]) -> dict:
+    """{(N, K, M, kernel name): [us per round]} from runs' hopper_fp8.json timed in rounds
+    (`run --rounds R`); later runs replace earlier ones' cells as in load()."""
+    rounds: dict = {}
+    for path in paths:
+        if path.endswith(".csv"):
+            raise SystemExit(f"--per-round needs the runs' JSON (rounds_us), not {path}")
+        with open(path) as f:
+            res = json.load(f)
+        for row in res["perf"]:
+            if not row.get("rounds_us"):
+                raise SystemExit(f"{path}: {row['n']}x{row['k']} M={row['m']} "
+                                 f"{row['impl']} was not timed in rounds")
+            rounds[(row["n"], row["k"], row["m"], row["impl"])] = row["rounds_us"]
+    return rounds
+
+
 def write_csv(by, path: str) -> None:
     with open(path, "w") as f:
         f.write("m,n,k,kernel,us\n")
@@ -171,12 +189,15 @@ def write_table(by, space, path: str, sources: list[str]) -> None:
                         "replace an earlier run's)."])
 
 
-def update_table(by, space, path: str, sources: list[str], margin: float) -> None:
+def update_table(by, space, path: str, sources: list[str], margin: float,
+                 rounds: dict | None = None) -> None:
     """Start from the recorded winners in ``path`` and replace a (N, K, class S, M) winner
     only where the runs ``by`` timed it and the best tactic of its class in the same cell
     (one run, one machine) is faster by more than ``margin`` (0.05: 5 %). Cells the runs
     did not time, or whose recorded winner they did not time, are kept: times from two
-    machines are never compared, and a win within the run-to-run spread changes nothing."""
+    machines are never compared, and a win within the run-to-run spread changes nothing.
+    With ``rounds`` (load_rounds), the best tactic (by median) must be faster than the
+    winner by more than ``margin`` in every round of the cell, not only in the median."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_recorded", path)
@@ -202,10 +223,17 @@ def update_table(by, space, path: str, sources: list[str], margin: float) -> Non
                 ks = [x for x in d if x in space and space[x].splits == s]
                 if old in d and ks:
                     best = min(ks, key=d.get)
-                    if best != old and d[old] > d[best] * (1 + margin):
+                    if rounds is not None and best != old:
+                        q = [a / b for a, b in zip(rounds[(n, k, m, old)],
+                                                   rounds[(n, k, m, best)], strict=True)]
+                        win = min(q) > 1 + margin
+                        how = f", every round: {min(q):.3f}-{max(q):.3f}x"
+                    else:
+                        win, how = d[old] > d[best] * (1 + margin), ""
+                    if best != old and win:
                         print(f"  {n}x{k} S={s} M={m}: {key} {d[old]:.1f} us -> "
                               f"{T.recorded_key(space[best])} {d[best]:.1f} us "
-                              f"({d[old] / d[best]:.3f}x)")
+                              f"({d[old] / d[best]:.3f}x{how})")
                         out.append((m, T.recorded_key(space[best]), round(d[best], 1)))
                         changed += 1
                         continue
@@ -216,7 +244,8 @@ def update_table(by, space, path: str, sources: list[str], margin: float) -> Non
                                *(f"    {os.path.basename(x)}" for x in sources),
                                "(a winner replaced only where the same run timed it and a "
                                "tactic of its", f"class beat it by more than "
-                               f"{margin * 100:.0f} %)."])
+                               f"{margin * 100:.0f} %"
+                               + (" in every round)." if rounds is not None else ").")])
     print(f"update: {changed} winners replaced, {kept} timed and kept")
 
 
@@ -334,6 +363,9 @@ def main() -> int:
     ap.add_argument("--margin", type=float, default=0.05,
                     help="--update-table: a faster tactic replaces a winner only when the "
                          "winner's time over its is more than 1 + margin")
+    ap.add_argument("--per-round", action="store_true",
+                    help="--update-table from JSON runs timed in rounds: the margin must hold "
+                         "in every round of a cell")
     ap.add_argument("--write-csv")
     ap.add_argument("--per-k-tile", action="store_true")
     ap.add_argument("--spread", action="store_true",
@@ -353,7 +385,8 @@ def main() -> int:
         write_table(by, space, a.write_table, a.json)
         return 0
     if a.update_table:
-        update_table(by, space, a.update_table, a.json, a.margin)
+        update_table(by, space, a.update_table, a.json, a.margin,
+                     load_rounds(a.json) if a.per_round else None)
         return 0
     if a.model_only:
         T.RECORDED_WINNERS.clear()

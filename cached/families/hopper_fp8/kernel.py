@@ -79,6 +79,7 @@ from .tactics import (
     mma_tile,
     num_consumer_warpgroups,
     register_epilogue,
+    tile_epilogue,
 )
 
 _AB_DTYPES = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
@@ -115,11 +116,12 @@ class HopperFp8GemmKernel:
         self.num_mma_wg = tactic.consumer_warpgroups
         self.atom_layout_mnk = ((1, 2, 1) if self.wg_n == 2 else (1, 1, 1) if self.pingpong
                                 else (num_consumer_warpgroups(self.tile_shape_mnk[0]), 1, 1))
-        # swap_ab stores C from registers (epilogue_direct); wg_n = 2 stages the whole
+        # swap_ab stores C from registers (epilogue_direct); wg_n = 2 and the narrow
+        # decode tiles (64 x 40/48/56) stage the whole
         # tile through shared memory (plain stores in the MMA's register layout) and
         # TMA-stores it at once
         self.direct_epi = register_epilogue(self.swap, self.wg_n)
-        self.tile_epi = self.wg_n == 2
+        self.tile_epi = tile_epilogue(tactic.tile_n, self.wg_n, self.swap)
         self.threads_per_wg = 128
         self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
         self.threads_per_cta = (1 + self.num_mma_wg) * self.threads_per_wg

@@ -54,6 +54,12 @@ sum in the same order: a wg_n=2 tactic is in the class of its S. Its epilogue sc
 fp32 and rounds as every other's, then stages the whole tile in one shared-memory buffer
 and TMA-stores it.
 
+Narrow decode tiles (tile_m = 64, tile_n in NARROW_TILE_N = 40, 48, 56; seventh pass): the
+tokens on the wgmma M side and 40-56 weight rows on its N side, so that more CTAs stream
+the weights at M <= 64 than the 64-row tiles give. Same K walk, so in the class of its S
+(bitwise checked on an H200, docs/benchmarks.md); the epilogue stages the whole tile as
+wg_n = 2 does (tile_epilogue).
+
 Choosing S: ``choose_split(n, k, sm_count)`` depends on N, K and the device only, never
 on M, so a batch-invariant plan for one (N, K) uses one class for every M.
 """
@@ -81,6 +87,12 @@ TILE_M_CHOICES = (64, 128, 256)
 # up to 256): at M = 128..1024 they fill the 132 SMs where 64/128/192/256 leave a wave
 # mostly empty or start a second one (e.g. N = 5120: 64 tiles of 80 at M <= 128)
 TILE_N_CHOICES = (64, 80, 96, 112, 128, 160, 192, 256)
+# narrow weight tiles for the decode band (seventh pass): 64 token rows on the wgmma M side
+# and 40, 48 or 56 weight rows on its N side, so that ceil(N / tile_n) CTAs stream the
+# weights (N = 4096..5120: 74-128 CTAs, where 64-row tiles give 64-80 on 132 SMs). tile_m =
+# 64 only, no ping-pong, split_mode 'serial' only; the whole tile is staged for one TMA
+# store (tile_epilogue: 40 and 56 are no multiple of the 16-column epilogue sub-tile)
+NARROW_TILE_N = (40, 48, 56)
 # the widths tactic_space plans with every swizzle; the others with swizzle 1 only (swizzle
 # won a few percent at M = 8192 at most, and every planned kernel is compiled when a
 # manifest is warmed)
@@ -93,7 +105,7 @@ SWAP_MAX_STAGES = 16  # small stages: deeper rings keep more weight bytes in fli
 # tile_n/2 columns (a multiple of 8, the wgmma N step); the epilogue stages the whole tile
 # in one shared-memory buffer; stages capped at SWAP_MAX_STAGES like the swap_ab tiles
 WG_N_CHOICES = (1, 2)
-WG_N_TILE_N = (64, 80, 96, 128, 160, 192, 256)
+WG_N_TILE_N = (48, 64, 80, 96, 128, 160, 192, 256)
 # ping-pong (pingpong = True): two consumer warpgroups, each with whole tile_m x tile_n
 # tiles of its own, the CTA's tiles alternating between them, so one warpgroup's epilogue
 # runs under the other's main loop (issue 13 item 4). tile_m = 64 (one m64 wgmma atom) or
@@ -193,6 +205,13 @@ def register_epilogue(swap_ab: bool, wg_n: int) -> bool:
     return swap_ab
 
 
+def tile_epilogue(tile_n: int, wg_n: int, swap_ab: bool = False) -> bool:
+    """Whether the kernel stages the whole tile_m x tile_n output tile in one row-major
+    shared-memory buffer (plain stores in the MMA's register layout) and TMA-stores it at
+    once: wg_n = 2, and the NARROW_TILE_N widths; never with swap_ab (register_epilogue)."""
+    return not swap_ab and (wg_n == 2 or tile_n in NARROW_TILE_N)
+
+
 def acc_sets(splits: int, split_mode: str) -> int:
     """fp32 accumulator copies a consumer thread holds: 2 for a serial split (the
     running sum beside the current range's partial), else 1."""
@@ -226,7 +245,7 @@ def _epi_bytes(tile_m: int, tile_n: int, out_dtype: str, swap_ab: bool = False,
                wg_n: int = 1, pingpong: bool = False) -> int:
     if register_epilogue(swap_ab, wg_n):
         return SWAP_EPI_BYTES
-    if wg_n == 2:  # the whole tile_m x tile_n tile, one buffer
+    if tile_epilogue(tile_n, wg_n):  # the whole tile_m x tile_n tile, one buffer
         raw = tile_m * tile_n * OUT_DTYPE_BYTES[out_dtype]
         return -(-raw // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
     em, en = epilogue_tile(tile_m, tile_n, pingpong)
@@ -249,11 +268,12 @@ def smem_bytes_for(tile_m: int, tile_n: int, stages: int, out_dtype: str = "bflo
 def max_stages_for(tile_m: int, tile_n: int, out_dtype: str = "bfloat16",
                    swap_ab: bool = False, wg_n: int = 1, pingpong: bool = False) -> int:
     """Most A/B stages that fit the budget (capped at MAX_STAGES, SWAP_MAX_STAGES for
-    swap_ab and wg_n = 2); may be < 2."""
+    swap_ab, wg_n = 2 and the NARROW_TILE_N widths); may be < 2."""
     fixed = (STATIC_SMEM_BYTES + MBAR_REGION_BYTES
              + _epi_bytes(tile_m, tile_n, out_dtype, swap_ab, wg_n, pingpong))
     free = SMEM_CAPACITY_BYTES - fixed
-    cap = SWAP_MAX_STAGES if swap_ab or wg_n == 2 else MAX_STAGES
+    cap = (SWAP_MAX_STAGES if swap_ab or wg_n == 2 or tile_n in NARROW_TILE_N
+           else MAX_STAGES)
     return min(cap, free // _stage_bytes(tile_m, tile_n))
 
 
@@ -369,7 +389,7 @@ class HopperFp8Tactic:
         """Return the tactic with stages filled in (0 -> the most that fit), validated."""
         t = self
         ms, ns = ((SWAP_TILE_M_CHOICES, SWAP_TILE_N_CHOICES) if t.swap_ab is True
-                  else (TILE_M_CHOICES, TILE_N_CHOICES))
+                  else (TILE_M_CHOICES, TILE_N_CHOICES + NARROW_TILE_N))
         if t.stages == 0 and t.tile_m in ms and t.tile_n in ns and t.out_dtype in OUT_DTYPES:
             t = dataclasses.replace(t, stages=max_stages_for(t.tile_m, t.tile_n, t.out_dtype,
                                                              t.swap_ab, t.wg_n, t.pingpong))
@@ -400,16 +420,25 @@ class HopperFp8Tactic:
         else:
             if self.tile_m not in TILE_M_CHOICES:
                 bad(f"tile_m must be one of {TILE_M_CHOICES}")
-            if self.tile_n not in TILE_N_CHOICES:
-                bad(f"tile_n must be one of {TILE_N_CHOICES}")
+            if self.tile_n not in TILE_N_CHOICES + NARROW_TILE_N:
+                bad(f"tile_n must be one of {TILE_N_CHOICES + NARROW_TILE_N}")
         if self.wg_n not in WG_N_CHOICES:
             bad(f"wg_n must be one of {WG_N_CHOICES}")
         if self.wg_n == 2 and (self.swap_ab or self.tile_m != 64):
             bad("wg_n=2 (two consumer warpgroups along N) needs tile_m=64 and swap_ab=false")
         if self.wg_n == 2 and self.split_mode == "cta" and self.splits > 1:
             bad("wg_n=2 takes split_mode 'serial' only")
+        if self.wg_n == 2 and (self.tile_n // 2) % 8:
+            bad(f"wg_n=2 needs tile_n/2 a multiple of 8 (the wgmma N step); tile_n="
+                f"{self.tile_n} gives {self.tile_n / 2:g}")
         if not isinstance(self.pingpong, bool):
             bad(f"pingpong must be true or false, got {type(self.pingpong).__name__}")
+        if self.tile_n in NARROW_TILE_N and not self.swap_ab:
+            if self.tile_m != 64 or self.pingpong:
+                bad(f"tile_n in {NARROW_TILE_N} (narrow decode tiles) needs tile_m=64 and "
+                    f"pingpong=false")
+            if self.split_mode == "cta" and self.splits > 1:
+                bad(f"tile_n in {NARROW_TILE_N} takes split_mode 'serial' only")
         if self.pingpong and (self.tile_m not in PINGPONG_TILE_M or self.swap_ab
                               or self.wg_n != 1):
             bad(f"pingpong needs tile_m in {PINGPONG_TILE_M}, wg_n=1 and swap_ab=false")
@@ -489,7 +518,13 @@ def smem_bytes(t: HopperFp8Tactic) -> int:
 # S = 1, cluster 1x1, swizzle 1, raster m (bench/gpu/hopper_fp8_fit.py --per-k-tile over
 # docs/results/h200_hopper_fp8_swap_wide.csv then h200_hopper_fp8_mid.csv, whose cells
 # replace the first run's at M = 64..8192). 256x64 was never timed: scaled from 256x80.
+# The NARROW_TILE_N tiles (64 x 40/48/56): M <= 64 the same median over the H200 decode7
+# run (seventh pass, 14 (N, K) x M = 1..64; docs/results/h200_hopper_fp8_pass7_decode7.csv,
+# --per-k-tile), where 64x64 gave 0.290; M > 64 not timed: 64x64's figures.
 US_PER_K_TILE = {
+    (64, 40): (0.240, 0.189, 0.204),
+    (64, 48): (0.237, 0.189, 0.204),
+    (64, 56): (0.248, 0.189, 0.204),
     (64, 64): (0.291, 0.189, 0.204),
     (64, 80): (0.244, 0.217, 0.228),
     (64, 96): (0.245, 0.242, 0.249),
@@ -534,8 +569,10 @@ SWAP_US_PER_K_TILE = {
 # wg_n = 2 tiles (64 x tile_n, two consumer warpgroups along N) -> the same three regimes:
 # the same median over the H200 pass4 run (14 (N, K) x M = 64..2048, the plan's class;
 # docs/results/h200_hopper_fp8_pass4.log, printed by bench/gpu/hopper_fp8_fit.py
-# --per-k-tile over that run's JSON)
+# --per-k-tile over that run's JSON); 64x48 (halves of 24, seventh pass): M <= 64 from the
+# decode7 run (as US_PER_K_TILE's narrow tiles), M > 64 64x64's figures
 WG_N_US_PER_K_TILE = {
+    (64, 48): (0.243, 0.198, 0.201),
     (64, 64): (0.210, 0.198, 0.201),
     (64, 80): (0.210, 0.221, 0.213),
     (64, 96): (0.223, 0.243, 0.228),
@@ -677,15 +714,16 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
                  splits: int | None = None) -> list[HopperFp8Tactic]:
     """Every tactic the family plans, for one split count S or (None) for all of them.
 
-    S = 1 (401): every feasible tile x cluster x raster x swizzle of the widths
+    S = 1 (413): every feasible tile x cluster x raster x swizzle of the widths
     SWIZZLED_TILE_N (11 tiles, 264), the same with swizzle 1 for the widths 80, 96, 112,
-    160 (12 tiles, 72), the 8 swap_ab tiles, the wg_n = 2 tiles (21) and the ping-pong
-    tiles PINGPONG_TILES x cluster x raster (36). S > 1 (66 per S): split_mode 'cta' on
+    160 (12 tiles, 72), the 8 swap_ab tiles, the wg_n = 2 tiles (24), the ping-pong
+    tiles PINGPONG_TILES x cluster x raster (36) and the narrow decode tiles 64 x
+    NARROW_TILE_N x cluster, raster m, swizzle 1 (9). S > 1 (66 per S): split_mode 'cta' on
     SPLIT_CTA_TILES and 'serial' on SPLIT_SERIAL_TILES, cluster 1x1, swizzle 1 (18:
     clusters and swizzles lost at small M in the S = 1 measurements), 'serial' on
     SPLIT_SERIAL_CLUSTER_TILES with clusters 1x2 and 2x1 and both rasters (16), on the
     wg_n = 2 tiles (8), 'serial' ping-pong on PINGPONG_SPLIT_TILES with clusters 1x1 and
-    2x1 and both rasters (8), and both modes on the 8 swap_ab tiles (16); 665 in all.
+    2x1 and both rasters (8), and both modes on the 8 swap_ab tiles (16); 677 in all.
     """
     out: list[HopperFp8Tactic] = []
     for sp in SPLIT_CHOICES if splits is None else (splits,):
@@ -702,6 +740,9 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
                                                            out_dtype, ab_dtype))
             out += _swap_tactics(sp, "serial", out_dtype, ab_dtype)
             out += _wg_n_tactics(out_dtype, ab_dtype)
+            out += [HopperFp8Tactic(64, tn, cm, cn, "m", 1, max_stages_for(64, tn, out_dtype),
+                                    out_dtype, ab_dtype)
+                    for tn in NARROW_TILE_N for cm, cn in CLUSTER_CHOICES]
             out += [HopperFp8Tactic(tm, tn, cm, cn, r, 1,
                                     max_stages_for(tm, tn, out_dtype, pingpong=True),
                                     out_dtype, ab_dtype, pingpong=True)
