@@ -221,6 +221,22 @@ def test_remembered_frames_are_bounded_and_only_well_formed_ones_are_kept():
     assert remembered.recall(b'{"id":3,"op":"get","x":5}') == (3, op, request)
 
 
+def test_the_clients_frames_are_the_ones_the_daemon_remembers(mm_fp4_requests):
+    """cached_client writes a frame's integer id first (protocol.encode_frame), so two gets
+    of the same kernel differ only in the id's digits, the form Remembered recalls."""
+    from cached_client import protocol as p
+
+    from cached.server import Remembered
+
+    get = p.GetRequest(request=mm_fp4_requests[0], transfer="fd", deadline_ms=1000)
+    frames = [p.encode_frame({"v": 1, "op": "get", **get.to_wire(), "id": i})[4:]
+              for i in (7, 12345)]
+    remembered = Remembered()
+    remembered.remember(frames[0], p.decode_body(frames[0]), p.OPS["get"], get)
+    assert remembered.recall(frames[1]) == (12345, p.OPS["get"], get)
+    assert p.decode_body(frames[1]) == {"v": 1, "op": "get", **get.to_wire(), "id": 12345}
+
+
 def _raw(sock_path: str, data: bytes) -> tuple[dict | None, bool]:
     """Send raw bytes; the first reply and whether the daemon then closed the connection."""
     s = socket.socket(socket.AF_UNIX)

@@ -65,8 +65,16 @@ MAX_BUNDLE_FILES = 64
 
 
 def encode_frame(message: dict) -> bytes:
-    """One frame: length header plus compact JSON (finite numbers only)."""
-    body = _FRAME_JSON(message).encode()
+    """One frame: length header plus compact JSON (finite numbers only), keys sorted, but an
+    integer ``id`` first: ``{"id":N,...}``, so that frames asking the same differ only in
+    their leading digits (the daemon remembers decoded requests by the bytes after them:
+    ``cached.server.Remembered``)."""
+    request_id = message.get("id")
+    if type(request_id) is int and len(message) > 1:
+        rest = _FRAME_JSON({k: v for k, v in message.items() if k != "id"})
+        body = f'{{"id":{request_id},{rest[1:]}'.encode()
+    else:
+        body = _FRAME_JSON(message).encode()
     return HEADER.pack(len(body)) + body
 
 
@@ -105,7 +113,8 @@ def decode_body(body: bytes) -> dict:
         raise MalformedFrame(f"frame is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(message, dict):
         raise MalformedFrame(f"frame must be a JSON object, got {type(message).__name__}")
-    if _too_deep(message, MAX_DEPTH):
+    # nesting cannot be deeper than the brackets that open it: most frames need no walk
+    if body.count(b"{") + body.count(b"[") > MAX_DEPTH and _too_deep(message, MAX_DEPTH):
         raise MalformedFrame(f"frame nests JSON deeper than {MAX_DEPTH} levels")
     return message
 
