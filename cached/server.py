@@ -28,7 +28,9 @@ Bounds (what a peer can make the daemon hold; docs/reliability.md):
 - a connection with nothing in flight and no byte received for ``Limits.idle_timeout``
   seconds is closed, and so is one whose peer reads none of a reply for that long;
 - payloads are never buffered: a library sent as bytes streams from its file
-  (``sendfile``), and descriptors pass with SCM_RIGHTS.
+  (``sendfile``), and descriptors pass with SCM_RIGHTS;
+- decoded ``get`` frames are remembered (:class:`Remembered`): at most
+  :attr:`Remembered.MOST` frames of at most :attr:`Remembered.LONGEST` bytes.
 """
 
 from __future__ import annotations
