@@ -1,7 +1,8 @@
 """Load: 64 concurrent clients x 1000 requests, all hits, alone and next to hostile peers;
 then a mixed load with misses.
 
-Hits: 8 processes x 8 threads, each thread its own connection, each request a `get` of
+Hits: 8 processes x 8 threads (``--threads 1``: 64 processes of one thread), each thread
+its own connection, each request a `get` of
 one of 8 stored kernels (the client's default transfer, descriptors). Each thread's first
 `get` (connecting; the process's identity computed once) is timed apart (``first_get_*``);
 then all 64 start their timed `get`s together. Reports p50/p99 latency, errors and the
@@ -14,7 +15,7 @@ daemon's socket is 0666 for it), as a hostile local user would. Mixed: 20 kernel
 as pre-warm work, then 16 clients asking at once for 6 other kernels (4 overlapping):
 compilations must equal distinct kernels, and the waiting clients must finish before the
 pre-warm backlog.
-Usage: python bench/load.py [--clients 64] [--requests 1000] [--transfer fd|path]
+Usage: python bench/load.py [--clients 64] [--requests 1000] [--transfer fd|path] [--threads 8]
 (as root, for the other uid)
 """
 
@@ -151,8 +152,8 @@ def rss_kib(pid: int) -> int:
 
 
 def hits(d: Daemon, requests: list[KernelRequest], clients: int, per_client: int,
-         against: str | None = None, transfer: str = "fd") -> dict:
-    procs, threads = 8, clients // 8
+         against: str | None = None, transfer: str = "fd", threads: int = 8) -> dict:
+    procs = clients // threads
     wires = json.dumps([r.to_wire() for r in requests])
     loadavg = os.getloadavg()[0]  # anything else running on the machine shows here
     before = rss_kib(d.proc.pid)
@@ -180,7 +181,8 @@ def hits(d: Daemon, requests: list[KernelRequest], clients: int, per_client: int
     time.sleep(2)
     lat = [v * 1000 for o in outs for v in o["lat"]]
     first = [v * 1000 for o in outs for v in o["first"]]
-    return {"clients": procs * threads, "requests": len(lat) + sum(o["n_errors"] for o in outs),
+    return {"clients": procs * threads, "processes": procs,
+            "requests": len(lat) + sum(o["n_errors"] for o in outs),
             "errors": sum(o["n_errors"] for o in outs),
             "error_samples": [e for o in outs for e in o["errors"]][:5],
             "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99), "max_ms": max(lat),
@@ -223,6 +225,9 @@ def main() -> None:
     parser.add_argument("--transfer", choices=("fd", "path"), default="fd",
                         help="how the clients take the kernel (fd: the default, descriptors "
                              "and a private verified copy; path: the store's path)")
+    parser.add_argument("--threads", type=int, default=8,
+                        help="client threads per process (clients / threads processes); "
+                             "1: every client its own process")
     args = parser.parse_args()
     requests = plan()
     with tempfile.TemporaryDirectory() as workdir:
@@ -231,18 +236,19 @@ def main() -> None:
         try:
             stored = requests[:8]
             warm(d.socket, stored, 600)
-            result = {"transfer": args.transfer,
+            result = {"transfer": args.transfer, "threads_per_process": args.threads,
                       "hits": hits(d, stored, args.clients, args.requests,
-                                   transfer=args.transfer)}
+                                   transfer=args.transfer, threads=args.threads)}
             print(json.dumps(result["hits"]), flush=True)
             for kind in ("slow", "flood"):
                 result[f"hits_with_{kind}"] = hits(d, stored, args.clients, args.requests, kind,
-                                                   args.transfer)
+                                                   args.transfer, args.threads)
                 print(json.dumps(result[f"hits_with_{kind}"]), flush=True)
             result["mixed"] = mixed(d, requests[20:40], requests[8:14])
         finally:
             d.stop()
-    save("load" if args.transfer == "fd" else f"load_{args.transfer}", result)
+    name = "load" if args.transfer == "fd" else f"load_{args.transfer}"
+    save(name if args.threads == 8 else f"{name}_{args.threads}t", result)
 
 
 if __name__ == "__main__":

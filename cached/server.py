@@ -28,7 +28,9 @@ Bounds (what a peer can make the daemon hold; docs/reliability.md):
 - a connection with nothing in flight and no byte received for ``Limits.idle_timeout``
   seconds is closed, and so is one whose peer reads none of a reply for that long;
 - payloads are never buffered: a library sent as bytes streams from its file
-  (``sendfile``), and descriptors pass with SCM_RIGHTS.
+  (``sendfile``), and descriptors pass with SCM_RIGHTS;
+- decoded ``get`` frames are remembered (:class:`Remembered`): at most
+  :attr:`Remembered.MOST` frames of at most :attr:`Remembered.LONGEST` bytes.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 import logging
 import os
+import re
 import socket
 import struct
 import time
@@ -215,10 +219,73 @@ class FrameRoom:
                 del self._waiters[granted]
 
 
+class Remembered:
+    """Decoded requests of the ops that ask for it (:attr:`cached_client.protocol.Op.remember`),
+    by their frame's bytes after a leading integer id (``{"id":N,``: cached_client writes
+    every frame so, its keys sorted): a client asking again for what it asked before is
+    neither parsed nor checked again. Exact: a frame hits only when every byte but the id's
+    digits is that of a frame that was decoded, passed its op's checks, and holds no other
+    ``"id"`` (so N is its id). Each remembered frame is at most :attr:`LONGEST` bytes, at
+    most :attr:`MOST` are held (when full it starts over); a remembered request is shared
+    by every frame that hits it (messages are frozen). The peer's rights are still checked
+    on every request."""
+
+    MOST = 2048
+    LONGEST = 2048
+
+    def __init__(self) -> None:
+        self._decoded: dict[bytes, tuple[p.Op, p.Message]] = {}
+
+    def recall(self, body: bytes | bytearray) -> tuple[int, p.Op, p.Message] | None:
+        """(id, op, request) of a frame remembered but for its id; None if not one."""
+        leading = _LEADING_ID.match(body)
+        if leading is None:
+            return None
+        hit = self._decoded.get(bytes(body[leading.end():]))
+        return None if hit is None else (int(leading[1]), *hit)
+
+    def remember(self, body: bytes, message: dict, op: p.Op, request: p.Message) -> None:
+        """Remember ``request``, decoded from ``body`` (parsed as ``message``), if its frame
+        has the form that :meth:`recall` can tell apart."""
+        leading = _LEADING_ID.match(body)
+        if (leading is None or len(body) > self.LONGEST
+                or type(message.get("id")) is not int or message["id"] != int(leading[1])):
+            return
+        rest = body[leading.end():]
+        try:  # a second "id" further on would be the frame's id, whatever the first says
+            if "id" in json.loads(b"{" + rest):
+                return
+        except (ValueError, RecursionError):
+            return
+        if len(self._decoded) >= self.MOST:
+            self._decoded.clear()
+        self._decoded[rest] = (op, request)
+
+    def __len__(self) -> int:
+        return len(self._decoded)
+
+
+_LEADING_ID = re.compile(rb'\{"id":(0|[1-9][0-9]{0,15}),')
+
+
+@dataclass(slots=True)
+class _Frame:
+    """One request frame: its parsed object (only ``id`` and ``op`` when remembered), its
+    remembered (op, request), and its bytes while its request may be remembered."""
+
+    message: dict
+    decoded: tuple[p.Op, p.Message] | None = None
+    body: bytes | None = None
+
+
 class _Connection:
     def __init__(self, sock: socket.socket, peer: Peer) -> None:
         self.sock = sock
+        self.fd = sock.fileno()
         self.peer = peer
+        self._loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future | None = None
+        self._watching = False
         self.inflight = 0
         self.unsent = 0
         self.tasks: set[asyncio.Task] = set()
@@ -227,6 +294,33 @@ class _Connection:
         self.last_active = time.monotonic()
         self.blocked_since: float | None = None  # a reply waits for the peer to read
         self.in_frame = False  # part of a frame has arrived
+
+
+    async def readable(self) -> None:
+        """Until the socket has bytes to read (or its end). The reader stays registered from
+        one wait to the next (a request costs no epoll_ctl); it fires with nobody waiting
+        only while the bytes are left unread on purpose (back-pressure, no frame room), and
+        then unregisters itself, so unread bytes never spin the loop."""
+        self._waiter = self._loop.create_future()
+        if not self._watching:
+            self._loop.add_reader(self.fd, self._on_readable)
+            self._watching = True
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _on_readable(self) -> None:
+        if self._waiter is None:
+            self.unwatch()
+        elif not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def unwatch(self) -> None:
+        """Unregister the reader (before the socket closes)."""
+        if self._watching:
+            self._loop.remove_reader(self.fd)
+            self._watching = False
 
 
 class _Closed(Exception):
@@ -248,6 +342,7 @@ class Server:
         self.connections = 0
         self.by_uid: Counter[int] = Counter()
         self.room = FrameRoom()
+        self.remembered = Remembered()
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -353,6 +448,7 @@ class Server:
         except OSError:
             pass
         finally:
+            c.unwatch()
             self._open.discard(c)
             for task in c.tasks:
                 task.cancel()
@@ -379,9 +475,11 @@ class Server:
             self._refusing += 1
             try:
                 deadline = loop.time() + REFUSAL_READ_S
-                header = await _read_exact(loop, sock, p.HEADER.size, deadline)
+                header = await _read_exact(sock, p.HEADER.size, deadline,
+                                           lambda: _readable(loop, sock))
                 size = p.frame_length(header, SMALL_FRAME)
-                reply["id"] = p.decode_body(await _read_exact(loop, sock, size, deadline)).get("id")
+                body = await _read_exact(sock, size, deadline, lambda: _readable(loop, sock))
+                reply["id"] = p.decode_body(body).get("id")
             except (_Closed, TimeoutError, CachedError, OSError):
                 pass
             finally:
@@ -397,14 +495,16 @@ class Server:
                    or c.unsent > MAX_UNSENT_PER_CONNECTION):
                 c.changed.clear()  # back-pressure: nothing more is read until it moves
                 await c.changed.wait()
-            if not await self._await_frame(c):
+            start = await self._frame_start(c)
+            if not start:
                 return
             frame_timeout = min(FRAME_TIMEOUT_S, self.limits.idle_timeout)
             deadline = loop.time() + frame_timeout
             reserved = 0
             c.in_frame = True
             try:
-                header = await _read_exact(loop, c.sock, p.HEADER.size, deadline)
+                header = start if len(start) == p.HEADER.size else start + await _read_exact(
+                    c.sock, p.HEADER.size - len(start), deadline, c.readable)
                 size = p.frame_length(header, p.MAX_REQUEST_FRAME)
                 if size > SMALL_FRAME:
                     if not await self.room.reserve(c.peer.uid, size, deadline):
@@ -414,9 +514,9 @@ class Server:
                             f"{self.room.by_uid[c.peer.uid]} bytes of frames, the daemon "
                             f"{self.room.used}); closing this connection")
                     reserved = size
-                body = await _read_exact(loop, c.sock, size, deadline)
+                body = await _read_exact(c.sock, size, deadline, c.readable)
                 c.in_frame = False
-                message = p.decode_body(body)
+                frame = self._parse(body)
                 del body
             except _Closed:  # a frame cut short: the requests before it, then why
                 self.room.release(c.peer.uid, reserved)
@@ -436,22 +536,32 @@ class Server:
                 return
             c.last_active = time.monotonic()
             c.inflight += 1
-            task = loop.create_task(self._answer(message, c, reserved))
+            task = loop.create_task(self._answer(frame, c, reserved))
             c.tasks.add(task)
             task.add_done_callback(c.tasks.discard)
 
-    async def _await_frame(self, c: _Connection) -> bool:
-        """Wait until the next frame starts; False when the peer shut its sending side (or
-        the sweeper shut an idle connection)."""
-        loop = asyncio.get_running_loop()
+    def _parse(self, body: bytearray) -> _Frame:
+        """A frame's request: remembered (:class:`Remembered`), else parsed (MalformedFrame
+        if it is no JSON object of bounded depth)."""
+        recalled = self.remembered.recall(body)
+        if recalled is not None:
+            request_id, op, request = recalled
+            return _Frame({"id": request_id, "op": op.name}, (op, request))
+        return _Frame(p.decode_body(body), None,
+                      bytes(body) if len(body) <= Remembered.LONGEST else None)
+
+    async def _frame_start(self, c: _Connection) -> bytes:
+        """The first bytes (1 to 4) of the next frame's header, whenever they come (the
+        sweeper closes connections idle too long); empty when the peer shut its sending side
+        (or the sweeper shut the connection)."""
         while True:
             try:  # a pipelining peer's next frame is usually there already
-                return bool(c.sock.recv(1, socket.MSG_PEEK))
+                return c.sock.recv(p.HEADER.size)
             except BlockingIOError:
                 pass
             except OSError:
-                return False
-            await _readable(loop, c.sock)
+                return b""
+            await c.readable()
 
     async def _last_word(self, c: _Connection, error: CachedError) -> None:
         """A frame that ends the connection: answer the requests before it, then say why."""
@@ -461,11 +571,11 @@ class Server:
         with contextlib.suppress(OSError):
             await self._write(c, p.encode_frame({"ok": False, "error": error.to_wire()}), None)
 
-    async def _answer(self, message: dict, c: _Connection, reserved: int) -> None:
+    async def _answer(self, request: _Frame, c: _Connection, reserved: int) -> None:
         attachment: Attachment | None = None
         frame = b""
         try:
-            frame, attachment = await self._reply(message, c.peer)
+            frame, attachment = await self._reply(request, c.peer)
             c.unsent += len(frame)
             await self._write(c, frame, attachment)
         except OSError:  # the peer is gone
@@ -479,11 +589,12 @@ class Server:
             c.last_active = time.monotonic()
             c.changed.set()
 
-    async def _reply(self, message: dict, peer: Peer) -> tuple[bytes, Attachment | None]:
-        """The encoded reply frame to ``message`` and what goes with it."""
+    async def _reply(self, request: _Frame, peer: Peer) -> tuple[bytes, Attachment | None]:
+        """The encoded reply frame to ``request`` and what goes with it."""
+        message = request.message
         attachment = None
         try:
-            reply_message = await self._handle(message, peer)
+            reply_message = await self._handle(request, peer)
             if isinstance(reply_message, tuple):
                 reply_message, attachment = reply_message
             reply = {"ok": True, **reply_message.to_wire()}
@@ -533,22 +644,29 @@ class Server:
                 c.blocked_since = None
         c.last_active = time.monotonic()
 
-    async def _handle(self, m: dict, peer: Peer) -> Reply:
-        version = m.get("v", p.PROTOCOL_VERSION)
-        if version not in p.SUPPORTED_VERSIONS:
-            raise UnsupportedVersion(
-                f"protocol version {str(version)[:16]!r} is not supported; this daemon speaks "
-                f"{', '.join(map(str, p.SUPPORTED_VERSIONS))}"
-            )
-        name = m.get("op")
-        op = p.OPS.get(name) if isinstance(name, str) else None
-        if op is None:
-            raise MalformedFrame(f"unknown op {str(name)[:64]!r}; expected one of "
-                                 f"{', '.join(p.OPS)}")
+    async def _handle(self, frame: _Frame, peer: Peer) -> Reply:
+        if frame.decoded is not None:
+            op, request = frame.decoded
+        else:
+            m = frame.message
+            version = m.get("v", p.PROTOCOL_VERSION)
+            if version not in p.SUPPORTED_VERSIONS:
+                raise UnsupportedVersion(
+                    f"protocol version {str(version)[:16]!r} is not supported; this daemon "
+                    f"speaks {', '.join(map(str, p.SUPPORTED_VERSIONS))}")
+            name = m.get("op")
+            op = p.OPS.get(name) if isinstance(name, str) else None
+            if op is None:
+                raise MalformedFrame(f"unknown op {str(name)[:64]!r}; expected one of "
+                                     f"{', '.join(p.OPS)}")
+            request = None
         if op.publish and not self.access.may_publish(peer):
             raise NotAllowed(f"uid {peer.uid} gid {peer.gid} may not use {op.name!r}; the "
                              "daemon's --publish-uid/--publish-gid lists who may")
-        request = op.request.from_wire(m)
+        if request is None:
+            request = op.request.from_wire(m)
+            if op.remember and frame.body is not None:
+                self.remembered.remember(frame.body, m, op, request)
         return await self.handlers[op.name](request, peer)
 
     def _log_sometimes(self, what: tuple[str, int], name: str, **fields: Any) -> None:
@@ -600,8 +718,8 @@ async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
         loop.remove_writer(fd)
 
 
-async def _read_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int,
-                      deadline: float) -> bytearray:
+async def _read_exact(sock: socket.socket, size: int, deadline: float,
+                      readable: Callable[[], Awaitable[None]]) -> bytearray:
     """``size`` bytes by ``deadline`` (loop time): TimeoutError, or _Closed at end of input.
     No timer is armed unless the bytes are not there yet."""
     buffer = bytearray(size)
@@ -612,7 +730,7 @@ async def _read_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, size
             n = sock.recv_into(view[got:])
         except BlockingIOError:
             async with asyncio.timeout_at(deadline):
-                await _readable(loop, sock)
+                await readable()
             continue
         except OSError:
             raise _Closed() from None

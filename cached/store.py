@@ -77,6 +77,8 @@ REVERIFY_S = 300.0
 """Seconds a blob checked by its digest is trusted while its file stays the same (same
 device, inode, size, mtime and ctime: any write, rename, link or chmod changes one of them),
 before a hit hashes it again."""
+BLOB_PATHS_MAX = 1 << 16
+"""Blob paths :meth:`Store.blob_path` remembers (a path is a function of digest and suffix)."""
 
 
 class StoreError(ConfigError):
@@ -273,6 +275,7 @@ class Store:
         self._touched: set[str] = set()
         self._deleted: set[str] = set()  # dropped or evicted keys not yet deleted from the index
         self._checked: dict[tuple[str, str], tuple[tuple, float, str]] = {}
+        self._blob_paths: dict[tuple[str, str], Path] = {}
         """(sha256, suffix) -> (the blob file's identity, monotonic time, path) at its last
         digest check; a blob whose file still has that identity is served without hashing."""
         self.index_created = not self.index_path.exists()
@@ -459,12 +462,20 @@ class Store:
 
     def blob_path(self, sha256: str, suffix: str) -> Path:
         """Where the blob with this digest and suffix (``.o``, ``.so``, a bundle file's
-        extension: :data:`SUFFIXES`, :func:`bundle_suffix`) lives."""
+        extension: :data:`SUFFIXES`, :func:`bundle_suffix`) lives (remembered for at most
+        :data:`BLOB_PATHS_MAX` blobs: a hit builds no path)."""
+        path = self._blob_paths.get((sha256, suffix))
+        if path is not None:
+            return path
         if not HEX64.match(sha256):
             raise ValueError(f"not a sha256 digest: {sha256[:80]!r}")
         if not BLOB_SUFFIX.match(suffix):
             raise ValueError(f"not a blob suffix: {suffix[:20]!r}")
-        return self.blob_dir / sha256[:2] / f"{sha256}{suffix}"
+        if len(self._blob_paths) >= BLOB_PATHS_MAX:
+            self._blob_paths.clear()
+        path = self.blob_dir / sha256[:2] / f"{sha256}{suffix}"
+        self._blob_paths[(sha256, suffix)] = path
+        return path
 
     def _shard(self, sha256: str) -> int:
         """A descriptor of the blob's shard directory, opened without following a link."""

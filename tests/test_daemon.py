@@ -147,6 +147,96 @@ def test_a_remembered_request_never_answers_one_that_differs_only_in_json_type(
     assert client.get(request).origin == "hit"
 
 
+def _pipelined(sock_path: str, bodies: list[bytes]) -> list[dict]:
+    """Send these frame bodies back to back on one connection; their replies as they came."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(30)
+        s.connect(sock_path)
+        s.sendall(b"".join(struct.pack(">I", len(b)) + b for b in bodies))
+        replies = []
+        for _ in bodies:
+            (n,) = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))
+            replies.append(json.loads(s.recv(n, socket.MSG_WAITALL)))
+    return replies
+
+
+def test_a_remembered_frame_answers_only_frames_equal_to_it_but_for_their_id(
+        daemon, mm_fp4_requests):
+    """The server remembers decoded get frames by their bytes after a leading id
+    (cached.server.Remembered): the same frame under another id is answered with that id;
+    a frame that differs anywhere else (a JSON type; a second "id", which JSON makes the
+    frame's id) is decoded as itself, before and after it was seen."""
+    request = mm_fp4_requests[0]
+    stored = daemon.client(transfer="path").get(request)
+
+    def frame(leading: int, **changes: object) -> bytes:
+        wire = request.to_wire()
+        wire["params"].update(changes.pop("params", {}))
+        rest = json.dumps({"op": "get", "transfer": "path", "request": wire, **changes},
+                          separators=(",", ":"), sort_keys=True)
+        return b'{"id":%d,' % leading + rest[1:].encode()
+
+    for _ in range(2):  # the second round finds every well-formed frame remembered
+        replies = _pipelined(daemon.socket, [
+            frame(1), frame(2), frame(3, params={"enable_pdl": 1}), frame(9, id=9),
+            frame(5, id=9), frame(6, v=99)])
+        by_id: dict = {}
+        for reply in replies:
+            by_id.setdefault(reply.get("id"), []).append(reply)
+        assert sorted(by_id) == [1, 2, 3, 6, 9], by_id.keys()
+        for i in (1, 2):
+            assert by_id[i][0]["ok"] and by_id[i][0]["artifact"]["key"] == stored.key
+        assert by_id[3][0]["error"]["code"] == "invalid_tactic"
+        assert "enable_pdl=1" in by_id[3][0]["error"]["message"]
+        assert [r["ok"] for r in by_id[9]] == [True, True]  # JSON's last "id" wins, both times
+        assert by_id[6][0]["error"]["code"] == UnsupportedVersion.code
+
+
+def test_remembered_frames_are_bounded_and_only_well_formed_ones_are_kept():
+    """At most MOST frames of at most LONGEST bytes are held; a frame whose leading id is
+    not its id (a second "id" further on), or that is not in the leading-id form, is not."""
+    from cached_client import protocol as p
+
+    from cached.server import Remembered
+
+    remembered = Remembered()
+    remembered.MOST = 2
+    op = p.OPS["get"]
+    request = object()  # what the op's checks gave; recall hands back the same object
+
+    def remember(body: bytes) -> None:
+        remembered.remember(body, json.loads(body), op, request)
+
+    remember(b'{"id":1,"op":"get","x":1}')
+    assert remembered.recall(b'{"id":77,"op":"get","x":1}') == (77, op, request)
+    assert remembered.recall(b'{"id":77,"op":"get","x":1.0}') is None
+    assert remembered.recall(b'{"id":077,"op":"get","x":1}') is None  # not a JSON number
+    remember(b'{"id":1,"id":2,"op":"get","x":2}')  # its id is 2: not remembered
+    remember(b'{"op":"get","id":1,"x":3}')  # no leading id
+    remember(b'{"id":1,"op":"get","x":"' + b"y" * Remembered.LONGEST + b'"}')
+    assert len(remembered) == 1
+    remember(b'{"id":1,"op":"get","x":4}')
+    remember(b'{"id":1,"op":"get","x":5}')  # full: starts over
+    assert len(remembered) <= Remembered.MOST
+    assert remembered.recall(b'{"id":3,"op":"get","x":5}') == (3, op, request)
+
+
+def test_the_clients_frames_are_the_ones_the_daemon_remembers(mm_fp4_requests):
+    """cached_client writes a frame's integer id first (protocol.encode_frame), so two gets
+    of the same kernel differ only in the id's digits, the form Remembered recalls."""
+    from cached_client import protocol as p
+
+    from cached.server import Remembered
+
+    get = p.GetRequest(request=mm_fp4_requests[0], transfer="fd", deadline_ms=1000)
+    frames = [p.encode_frame({"v": 1, "op": "get", **get.to_wire(), "id": i})[4:]
+              for i in (7, 12345)]
+    remembered = Remembered()
+    remembered.remember(frames[0], p.decode_body(frames[0]), p.OPS["get"], get)
+    assert remembered.recall(frames[1]) == (12345, p.OPS["get"], get)
+    assert p.decode_body(frames[1]) == {"v": 1, "op": "get", **get.to_wire(), "id": 12345}
+
+
 def _raw(sock_path: str, data: bytes) -> tuple[dict | None, bool]:
     """Send raw bytes; the first reply and whether the daemon then closed the connection."""
     s = socket.socket(socket.AF_UNIX)

@@ -65,8 +65,16 @@ MAX_BUNDLE_FILES = 64
 
 
 def encode_frame(message: dict) -> bytes:
-    """One frame: length header plus compact JSON (finite numbers only)."""
-    body = _FRAME_JSON(message).encode()
+    """One frame: length header plus compact JSON (finite numbers only), keys sorted, but an
+    integer ``id`` first: ``{"id":N,...}``, so that frames asking the same differ only in
+    their leading digits (the daemon remembers decoded requests by the bytes after them:
+    ``cached.server.Remembered``)."""
+    request_id = message.get("id")
+    if type(request_id) is int and len(message) > 1:
+        rest = _FRAME_JSON({k: v for k, v in message.items() if k != "id"})
+        body = f'{{"id":{request_id},{rest[1:]}'.encode()
+    else:
+        body = _FRAME_JSON(message).encode()
     return HEADER.pack(len(body)) + body
 
 
@@ -105,7 +113,8 @@ def decode_body(body: bytes) -> dict:
         raise MalformedFrame(f"frame is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(message, dict):
         raise MalformedFrame(f"frame must be a JSON object, got {type(message).__name__}")
-    if _too_deep(message, MAX_DEPTH):
+    # nesting cannot be deeper than the brackets that open it: most frames need no walk
+    if body.count(b"{") + body.count(b"[") > MAX_DEPTH and _too_deep(message, MAX_DEPTH):
         raise MalformedFrame(f"frame nests JSON deeper than {MAX_DEPTH} levels")
     return message
 
@@ -229,23 +238,29 @@ class Message:
     @classmethod
     def from_wire(cls: type[M], obj: Mapping[str, Any]) -> M:
         values = {}
-        for f in dataclasses.fields(cls):
-            if "check" not in f.metadata:
-                continue  # a local field, never on the wire
-            if f.name in obj:
-                values[f.name] = f.metadata["check"](obj[f.name], f.name)
-            elif (f.default is dataclasses.MISSING
-                  and f.default_factory is dataclasses.MISSING):
-                raise InvalidArgument(f"{cls.__name__} needs the field {f.name!r}")
+        for name, check, required in _wire_fields(cls):
+            if name in obj:
+                values[name] = check(obj[name], name)
+            elif required:
+                raise InvalidArgument(f"{cls.__name__} needs the field {name!r}")
         return cls(**values)
 
     def to_wire(self) -> dict:
         out = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is not None and "check" in f.metadata:
-                out[f.name] = _encode(value)
+        for name, _, _ in _wire_fields(type(self)):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = _encode(value)
         return out
+
+
+@functools.cache
+def _wire_fields(cls: type[Message]) -> tuple[tuple[str, Check, bool], ...]:
+    """(name, check, required) of each wire field of ``cls``, in declaration order; a field
+    without a check is local, never on the wire."""
+    return tuple((f.name, f.metadata["check"], f.default is dataclasses.MISSING
+                  and f.default_factory is dataclasses.MISSING)
+                 for f in dataclasses.fields(cls) if "check" in f.metadata)
 
 
 def _encode(value: Any) -> Any:
@@ -630,20 +645,23 @@ class CertificationsReply(Message):
 
 @dataclass(frozen=True)
 class Op:
-    """One op: its request and reply types and whether it needs publish rights."""
+    """One op: its request and reply types, whether it needs publish rights, and whether
+    the daemon remembers its decoded requests (the hot op, whose clients repeat the same
+    requests: see ``cached.server.Remembered``)."""
 
     name: str
     request: type[Message]
     reply: type[Message]
     publish: bool
     doc: str
+    remember: bool = False
 
 
 OPS: dict[str, Op] = {op.name: op for op in (
     Op("hello", Empty, HelloReply, False, "who the daemon is and what it serves"),
     Op("get", GetRequest, GetReply, False,
        "the artifact for a kernel request, compiled once if needed; with transfer "
-       "'bytes' the library follows as payload"),
+       "'bytes' the library follows as payload", remember=True),
     Op("prefetch", PrefetchRequest, PrefetchReply, False,
        "queue compilations behind waiting clients; answers at once"),
     Op("plan", PlanRequest, PlanReply, False, "a family's tactic space for one shape"),
