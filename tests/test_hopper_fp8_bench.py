@@ -37,7 +37,7 @@ def test_decode6_set_is_the_decode_candidates_of_classes_1_and_2() -> None:
     assert len(got) == len(s1) + len(s2)
     assert len(s1) == 47 and len(s2) == 66
     assert sum(t.swap_ab for t in s1) == 8
-    assert {t.name for t in s2} == {t.name for t in tactic_space(splits=2)}
+    assert {t.name for t in s2} == {t.name for t in tactic_space(splits=2) if not t.pdl}
     assert not any(t.pingpong or t.tile_m != 64 for t in s1 if not t.swap_ab)
     assert {(t.tile_n, t.wg_n) for t in s1 if not t.swap_ab} == {
         (tn, w) for tn in (40, 48, 56, 64, 80, 96, 112, 128) for w in (1, 2)
@@ -45,8 +45,9 @@ def test_decode6_set_is_the_decode_candidates_of_classes_1_and_2() -> None:
     # a wide, ping-pong or swizzled tile is no decode candidate
     for t in tactic_space(splits=1):
         cand = h.decode_candidate(t.to_params())
-        assert cand == (t.swap_ab or (t.tile_m == 64 and t.tile_n <= 128 and not t.pingpong
-                                      and t.raster == "m" and t.swizzle == 1))
+        assert cand == (not t.pdl and (t.swap_ab or (
+            t.tile_m == 64 and t.tile_n <= 128 and not t.pingpong and t.raster == "m"
+            and t.swizzle == 1)))
 
 
 def test_decode7_set_is_class_1_decode_candidates_with_the_narrow_tiles() -> None:
@@ -94,3 +95,36 @@ def test_rounds_report_gives_median_and_range_of_per_round_ratios() -> None:
     assert "1.000 [1.000-1.000]" in line  # exact
     assert "1.250 [0.800-1.250]" in line  # ours / other: 1.25, 0.8, 1.25
     assert line.endswith("ours -> other")
+
+
+def test_pdl8_set_is_each_first_choice_beside_its_pdl_twin() -> None:
+    """pdl8 (eighth pass): the classes' first kernels, the plan's first choice per shape
+    and M (every M of MS) and the pdl=True twin of each, equal to it but for pdl, plus
+    two e5m2/fp16 pdl kernels; the alternative plan names the twins, so a run times
+    each point's first choice with and without PDL in the same rounds."""
+    import dataclasses
+
+    h = _check_script()
+    recorded = h._final_plan(1)
+    plan = h.pdl_plan(recorded, False)
+    got = h._pdl8_tactics(recorded)
+    assert [t.name for t in h._pdl8_tactics(plan)] == [t.name for t in got]
+    by = {t.name: t for t in got}
+    assert len(by) == len(got)
+    assert got[0].name == "m64n128_c1x1_rm_s1_st8_e4m3_bfloat16" and not got[0].pdl
+    alt = h.pdl_plan(plan, True)
+    assert h.pdl_plan(alt, True) == alt and h.pdl_plan(alt, False) == plan
+    assert set(alt) == set(plan) == {f"{n}x{k}" for n, k in h.SHAPES}
+    firsts = set()
+    for nk, p in plan.items():
+        assert alt[nk]["splits"] == p["splits"] and set(alt[nk]["by_m"]) == set(p["by_m"])
+        for m, names in p["by_m"].items():
+            assert len(names) == 1 and str(m) in {str(x) for x in h.MS}
+            base, twin = by[names[0]], by[alt[nk]["by_m"][m][0]]
+            assert not base.pdl and twin.pdl and dataclasses.replace(twin, pdl=False) == base
+            firsts.add(base.name)
+    pdl = [t for t in got if t.pdl]
+    assert len(pdl) == len(firsts) + 2
+    assert {t.ab_dtype for t in pdl} == {"e4m3", "e5m2"}
+    assert all(h.group_of(t.to_params()).endswith(" pdl") for t in pdl)
+    assert not any(h.decode_candidate(t.to_params()) for t in pdl)

@@ -33,7 +33,9 @@ def _env() -> dict[str, str]:
 # ---------------------------------------------------------------------- enumeration
 
 def test_enumeration_size_and_budget():
-    every = enumerate_tactics(4096, 4096, 4096, splits=1)
+    with_twins = enumerate_tactics(4096, 4096, 4096, splits=1)
+    assert len(with_twins) == 454  # + the 41 pdl twins (test_pdl_twins)
+    every = [t for t in with_twins if not t.pdl]
     # 11 feasible tiles of the widths 64/128/192/256 (256x256 dropped) x 3 clusters x 2
     # rasters x 4 swizzles, 12 tiles of the widths 80/96/112/160 x 3 clusters x 2 rasters
     # (swizzle 1), the 8 swap_ab tiles, 8 wg_n=2 widths x 3 clusters, 6 ping-pong tiles
@@ -81,7 +83,8 @@ def test_split_space():
     tactics over the five classes (36 ping-pong ones and 9 narrow decode tiles in S = 1, 8
     ping-pong ones per S > 1)."""
     for s in T.SPLIT_CHOICES[1:]:
-        ts = T.tactic_space(splits=s)
+        ts = [t for t in T.tactic_space(splits=s) if not t.pdl]  # twins: test_pdl_twins
+        assert len(ts) == 66
         cta = [t for t in ts if t.split_mode == "cta" and not t.swap_ab]
         serial = [t for t in ts if t.split_mode == "serial" and not t.swap_ab
                   and t.wg_n == 1]
@@ -102,8 +105,9 @@ def test_split_space():
         for t in ts:
             t.validate()
     space = T.tactic_space()
-    assert len(space) == 677 == len({t.name for t in space})
-    assert len(enumerate_tactics(4096, 4096, 4096)) == 677
+    assert len([t for t in space if not t.pdl]) == 677
+    assert len(space) == 814 == len({t.name for t in space})
+    assert len(enumerate_tactics(4096, 4096, 4096)) == 814
 
 
 def test_reduction_order_constants():
@@ -231,8 +235,8 @@ def test_recorded_winners_come_first():
     # another device: the model's order
     model = enumerate_tactics(1, 4096, 14336, num_sms=114, splits=4)
     assert model == sorted(model, key=lambda t: (T._cost(t, 1, 4096, 14336, 114), t.name))
-    # every recorded key names a tactic of the family's space
-    names = {t.name for t in T.tactic_space()}
+    # every recorded key names a tactic of the family's space, or the pdl twin of one
+    names = set(T.recordable_tactics())
     for (_, n, k), per in T.RECORDED_WINNERS.items():
         for s, row in per.items():
             for m, _key, _us in row:
@@ -294,7 +298,7 @@ def test_narrow_decode_tiles():
     to SWAP_MAX_STAGES stages, the whole tile staged for one TMA store (tile_epilogue);
     more CTAs than 64-row tiles on N = 4096..5120 (88-100 for 64 x 48 / 56)."""
     space = [t for t in T.tactic_space(splits=1) if t.tile_n in T.NARROW_TILE_N
-             and t.wg_n == 1]
+             and t.wg_n == 1 and not t.pdl]
     assert len(space) == 9 and T.NARROW_TILE_N == (40, 48, 56)
     assert {(t.tile_n, t.cluster_m, t.cluster_n) for t in space} == {
         (tn, cm, cn) for tn in (40, 48, 56) for cm, cn in T.CLUSTER_CHOICES}
@@ -317,7 +321,8 @@ def test_narrow_decode_tiles():
     assert [t.stages for t in space if t.cluster_size == 1] == [16, 15, 14]
     assert T.recorded_key(HopperFp8Tactic(64, 48, 2, 1).normalized()) == "64x48m@2x1"
     # wg_n = 2 on 48 columns (two 64 x 24 wgmma), in the space with its three clusters
-    two = [t for t in T.tactic_space(splits=1) if t.wg_n == 2 and t.tile_n == 48]
+    two = [t for t in T.tactic_space(splits=1) if t.wg_n == 2 and t.tile_n == 48
+           and not t.pdl]
     assert len(two) == 3 and all(T.tile_epilogue(48, 2) for _ in two)
     assert T.recorded_key(two[0]) == "n64x48m" and two[0].consumer_warpgroups == 2
     # CTAs on the weight stream at M <= 64
@@ -380,7 +385,7 @@ def test_pingpong_tactics():
 def test_params_round_trip():
     for t in enumerate_tactics(1000, 2688, 4096):
         p = t.to_params()
-        assert list(p) == list(T.PARAM_KEYS)
+        assert list(p) == [k for k in T.PARAM_KEYS if k != "pdl" or t.pdl]
         assert tactic_from_params(p) == t
         assert tactic_from_params(json.loads(json.dumps(p))) == t
 
@@ -446,6 +451,8 @@ def test_stages_default_to_most_that_fit():
         ({"tile_m": 64, "tile_n": 56, "wg_n": 2}, "tile_n/2 a multiple of 8"),
         ({"tile_m": 64, "tile_n": 32}, "tile_n must be one of"),
         ({"tile_m": 8, "tile_n": 48, "swap_ab": True}, "tile_n must be one of (64, 128)"),
+        ({"tile_m": 64, "tile_n": 128, "pdl": 1}, "pdl must be true or false"),
+        ({"tile_m": 64, "tile_n": 128, "pdl": "yes"}, "pdl must be true or false"),
     ],
 )
 def test_validation_errors(params, words):
@@ -508,7 +515,7 @@ def test_plan_reduction_class_option_and_default():
 
     fam = HopperFp8()
     every = fam.plan((16, 4096, 4096), "sm_90a", 132, {})
-    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 677
+    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 814
     for cid in T.REDUCTION_CLASSES:
         reqs = fam.plan((16, 4096, 4096), "sm_90a", 132, {"reduction_class": cid})
         assert {_class(r) for r in reqs} == {cid}
@@ -686,10 +693,10 @@ def test_every_tile_and_cluster_compiles_for_sm90a_through_the_daemon(daemon):
     client = daemon.client()
     requests = client.plan("cached.hopper_fp8", (4096, 4096, 4096), "sm_90a",
                            options={"reduction_class": class_id})
-    assert len(requests) == 413 and {r.max_active_clusters for r in requests} == {132, 66}
-    # the swap_ab, wg_n=2 and ping-pong tactics: their own tests below
+    assert len(requests) == 454 and {r.max_active_clusters for r in requests} == {132, 66}
+    # the swap_ab, wg_n=2, ping-pong and pdl tactics: their own tests below
     requests = [r for r in requests if not r.params["swap_ab"] and r.params["wg_n"] == 1
-                and not r.params["pingpong"]]
+                and not r.params["pingpong"] and not r.params.get("pdl")]
     assert len(requests) == 345
     requests = [r for r in requests if r.params["tile_n"] in OLD_TILE_N]
     assert len(requests) == 264
@@ -896,3 +903,101 @@ def test_pingpong_tactics_compile_for_sm90a_through_the_daemon(daemon):
     names = _compile_through_daemon(daemon, variants)
     assert len(names) == len(variants) and all(nm.split("_mac")[0].endswith("_pp")
                                                for nm in names)
+
+
+# ---------------------------------------------------------------------- pdl (eighth pass)
+
+def test_pdl_twins():
+    """pdl=True (programmatic dependent launch): tactic_space lists a twin of each
+    decode-band tactic (swap_ab, wg_n = 2, the narrow widths: 41 in S = 1, 24 per S > 1),
+    equal to it in every other field, in its class (the K walk is the same; bitwise
+    checked on an H200: docs/benchmarks.md, eighth pass), named with '_pdl', recorded as
+    '+pdl', ranked right after it by the model; any other tactic may take pdl too."""
+    import dataclasses as dc
+
+    for s in T.SPLIT_CHOICES:
+        space = T.tactic_space(splits=s)
+        base = {t.name: t for t in space if not t.pdl}
+        twins = [t for t in space if t.pdl]
+        assert len(twins) == (41 if s == 1 else 24)
+        assert {t.name.removesuffix("_pdl") for t in twins} == {
+            n for n, t in base.items() if T.pdl_twin(t)}
+        for t in twins:
+            b = base[t.name.removesuffix("_pdl")]
+            assert t.name == b.name + "_pdl" and dc.replace(t, pdl=False) == b
+            assert b.swap_ab or b.wg_n == 2 or b.tile_n in T.NARROW_TILE_N
+            assert t.reduction_class == b.reduction_class == T.reduction_class_id(s)
+            assert t.reduction_order == b.reduction_order
+            assert T.smem_bytes(t) == T.smem_bytes(b) and t.stages == b.stages
+            key = T.recorded_key(t)
+            assert key == T.recorded_key(b) + "+pdl"
+            assert T._from_key(key, s, "bfloat16", "e4m3") == t
+            assert tactic_from_params(json.loads(json.dumps(t.to_params()))) == t
+            assert T._cost(t, 64, 4096, 4096, 132)[:-1] == T._cost(b, 64, 4096, 4096, 132)[:-1]
+    # (the model's order: a device with no recorded winners)
+    order = [t.name for t in enumerate_tactics(32, 4096, 14336, num_sms=114, splits=1)]
+    for i, nm in enumerate(order):
+        if nm.endswith("_pdl"):
+            assert order.index(nm.removesuffix("_pdl")) < i
+    # the model never prefers a twin; the recorded winners do where pdl won every round
+    # (eighth pass): the plan's first choice there is the twin, in the same class
+    recorded = [(n, k, s, m, key) for (_, n, k), per in T.RECORDED_WINNERS.items()
+                for s, row in per.items() for m, key, _ in row]
+    pdl_keys = [r for r in recorded if r[4].endswith("+pdl")]
+    assert pdl_keys and len(pdl_keys) < len(recorded)
+    for n, k, s, m, key in pdl_keys:
+        first = enumerate_tactics(m, n, k, splits=s)[0]
+        assert first.pdl and T.recorded_key(first) == key and first.splits == s
+    every = T.recordable_tactics()
+    assert len(every) == 814 + 677 - 41 - 4 * 24
+    assert all(dc.replace(t, pdl=False).name in every for t in every.values())
+    # a tactic outside the decode band takes pdl too (a recorded winner may name it)
+    wide = tactic_from_params({"tile_m": 128, "tile_n": 256, "cluster_m": 2, "pdl": True})
+    assert wide.pdl and wide.name.endswith("_pdl") and not T.pdl_twin(wide)
+    assert T._from_key("128x256m@2x1+pdl", 1, "bfloat16", "e4m3") == wide
+
+
+def test_pdl_keeps_the_params_of_tactics_without_it():
+    """pdl is left out of the canonical params when False, so every tactic's params (and
+    the artifact keys made from them) are what they were before the field existed; an
+    explicit pdl: false canonicalizes to the same params, pdl: true adds the key last."""
+    from cached_client.errors import InvalidTactic
+
+    from cached.families.hopper_fp8.family import HopperFp8
+
+    fam = HopperFp8()
+    old = {"tile_m": 8, "tile_n": 64, "cluster_m": 1, "cluster_n": 1, "raster": "m",
+           "swizzle": 1, "stages": 16, "out_dtype": "bfloat16", "ab_dtype": "e4m3",
+           "splits": 1, "split_mode": "serial", "swap_ab": True, "wg_n": 1,
+           "pingpong": False}
+    assert fam.canonical_params(old, "sm_90a") == old
+    assert fam.canonical_params({**old, "pdl": False}, "sm_90a") == old
+    assert list(fam.canonical_params(old, "sm_90a")) == list(T.PARAM_KEYS[:-1])
+    on = fam.canonical_params({**old, "pdl": True}, "sm_90a")
+    assert on == {**old, "pdl": True} and list(on)[-1] == "pdl"
+    assert fam.reduction_class(on) == fam.reduction_class(old) == "k128.acc1.s1.fixed"
+    with pytest.raises(InvalidTactic, match="pdl must be true or false"):
+        fam.canonical_params({**old, "pdl": 0}, "sm_90a")
+
+
+def _pdl_variants() -> list:
+    """pdl twins, one per distinct code path of the decode band: a swap_ab tile (register
+    epilogue), a swap_ab 'cta' split (workspace and counters behind the wait) in
+    e5m2/fp16, a narrow tile and wg_n = 2 with a 2x1 cluster (the wait after the cluster's
+    barrier init)."""
+    H = HopperFp8Tactic
+    return [t.normalized() for t in (
+        H(32, 64, swap_ab=True, pdl=True),
+        H(16, 64, 1, 1, "m", 1, 0, "float16", "e5m2", 4, "cta", True, pdl=True),
+        H(64, 40, pdl=True),
+        H(64, 48, 2, 1, wg_n=2, pdl=True),
+    )]
+
+
+def test_pdl_tactics_compile_for_sm90a_through_the_daemon(daemon):
+    """The pdl variants (see _pdl_variants), compiled by the daemon's workers, each its
+    own artifact beside the tactic without pdl."""
+    variants = _pdl_variants()
+    names = _compile_through_daemon(daemon, variants)
+    assert len(names) == len(variants)
+    assert all(nm.split("_mac")[0].endswith("_pdl") for nm in names)

@@ -156,7 +156,8 @@ def test_one_process_tunes_the_others_reuse_the_winner(tmp_path):
 
 def test_plan_descriptions_tell_the_hopper_tactic_kinds_apart():
     """What the client logs per M bucket names each kind of cached.hopper_fp8 tactic the
-    family plans (swapped operands, two warpgroups along N, ping-pong), not only its tile."""
+    family plans (swapped operands, two warpgroups along N, ping-pong, programmatic
+    dependent launch), not only its tile."""
     from cached import families
 
     family = families.get("cached.hopper_fp8")
@@ -164,10 +165,12 @@ def test_plan_descriptions_tell_the_hopper_tactic_kinds_apart():
     for shape in [(128, 4608, 7168), (1, 4096, 4096), (4096, 4096, 512)]:
         for request in family.plan(shape, "sm_90a", 132, {}):
             p = request.params
-            kind = (bool(p["swap_ab"]), p["wg_n"], bool(p["pingpong"]))
+            kind = (bool(p["swap_ab"]), p["wg_n"], bool(p["pingpong"]), bool(p.get("pdl")))
             names.setdefault(kind, set()).add(policy._tactic_name(request))
-    marks = {(True, 1, False): " swap", (False, 2, False): " wg2", (False, 1, True): " pp"}
+    marks = {(True, 1, False, False): " swap", (False, 2, False, False): " wg2",
+             (False, 1, True, False): " pp", (True, 1, False, True): " swap pdl",
+             (False, 2, False, True): " wg2 pdl"}
     assert set(marks) <= set(names)
     for kind, mark in marks.items():
         assert all(n.endswith(mark) for n in names[kind]), names[kind]
-    assert not any(m in n for n in names[(False, 1, False)] for m in marks.values())
+    assert not any(m in n for n in names[(False, 1, False, False)] for m in marks.values())

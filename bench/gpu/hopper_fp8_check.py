@@ -26,6 +26,9 @@
       class's unswapped tactics at DECODE6_SPLIT_MS (with a per-round spread table),
       "decode7" the same at DECODE_MS only, class S = 1's decode candidates with the
       narrow 64 x 40/48/56 tiles (seventh pass),
+      "pdl8" the plan's first choice beside its pdl=True twin at every M (eighth pass;
+      the twins are the manifest's plan_alt, so summarize --markdown --alt gives the
+      tables of the plan with every first choice launched with PDL),
       "final" the plan's first choice (what a client runs) and the next ones in its class
       (build --top), and
       with build --alt-winners another recorded table's first choices too, at every M,
@@ -95,7 +98,7 @@ def group_of(params: dict) -> str:
     keeps the class)."""
     return class_of(params) + (" swap_ab" if params.get("swap_ab") else "") + (
         " wg_n2" if params.get("wg_n", 1) == 2 else "") + (
-        " pingpong" if params.get("pingpong") else "")
+        " pingpong" if params.get("pingpong") else "") + (" pdl" if params.get("pdl") else "")
 
 
 # ====================================================================================
@@ -215,7 +218,8 @@ def _pass4_tactics():
     from cached.families.hopper_fp8.tactics import tactic_space
 
     out = [T(64, 128), T(64, 96, splits=2, split_mode="serial"), T(128, 64), T(64, 80)]
-    out += [t for t in tactic_space(splits=1) + tactic_space(splits=2) if t.wg_n == 2]
+    out += [t for t in tactic_space(splits=1) + tactic_space(splits=2)
+            if t.wg_n == 2 and not t.pdl]
     out += [T(64, tn, 2, 1) for tn in (64, 80, 96, 128)]
     out += [T(64, 80, out_dtype="float16", ab_dtype="e5m2", wg_n=2),
             T(64, 128, 2, 1, out_dtype="float16", ab_dtype="e5m2", splits=2, wg_n=2)]
@@ -270,7 +274,10 @@ def _split5_tactics():
 def decode_candidate(params: dict) -> bool:
     """A tactic the "decode6" run times at M <= 64 beside the plan's first choice: a
     swap_ab decode tile, or a one-CTA-row 64-row tile (wg_n 1 or 2, no ping-pong) of
-    width <= 128, raster m, swizzle 1, any cluster."""
+    width <= 128, raster m, swizzle 1, any cluster; no pdl twin (the eighth pass's pdl8
+    set times those)."""
+    if params.get("pdl"):
+        return False
     return bool(params["swap_ab"]) or (
         params["tile_m"] == 64 and params["tile_n"] <= 128 and not params["pingpong"]
         and params["raster"] == "m" and params["swizzle"] == 1)
@@ -286,7 +293,7 @@ def _decode6_tactics():
 
     out = [T(64, 128).normalized(), T(64, 128, splits=2, split_mode="cta").normalized()]
     out += [t for t in tactic_space(splits=1) if decode_candidate(t.to_params())]
-    out += [t for t in tactic_space(splits=2)
+    out += [t for t in tactic_space(splits=2) if not t.pdl
             if decode_candidate(t.to_params()) or not t.swap_ab]
     return _unique(out)
 
@@ -341,11 +348,43 @@ def _alt_plan(winners_path: str):
         T.RECORDED_WINNERS.update(saved)
 
 
+def pdl_plan(plan, on: bool) -> dict:
+    """The plan with every first choice launched with programmatic dependent launch (on)
+    or without it (eighth pass; the same tactic otherwise): a pdl8 run times the plan
+    without PDL beside the one with it, in the same rounds."""
+    return {nk: {"splits": p["splits"],
+                 "by_m": {m: [v[0].removesuffix("_pdl") + ("_pdl" if on else "")]
+                          for m, v in p["by_m"].items()}}
+            for nk, p in plan.items()}
+
+
+def _pdl8_tactics(plan):
+    """The tactics a "pdl8" run (eighth pass) checks and times at every M: the classes'
+    first kernels, the plan's first choice per shape and M without PDL, and the pdl=True
+    twin of each (whether or not tactic_space lists it), plus two e5m2/fp16 pdl kernels
+    (a swap_ab 'cta' split and a 2x1 cluster) for correctness."""
+    import dataclasses
+
+    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
+    from cached.families.hopper_fp8.tactics import recordable_tactics
+
+    by_name = recordable_tactics()
+    out = [T(64, 128).normalized()] + [T(64, 128, splits=s, split_mode="cta").normalized()
+                                       for s in (2, 4)]
+    firsts = [dataclasses.replace(by_name[v[0]], pdl=False)
+              for p in plan.values() for v in p["by_m"].values()]
+    out += firsts + [dataclasses.replace(t, pdl=True) for t in firsts]
+    out += [T(16, 64, out_dtype="float16", ab_dtype="e5m2", splits=4, split_mode="cta",
+              swap_ab=True, pdl=True).normalized(),
+            T(128, 256, 2, 1, "m", 1, 0, "float16", "e5m2", pdl=True).normalized()]
+    return _unique(out)
+
+
 def _final_tactics(plan):
     from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
-    from cached.families.hopper_fp8.tactics import tactic_space
+    from cached.families.hopper_fp8.tactics import recordable_tactics
 
-    by_name = {t.name: t for t in tactic_space()}
+    by_name = recordable_tactics()
     chosen = {}
     # an unswapped kernel leads each class, so the swapped ones are compared with it
     for t in [T(64, 128)] + [T(64, 128, splits=s, split_mode="cta") for s in (2, 4, 8, 16)]:
@@ -403,17 +442,20 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
     os.makedirs(os.path.join(out, "obj"), exist_ok=True)
     os.makedirs(os.path.join(out, "kernels"), exist_ok=True)
     plan = _final_plan(top)
+    if which == "pdl8":  # the first choices without PDL; the twins are plan_alt
+        plan = pdl_plan(plan, False)
     tactics = {"wide": _wide_tactics, "mid": _mid_tactics, "split": _split_tactics,
                "pass4": _pass4_tactics, "pingpong": _pingpong_tactics,
                "pp128": _pp128_tactics, "split5": _split5_tactics,
-               "decode6": _decode6_tactics, "decode7": _decode7_tactics}.get(
+               "decode6": _decode6_tactics, "decode7": _decode7_tactics,
+               "pdl8": lambda: _pdl8_tactics(plan)}.get(
         which, lambda: _final_tactics(plan))()
-    plan_alt = None
+    plan_alt = pdl_plan(plan, True) if which == "pdl8" else None
     if alt_winners:  # final: the other plan's first choices too, timed beside the plan's
-        from cached.families.hopper_fp8.tactics import tactic_space
+        from cached.families.hopper_fp8.tactics import recordable_tactics
 
         plan_alt = _alt_plan(alt_winners)
-        by_name = {t.name: t for t in tactic_space()}
+        by_name = recordable_tactics()
         have = {t.name for t in tactics}
         for p in plan_alt.values():
             for names in p["by_m"].values():
@@ -1198,7 +1240,7 @@ def summarize(res, manifest, p) -> None:
                 pv = ours.get(first)
                 r1 = ratio(n, k, m, "cublas_fast1", first, d) if pv else float("nan")
                 r0 = ratio(n, k, m, "cublas_fast0", first, d) if pv else float("nan")
-                if pv and manifest.get("set") == "final":
+                if pv and manifest.get("set") in ("final", "pdl8"):
                     allr1.append(r1)
                     allr0.append(r0)
                 a, b = rounds.get((n, k, m, "cublas_fast1")), rounds.get((n, k, m, first))
@@ -1232,7 +1274,7 @@ def summarize(res, manifest, p) -> None:
               f"median {statistics.median(spread):.3f}, "
               f"90th percentile {spread[round(0.9 * (len(spread) - 1))]:.3f}, "
               f"worst {spread[-1]:.3f} over {len(spread)} points")
-    if manifest.get("set") in ("decode6", "decode7") and res.get("rounds", 1) > 1:
+    if manifest.get("set") in ("decode6", "decode7", "pdl8") and res.get("rounds", 1) > 1:
         rounds_report(res, manifest, p)
     p(f"wall {res.get('wall_seconds')} s")
 
@@ -1259,7 +1301,7 @@ def main():
     b.add_argument("--out", required=True)
     b.add_argument("--set", default="final",
                    choices=["wide", "mid", "split", "pass4", "pingpong", "pp128", "split5",
-                            "decode6", "decode7", "final"])
+                            "decode6", "decode7", "pdl8", "final"])
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--top", type=int, default=3, help="plan choices per M kept (final)")
     b.add_argument("--alt-winners", default=None,

@@ -129,7 +129,7 @@ def load(paths: list[str]):
                 for x in [x for x in old if not x.startswith("cublas") and splits_of(x) in timed]:
                     del old[x]
                 old.update(new)
-    return by, {t.name: t for t in T.tactic_space()}
+    return by, T.recordable_tactics()
 
 
 def load_rounds(paths: list[str]) -> dict:
@@ -255,7 +255,8 @@ def _emit(table: dict, path: str, how: list[str]) -> None:
              *how,
              "per (N, K) and reduction-order class S, per M: (M, tactic key, measured us).",
              "A key is tactics.recorded_key(t): 'w' for swap_ab, 'n' for wg_n = 2, 'p' for",
-             "ping-pong, tile, raster, for S > 1 the split mode, '@CMxCN' for a cluster.",
+             "ping-pong, tile, raster, for S > 1 the split mode, '@CMxCN' for a cluster,",
+             "'+pdl' for programmatic dependent launch.",
              '"""', "", "SM_COUNT = 132", "", "WINNERS = {"]
     for (n, k), per in table.items():
         lines.append(f"    ({n}, {k}): {{")

@@ -309,7 +309,8 @@ def _tactic_name(request: KernelRequest) -> str:
         split = f" S={p['splits']}{p['split_mode'][0]}" if p.get("splits", 1) > 1 else ""
         kind = "".join(mark for mark, on in ((" swap", p.get("swap_ab")),
                                              (" wg2", p.get("wg_n", 1) == 2),
-                                             (" pp", p.get("pingpong"))) if on)
+                                             (" pp", p.get("pingpong")),
+                                             (" pdl", p.get("pdl"))) if on)
         return (f"{p['tile_m']}x{p['tile_n']} c{p['cluster_m']}x{p['cluster_n']} "
                 f"r{p['raster']}{split}{kind}")
     knobs = p.get("knobs")

@@ -15,6 +15,10 @@ Structure (one CTA = 1 producer warpgroup + 1 or 2 consumer warpgroups):
     once by a_scale*b_scale, convert, stage through shared memory (stmatrix) and TMA-store.
   * persistent static tile scheduler: grid = min(#tiles, max_active_clusters * cluster
     size) CTAs, each looping over tiles; raster order and swizzle set the tile walk.
+  * tactic.pdl: launched with programmatic dependent launch; every thread runs
+    griddepcontrol.wait after the prologue (barrier init, descriptor prefetch), before
+    any global read or write, then griddepcontrol.launch_dependents, so the next kernel's
+    prologue can overlap this one. The K walk is untouched.
 M, N, K are symbolic: out-of-range rows/columns are zero-filled by TMA loads and
 clipped by TMA stores, so one compiled kernel serves every shape (N, K multiples of 16).
 
@@ -146,6 +150,9 @@ class HopperFp8GemmKernel:
         self.split_serial = tactic.splits > 1 and tactic.split_mode == "serial"
         # work units per output tile in the persistent schedule
         self.units_per_tile = tactic.splits if self.split_cta else 1
+        # programmatic dependent launch: launched so that it may start while the previous
+        # kernel on the stream runs; griddepcontrol.wait before any global read or write
+        self.pdl = tactic.pdl
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self, a_dtype, b_dtype, c_dtype, a_layout, b_layout, c_layout):
@@ -276,6 +283,7 @@ class HopperFp8GemmKernel:
             cluster=(*self.cluster_shape_mn, 1),
             min_blocks_per_mp=1,
             stream=stream,
+            use_pdl=self.pdl,
         )
 
     # ---------------------------------------------------------------- device kernel
@@ -374,6 +382,16 @@ class HopperFp8GemmKernel:
         k_tiles = cute.size(gA, mode=[3])
 
         pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
+
+        if cutlass.const_expr(self.pdl):
+            # Everything above (descriptor prefetch, barrier init, partitions) touches no
+            # global tensor, so it may run under the previous kernel. Every thread waits
+            # here for the previous grid to finish and flush before it reads A, B, the
+            # scales, the workspace or the counters, or writes C / the workspace. Then the
+            # next kernel may be scheduled: it waits the same way, so nothing it reads or
+            # writes can race with this grid.
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
 
         if wg_idx == 0:
             # ---------------------------------------------------------- producer

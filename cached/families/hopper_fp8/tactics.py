@@ -60,6 +60,13 @@ the weights at M <= 64 than the 64-row tiles give. Same K walk, so in the class 
 (bitwise checked on an H200, docs/benchmarks.md); the epilogue stages the whole tile as
 wg_n = 2 does (tile_epilogue).
 
+Programmatic dependent launch (``pdl=True``, eighth pass): the kernel is launched so that
+the next kernel on the stream may start its prologue while it runs; every thread waits for
+the previous grid (griddepcontrol.wait) before any global read or write. Launch order
+only: same K walk, so a pdl tactic is in the class of its S (bitwise checked on an H200,
+docs/benchmarks.md). tactic_space lists a twin of the decode-band tactics (pdl_twin); a
+recorded winner may name pdl on any tactic (recordable_tactics).
+
 Choosing S: ``choose_split(n, k, sm_count)`` depends on N, K and the device only, never
 on M, so a batch-invariant plan for one (N, K) uses one class for every M.
 """
@@ -168,7 +175,11 @@ PARAM_KEYS = (
     "swap_ab",
     "wg_n",
     "pingpong",
+    "pdl",
 )
+# keys to_params() leaves out at their default, so that the canonical params (and so the
+# artifact keys) of every tactic from before the field existed stay what they were
+OMITTED_AT_DEFAULT = {"pdl": False}
 
 
 def num_consumer_warpgroups(tile_m: int) -> int:
@@ -326,6 +337,12 @@ class HopperFp8Tactic:
                        (tile_m 64 or 128), the CTA's tiles alternating between them
                        (PINGPONG_TILES; S > 1 with split_mode 'serial' on
                        PINGPONG_SPLIT_TILES); not with swap_ab or wg_n = 2.
+      pdl              False, or True: launched with programmatic dependent launch (the
+                       next kernel on the stream may start its prologue while this one
+                       runs; every CTA waits for the previous grid before its first read
+                       or write of global memory). Any tactic may take it; the K walk is
+                       unchanged, so a pdl tactic is in the class of its S. Left out of
+                       to_params() when False (OMITTED_AT_DEFAULT).
     """
 
     tile_m: int = 128
@@ -342,6 +359,7 @@ class HopperFp8Tactic:
     swap_ab: bool = False
     wg_n: int = 1
     pingpong: bool = False
+    pdl: bool = False
 
     # -- derived facts -------------------------------------------------------------
     @property
@@ -381,7 +399,7 @@ class HopperFp8Tactic:
             f"m{self.tile_m}n{self.tile_n}_c{self.cluster_m}x{self.cluster_n}"
             f"_r{self.raster}_s{self.swizzle}_st{self.stages}_{self.ab_dtype}_{self.out_dtype}"
             f"{split}{'_sw' if self.swap_ab else ''}{'_wn2' if self.wg_n == 2 else ''}"
-            f"{'_pp' if self.pingpong else ''}"
+            f"{'_pp' if self.pingpong else ''}{'_pdl' if self.pdl else ''}"
         )
 
     # -- validation / encoding -------------------------------------------------------
@@ -433,6 +451,8 @@ class HopperFp8Tactic:
                 f"{self.tile_n} gives {self.tile_n / 2:g}")
         if not isinstance(self.pingpong, bool):
             bad(f"pingpong must be true or false, got {type(self.pingpong).__name__}")
+        if not isinstance(self.pdl, bool):
+            bad(f"pdl must be true or false, got {type(self.pdl).__name__}")
         if self.tile_n in NARROW_TILE_N and not self.swap_ab:
             if self.tile_m != 64 or self.pingpong:
                 bad(f"tile_n in {NARROW_TILE_N} (narrow decode tiles) needs tile_m=64 and "
@@ -483,8 +503,10 @@ class HopperFp8Tactic:
             )
 
     def to_params(self) -> dict[str, Any]:
-        """Canonical, JSON-able parameters (every field, fixed key order)."""
-        return {k: getattr(self, k) for k in PARAM_KEYS}
+        """Canonical, JSON-able parameters (every field, fixed key order; a field of
+        OMITTED_AT_DEFAULT only where it differs from its default)."""
+        return {k: getattr(self, k) for k in PARAM_KEYS
+                if k not in OMITTED_AT_DEFAULT or getattr(self, k) != OMITTED_AT_DEFAULT[k]}
 
 
 def tactic_from_params(params: Mapping[str, Any]) -> HopperFp8Tactic:
@@ -686,6 +708,7 @@ def _cost(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int) -> tuple:
         work_units(t, m, n),
         -t.tile_n,
         -t.tile_m,
+        t.pdl,  # the model does not see launch overlap: a pdl twin ranks after its tactic
     )
 
 
@@ -724,6 +747,9 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
     SPLIT_SERIAL_CLUSTER_TILES with clusters 1x2 and 2x1 and both rasters (16), on the
     wg_n = 2 tiles (8), 'serial' ping-pong on PINGPONG_SPLIT_TILES with clusters 1x1 and
     2x1 and both rasters (8), and both modes on the 8 swap_ab tiles (16); 677 in all.
+    Then a pdl twin (pdl=True) of each decode-band tactic (PDL_TWINS: swap_ab, wg_n = 2,
+    the narrow widths): 41 in S = 1 and 24 per S > 1, so 454 in S = 1, 90 per S > 1,
+    814 in all.
     """
     out: list[HopperFp8Tactic] = []
     for sp in SPLIT_CHOICES if splits is None else (splits,):
@@ -773,7 +799,25 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
                                            out_dtype, ab_dtype, sp, "serial", wg_n=2))
         out += _swap_tactics(sp, "cta", out_dtype, ab_dtype)
         out += _swap_tactics(sp, "serial", out_dtype, ab_dtype)
-    return out
+    return out + [dataclasses.replace(t, pdl=True) for t in out if pdl_twin(t)]
+
+
+def pdl_twin(t: HopperFp8Tactic) -> bool:
+    """Whether tactic_space lists a pdl=True twin of ``t`` (a pdl=False tactic): the
+    decode-band tactics (swap_ab, wg_n = 2, NARROW_TILE_N), whose launches are a few us
+    long, so overlapping one launch's prologue and tail with the next's matters most.
+    A recorded winner may still name pdl on any tactic (recorded_key's '+pdl')."""
+    return not t.pdl and (t.swap_ab or t.wg_n == 2 or t.tile_n in NARROW_TILE_N)
+
+
+def recordable_tactics(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3"
+                       ) -> dict[str, HopperFp8Tactic]:
+    """{name: tactic} of what a recorded winner (h200_winners.py) may name: tactic_space()
+    and the pdl=True twin of each of its tactics (pdl changes no arithmetic, so a tactic
+    timed faster with it, in every round, may be recorded with it; eighth pass)."""
+    space = {t.name: t for t in tactic_space(out_dtype, ab_dtype)}
+    return space | {t.name: t for t in (dataclasses.replace(x, pdl=True)
+                                        for x in space.values() if not x.pdl)}
 
 
 def _wg_n_tactics(out_dtype: str, ab_dtype: str) -> list[HopperFp8Tactic]:
@@ -803,15 +847,20 @@ def _check_problem(m: int, n: int, k: int, out_dtype: str, ab_dtype: str) -> Non
 def recorded_key(t: HopperFp8Tactic) -> str:
     """Short name of a swizzle-1 tactic in a recorded table: 'w' first for swap_ab, 'n'
     for wg_n = 2, then the tile, the raster, 'c' or 's' for the split mode of S > 1, and
-    '@CMxCN' for a cluster other than 1x1, e.g. '64x128mc', 'w8x128mc', '128x64m@1x2',
-    'n64x80m@2x1'."""
+    '@CMxCN' for a cluster other than 1x1, then '+pdl' for pdl=True, e.g. '64x128mc',
+    'w8x128mc', '128x64m@1x2', 'n64x80m@2x1', 'w32x64m+pdl'."""
     mode = t.split_mode[0] if t.splits > 1 else ""
     cluster = f"@{t.cluster_m}x{t.cluster_n}" if t.cluster_size > 1 else ""
     lead = "w" if t.swap_ab else ("n" if t.wg_n == 2 else ("p" if t.pingpong else ""))
-    return f"{lead}{t.tile_m}x{t.tile_n}{t.raster}{mode}{cluster}"
+    return f"{lead}{t.tile_m}x{t.tile_n}{t.raster}{mode}{cluster}{PDL_KEY if t.pdl else ''}"
+
+
+PDL_KEY = "+pdl"  # recorded_key's suffix of a pdl=True tactic
 
 
 def _from_key(key: str, splits: int, out_dtype: str, ab_dtype: str) -> HopperFp8Tactic:
+    pdl = key.endswith(PDL_KEY)
+    key = key[:-len(PDL_KEY)] if pdl else key
     swap = key.startswith("w")
     wg_n = 2 if key.startswith("n") else 1
     pp = key.startswith("p")
@@ -822,7 +871,7 @@ def _from_key(key: str, splits: int, out_dtype: str, ab_dtype: str) -> HopperFp8
     tm, tn = (int(x) for x in tile.split("x"))
     mode = {"c": "cta", "s": "serial"}[rest[1]] if splits > 1 else "serial"
     return HopperFp8Tactic(tm, tn, cm, cn, rest[0], 1, 0, out_dtype, ab_dtype, splits,
-                           mode, swap, wg_n, pp).normalized()
+                           mode, swap, wg_n, pp, pdl).normalized()
 
 
 def _load_recorded() -> dict:
