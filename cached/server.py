@@ -295,7 +295,6 @@ class _Connection:
         self.blocked_since: float | None = None  # a reply waits for the peer to read
         self.in_frame = False  # part of a frame has arrived
 
-
     async def readable(self) -> None:
         """Until the socket has bytes to read (or its end). The reader stays registered from
         one wait to the next (a request costs no epoll_ctl); it fires with nobody waiting

@@ -275,9 +275,9 @@ class Store:
         self._touched: set[str] = set()
         self._deleted: set[str] = set()  # dropped or evicted keys not yet deleted from the index
         self._checked: dict[tuple[str, str], tuple[tuple, float, str]] = {}
-        self._blob_paths: dict[tuple[str, str], Path] = {}
         """(sha256, suffix) -> (the blob file's identity, monotonic time, path) at its last
         digest check; a blob whose file still has that identity is served without hashing."""
+        self._blob_paths: dict[tuple[str, str], Path] = {}
         self.index_created = not self.index_path.exists()
         self._open_index()
         self._rows: dict[str, dict] = self._load_rows()
