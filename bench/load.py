@@ -5,8 +5,9 @@ Hits: 8 processes x 8 threads (``--threads 1``: 64 processes of one thread), eac
 its own connection, each request a `get` of
 one of 8 stored kernels (the client's default transfer, descriptors). Each thread's first
 `get` (connecting; the process's identity computed once) is timed apart (``first_get_*``);
-then all 64 start their timed `get`s together. Reports p50/p99 latency, errors and the
-daemon's RSS before, at its peak (sampled every 0.1 s) and after.
+then all 64 start their timed `get`s together. Reports p50/p99 latency, errors, the
+daemon's CPU per request (user + system, over the timed gets) and its RSS before, at its
+peak (sampled every 0.1 s) and after.
 The same hits run three times: alone; next to slow readers (8 connections each
 pipelining 4,000 `get`s with transfer "bytes" and never reading a reply); and next to a
 partial-frame flood (1,000 connections each sending a 1 MiB header and all but the last
@@ -144,6 +145,12 @@ def hostile(d: Daemon, kind: str, request: KernelRequest, seconds: float) -> sub
     return proc
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) the process has used, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -168,9 +175,9 @@ def hits(d: Daemon, requests: list[KernelRequest], clients: int, per_client: int
         p.stdin.flush()
     for p in ps:
         assert p.stdout.readline().strip() == "ready"
-    started = time.monotonic()
+    started, cpu_before = time.monotonic(), cpu_seconds(d.proc.pid)
     outs = [json.loads(p.communicate("go\n")[0]) for p in ps]
-    wall = time.monotonic() - started
+    wall, daemon_cpu = time.monotonic() - started, cpu_seconds(d.proc.pid) - cpu_before
     peak = sampler.stop()
     hostile_report = None
     if bad is not None:
@@ -187,7 +194,9 @@ def hits(d: Daemon, requests: list[KernelRequest], clients: int, per_client: int
             "error_samples": [e for o in outs for e in o["errors"]][:5],
             "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99), "max_ms": max(lat),
             "first_get_p50_ms": percentile(first, 50), "first_get_max_ms": max(first),
-            "wall_s": wall, "throughput_rps": len(lat) / wall, "rss_kib_before": before,
+            "wall_s": wall, "throughput_rps": len(lat) / wall,
+            "daemon_cpu_us_per_request": daemon_cpu / max(1, len(lat)) * 1e6,
+            "rss_kib_before": before,
             "rss_kib_peak": peak, "rss_kib_after": rss_kib(d.proc.pid),
             "loadavg_1min_before": loadavg, "hostile": hostile_report}
 

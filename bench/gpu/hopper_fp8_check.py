@@ -44,6 +44,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -226,31 +227,17 @@ def _pass4_tactics():
     return _unique(out)
 
 
-def _pingpong_tactics():
-    """The tactics a "pingpong" run checks and times at M in PINGPONG_MS: every ping-pong
-    tactic of the space after the class's first kernel, and one e5m2/fp16 ping-pong kernel
-    for correctness; the build adds the plan's first choices at those M."""
+def _pingpong_tactics(e5m2_tile: tuple[int, int] = (64, 256)):
+    """The tactics a "pingpong" run (fourth pass) or a "pp128" run (fifth pass, e5m2_tile
+    128 x 192) checks and times: every ping-pong tactic of the space after the class's
+    first kernel, and one e5m2/fp16 ping-pong kernel of ``e5m2_tile`` (cluster 1x2, raster
+    n) for correctness; the build adds the plan's first choices at those M."""
     from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
     from cached.families.hopper_fp8.tactics import tactic_space
 
     out = [T(64, 128).normalized()]
     out += [t for t in tactic_space(splits=1) if t.pingpong]
-    out += [T(64, 256, 1, 2, "n", out_dtype="float16", ab_dtype="e5m2",
-              pingpong=True).normalized()]
-    return out
-
-
-def _pp128_tactics():
-    """The tactics a "pp128" run (fifth pass) checks and times at M in PP128_MS: every
-    ping-pong tactic of the space (the 128-row ones new, the 64-row ones re-timed) after
-    the class's first kernel, and one e5m2/fp16 128-row ping-pong kernel for correctness;
-    the build adds the plan's first choices at those M."""
-    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
-    from cached.families.hopper_fp8.tactics import tactic_space
-
-    out = [T(64, 128).normalized()]
-    out += [t for t in tactic_space(splits=1) if t.pingpong]
-    out += [T(128, 192, 1, 2, "n", out_dtype="float16", ab_dtype="e5m2",
+    out += [T(*e5m2_tile, 1, 2, "n", out_dtype="float16", ab_dtype="e5m2",
               pingpong=True).normalized()]
     return out
 
@@ -446,7 +433,7 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
         plan = pdl_plan(plan, False)
     tactics = {"wide": _wide_tactics, "mid": _mid_tactics, "split": _split_tactics,
                "pass4": _pass4_tactics, "pingpong": _pingpong_tactics,
-               "pp128": _pp128_tactics, "split5": _split5_tactics,
+               "pp128": functools.partial(_pingpong_tactics, (128, 192)), "split5": _split5_tactics,
                "decode6": _decode6_tactics, "decode7": _decode7_tactics,
                "pdl8": lambda: _pdl8_tactics(plan)}.get(
         which, lambda: _final_tactics(plan))()
