@@ -56,11 +56,12 @@ from .toolchains import Route, Toolchains
 
 log = logging.getLogger("cached.scheduler")
 
-INTERACTIVE, PREWARM = 0, 1
+PRIORITIES = {name: rank for rank, name in enumerate(p.PRIORITIES)}
+"""A request's priority name -> its rank in the queue (lower goes first)."""
+INTERACTIVE, PREWARM = PRIORITIES["interactive"], PRIORITIES["prewarm"]
 UNSTORED_HOLD_S = 120.0
 """How long the work directory of an unstored kernel outlives its job (seconds): its
 waiters open the files by path within that time."""
-PRIORITIES = {"interactive": INTERACTIVE, "prewarm": PREWARM}
 RESOLVED_MAX = 4096
 """Resolved requests remembered (the oldest forgotten first): a hit does not canonicalise
 its request or hash its key again."""

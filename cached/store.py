@@ -45,7 +45,7 @@ from typing import Any
 import sqlite_utils
 from cached_client.errors import CompileFailed
 from cached_client.keys import KernelRequest
-from cached_client.protocol import BUNDLE_NAME, MAX_BUNDLE_FILES, check_manifest
+from cached_client.protocol import BUNDLE_NAME, KINDS, MAX_BUNDLE_FILES, check_manifest
 
 from .config import ConfigError
 from .log import event
@@ -61,10 +61,6 @@ COLUMNS = {
 }
 ADDED_COLUMNS = {"kind": "kernel", "files": ""}
 """Columns an older index lacks, added with these values when it is opened."""
-KINDS = ("kernel", "bundle")
-"""What an entry holds: a ``kernel`` is an object and the library linked from it; a
-``bundle`` is a set of named opaque files (a JIT library's own artifacts, written back by
-clients), listed with their digests and sizes in the row's ``files`` manifest."""
 
 SUFFIXES = {"object": ".o", "library": ".so"}
 INDEX_NAME = "index.sqlite"
