@@ -109,6 +109,7 @@ class Scheduler:
         self._dispatchers: list[asyncio.Task] = []
         self._tasks: set[asyncio.Task] = set()
         self._resolved: dict[tuple, tuple[Family, KernelRequest, Route]] = {}
+        self._runtimes: dict[str, dict] = {}  # fingerprint -> runtime: _built_for
 
     @property
     def queued(self) -> int:
@@ -497,6 +498,7 @@ class Scheduler:
                 key=r["key"], family=r["family"], kernel_name=r["kernel_name"], symbol="",
                 library_sha256="", object_sha256="", toolchain=r["toolchain"],
                 source_sha256=r["source_sha256"], runtime_library={}, origin=origin,
+                **self._built_for(r),
                 compile_seconds=r["compile_seconds"], kind="bundle",
                 files=[{"name": name, "sha256": f["sha256"], "size": f["size"],
                         "path": str(entry.files[name]) if paths else None}
@@ -507,9 +509,26 @@ class Scheduler:
             library_size=r["library_size"], object_size=r["object_size"],
             toolchain=r["toolchain"], source_sha256=r["source_sha256"],
             runtime_library=self.toolchains.runtime_library(r["toolchain"]), origin=origin,
+            **self._built_for(r),
             compile_seconds=r["compile_seconds"],
             library_path=str(entry.library_path) if paths else None,
             object_path=str(entry.object_path) if paths else None)
+
+    def _built_for(self, row: Any) -> dict:
+        """What an artifact states it was built for (protocol capability
+        ``identity:artifact``): its arch and device facts as keyed, and the runtime of the
+        toolchain whose fingerprint it carries ({} for one not registered here; the
+        toolchains are fixed for the daemon's life, so it is looked up once each)."""
+        fingerprint = row["toolchain"]
+        runtime = self._runtimes.get(fingerprint)
+        if runtime is None:
+            t = self.toolchains.by_fingerprint(fingerprint)
+            runtime = {} if t is None else {k: t.runtime.get(k)
+                                            for k in ("tvm_ffi", "dsl_runtime_sha256")}
+            if len(self._runtimes) < RESOLVED_MAX:
+                self._runtimes[fingerprint] = runtime
+        return {"arch": row["arch"], "sm_count": row["sm_count"],
+                "max_active_clusters": row["max_active_clusters"], "runtime": dict(runtime)}
 
 
 def _plan_here(family: Family, payload: dict) -> list[dict]:

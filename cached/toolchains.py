@@ -48,6 +48,7 @@ from cached_client import identity as client_identity
 from cached_client import protocol as p
 from cached_client.errors import InvalidTactic, ToolchainMismatch, UnknownToolchain
 from cached_client.keys import KernelRequest, artifact_key
+from cached_client.loader import RUNTIME_LIBRARY_NAME
 
 import cached
 
@@ -334,7 +335,7 @@ class Toolchains:
         """The runtime library an artifact of ``fingerprint`` was linked against, with the
         path in that toolchain's environment (None for an unregistered one)."""
         t = self.by_fingerprint(fingerprint)
-        return {"name": client_identity.RUNTIME_LIBRARY_NAME,
+        return {"name": RUNTIME_LIBRARY_NAME,
                 "path": t.runtime_library if t is not None else None}
 
     def snapshot(self) -> list[dict]:

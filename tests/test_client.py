@@ -102,7 +102,7 @@ def test_client_refuses_a_library_whose_digest_changed(daemon, mm_fp4_requests, 
     copy = tmp_path / "copy.so"
     copy.write_bytes(open(art.library_path, "rb").read() + b"\0")
     with pytest.raises(IntegrityError, match="not loading"):
-        load_library(str(copy), art.symbol, art.library_sha256, art.runtime_library)
+        load_library(str(copy), art.symbol, art.library_sha256)
 
 
 def test_http_stats_equal_the_cli_and_health(daemon):

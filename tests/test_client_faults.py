@@ -45,15 +45,13 @@ def test_eviction_right_after_get_cannot_break_the_load(tmp_path, mm_fp4_request
         by_fd = d.client(timeout=600).get(request)  # the default transfer
         assert not by_fd.library_path.startswith(str(d.store))
         assert admin.gc(p.GcRequest(max_bytes=1, grace=0)).evicted == 1
-        fn = load_library(by_fd.library_path, by_fd.symbol, by_fd.library_sha256,
-                          by_fd.runtime_library)
+        fn = load_library(by_fd.library_path, by_fd.symbol, by_fd.library_sha256)
         assert callable(fn)
         by_path = d.client(timeout=600, transfer="path").get(request)  # compiled again
         assert by_path.library_path.startswith(str(d.store))
         assert admin.gc(p.GcRequest(max_bytes=1, grace=0)).evicted == 1
         with pytest.raises(FileNotFoundError):
-            load_library(by_path.library_path, by_path.symbol, by_path.library_sha256,
-                         by_path.runtime_library)
+            load_library(by_path.library_path, by_path.symbol, by_path.library_sha256)
     finally:
         d.stop()
 

@@ -6,9 +6,11 @@ FlashInfer, TVM-FFI or torch. Loading a kernel imports TVM-FFI on first use.
 
 from .client import Client
 from .errors import (
+    ArtifactMismatch,
     BadReply,
     CachedError,
     CompileFailed,
+    DaemonTooOld,
     DaemonUnavailable,
     DeadlineExceeded,
     IntegrityError,
@@ -21,6 +23,7 @@ from .errors import (
     UnknownFamily,
     UnknownToolchain,
     UnsupportedVersion,
+    UntrustedDaemon,
 )
 from .keys import KernelRequest, artifact_key
 from .paths import default_socket_path
@@ -28,10 +31,12 @@ from .protocol import Artifact
 
 __all__ = [
     "Artifact",
+    "ArtifactMismatch",
     "BadReply",
     "CachedError",
     "Client",
     "CompileFailed",
+    "DaemonTooOld",
     "DaemonUnavailable",
     "DeadlineExceeded",
     "IntegrityError",
@@ -45,6 +50,7 @@ __all__ = [
     "UnknownFamily",
     "UnknownToolchain",
     "UnsupportedVersion",
+    "UntrustedDaemon",
     "artifact_key",
     "default_socket_path",
 ]

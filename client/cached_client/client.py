@@ -21,6 +21,14 @@ Identity: every request that can return an artifact (``get``, ``prefetch``, ``pl
 ``lease*``, ``publish``) states this environment's identity (cached_client.identity: its
 toolchain, the sources of the families it names, its runtime), added here in one place;
 the daemon serves only artifacts whose key matches it (docs/keys.md).
+
+Trust: every connect checks whom it reached (cached_client.transport: the server's uid, and
+the default socket's directory); before the first ``get`` on a connection the client reads
+the daemon's ``hello`` capabilities (refusing one too old to state what its artifacts were
+built with, and choosing the transfer), and every artifact ``get`` returns is checked
+against this process's identity before anything is copied or loaded (cached_client.trust):
+a mismatch is ArtifactMismatch, a miss (``load`` compiles in-process), warned once per
+socket and set of fields. All three refusals are DaemonUnavailable.
 """
 
 from __future__ import annotations
@@ -39,9 +47,12 @@ from typing import Any, TypeVar
 
 from . import identity as env_identity
 from . import protocol as p
+from . import trust
 from .errors import (
+    ArtifactMismatch,
     BadReply,
     CachedError,
+    DaemonTooOld,
     DaemonUnavailable,
     DeadlineExceeded,
     InvalidArgument,
@@ -50,7 +61,7 @@ from .errors import (
 )
 from .keys import KernelRequest
 from .loader import copy_verified, load_bytes, load_library, private_dir
-from .paths import SOCKET_ENV, check_socket_dir, default_socket_path
+from .paths import SOCKET_ENV, default_socket_path
 from .protocol import Artifact
 from .transport import ConnectFailed, Connection, DaemonSilent
 
@@ -67,6 +78,7 @@ FALLBACK_ENTRY_POINTS = "cached_client.fallback"
 Fallback = Callable[[KernelRequest, str], Artifact]
 R = TypeVar("R", bound=p.Message)
 _warned_unreachable: set[str] = set()
+_warned_mismatch: set[tuple[str, tuple[str, ...]]] = set()
 _clients: weakref.WeakSet[Client] = weakref.WeakSet()
 _circuits: dict[str, tuple[float, str]] = {}
 """Socket path -> (monotonic time to ask again, why it stopped answering)."""
@@ -148,9 +160,9 @@ class Client:
         if transfer not in p.TRANSFERS:
             raise ValueError(f"transfer must be one of {', '.join(p.TRANSFERS)}")
         self.socket_path = socket_path or default_socket_path()
-        self._untrusted = None
-        if socket_path is None and not os.environ.get(SOCKET_ENV):
-            self._untrusted = check_socket_dir(self.socket_path)
+        # the default socket may sit under a shared /tmp: its directory is checked at
+        # every connect; a named one (argument, $CACHED_SOCKET) gets the peer's uid check
+        self._check_dir = socket_path is None and not os.environ.get(SOCKET_ENV)
         self.timeout = timeout
         self.transfer = transfer
         self.fallback = fallback
@@ -227,8 +239,6 @@ class Client:
         """Send ``message`` and read its reply, under the lock. A kept connection the daemon
         closed meanwhile (its idle timeout, a restart) is replaced once, silently; a daemon
         that cannot be reached or went silent opens the circuit (``RETRY_AFTER_S``)."""
-        if self._untrusted:
-            raise DaemonUnavailable(f"not connecting: {self._untrusted}")
         why = _circuit_reason(self.socket_path)
         if why is not None:
             raise DaemonUnavailable(why)
@@ -240,7 +250,8 @@ class Client:
             kept = conn is not None
             try:
                 if conn is None:
-                    conn = self._conn = Connection(self.socket_path, deadline)
+                    conn = self._conn = Connection(self.socket_path, deadline,
+                                                   check_dir=self._check_dir)
                 received = conn.received
                 conn.on_silence = self._daemon_answers  # only during the call: no cycle
                 try:
@@ -268,6 +279,11 @@ class Client:
                 raise BadReply(f"the daemon answered request {reply.get('id')!r} to request "
                                f"{message['id']} ({message['op']}); connection dropped")
             _close_circuit(self.socket_path)
+            if message["op"] == "hello" and reply.get("ok") is True:
+                caps = reply.get("capabilities")
+                conn.capabilities = frozenset(
+                    c for c in caps if isinstance(c, str)) if isinstance(caps, list) else (
+                    frozenset())
             return reply, payload, fds
         raise AssertionError("unreachable")
 
@@ -284,8 +300,8 @@ class Client:
         listening but finishes what its connections wait for, and a dead one closes them."""
         deadline = time.monotonic() + PROBE_TIMEOUT_S
         try:
-            with Connection(self.socket_path, deadline, connect_timeout=PROBE_TIMEOUT_S
-                            ) as probe:
+            with Connection(self.socket_path, deadline, connect_timeout=PROBE_TIMEOUT_S,
+                            check_dir=self._check_dir) as probe:
                 reply, _ = probe.request({"v": p.PROTOCOL_VERSION, "id": 0, "op": "hello"},
                                          deadline)
         except ConnectFailed as exc:
@@ -318,6 +334,16 @@ class Client:
 
     def hello(self, timeout: float | None = None) -> p.HelloReply:
         return self._call("hello", None, p.HelloReply, timeout)
+
+    def capabilities(self, timeout: float | None = None) -> frozenset[str]:
+        """What the daemon on the current connection stated in its ``hello`` (asked once per
+        connection: a new connection may reach a restarted, different daemon)."""
+        with self._lock:
+            conn = self._conn
+            if (self._pid == os.getpid() and conn is not None and conn.usable()
+                    and conn.capabilities is not None):
+                return conn.capabilities
+        return frozenset(self.hello(timeout).capabilities)
 
     def stats(self, timeout: float | None = None) -> dict:
         return self._call("stats", None, p.StatsReply, timeout).stats
@@ -362,17 +388,23 @@ class Client:
         checked), so nothing the daemon evicts can break loading them.
         """
         timeout = self.timeout if timeout is None else timeout
+        caps = self.capabilities(timeout)
+        why = trust.too_old(caps, self.socket_path)
+        if why is not None:
+            raise DaemonTooOld(why)
         transfer = self.transfer
+        if transfer not in ("path", "bytes") and f"transfer:{transfer}" not in caps:
+            transfer = "path"
         message = p.GetRequest(request=request, priority=priority, transfer=transfer,
                                deadline_ms=max(1, int(timeout * 1000 * 0.95) - 20))
-        try:
-            reply, payload, fds = self._round_trip("get", message, timeout)
-        except InvalidArgument as exc:
-            if transfer != "fd" or not exc.message.startswith("transfer must be"):
-                raise
-            self.transfer = "path"  # a daemon from before descriptor passing
-            return self.get(request, timeout, priority)
+        reply, payload, fds = self._round_trip("get", message, timeout)
         artifact = reply.artifact
+        stated = None if self.identity is False else self._identity_wire(message)
+        found = trust.mismatches(artifact, request, stated)
+        if found:
+            for fd in fds:
+                _close(fd)
+            raise self._mismatch(artifact, found)
         if transfer == "fd":
             return self._private_copies(artifact, reply.fds, fds)
         for fd in fds:
@@ -382,6 +414,19 @@ class Client:
                 raise BadReply("the daemon sent no library bytes for a 'bytes' transfer")
             artifact = dataclasses.replace(artifact, library_bytes=payload)
         return artifact
+
+    def _mismatch(self, artifact: Artifact, found: dict[str, str]) -> ArtifactMismatch:
+        """The error for an artifact not built for this process; warned once per socket
+        and set of fields."""
+        fields = tuple(sorted(found))
+        differ = "; ".join(found[f] for f in fields)
+        message = (f"the daemon at {self.socket_path} described {artifact.family} kernel "
+                   f"{artifact.key[:16]} built for another environment ({differ}); not "
+                   "loading it: a miss")
+        if (self.socket_path, fields) not in _warned_mismatch:
+            _warned_mismatch.add((self.socket_path, fields))
+            logger.warning("cached: %s (compiling in this process instead)", message)
+        return ArtifactMismatch(message, fields)
 
     def _private_copies(self, artifact: Artifact, kinds: list, fds: list[int]) -> Artifact:
         """Copy the blobs the daemon passed as descriptors into the private scratch
@@ -478,19 +523,16 @@ class Client:
 
     def _load_artifact(self, artifact: Artifact) -> Any:
         if artifact.library_bytes is not None:
-            return load_bytes(
-                artifact.library_bytes, artifact.symbol, artifact.library_sha256,
-                artifact.runtime_library, self._scratch,
-            )
+            return load_bytes(artifact.library_bytes, artifact.symbol, artifact.library_sha256,
+                              self._scratch)
         if artifact.library_path is None:
             raise BadReply("the daemon's answer named no library path and sent no bytes")
-        return load_library(
-            artifact.library_path, artifact.symbol, artifact.library_sha256,
-            artifact.runtime_library,
-        )
+        return load_library(artifact.library_path, artifact.symbol, artifact.library_sha256)
 
     def _fallback_build(self, request: KernelRequest, reason: CachedError) -> Artifact:
-        if self.socket_path not in _warned_unreachable:
+        if isinstance(reason, ArtifactMismatch):
+            pass  # get() warned, naming the fields
+        elif self.socket_path not in _warned_unreachable:
             _warned_unreachable.add(self.socket_path)
             logger.warning(
                 "cached daemon at %s unusable (%s); compiling in this process instead",

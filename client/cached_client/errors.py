@@ -91,6 +91,26 @@ class BadReply(DaemonUnavailable):
     """The daemon's reply does not follow the protocol (client side only)."""
 
 
+class UntrustedDaemon(DaemonUnavailable):
+    """The socket's directory or the process answering on it is not one the client trusts
+    (client side only; the message says what to fix). Nothing was sent."""
+
+
+class DaemonTooOld(DaemonUnavailable):
+    """The daemon's ``hello`` does not state the capabilities this request needs (an older
+    daemon: its artifacts do not say what they were built with). Client side only."""
+
+
+class ArtifactMismatch(DaemonUnavailable):
+    """The artifact the daemon described was not built for this process (its toolchain,
+    runtime, sources, arch or device differ, or are not stated): a miss, never loaded.
+    Client side only; ``fields`` names what differs."""
+
+    def __init__(self, message: str, fields: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
 class InternalError(CachedError):
     """A daemon bug; the daemon keeps serving."""
 

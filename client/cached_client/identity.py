@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import flashinfer_sources
-from .loader import RUNTIME_LIBRARY_ENV, RUNTIME_LIBRARY_NAME, installed_runtime_libraries
+from .loader import RUNTIME_LIBRARY_ENV, runtime_library_path
 
 STACK_NAMES = ("torch", "apache-tvm-ffi")
 STACK_PREFIX = "nvidia-cutlass-dsl"
@@ -172,16 +172,6 @@ def flashinfer_files_source(files: tuple[str, ...]) -> str:
     dist_part = dist_component(dist) if dist is not None else "flashinfer-python==unknown"
     content = flashinfer_sources.content_sha256(root, files)
     return hashlib.sha256(f"{dist_part}\n{content}".encode()).hexdigest()
-
-
-def runtime_library_path() -> str | None:
-    """The DSL runtime library this process opens on its own: $CACHED_DSL_RUNTIME, else the
-    installed DSL's (the one kernels are linked against); None when there is neither."""
-    env = os.environ.get(RUNTIME_LIBRARY_ENV)
-    if env and os.path.isfile(env):
-        return env
-    installed = installed_runtime_libraries(RUNTIME_LIBRARY_NAME)
-    return installed[0] if installed else None
 
 
 def _record_sha256(path: str) -> str | None:

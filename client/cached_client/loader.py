@@ -42,36 +42,40 @@ def installed_runtime_libraries(name: str) -> list[str]:
     return found
 
 
-def find_runtime_library(name: str, hint: str | None = None) -> str:
-    """Locate ``name``: $CACHED_DSL_RUNTIME, the daemon's hint, then the installed DSL."""
-    candidates = [os.environ.get(RUNTIME_LIBRARY_ENV), hint, *installed_runtime_libraries(name)]
-    for candidate in candidates:
-        if candidate and os.path.isfile(candidate):
-            return candidate
-    raise FileNotFoundError(
-        f"cannot find {name}: set {RUNTIME_LIBRARY_ENV} to its path, or install "
-        "nvidia-cutlass-dsl in this environment"
-    )
+def runtime_library_path() -> str | None:
+    """The DSL runtime library this process opens: $CACHED_DSL_RUNTIME when it names a file
+    (client-side configuration, e.g. a bare library carried on a GPU node), else the
+    installed DSL's; None when there is neither. Never a path or name a daemon states: the
+    library is opened RTLD_GLOBAL, and its digest is this process's identity
+    (cached_client.identity.runtime hashes this same file, once per process)."""
+    env = os.environ.get(RUNTIME_LIBRARY_ENV)
+    if env and os.path.isfile(env):
+        return env
+    installed = installed_runtime_libraries(RUNTIME_LIBRARY_NAME)
+    return installed[0] if installed else None
 
 
-def open_runtime(name: str, hint: str | None = None) -> None:
-    """dlopen the DSL runtime globally, once per process, so kernels can resolve it."""
+def open_runtime() -> None:
+    """dlopen this process's DSL runtime globally, once per process, so kernels can resolve
+    it; FileNotFoundError when there is none."""
     with _lock:
-        if name in _opened_runtimes:
+        if RUNTIME_LIBRARY_NAME in _opened_runtimes:
             return
-        path = find_runtime_library(name, hint)
-        _opened_runtimes[name] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        path = runtime_library_path()
+        if path is None:
+            raise FileNotFoundError(
+                f"cannot find {RUNTIME_LIBRARY_NAME}: set {RUNTIME_LIBRARY_ENV} to its path, or "
+                "install nvidia-cutlass-dsl in this environment")
+        _opened_runtimes[RUNTIME_LIBRARY_NAME] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 
 
-def load_library(path: str, symbol: str, sha256: str, runtime: dict) -> Any:
-    """The function ``symbol`` of the shared library at ``path``, after checking its digest.
-
-    ``runtime`` is the artifact's ``runtime_library`` object: ``{"name", "path"}``.
-    """
+def load_library(path: str, symbol: str, sha256: str) -> Any:
+    """The function ``symbol`` of the shared library at ``path``, after checking its digest
+    (the DSL runtime it needs is this process's own: :func:`open_runtime`)."""
     actual = sha256_file(path)
     if actual != sha256:
         raise IntegrityError(f"{path} has sha256 {actual}, expected {sha256}; not loading it")
-    open_runtime(runtime["name"], runtime.get("path"))
+    open_runtime()
     import tvm_ffi
 
     return tvm_ffi.load_module(path)[symbol]
@@ -117,7 +121,7 @@ def copy_verified(fd: int, sha256: str, size: int, path: str) -> str:
     return path
 
 
-def load_bytes(data: bytes, symbol: str, sha256: str, runtime: dict, directory: str) -> Any:
+def load_bytes(data: bytes, symbol: str, sha256: str, directory: str) -> Any:
     """Write verified library bytes to a private file under ``directory`` and load it."""
     actual = hashlib.sha256(data).hexdigest()
     if actual != sha256:
@@ -129,4 +133,4 @@ def load_bytes(data: bytes, symbol: str, sha256: str, runtime: dict, directory: 
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
-    return load_library(path, symbol, sha256, runtime)
+    return load_library(path, symbol, sha256)

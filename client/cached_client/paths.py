@@ -1,10 +1,20 @@
-"""Default locations shared by the daemon and its clients."""
+"""Default locations shared by the daemon and its clients, and whom a client trusts.
+
+A client trusts a daemon process running as root, as its own uid (which can already do
+anything to it), or as the configured daemon uid ($CACHED_DAEMON_UID); every connect checks
+the server's uid (SO_PEERCRED) against them, and the default socket's directory too
+(cached_client.transport).
+"""
 
 from __future__ import annotations
 
+import functools
 import os
+import pwd
+import stat
 
 SOCKET_ENV = "CACHED_SOCKET"
+DAEMON_UID_ENV = "CACHED_DAEMON_UID"
 
 
 def runtime_dir() -> str:
@@ -20,19 +30,50 @@ def default_socket_path() -> str:
     return os.environ.get(SOCKET_ENV) or os.path.join(runtime_dir(), "cached.sock")
 
 
-def check_socket_dir(path: str) -> str | None:
-    """Why the directory of ``path`` cannot be trusted, or None.
+def trusted_uids() -> frozenset[int]:
+    """The uids a daemon may run as: root, this process's uid and $CACHED_DAEMON_UID (a
+    number or a user name). ValueError names a value that is neither."""
+    return _trusted(os.environ.get(DAEMON_UID_ENV, "").strip(), os.getuid())
 
-    A shared /tmp lets any user create ``/tmp/cached-$UID`` first and answer with a
-    library of their own; such a directory must belong to this user or root and be
-    writable by its owner alone. Directories named by configuration are not checked.
-    """
+
+@functools.lru_cache(maxsize=8)
+def _trusted(configured: str, own: int) -> frozenset[int]:
+    uids = {0, own}
+    if configured:
+        if configured.isdigit():
+            uids.add(int(configured))
+        else:
+            try:
+                uids.add(pwd.getpwnam(configured).pw_uid)
+            except KeyError:
+                raise ValueError(f"{DAEMON_UID_ENV}={configured!r} is neither a uid nor a "
+                                 "user name known here; set it to the daemon's uid") from None
+    return frozenset(uids)
+
+
+def check_dir_stat(st: os.stat_result, directory: str, uids: frozenset[int]) -> str | None:
+    """Why a socket directory with status ``st`` (lstat or fstat) cannot be trusted, or None:
+    it must be a real directory (no link) owned by one of ``uids`` and writable by its owner
+    alone, else another user could put a socket of their own there."""
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return (f"{directory} is not a directory (a link?); set {SOCKET_ENV} to the "
+                "daemon's socket")
+    if st.st_uid not in uids or st.st_mode & 0o022:
+        return (f"{directory} belongs to uid {st.st_uid} (mode {oct(st.st_mode & 0o777)}); "
+                f"a socket directory must belong to root or uid "
+                f"{', '.join(str(u) for u in sorted(uids - {0}))} and be writable by its owner "
+                f"alone: remove it, or set {SOCKET_ENV} (and {DAEMON_UID_ENV} to the daemon's "
+                "uid) to the daemon's socket")
+    return None
+
+
+def check_socket_dir(path: str) -> str | None:
+    """Why the directory of ``path`` cannot be trusted now, or None (also when it does not
+    exist: the daemon then creates it). For the daemon's start; a client checks the
+    directory it connects through (cached_client.transport)."""
     directory = os.path.dirname(path) or "."
     try:
         st = os.lstat(directory)
     except FileNotFoundError:
         return None
-    if st.st_uid not in (0, os.getuid()) or st.st_mode & 0o022 or os.path.islink(directory):
-        return (f"{directory} belongs to uid {st.st_uid} (mode {oct(st.st_mode & 0o777)}), "
-                f"not to uid {os.getuid()} or root; set {SOCKET_ENV} to the daemon's socket")
-    return None
+    return check_dir_stat(st, directory, frozenset({0, os.getuid()}))

@@ -45,8 +45,12 @@ MAX_REQUEST_FRAME = 1 << 20
 MAX_REPLY_FRAME = 64 << 20
 MAX_DEPTH = 32
 HEADER = struct.Struct(">I")
-CAPABILITIES = ("transfer:path", "transfer:bytes", "transfer:fd")
-"""What ``hello`` offers beyond its ``ops`` list."""
+CAPABILITIES = ("transfer:path", "transfer:bytes", "transfer:fd", "identity:keys",
+                "identity:artifact")
+"""What ``hello`` offers beyond its ``ops`` list: each ``get`` transfer; ``identity:keys``,
+keys built from the identity a request states (docs/keys.md); ``identity:artifact``, every
+artifact states what it was built for (toolchain, runtime, sources, arch, device), which
+the client checks against its own identity before loading anything (cached_client.trust)."""
 PRIORITIES = ("interactive", "prewarm")
 TRANSFERS = ("fd", "path", "bytes")
 """How ``get`` hands a library over: open descriptors of the verified blobs (SCM_RIGHTS;
@@ -362,7 +366,14 @@ class Artifact(Message):
     library_sha256: str = wire(Str(64))
     object_sha256: str = wire(Str(64))
     toolchain: str = wire(Str(1 << 16))
-    runtime_library: dict = wire(Obj())
+    runtime_library: dict = wire(Obj(), doc="{name, path} for people: a client never opens "
+                                 "a path the daemon names (cached_client.loader.open_runtime)")
+    arch: str = wire(Str(32), "", "the target it was compiled for ('': not stated)")
+    sm_count: int = wire(Int(), 0, "the SM count it was keyed with (1: not a fact it depends "
+                         "on; 0: not stated)")
+    max_active_clusters: int = wire(Int(), 0, "the occupancy it was keyed with (as sm_count)")
+    runtime: dict = wire(Obj(8), {}, "tvm_ffi and dsl_runtime_sha256 of the toolchain that "
+                         "built it ({}: not known)")
     origin: str = wire(Str(16), "hit", "hit, compiled, remote, unstored or fallback")
     compile_seconds: float = wire(Number(), 0.0)
     source_sha256: str = wire(Str(64), "")

@@ -10,6 +10,14 @@ as DaemonUnavailable. Sending reads whatever replies arrive meanwhile, so a clie
 pipelines many requests before reading never deadlocks against the daemon's back-pressure.
 Descriptors passed with a reply (SCM_RIGHTS) are handed to the frame that names them
 (``"fds"``) and are the caller's to close; any other is closed with the connection.
+
+Trust, at every connect (UntrustedDaemon otherwise, before a byte is sent): the process
+listening on the socket runs as a trusted uid (SO_PEERCRED; cached_client.paths.trusted_uids).
+With ``check_dir`` (the default socket, whose directory may be under a shared /tmp) the
+socket's directory is opened first (O_DIRECTORY | O_NOFOLLOW), checked through that
+descriptor (a real directory of a trusted uid that only its owner can write) and connected
+through it (``/proc/self/fd/N/NAME``), so a directory created or swapped after the check is
+never the one connected to.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from .errors import BadReply, DaemonUnavailable, DeadlineExceeded, MalformedFrame
+from . import paths
+from .errors import BadReply, DaemonUnavailable, DeadlineExceeded, MalformedFrame, UntrustedDaemon
 from .protocol import HEADER, MAX_REPLY_FRAME, decode_body, encode_frame, frame_length
 
 CONNECT_TIMEOUT_S = 2.0
@@ -30,6 +39,8 @@ SILENCE_S = 3.0
 RECV_SIZE = 64 << 10
 MAX_FDS_PER_READ = 16
 _FD = struct.Struct("i")
+_UCRED = struct.Struct("3i")
+MAX_SOCKET_PATH = 107
 
 
 class DaemonSilent(DaemonUnavailable):
@@ -51,7 +62,7 @@ class Connection:
     def __init__(self, path: str, deadline: float,
                  connect_timeout: float = CONNECT_TIMEOUT_S,
                  on_silence: Callable[[], bool] | None = None,
-                 silence_s: float = SILENCE_S) -> None:
+                 silence_s: float = SILENCE_S, check_dir: bool = False) -> None:
         self.path = path
         self.on_silence = on_silence
         self.silence_s = silence_s
@@ -61,10 +72,16 @@ class Connection:
         self._fds: deque[int] = deque()
         self._eof = False
         self._closed = False
+        self.capabilities: frozenset[str] | None = None
+        """What the daemon's ``hello`` on this connection stated (None: not asked yet)."""
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            _connect(self._sock, path, time.monotonic() + min(_remaining(deadline),
-                                                              connect_timeout))
+            _connect_trusted(self._sock, path, time.monotonic() + min(_remaining(deadline),
+                                                                      connect_timeout),
+                             check_dir)
+        except UntrustedDaemon:
+            self._sock.close()
+            raise
         except TimeoutError:
             self._sock.close()
             raise DaemonSilent(
@@ -228,6 +245,50 @@ class Connection:
         out = bytes(self._buffer[:size])
         del self._buffer[:size]
         return out
+
+
+def _connect_trusted(sock: socket.socket, path: str, deadline: float, check_dir: bool) -> None:
+    """Connect to ``path`` by ``deadline``, then check the peer's uid; with ``check_dir``
+    through the checked, opened directory (see the module doc)."""
+    try:
+        uids = paths.trusted_uids()
+    except ValueError as exc:
+        raise UntrustedDaemon(f"not connecting to {path}: {exc}") from None
+    if not check_dir:
+        _connect(sock, path, deadline)
+    else:
+        directory = os.path.dirname(path) or "."
+        try:
+            dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise  # nothing there yet: like a socket file that does not exist
+        except OSError as exc:  # ELOOP (a link), ENOTDIR, EACCES
+            raise UntrustedDaemon(f"not connecting to {path}: {directory} cannot be opened as "
+                                  f"a directory ({exc.strerror}); set {paths.SOCKET_ENV} to "
+                                  "the daemon's socket") from None
+        try:
+            why = paths.check_dir_stat(os.fstat(dfd), directory, uids)
+            if why:
+                raise UntrustedDaemon(f"not connecting to {path}: {why}")
+            through = f"/proc/self/fd/{dfd}/{os.path.basename(path)}"
+            if len(os.fsencode(through)) <= MAX_SOCKET_PATH and os.path.isdir(
+                    f"/proc/self/fd/{dfd}"):
+                _connect(sock, through, deadline)
+            else:  # no /proc, or a long name: connect by path, then the same directory?
+                _connect(sock, path, deadline)
+                st, now = os.fstat(dfd), os.stat(directory)
+                if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
+                    raise UntrustedDaemon(f"not connecting to {path}: {directory} was "
+                                          "replaced while connecting")
+        finally:
+            os.close(dfd)
+    pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                _UCRED.size))
+    if uid not in uids:
+        raise UntrustedDaemon(
+            f"not using {path}: the process answering there (pid {pid}) runs as uid {uid}, "
+            f"not as root or uid {', '.join(str(u) for u in sorted(uids - {0}))}; if that is "
+            f"the daemon, set {paths.DAEMON_UID_ENV}={uid}")
 
 
 def _connect(sock: socket.socket, path: str, deadline: float) -> None:
