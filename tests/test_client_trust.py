@@ -1,0 +1,365 @@
+"""The client trusts only what it checked (issue 22's first hole, issue 24's trust item), tried
+as the hostile user would: a fake daemon (tests/fake_daemon.py, a real process speaking the
+protocol) on a socket directory made after the client was built, or run as another uid; a
+daemon naming a planted runtime library; a real older daemon (this repository's code before
+the fix); daemons stating another environment's artifacts. Every planted library is a
+shared object whose constructor writes a marker file: the marker never appears."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from cached_client import (
+    ArtifactMismatch,
+    Client,
+    DaemonTooOld,
+    DaemonUnavailable,
+    KernelRequest,
+    UntrustedDaemon,
+)
+from cached_client import protocol as p
+from conftest import ROOT, DaemonProcess
+
+PEER_PY = shutil.which("python3", path="/usr/bin:/bin")
+FAKE = Path(__file__).with_name("fake_daemon.py")
+USER = "cachedtest"  # test_access.py's unprivileged peer
+OLD_COMMIT = "0b546ab4781190d48e9730c82bef73baf5391a64"
+"""This repository before the fix: its daemon states no identity capabilities."""
+as_root = pytest.mark.skipif(os.geteuid() != 0 or not PEER_PY or not shutil.which("useradd"),
+                             reason="needs root, useradd and a system python3")
+
+
+@pytest.fixture(scope="module")
+def other() -> pwd.struct_passwd:
+    """A real unprivileged uid (created when missing, as test_access.py does)."""
+    try:
+        return pwd.getpwnam(USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", USER], capture_output=True)
+        return pwd.getpwnam(USER)
+
+
+def open_tmp() -> Path:
+    """A fresh directory under /tmp that other uids may traverse (pytest's are root's only)."""
+    d = Path(tempfile.mkdtemp(prefix="cached-trust-"))
+    os.chmod(d, 0o755)
+    return d
+
+
+@pytest.fixture
+def workdir() -> Path:
+    d = open_tmp()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def planted() -> tuple[Path, Path]:
+    """(a shared object whose constructor creates the marker file, the marker's path)."""
+    d = open_tmp()
+    marker = d / "constructor-ran"
+    source = d / "planted.c"
+    source.write_text('#include <fcntl.h>\n#include <unistd.h>\n'
+                      '__attribute__((constructor)) static void planted(void) {\n'
+                      f'  int fd = open("{marker}", O_WRONLY | O_CREAT, 0666);\n'
+                      '  if (fd >= 0) close(fd);\n}\n')
+    library = d / "libplanted.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    os.chmod(library, 0o644)
+    yield library, marker
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class Fake:
+    """tests/fake_daemon.py as ``uid`` (default root) on ``socket``."""
+
+    def __init__(self, workdir: Path, socket: Path, library: Path, uid: pwd.struct_passwd | None
+                 = None, capabilities: tuple[str, ...] = p.CAPABILITIES, **config) -> None:
+        self.dir = Path(os.path.realpath(workdir)) / f"fake-{time.monotonic_ns()}"
+        self.dir.mkdir()
+        os.chmod(self.dir, 0o777)
+        self.log = self.dir / "requests.jsonl"
+        conf = self.dir / "config.json"
+        conf.write_text(json.dumps({"socket": str(socket), "log": str(self.log),
+                                    "capabilities": list(capabilities),
+                                    "library": str(library), **config}))
+        ids = {} if uid is None else {"user": uid.pw_uid, "group": uid.pw_gid}
+        self.proc = subprocess.Popen([PEER_PY, str(FAKE), str(conf)], **ids,
+                                     env={"PYTHONPATH": str(ROOT / "client"),
+                                          "PATH": "/usr/bin:/bin"})
+        deadline = time.monotonic() + 30
+        while not (self.dir / "ready").exists():
+            assert self.proc.poll() is None and time.monotonic() < deadline, "fake not up"
+            time.sleep(0.02)
+
+    def requests(self) -> list[dict]:
+        return [json.loads(line) for line in self.log.read_text().splitlines()] \
+            if self.log.exists() else []
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def shared_tmp(workdir: Path, monkeypatch) -> Path:
+    """A directory like /tmp (root's, mode 1777) as XDG_RUNTIME_DIR: the default socket is
+    ``<it>/cached/cached.sock``, and any user may create ``<it>/cached``."""
+    base = workdir / "shared"
+    base.mkdir()
+    os.chmod(base, 0o1777)
+    monkeypatch.delenv("CACHED_SOCKET", raising=False)
+    monkeypatch.delenv("CACHED_DAEMON_UID", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(base))
+    return base
+
+
+# -- issue 22, first hole: the socket -----------------------------------------------------------
+
+@as_root
+def test_a_fake_daemon_on_a_directory_made_after_the_client_was_built_is_never_used(
+        shared_tmp, other, planted, mm_fp4_requests, caplog):
+    """Another user creates the default socket's directory once the client exists and answers
+    as the daemon, naming a planted library: the client refuses at connect (the directory is
+    not root's or its own), says what to fix, compiles in-process; the fake hears nothing."""
+    library, marker = planted
+    client = Client(timeout=10)
+    assert not (shared_tmp / "cached").exists()
+    fake = Fake(shared_tmp.parent, shared_tmp / "cached" / "cached.sock", library, other,
+                runtime_path=str(library))
+    try:
+        assert os.stat(shared_tmp / "cached").st_uid == other.pw_uid
+        with pytest.raises(UntrustedDaemon, match=f"belongs to uid {other.pw_uid}") as refused:
+            client.stats()
+        assert isinstance(refused.value, DaemonUnavailable) and "\n" not in refused.value.message
+        with caplog.at_level(logging.WARNING, logger="cached_client"):
+            fn = client.load(mm_fp4_requests[0])  # the fallback: compiled in this process
+        assert callable(fn)
+        assert any("compiling in this process" in r.getMessage() and "belongs to uid" in
+                   r.getMessage() for r in caplog.records)
+        assert fake.requests() == [] and not marker.exists()
+    finally:
+        fake.stop()
+
+
+@as_root
+def test_a_named_socket_answered_by_another_uid_is_refused_until_that_uid_is_configured(
+        workdir, other, planted, monkeypatch):
+    """$CACHED_SOCKET or Client(path) skips the directory check but not the peer's uid: a
+    server running as another uid is refused before a byte is sent; $CACHED_DAEMON_UID
+    naming that uid (number or name) admits it; a value that is neither is a typed error."""
+    library, marker = planted
+    (workdir / "theirs").mkdir(mode=0o777)
+    os.chmod(workdir / "theirs", 0o777)
+    sock = workdir / "theirs" / "own" / "cached.sock"
+    fake = Fake(workdir, sock, library, other)
+    monkeypatch.delenv("CACHED_DAEMON_UID", raising=False)
+    try:
+        with pytest.raises(UntrustedDaemon, match=f"runs as uid {other.pw_uid}.*"
+                           f"CACHED_DAEMON_UID={other.pw_uid}"):
+            Client(str(sock), fallback=False, timeout=5).stats()
+        assert fake.requests() == []
+        monkeypatch.setenv("CACHED_DAEMON_UID", "no-such-user-here")
+        with pytest.raises(UntrustedDaemon, match="neither a uid nor a user name"):
+            Client(str(sock), fallback=False, timeout=5).stats()
+        for configured in (str(other.pw_uid), USER):
+            monkeypatch.setenv("CACHED_DAEMON_UID", configured)
+            assert Client(str(sock), fallback=False, timeout=5).stats() == {"planted": True}
+        assert [r["op"] for r in fake.requests()] == ["stats", "stats"]
+        assert not marker.exists()
+    finally:
+        fake.stop()
+
+
+@as_root
+@pytest.mark.parametrize("replacement", ["another uid's", "a link", "group-writable"])
+def test_a_socket_directory_replaced_after_the_client_used_it_is_refused(
+        shared_tmp, other, planted, replacement):
+    """The directory is checked at every connect, not once: the client used the daemon in a
+    good directory; the directory then goes (a tmp cleaner, a stopped daemon) and comes back
+    as another uid's, as a link, or writable by others, with a root server in it (so only the
+    directory check can refuse it)."""
+    library, marker = planted
+    directory = shared_tmp / "cached"
+    directory.mkdir(mode=0o700)
+    fake = Fake(shared_tmp.parent, directory / "cached.sock", library)
+    client = Client(fallback=False, timeout=5)
+    try:
+        assert client.stats() == {"planted": True}
+    finally:
+        fake.stop()
+    shutil.rmtree(directory)
+    if replacement == "a link":
+        target = shared_tmp.parent / "elsewhere"
+        target.mkdir(mode=0o700)
+        directory.symlink_to(target)
+    else:
+        directory.mkdir(mode=0o700)
+        if replacement == "another uid's":
+            os.chown(directory, other.pw_uid, other.pw_gid)
+        else:
+            os.chmod(directory, 0o770)
+    fake = Fake(shared_tmp.parent, directory / "cached.sock", library,
+                runtime_path=str(library))
+    try:
+        client.close()  # the kept connection went with the old daemon
+        with pytest.raises(UntrustedDaemon, match="not connecting"):
+            client.stats()
+        assert fake.requests() == [] and not marker.exists()
+    finally:
+        fake.stop()
+
+
+# -- issue 22, first hole: the runtime library -----------------------------------------------
+
+LOAD_SCRIPT = """
+import json, sys
+from cached_client import Client, KernelRequest
+fn = Client(sys.argv[1], fallback=False, timeout=60).load(KernelRequest.from_wire(
+    json.loads(sys.argv[2])))
+print("loaded", callable(fn))
+"""
+
+
+def test_the_runtime_library_a_daemon_names_is_never_loaded(tmp_path, planted,
+                                                              mm_fp4_requests):
+    """A daemon (trusted uid) serves a real kernel and names a planted runtime library: a
+    fresh process loads the kernel with its own DSL runtime; the planted one never runs."""
+    library, marker = planted
+    (tmp_path / "real").mkdir()
+    real = DaemonProcess(tmp_path / "real", workers=1)
+    try:
+        art = real.client(timeout=600, transfer="path").get(mm_fp4_requests[0])
+        kernel = tmp_path / "kernel.so"
+        shutil.copyfile(art.library_path, kernel)
+        os.chmod(kernel, 0o644)
+    finally:
+        real.stop()
+    fake = Fake(tmp_path, tmp_path / "fake.sock", kernel, symbol=art.symbol,
+                runtime_path=str(library))
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "CACHED_DSL_RUNTIME"}
+        env["PYTHONPATH"] = f"{ROOT}:{ROOT / 'client'}"
+        out = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(tmp_path / "fake.sock"),
+                              json.dumps(mm_fp4_requests[0].to_wire())], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip() == "loaded True"
+        assert [r["op"] for r in fake.requests()] == ["hello", "get"]
+        assert not marker.exists()
+    finally:
+        fake.stop()
+
+
+# -- issue 24, trust: what the daemon says it built --------------------------------------------
+
+def hopper_request() -> KernelRequest:
+    return KernelRequest("cached.hopper_fp8", {"tile_m": 128}, "sm_90a", 132, 132)
+
+
+OTHER_RUNTIME = {"tvm_ffi": "0.1.11", "dsl_runtime_sha256": "a" * 64}
+
+
+@pytest.mark.parametrize("family, override, fields", [
+    ("mm_fp4", {"toolchain": "cpython-311;torch==2.0:x"}, ("toolchain",)),
+    ("mm_fp4", {"source_sha256": "0" * 64}, ("source_sha256",)),
+    ("mm_fp4", {"arch": "sm_103a"}, ("arch",)),
+    ("mm_fp4", {"sm_count": 132}, ("sm_count",)),
+    ("mm_fp4", {"arch": None, "sm_count": None, "max_active_clusters": None},
+     ("arch", "max_active_clusters", "sm_count")),  # an older daemon's artifact: not stated
+    ("hopper", {"runtime": OTHER_RUNTIME}, ("runtime",)),
+    ("hopper", {"runtime": None}, ("runtime",)),
+])
+def test_an_artifact_built_for_another_environment_is_a_miss_never_a_load(
+        tmp_path, planted, mm_fp4_requests, caplog, family, override, fields):
+    """A daemon stating capabilities it does not honour serves artifacts whose metadata
+    differ from what this process asked for and is: each is ArtifactMismatch naming the
+    fields (a miss: ``load`` would compile in-process), warned once, and never loaded."""
+    library, marker = planted
+    request = mm_fp4_requests[0] if family == "mm_fp4" else hopper_request()
+    fake = Fake(tmp_path, tmp_path / "fake.sock", library, override=override)
+    client = Client(str(tmp_path / "fake.sock"), fallback=False, timeout=10)
+    try:
+        with caplog.at_level(logging.WARNING, logger="cached_client"):
+            for _ in range(2):
+                with pytest.raises(ArtifactMismatch) as refused:
+                    client.load(request)
+                assert refused.value.fields == fields
+        warned = [r.getMessage() for r in caplog.records if "another environment" in
+                  r.getMessage()]
+        assert len(warned) == 1 and all(f in warned[0] for f in fields)
+        assert [r["op"] for r in fake.requests()] == ["hello", "get", "get"]
+        assert not marker.exists()
+    finally:
+        fake.stop()
+
+
+@pytest.mark.parametrize("capabilities, transfer", [
+    (p.CAPABILITIES, "fd"),
+    (tuple(c for c in p.CAPABILITIES if c != "transfer:fd"), "path"),
+])
+def test_an_artifact_stating_this_environment_passes_and_the_transfer_comes_from_hello(
+        tmp_path, planted, mm_fp4_requests, capabilities, transfer):
+    """The control of the test above: the same fake, stating what this process is, is
+    served (a project family built by another toolchain with this runtime too, as the
+    daemon routes them); the transfer is the one the daemon's hello offers."""
+    library, marker = planted
+    fake = Fake(tmp_path, tmp_path / "fake.sock", library, capabilities=capabilities)
+    other_toolchain = Fake(tmp_path, tmp_path / "other.sock", library,
+                           override={"toolchain": "another toolchain, this runtime"})
+    try:
+        art = Client(str(tmp_path / "fake.sock"), fallback=False).get(mm_fp4_requests[0])
+        assert art.family == "flashinfer.mm_fp4" and os.path.isfile(art.library_path)
+        assert [r["transfer"] for r in fake.requests() if r["op"] == "get"] == [transfer]
+        assert Client(str(tmp_path / "other.sock"), fallback=False).get(
+            hopper_request()).toolchain == "another toolchain, this runtime"
+        assert not marker.exists()
+    finally:
+        fake.stop()
+        other_toolchain.stop()
+
+
+@pytest.fixture(scope="module")
+def old_code(tmp_path_factory) -> Path:
+    """The daemon and client packages at OLD_COMMIT (git archive), for a real older daemon."""
+    out = subprocess.run(["git", "-C", str(ROOT), "archive", OLD_COMMIT, "cached", "client"],
+                         capture_output=True)
+    if out.returncode != 0:
+        pytest.skip(f"no git history here for {OLD_COMMIT}: {out.stderr.decode()[-200:]}")
+    d = tmp_path_factory.mktemp("old-daemon-code")
+    tarfile.open(fileobj=io.BytesIO(out.stdout)).extractall(d, filter="data")
+    return d
+
+
+def test_a_real_older_daemon_is_refused_with_one_line_and_compiles_nothing(
+        tmp_path, old_code, mm_fp4_requests):
+    """This repository's daemon from before the fix states no identity capabilities in its
+    hello: the client never asks it for a kernel (one line saying why; a DaemonUnavailable,
+    so ``load`` compiles in-process) and the older daemon compiles nothing; ops that return
+    no artifact still work."""
+    old = DaemonProcess(tmp_path, workers=1, extra_env={
+        "PYTHONPATH": f"{old_code}:{old_code / 'client'}"})
+    try:
+        client = Client(old.socket, fallback=False, timeout=60)
+        hello = client.hello()
+        assert "transfer:fd" in hello.capabilities and "identity:artifact" not in \
+            hello.capabilities
+        with pytest.raises(DaemonTooOld, match="older than this client") as refused:
+            client.load(mm_fp4_requests[0])
+        assert isinstance(refused.value, DaemonUnavailable) and "\n" not in refused.value.message
+        stats = client.stats()
+        assert stats["misses"] == 0 and stats["compiles"] == 0
+    finally:
+        old.stop()
