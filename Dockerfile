@@ -8,7 +8,8 @@
 #
 # An inference container shares the socket volume and the daemon's group (gid 990):
 #   docker run ... --group-add 990 -v cached-socket:/run/cached \
-#     -v cached-store:/var/lib/cached:ro -e CACHED_SOCKET=/run/cached/cached.sock ...
+#     -v cached-store:/var/lib/cached:ro -e CACHED_SOCKET=/run/cached/cached.sock \
+#     -e CACHED_DAEMON_UID=990 ...   (the client trusts a daemon of root, its own uid, or this)
 # (without the store volume, use Client(transfer="bytes")).
 FROM python:3.11.7-slim-bookworm
 

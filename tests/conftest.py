@@ -21,12 +21,13 @@ SHAPE = (256, 1024, 7168)
 
 class DaemonProcess:
     """``cached serve`` in a subprocess; ``client()`` talks to it over its socket. ``wrap``:
-    a command that runs it (e.g. ``setpriv`` dropping capabilities)."""
+    a command that runs it (e.g. ``setpriv`` dropping capabilities); ``cwd``: its working
+    directory (``python -m`` imports from it first)."""
 
     def __init__(self, tmp: Path, workers: int = 2, job_timeout: float = 120.0,
                  store: Path | None = None, extra_env: dict | None = None,
                  extra_args: list[str] | None = None, wrap: list[str] | None = None,
-                 ready_workers: int | None = None) -> None:
+                 ready_workers: int | None = None, cwd: Path | None = None) -> None:
         self.tmp = tmp
         self.store = store or tmp / "store"
         self.socket = str(tmp / "cached.sock")
@@ -37,7 +38,7 @@ class DaemonProcess:
             [*(wrap or []), sys.executable, "-m", "cached", "serve", "--store", str(self.store),
              "--socket", self.socket, "--http", "127.0.0.1:0", "--workers", str(workers),
              "--job-timeout", str(job_timeout), *(extra_args or [])],
-            env=env, stdout=self._log, stderr=subprocess.STDOUT,
+            env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd,
         )
         self.wait_ready(workers if ready_workers is None else ready_workers)
 

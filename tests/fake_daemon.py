@@ -70,6 +70,8 @@ def serve(conn: socket.socket, config: dict) -> None:
                 else:
                     reply["artifact"]["library_path"] = config["library"]
                     reply["artifact"]["object_path"] = config["library"]
+            elif request.get("op") == "lease":
+                reply |= {"state": "hit", "artifact": artifact(request, config)}
             elif request.get("op") == "stats":
                 reply["stats"] = {"planted": True}
             else:

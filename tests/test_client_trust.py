@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import cached_client
 import pytest
 from cached_client import (
     ArtifactMismatch,
@@ -31,6 +32,8 @@ from cached_client import (
 )
 from cached_client import protocol as p
 from conftest import ROOT, DaemonProcess
+
+import cached
 
 PEER_PY = shutil.which("python3", path="/usr/bin:/bin")
 FAKE = Path(__file__).with_name("fake_daemon.py")
@@ -65,7 +68,7 @@ def workdir() -> Path:
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def planted() -> tuple[Path, Path]:
     """(a shared object whose constructor creates the marker file, the marker's path)."""
     d = open_tmp()
@@ -251,14 +254,15 @@ def test_the_runtime_library_a_daemon_names_is_never_loaded(tmp_path, planted,
                 runtime_path=str(library))
     try:
         env = {k: v for k, v in os.environ.items() if k != "CACHED_DSL_RUNTIME"}
-        env["PYTHONPATH"] = f"{ROOT}:{ROOT / 'client'}"
+        env["PYTHONPATH"] = f"{Path(cached.__file__).parents[1]}:" \
+            f"{Path(cached_client.__file__).parents[1]}"  # the code under test
         out = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(tmp_path / "fake.sock"),
                               json.dumps(mm_fp4_requests[0].to_wire())], env=env,
                              capture_output=True, text=True, timeout=300)
+        assert not marker.exists()
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip() == "loaded True"
         assert [r["op"] for r in fake.requests()] == ["hello", "get"]
-        assert not marker.exists()
     finally:
         fake.stop()
 
@@ -279,8 +283,8 @@ OTHER_RUNTIME = {"tvm_ffi": "0.1.11", "dsl_runtime_sha256": "a" * 64}
     ("mm_fp4", {"sm_count": 132}, ("sm_count",)),
     ("mm_fp4", {"arch": None, "sm_count": None, "max_active_clusters": None},
      ("arch", "max_active_clusters", "sm_count")),  # an older daemon's artifact: not stated
-    ("hopper", {"runtime": OTHER_RUNTIME}, ("runtime",)),
-    ("hopper", {"runtime": None}, ("runtime",)),
+    ("hopper", {"toolchain": "another", "runtime": OTHER_RUNTIME}, ("runtime",)),
+    ("hopper", {"toolchain": "another", "runtime": None}, ("runtime",)),
 ])
 def test_an_artifact_built_for_another_environment_is_a_miss_never_a_load(
         tmp_path, planted, mm_fp4_requests, caplog, family, override, fields):
@@ -349,10 +353,14 @@ def test_a_real_older_daemon_is_refused_with_one_line_and_compiles_nothing(
     hello: the client never asks it for a kernel (one line saying why; a DaemonUnavailable,
     so ``load`` compiles in-process) and the older daemon compiles nothing; ops that return
     no artifact still work."""
-    old = DaemonProcess(tmp_path, workers=1, extra_env={
+    old = DaemonProcess(tmp_path, workers=1, cwd=old_code, extra_env={
         "PYTHONPATH": f"{old_code}:{old_code / 'client'}"})
     try:
         client = Client(old.socket, fallback=False, timeout=60)
+        # python -m imports from its working directory first: the old code, which has no
+        # cached_client.trust
+        assert os.readlink(f"/proc/{old.proc.pid}/cwd") == str(old_code)
+        assert not (old_code / "client" / "cached_client" / "trust.py").exists()
         hello = client.hello()
         assert "transfer:fd" in hello.capabilities and "identity:artifact" not in \
             hello.capabilities
@@ -363,3 +371,32 @@ def test_a_real_older_daemon_is_refused_with_one_line_and_compiles_nothing(
         assert stats["misses"] == 0 and stats["compiles"] == 0
     finally:
         old.stop()
+
+
+def test_a_lease_hit_built_for_another_environment_is_never_handed_to_write_back(
+        tmp_path, planted):
+    """Write-back loads a ``lease`` hit (cached_client.writeback.obtain): its artifact is
+    checked as a ``get``'s is, so a daemon stating another toolchain's object is refused."""
+    from cached_client import writeback
+
+    library, marker = planted
+    request = KernelRequest("flashinfer.jit", {"module": "demo", "kernel": "k",
+                                               "tvm_ffi": True, "source_sha256": "0" * 64},
+                            "sm_100a", 148, 148)
+    good = Fake(tmp_path, tmp_path / "good.sock", library)
+    other = Fake(tmp_path, tmp_path / "other.sock", library,
+                 override={"toolchain": "cpython-311;another stack", "sm_count": 1,
+                           "max_active_clusters": 1})
+    try:
+        artifact, compiled = writeback.obtain(Client(str(tmp_path / "good.sock")), request,
+                                              lambda path: None, 10.0)
+        assert compiled is None and artifact.toolchain  # the control: a hit of this process
+        with pytest.raises(ArtifactMismatch) as refused:
+            writeback.obtain(Client(str(tmp_path / "other.sock")), request, lambda path: None,
+                             10.0)
+        assert refused.value.fields == ("toolchain",)
+        assert [r["op"] for r in other.requests()] == ["hello", "lease"]
+        assert not marker.exists()
+    finally:
+        good.stop()
+        other.stop()

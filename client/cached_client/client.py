@@ -23,12 +23,13 @@ toolchain, the sources of the families it names, its runtime), added here in one
 the daemon serves only artifacts whose key matches it (docs/keys.md).
 
 Trust: every connect checks whom it reached (cached_client.transport: the server's uid, and
-the default socket's directory); before the first ``get`` on a connection the client reads
-the daemon's ``hello`` capabilities (refusing one too old to state what its artifacts were
-built with, and choosing the transfer), and every artifact ``get`` returns is checked
-against this process's identity before anything is copied or loaded (cached_client.trust):
-a mismatch is ArtifactMismatch, a miss (``load`` compiles in-process), warned once per
-socket and set of fields. All three refusals are DaemonUnavailable.
+the default socket's directory); before the first ``get`` or ``lease`` on a connection the
+client reads the daemon's ``hello`` capabilities (refusing one too old to state what its
+artifacts were built with, and choosing the transfer), and every artifact a ``get`` or a
+``lease`` hit returns is checked against this process's identity before anything is copied
+or loaded (cached_client.trust): a mismatch is ArtifactMismatch, a miss (``load`` compiles
+in-process), warned once per socket and set of fields. All three refusals are
+DaemonUnavailable.
 """
 
 from __future__ import annotations
@@ -461,7 +462,21 @@ class Client:
         self._call("report", p.ReportRequest(fallbacks=fallbacks), p.Empty, timeout)
 
     def lease(self, request: p.LeaseRequest, timeout: float | None = None) -> p.LeaseReply:
-        return self._call("lease", request, p.LeaseReply, timeout)
+        """The lease's state; a ``hit``'s artifact is checked as :meth:`get`'s is (a daemon
+        too old to state what it built: DaemonTooOld; one built for another environment:
+        ArtifactMismatch)."""
+        why = trust.too_old(self.capabilities(timeout), self.socket_path)
+        if why is not None:
+            raise DaemonTooOld(why)
+        reply = self._call("lease", request, p.LeaseReply, timeout)
+        if reply.artifact is not None:
+            stated = (request.identity.to_wire() if request.identity is not None
+                      else None if self.identity is False else self._identity_wire(request))
+            found = trust.mismatches(reply.artifact, request.request, stated,
+                                     reply.artifact.kind)
+            if found:
+                raise self._mismatch(reply.artifact, found)
+        return reply
 
     def lease_renew(self, request: p.LeaseRenewRequest,
                     timeout: float | None = None) -> p.LeaseRenewReply:

@@ -11,10 +11,10 @@ What must agree, for an artifact of a kernel request:
 - ``family``, ``kind``, ``arch``: equal to the request's;
 - ``sm_count``, ``max_active_clusters``: equal to the request's, or 1 (the family keys the
   kernel without that device fact: docs/keys.md);
-- the project's own families (``cached.*``, whose sources are the daemon's package and
-  which the daemon routes by runtime): the runtime the kernel links against (TVM-FFI version
-  and DSL runtime digest) equals this process's; any other family: the toolchain fingerprint
-  equals this process's;
+- the toolchain fingerprint equals this process's; for the project's own families
+  (``cached.*``, whose sources are the daemon's package and which the daemon routes by
+  runtime) the runtime the kernel links against (TVM-FFI version and DSL runtime digest)
+  may equal this process's instead;
 - ``source_sha256``: equal to the sources this process states for the family, if it states
   them (FlashInfer's families).
 
@@ -79,13 +79,13 @@ def mismatches(artifact: Artifact, request: KernelRequest, identity: Mapping[str
             differ(name, stated or None, getattr(request, name))
     if identity is None:
         return out
-    if request.family.startswith(OWN_FAMILY_PREFIX):
-        mine = identity.get("runtime") or {}
-        theirs = artifact.runtime
-        if not all(mine.get(k) and theirs.get(k) == mine.get(k) for k in RUNTIME_KEYS):
-            out["runtime"] = f"runtime {_runtime(theirs)}, this process {_runtime(mine)}"
-    elif artifact.toolchain != identity.get("toolchain"):
-        differ("toolchain", _digest(artifact.toolchain), _digest(identity.get("toolchain")))
+    if artifact.toolchain != identity.get("toolchain"):
+        mine, theirs = identity.get("runtime") or {}, artifact.runtime
+        if not request.family.startswith(OWN_FAMILY_PREFIX):
+            differ("toolchain", _digest(artifact.toolchain), _digest(identity.get("toolchain")))
+        elif not all(mine.get(k) and theirs.get(k) == mine.get(k) for k in RUNTIME_KEYS):
+            out["runtime"] = (f"toolchain {_short(_digest(artifact.toolchain))} with runtime "
+                              f"{_runtime(theirs)}, this process {_runtime(mine)}")
     sources = identity.get("sources") or {}
     if request.family in sources and artifact.source_sha256 != sources[request.family]:
         differ("source_sha256", artifact.source_sha256, sources[request.family])
