@@ -10,8 +10,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from cached_client import identity
 from cached_client.keys import KernelRequest, artifact_key
 from cached_client.protocol import Artifact
+from cached_client.trust import RUNTIME_KEYS
 
 from . import families, toolchain
 
@@ -53,6 +55,9 @@ def build_in_process(request: KernelRequest, scratch: str) -> Artifact:
         object_sha256=sha256_file(result["object_path"]),
         toolchain=toolchain.fingerprint(),
         runtime_library=toolchain.runtime_library(),
+        arch=request.arch, sm_count=request.sm_count,
+        max_active_clusters=request.max_active_clusters,
+        runtime={k: identity.runtime().get(k) for k in RUNTIME_KEYS},
         origin="fallback",
         compile_seconds=result["compile_seconds"],
         library_path=result["library_path"],

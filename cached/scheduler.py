@@ -45,6 +45,7 @@ from cached_client.errors import (
     UnknownToolchain,
 )
 from cached_client.keys import KernelRequest
+from cached_client.trust import RUNTIME_KEYS
 
 from . import families, toolchain
 from .families.base import DEFAULT_SM_COUNT, Family
@@ -523,8 +524,7 @@ class Scheduler:
         runtime = self._runtimes.get(fingerprint)
         if runtime is None:
             t = self.toolchains.by_fingerprint(fingerprint)
-            runtime = {} if t is None else {k: t.runtime.get(k)
-                                            for k in ("tvm_ffi", "dsl_runtime_sha256")}
+            runtime = {} if t is None else {k: t.runtime.get(k) for k in RUNTIME_KEYS}
             if len(self._runtimes) < RESOLVED_MAX:
                 self._runtimes[fingerprint] = runtime
         return {"arch": row["arch"], "sm_count": row["sm_count"],

@@ -139,9 +139,10 @@ def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
                           text=True, check=check, timeout=600)
 
 
-def serve_once(path: str, reply_for) -> threading.Thread:
+def serve_once(path: str, reply_for, hello: bool = False) -> threading.Thread:
     """A peer that is not a daemon: answers one request on ``path`` with
-    ``reply_for(request)``, then closes."""
+    ``reply_for(request)``, then closes; with ``hello``, answers the ``hello`` a client
+    sends before its first ``get`` first, as today's daemon would."""
     from cached_client import protocol as p
 
     server = socket.socket(socket.AF_UNIX)
@@ -151,9 +152,16 @@ def serve_once(path: str, reply_for) -> threading.Thread:
     def run() -> None:
         conn, _ = server.accept()
         with conn:
-            header = conn.recv(4, socket.MSG_WAITALL)
-            body = conn.recv(int.from_bytes(header, "big"), socket.MSG_WAITALL)
-            conn.sendall(p.encode_frame(reply_for(p.decode_body(body))))
+            while True:
+                header = conn.recv(4, socket.MSG_WAITALL)
+                message = p.decode_body(conn.recv(int.from_bytes(header, "big"),
+                                                  socket.MSG_WAITALL))
+                if not (hello and message.get("op") == "hello"):
+                    break
+                conn.sendall(p.encode_frame({"id": message["id"], "ok": True, "v": 1,
+                                             "ops": sorted(p.OPS),
+                                             "capabilities": list(p.CAPABILITIES)}))
+            conn.sendall(p.encode_frame(reply_for(message)))
         server.close()
 
     thread = threading.Thread(target=run, daemon=True)

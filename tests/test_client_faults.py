@@ -274,7 +274,7 @@ def test_malformed_replies_surface_from_load_as_bad_reply(tmp_path, mm_fp4_reque
     """Item 21: a daemon's malformed reply surfaced from Client.load as KeyError or
     AttributeError; now it is BadReply (a DaemonUnavailable: the caller may fall back)."""
     path = str(tmp_path / "not-a-daemon.sock")
-    thread = serve_once(path, reply_for)
+    thread = serve_once(path, reply_for, hello=True)
     with pytest.raises(BadReply, match=why):
         Client(path, timeout=5, fallback=False).load(mm_fp4_requests[0])
     thread.join(5)

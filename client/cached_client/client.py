@@ -282,9 +282,8 @@ class Client:
             _close_circuit(self.socket_path)
             if message["op"] == "hello" and reply.get("ok") is True:
                 caps = reply.get("capabilities")
-                conn.capabilities = frozenset(
-                    c for c in caps if isinstance(c, str)) if isinstance(caps, list) else (
-                    frozenset())
+                caps = caps if isinstance(caps, list) else []
+                conn.capabilities = frozenset(c for c in caps if isinstance(c, str))
             return reply, payload, fds
         raise AssertionError("unreachable")
 
@@ -402,9 +401,13 @@ class Client:
         artifact = reply.artifact
         stated = None if self.identity is False else self._identity_wire(message)
         found = trust.mismatches(artifact, request, stated)
-        if found:
+        bad_fds = transfer == "fd" and set(reply.fds) != {"object", "library"}
+        if found or bad_fds:
             for fd in fds:
                 _close(fd)
+            if bad_fds:
+                raise BadReply(f"the daemon passed descriptors for {reply.fds!r}, not for "
+                               "the object and the library")
             raise self._mismatch(artifact, found)
         if transfer == "fd":
             return self._private_copies(artifact, reply.fds, fds)
@@ -434,9 +437,6 @@ class Client:
         directory, checking each digest; closes the descriptors."""
         try:
             passed = dict(zip(kinds, fds, strict=True))
-            if set(passed) != {"object", "library"}:
-                raise BadReply(f"the daemon passed descriptors for {kinds!r}, not for the "
-                               "object and the library")
             if not self._scratch_checked:  # once per client: made 0700, ours alone
                 private_dir(self._scratch)
                 self._scratch_checked = True
