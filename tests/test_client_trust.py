@@ -99,7 +99,8 @@ class Fake:
                                     "capabilities": list(capabilities),
                                     "library": str(library), **config}))
         ids = {} if uid is None else {"user": uid.pw_uid, "group": uid.pw_gid}
-        self.proc = subprocess.Popen([PEER_PY, str(FAKE), str(conf)], **ids,
+        python = sys.executable if uid is None else PEER_PY  # one another uid can run
+        self.proc = subprocess.Popen([python, str(FAKE), str(conf)], **ids,
                                      env={"PYTHONPATH": str(ROOT / "client"),
                                           "PATH": "/usr/bin:/bin"})
         deadline = time.monotonic() + 30
