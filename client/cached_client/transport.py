@@ -14,7 +14,7 @@ Descriptors passed with a reply (SCM_RIGHTS) are handed to the frame that names 
 Trust, at every connect (UntrustedDaemon otherwise, before a byte is sent): the process
 listening on the socket runs as a trusted uid (SO_PEERCRED; cached_client.paths.trusted_uids).
 With ``check_dir`` (the default socket, whose directory may be under a shared /tmp) the
-socket's directory is opened first (O_DIRECTORY | O_NOFOLLOW), checked through that
+socket's directory is opened first (O_PATH | O_DIRECTORY | O_NOFOLLOW), checked through that
 descriptor (a real directory of a trusted uid that only its owner can write) and connected
 through it (``/proc/self/fd/N/NAME``), so a directory created or swapped after the check is
 never the one connected to.
@@ -41,6 +41,7 @@ MAX_FDS_PER_READ = 16
 _FD = struct.Struct("i")
 _UCRED = struct.Struct("3i")
 MAX_SOCKET_PATH = 107
+_O_PATH = getattr(os, "O_PATH", os.O_RDONLY)  # a directory reference: no read right needed
 
 
 class DaemonSilent(DaemonUnavailable):
@@ -259,7 +260,7 @@ def _connect_trusted(sock: socket.socket, path: str, deadline: float, check_dir:
     else:
         directory = os.path.dirname(path) or "."
         try:
-            dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            dfd = os.open(directory, _O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             raise  # nothing there yet: like a socket file that does not exist
         except OSError as exc:  # ELOOP (a link), ENOTDIR, EACCES
