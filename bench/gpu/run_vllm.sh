@@ -95,6 +95,10 @@ if [[ $mode == gpu ]]; then
   L=/tmp/vllm_logs && rm -rf $L && mkdir -p "$OUT" $L
   [[ -f $X/_C_stable_libtorch.abi3.so && -d /tmp/site/pydantic ]] \
     || { echo "calls A and B did not leave their files: the machine was not kept warm"; exit 3; }
+  if [[ -d $C/wheels ]]; then  # wheels changed since call B (a machine kept warm)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site "$C/wheels"/*.whl
+  fi
   tar -C /tmp/site -xJf "$C/vllm.txz" && python3 "$C/vllm_site_patch.py" /tmp/site
   cp $X/_C_stable_libtorch.abi3.so /tmp/site/vllm/
   # the client's vLLM plugin entry point, as its wheel would install it
@@ -121,33 +125,40 @@ if [[ $mode == gpu ]]; then
   done
   export CACHED_SOCKET=$S
   set +e
-  python3 "$C/vllm_fp8.py" preflight 2>&1 | grep -v "^W[0-9]" | tee $L/preflight.log | tail -3
+  [[ -n ${PREFLIGHT:-} ]] && python3 "$C/vllm_fp8.py" preflight 2>&1 | grep -v "^W[0-9]" \
+    | tee $L/preflight.log | tail -3
   python3 "$C/vllm_fp8.py" ckpt /tmp/ck --layers "${LAYERS:-4}" 2>&1 | tee $L/ckpt.log
   python3 -c "import importlib.util as u; print('cutlass (CuTe DSL compiler) importable:',
     u.find_spec('cutlass') is not None)" | tee $L/dsl.txt
-  for m in ${MODES:-c a b}; do
-    export TRITON_CACHE_DIR=/tmp/triton_$m
-    timeout "${MODE_TIMEOUT:-150}" python3 "$C/vllm_fp8.py" engine /tmp/ck --mode "$m" \
-      --out $L/engine_$m.json > $L/engine_$m.log 2>&1
-    echo "mode $m rc=$? triton files: $(find /tmp/triton_$m -type f 2>/dev/null | wc -l)" \
+  # the modes' processes start together: imports overlap; loads, then measurements, take
+  # turns (vllm_fp8.py --turns), so each mode measures with the GPU to itself
+  T=/tmp/turns && rm -rf $T && mkdir -p $T
+  ORDER=${ORDER:-c,b,a}
+  for m in ${ORDER//,/ }; do
+    TRITON_CACHE_DIR=/tmp/triton_$m timeout "${MODE_TIMEOUT:-300}" python3 "$C/vllm_fp8.py" \
+      engine /tmp/ck --mode "$m" --out $OUT/engine_$m.json --turns $T --order $ORDER \
+      > $L/engine_$m.log 2>&1 &
+  done
+  wait
+  for m in ${ORDER//,/ }; do
+    echo "mode $m triton files: $(find /tmp/triton_$m -type f 2>/dev/null | wc -l)" \
       | tee -a $L/modes.txt
-    if grep -q '"stage": "done"' $L/engine_$m.json 2>/dev/null; then
+    if grep -q '"stage": "done"' $OUT/engine_$m.json 2>/dev/null; then
       grep -E "^(kernels|invariance|perf)" $L/engine_$m.log | tail -12
     else
-      grep -v "^W[0-9]" $L/engine_$m.log | tail -30
-    fi
-    if [[ $m == c ]] && ! grep -q '"stage": "done"' $L/engine_c.json 2>/dev/null; then
-      timeout 90 python3 "$C/vllm_fp8.py" layers /tmp/ck --out $L/layers.json \
-        > $L/layers.log 2>&1
-      tail -20 $L/layers.log
+      grep -v "^W[0-9]\|^\[rank0\]" $L/engine_$m.log | tail -25
     fi
   done
+  if ! grep -q '"stage": "done"' $OUT/engine_c.json 2>/dev/null && [[ -z ${NO_LAYERS:-} ]]; then
+    timeout 90 python3 "$C/vllm_fp8.py" layers /tmp/ck --out $L/layers.json > $L/layers.log 2>&1
+    tail -20 $L/layers.log
+  fi
   python3 -m cached stats --socket $S --json > $L/stats.json 2>&1
   python3 -c "import json; s=json.load(open('$L/stats.json')); print({k: s.get(k) for k in
     ('serve_only', 'entries', 'hits', 'misses', 'compiles')})" 2>&1 | tee $L/stats.txt
   tar -C /tmp -czf "$OUT/logs.tgz" vllm_logs
-  cp $L/engine_*.json $L/layers.json "$OUT/" 2>/dev/null
-  python3 "$C/vllm_fp8.py" summarize $L/engine_a.json $L/engine_b.json $L/engine_c.json \
+  cp $L/layers.json "$OUT/" 2>/dev/null
+  python3 "$C/vllm_fp8.py" summarize $OUT/engine_a.json $OUT/engine_b.json $OUT/engine_c.json \
     | tee "$OUT/summary.md"
   exit 0
 fi

@@ -216,8 +216,33 @@ def _outputs(outs) -> list[dict]:
     return rec
 
 
+def _wait(path: Path | None, deadline_s: float = 400.0) -> None:
+    """Wait until ``path`` exists (another mode's process wrote it), at most deadline_s."""
+    t = time.monotonic()
+    while path is not None and not path.exists() and time.monotonic() - t < deadline_s:
+        time.sleep(0.2)
+
+
+def _turns(args: argparse.Namespace) -> tuple[Path | None, Path | None, Path | None, Path | None]:
+    """The files that order the modes' processes, started together: imports overlap, model
+    loads run one after the other, then each mode measures alone once every mode has
+    loaded (all stay resident, idle while another measures)."""
+    if not args.turns:
+        return None, None, None, None
+    d, order = Path(args.turns), args.order.split(",")
+    i = order.index(args.mode)
+    prev = order[i - 1] if i else None
+    return (d / f"loaded_{prev}" if prev else None, d / f"loaded_{args.mode}",
+            d / f"measured_{prev}" if prev else d / f"loaded_{order[-1]}",
+            d / f"measured_{args.mode}")
+
+
 def engine(args: argparse.Namespace) -> None:
+    wait_load, loaded, wait_measure, measured = _turns(args)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # FlashInfer is not on the H200: the V2 runner's sampler would import vLLM's FlashInfer
+    # backend to ask whether FlashInfer's top-k/top-p sampler applies (greedy here)
+    os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     os.environ["VLLM_BATCH_INVARIANT"] = "0" if args.mode == "a" else "1"
     res: dict = {"mode": args.mode, "stage": "import", "errors": []}
@@ -236,19 +261,25 @@ def engine(args: argparse.Namespace) -> None:
         cfg = json.loads((Path(args.ckpt) / "config.json").read_text())
         vocab = cfg["vocab_size"]
         kw = dict(model=args.ckpt, dtype="bfloat16", max_model_len=1024, max_num_seqs=256,
-                  max_num_batched_tokens=MAX_BATCHED, gpu_memory_utilization=0.45, seed=0,
+                  max_num_batched_tokens=MAX_BATCHED, gpu_memory_utilization=0.25, seed=0,
                   enable_prefix_caching=False, attention_backend="TRITON_ATTN",
                   compilation_config={"mode": args.compile_mode,
                                       "cudagraph_mode": "FULL_DECODE_ONLY",
-                                      "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64,
-                                                                  128, 256]})
+                                      "cudagraph_capture_sizes": list(PERF_BATCHES)})
         if args.mode == "c":
             kw["linear_backend"] = "cached"
+        _wait(wait_load)
         t1 = time.perf_counter()
-        llm = LLM(**kw)
+        try:
+            llm = LLM(**kw)
+        finally:
+            if loaded is not None:
+                loaded.touch()
         res["load_s"] = time.perf_counter() - t1
         res["kernels"] = llm.apply_model(_kernels)[0]
         print("kernels", res["kernels"], flush=True)
+        _wait(wait_measure)
+        res["measure_start"] = time.time()
         res["stage"] = "layers"
         save()
         try:
@@ -331,6 +362,9 @@ def engine(args: argparse.Namespace) -> None:
         traceback.print_exc()
     res["wall_s"] = time.perf_counter() - t0
     save()
+    for f in (loaded, measured):  # never leave the next mode waiting
+        if f is not None:
+            f.touch()
 
 
 # -- what vLLM's serving path imports ---------------------------------------------------------
@@ -406,10 +440,14 @@ def layers(args: argparse.Namespace) -> None:
         from vllm.utils.torch_utils import set_default_torch_dtype
 
         load_general_plugins()
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method="tcp://127.0.0.1:29533",
-                                     backend="nccl")
-        initialize_model_parallel(1, 1)
+        first = EngineArgs(model=args.ckpt, dtype="bfloat16", enforce_eager=True,
+                           attention_backend="TRITON_ATTN",
+                           max_model_len=1024).create_engine_config()
+        with set_current_vllm_config(first):
+            init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                         distributed_init_method="tcp://127.0.0.1:29533",
+                                         backend="nccl")
+            initialize_model_parallel(1, 1)
         g = torch.Generator(device="cuda").manual_seed(3)
         for backend in ("cached", "cutlass"):
             qc = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="static")
@@ -487,7 +525,7 @@ def summarize(args: argparse.Namespace) -> None:
             print(f"| {names[m]} | {b} | {v['tokens_changed']}/8 | {v['logprobs_changed']}/8 | "
                   f"{v['max_abs_logprob_diff']:.3g} |")
     print("\n| batch | " + " | ".join(f"{names[m]} tok/s (step ms)" for m in runs)
-          + " | c/a step | c/b step |")
+          + " | a step / c step | b step / c step |")
     print("|---|" + "---|" * (len(runs) + 2))
     for b in map(str, PERF_BATCHES):
         cells, steps = [], {}
@@ -501,19 +539,23 @@ def summarize(args: argparse.Namespace) -> None:
         ca = f"{steps['a'] / steps['c']:.2f}" if "a" in steps and "c" in steps else "-"
         cb = f"{steps['b'] / steps['c']:.2f}" if "b" in steps and "c" in steps else "-"
         print(f"| {b} | " + " | ".join(cells) + f" | {ca} | {cb} |")
-    a, c = runs.get("a", {}).get("prompt_logprobs"), runs.get("c", {}).get("prompt_logprobs")
-    if a and c:
-        diffs, agree, total = [], 0, 0
-        for pa, pc in zip(a, c, strict=True):
-            for x, y in zip(pa, pc, strict=True):
+    c = runs.get("c", {}).get("prompt_logprobs")
+    for m in "ab":
+        other = runs.get(m, {}).get("prompt_logprobs")
+        if not (other and c):
+            continue
+        diffs, agree, same, total = [], 0, 0, 0
+        for po, pc in zip(other, c, strict=True):
+            for x, y in zip(po, pc, strict=True):
                 if x is None:
                     continue
                 diffs.append(abs(x["lp"] - y["lp"]))
                 agree += x["top"] == y["top"]
+                same += x["lp"] == y["lp"]
                 total += 1
-        print(f"\nprompt logprobs, (c) vs (a) on {total} positions: max abs diff "
-              f"{max(diffs):.4g}, median {statistics.median(diffs):.3g}, top-1 agreement "
-              f"{agree}/{total}")
+        print(f"\nprompt logprobs, (c) vs ({m}) on {total} positions: max abs diff "
+              f"{max(diffs):.4g}, median {statistics.median(diffs):.3g}, bitwise equal "
+              f"{same}/{total}, top-1 agreement {agree}/{total}")
     for m, r in runs.items():
         for name, v in (r.get("layer_check") or {}).items():
             print(f"layer {names[m]} {name}: {v.get('kernel')} rel err "
@@ -535,6 +577,8 @@ def main() -> None:
     p.add_argument("--mode", choices="abc", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--compile-mode", type=int, default=0)
+    p.add_argument("--turns", help="directory of the files that order the modes' processes")
+    p.add_argument("--order", default="c,b,a", help="the modes, in their turns' order")
     p = sub.add_parser("layers")
     p.add_argument("ckpt")
     p.add_argument("--out", required=True)
