@@ -24,6 +24,8 @@ if [[ $mode == build ]]; then
   D=${BUNDLE:-$main/.dev/vllm-h200}
   PY=${PYTHON:-.venv/bin/python}
   SITE=${VLLM_SITE:-$main/.venv-vllm/lib/python3.11/site-packages}
+  exclude=$(git rev-parse --path-format=absolute --git-common-dir)/info/exclude
+  grep -qx '/.dev/' "$exclude" 2>/dev/null || echo '/.dev/' >> "$exclude"  # never committed
   rm -rf "$D" && mkdir -p "$D/A" "$D/B/wheels" "$D/C/src/client"
   # the store: every kernel the client's plans pick for the four shapes, M up to MAX_M
   CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/gemm_plan_bundle.py "$D/C/store" "$MAX_M" \
