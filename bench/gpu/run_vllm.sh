@@ -139,16 +139,16 @@ if [[ $mode == gpu ]]; then
   for m in ${ORDER//,/ }; do
     TRITON_CACHE_DIR=/tmp/triton_$m timeout "${MODE_TIMEOUT:-300}" python3 "$C/vllm_fp8.py" \
       engine /tmp/ck --mode "$m" --out $OUT/engine_$m.json --turns $T --order $ORDER \
-      > $L/engine_$m.log 2>&1 &
+      > $OUT/engine_$m.log 2>&1 &  # under $OUT: back even if the call's limit stops it
   done
   wait
   for m in ${ORDER//,/ }; do
     echo "mode $m triton files: $(find /tmp/triton_$m -type f 2>/dev/null | wc -l)" \
       | tee -a $L/modes.txt
     if grep -q '"stage": "done"' $OUT/engine_$m.json 2>/dev/null; then
-      grep -E "^(kernels|invariance|perf)" $L/engine_$m.log | tail -12
+      grep -E "^(kernels|invariance|perf)" $OUT/engine_$m.log | tail -12
     else
-      grep -v "^W[0-9]\|^\[rank0\]" $L/engine_$m.log | tail -25
+      grep -v "^W[0-9]\|^\[rank0\]" $OUT/engine_$m.log | tail -25
     fi
   done
   if ! grep -q '"stage": "done"' $OUT/engine_c.json 2>/dev/null && [[ -z ${NO_LAYERS:-} ]]; then
@@ -159,7 +159,6 @@ if [[ $mode == gpu ]]; then
   python3 -c "import json; s=json.load(open('$L/stats.json')); print({k: s.get(k) for k in
     ('serve_only', 'entries', 'hits', 'misses', 'compiles')})" 2>&1 | tee $L/stats.txt
   tar -C /tmp -czf "$OUT/logs.tgz" vllm_logs
-  cp $L/layers.json "$OUT/" 2>/dev/null
   python3 "$C/vllm_fp8.py" summarize $OUT/engine_a.json $OUT/engine_b.json $OUT/engine_c.json \
     | tee "$OUT/summary.md"
   exit 0
