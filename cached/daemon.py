@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import families, identity, sizing, toolchain, toolchains
+from . import families, identity, sizing, storelock, toolchain, toolchains
 from .autotune import Autotune
 from .certifications import Certifications
 from .config import Settings
@@ -68,15 +68,20 @@ class Daemon:
             if self._http_sock is not None:
                 self._http_sock.close()
             self.lifecycle.release()
+            if getattr(self, "store_lock", None) is not None:
+                self.store_lock.release()
             raise
 
     def _open(self, settings: Settings) -> None:
         _raise_descriptor_limit()
         store_root = Path(settings.store)
+        self.store_lock = storelock.take(
+            store_root, "serve", self.socket_path,
+            "stop that daemon first, or give this one another --store")
         self.store = Store(store_root, Budget(settings.max_bytes, settings.max_files,
                                               settings.evict_grace))
         self.store.check_budget()
-        self.stats = Stats()
+        self.stats = Stats(families.names())
         if settings.serve_only:
             self.toolchains = identity.pinned(store_root)
             workers = 0
@@ -88,6 +93,7 @@ class Daemon:
         self.versions = dict(self.toolchains.default.versions) or toolchain.versions()
         self.pool = Pool(workers, settings.job_timeout,
                          [] if settings.serve_only else _launchers(self.toolchains))
+        self.stats.keep("worker_restarts", lambda: self.pool.restarts)
         self.scheduler = Scheduler(self.store, self.pool, self.stats, self.toolchains,
                                    remote=self.remote)
         self.store.protect(lambda: tuple(self.scheduler.inflight))
@@ -112,14 +118,18 @@ class Daemon:
         c = Counter(counters)
         return {
             "entries": store.entries, "bytes": store.bytes, "hits": c["hits"],
-            "misses": c["misses"], "compiles": c["compiles"], "failures": c["failures"],
+            "misses": c["misses"], "prewarm_hits": c["prewarm_hits"],
+            "prewarm_misses": c["prewarm_misses"],
+            "hit_seconds_mean": _mean(by_family, "hit_seconds"),
+            "miss_seconds_mean": _mean(by_family, "miss_seconds"),
+            "compiles": c["compiles"], "failures": c["failures"],
             "persist_failures": c["persist_failures"],
             "remote_hits": c["remote_hits"],
             "remote": self.remote.snapshot() if self.remote else {"state": "disabled"},
             "compile_seconds": round(c["compile_seconds"], 3),
             "in_flight": jobs.in_flight, "queued": jobs.queued, "running": jobs.running,
             "workers": pool.size, "workers_alive": pool.alive, "workers_ready": pool.ready,
-            "workers_idle": pool.idle, "worker_restarts": pool.restarts,
+            "workers_idle": pool.idle, "worker_restarts": self.stats.since_zero("worker_restarts"),
             "connections": self.server.connections,
             "errors": {k.split(".", 1)[1]: v for k, v in c.items()
                        if k.startswith("errors.") and v},
@@ -139,6 +149,9 @@ class Daemon:
             "over_budget": store.over_budget, "client_fallbacks": c["client_fallbacks"],
             "unknown_toolchain": c["unknown_toolchain"],
             "draining": self.lifecycle.draining,
+            "settings": {"file": str(self.settings.file) if self.settings.file else None,
+                         "file_source": self.settings.file_source,
+                         "options": self.settings.rows()},
         }
 
     async def run(self) -> None:
@@ -179,6 +192,7 @@ class Daemon:
         if self._http is not None:
             self._http.should_exit = True
         await loop.run_in_executor(None, self.store.close)  # a locked index waits there
+        self.store_lock.release()
         event(log, logging.INFO, "daemon.stopped")
 
     def stop(self) -> None:
@@ -217,6 +231,13 @@ class Daemon:
         threading.Thread(target=self._http.run, kwargs={"sockets": [sock]}, name="http",
                          daemon=True).start()
         event(log, logging.INFO, "http.listening", address=self.http_address)
+
+
+def _mean(by_family: dict[str, dict[str, float]], name: str) -> float | None:
+    """The mean of latency ``name`` (``hit_seconds``, ``miss_seconds``) over every family's
+    serving gets, in seconds; None before the first."""
+    count = sum(c.get(f"{name}_count", 0) for c in by_family.values())
+    return round(sum(c.get(name, 0) for c in by_family.values()) / count, 6) if count else None
 
 
 def _launchers(registry: toolchains.Toolchains) -> list[Launcher]:
