@@ -137,3 +137,37 @@ def test_config_shows_the_running_daemons_settings_and_what_differs(tmp_path: Pa
         assert values["max_bytes"] == 10**7 and values["store"] == str(d.store)
     finally:
         d.stop()
+
+
+def _capacity_rows() -> dict[str, list[int]]:
+    """docs/operations.md's Capacity table: the kernel count of each cell, by manifest."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    table = text[text.index("## Capacity"):text.index("## Pre-warm manifests")]
+    rows = {}
+    for line in table.splitlines():
+        name = re.search(r"\(`([\w.-]+)`\)|\*\*(all four models together)\*\*", line)
+        if line.startswith("| ") and name:
+            cells = line.strip("|").split("|")[1:]
+            rows[name.group(1) or "all"] = [int(re.search(r"\d+", c).group()) for c in cells]
+    return rows
+
+
+def test_capacity_table_is_what_plan_only_plans(tmp_path: Path):
+    """The Llama-3.1-8B row is what `cached warm --manifest llama-3.1-8b --plan-only` plans
+    now (bench/capacity.py prints every row); the union row is at least every row."""
+    rows = _capacity_rows()
+    assert set(rows) == {"llama-3.1-8b", "llama-3.3-70b", "qwen3-32b", "deepseek-v3-dense",
+                         "all"}, rows
+    for name, cells in rows.items():
+        assert all(u >= c for u, c in zip(rows["all"], cells, strict=True)), name
+    d = DaemonProcess(tmp_path, workers=1)
+    try:
+        plan = json.loads(run_cli("warm", "--socket", d.socket, "--manifest", "llama-3.1-8b",
+                                  "--plan-only", "--json").stdout)["kernels"]
+    finally:
+        d.stop()
+    assert rows["llama-3.1-8b"] == [plan["flashinfer.mm_fp4@sm_100a"],
+                                    plan["flashinfer.mm_fp4@sm_103a"],
+                                    plan["cached.hopper_fp8@sm_90a"],
+                                    plan["flashinfer.bi.bmm_fp8@sm_100a"]], plan
+    assert plan["flashinfer.bi.bmm_fp8@sm_103a"] == plan["flashinfer.bi.bmm_fp8@sm_100a"]
