@@ -1,10 +1,11 @@
 """The daemon: wires store, pool, scheduler, the ops, socket server and HTTP endpoint.
 
-Start order: fleet keys checked, the HTTP port bound, the Unix socket claimed (a port or
-path that cannot be used stops the daemon here with one line, nothing left behind), store
-opened (index read into memory), workers spawned (they import the toolchain in the
-background), socket listening (hits are served at once), the start-up scan and the HTTP
-endpoint serving. The daemon never touches a GPU: device facts come from
+Start order: fleet keys checked, the store's lock checked (one daemon per store: a live
+store stops it here), the HTTP port bound, the Unix socket claimed (a port or path that
+cannot be used stops the daemon here with one line, nothing left behind), the store's lock
+taken and the store opened (index read into memory), workers spawned (they import the
+toolchain in the background), socket listening (hits are served at once), the start-up
+scan and the HTTP endpoint serving. The daemon never touches a GPU: device facts come from
 requests, and compilation is cross-compilation for the requested arch.
 
 Everything that can make the store unusable is found before anything is bound: a store
@@ -48,6 +49,7 @@ from .uploads import Uploads
 log = logging.getLogger("cached.daemon")
 
 FLUSH_INTERVAL_S = 2.0
+IN_USE_HINT = "stop that daemon first, or give this one another --store"
 
 
 class Daemon:
@@ -58,26 +60,30 @@ class Daemon:
         self.version = toolchain.daemon_version()
         self.remote = _make_remote(settings)  # first: a bad key file stops us before any I/O
         self.lifecycle = Lifecycle(self, reload_settings)
-        # Then what we listen on, HTTP first: a port or path we cannot use stops the daemon
-        # here, before its store is opened, and leaves no socket file behind.
-        self._http_sock = bind_http(settings.http_address)
+        # One daemon per store (cached/storelock.py): a live store stops us before we bind
+        # anything (a second serve would otherwise first meet the first one's port); the
+        # lock itself is taken when the store is opened (nothing is created before).
+        storelock.check(Path(settings.store), "serve", IN_USE_HINT)
+        self.store_lock: storelock.StoreLock | None = None
+        self._http_sock = None
         try:
+            # Then what we listen on, HTTP first: a port or path we cannot use stops the
+            # daemon here, before its store is opened, and leaves no socket file behind.
+            self._http_sock = bind_http(settings.http_address)
             self.socket_path = self.lifecycle.bind().path
             self._open(settings)
         except BaseException:
             if self._http_sock is not None:
                 self._http_sock.close()
             self.lifecycle.release()
-            if getattr(self, "store_lock", None) is not None:
+            if self.store_lock is not None:
                 self.store_lock.release()
             raise
 
     def _open(self, settings: Settings) -> None:
         _raise_descriptor_limit()
         store_root = Path(settings.store)
-        self.store_lock = storelock.take(
-            store_root, "serve", self.socket_path,
-            "stop that daemon first, or give this one another --store")
+        self.store_lock = storelock.take(store_root, "serve", self.socket_path, IN_USE_HINT)
         self.store = Store(store_root, Budget(settings.max_bytes, settings.max_files,
                                               settings.evict_grace))
         self.store.check_budget()
@@ -192,7 +198,8 @@ class Daemon:
         if self._http is not None:
             self._http.should_exit = True
         await loop.run_in_executor(None, self.store.close)  # a locked index waits there
-        self.store_lock.release()
+        if self.store_lock is not None:
+            self.store_lock.release()
         event(log, logging.INFO, "daemon.stopped")
 
     def stop(self) -> None:

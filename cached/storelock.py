@@ -11,6 +11,7 @@ one line, exit status 2) and touches nothing.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -41,6 +42,30 @@ class StoreLock:
             self.fd = None
 
 
+def check(root: Path, command: str, hint: str = "") -> None:
+    """StoreInUse now if a process holds the store at ``root``; creates nothing (the lock is
+    :func:`take`-n later, when the store is opened)."""
+    try:
+        fd = os.open(Path(root) / LOCK_NAME, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return  # no lock file (nobody holds it), or one take() will say more about
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _in_use(root, fd, hint) from None
+    finally:
+        os.close(fd)
+
+
+def _in_use(root: Path, fd: int, hint: str) -> StoreInUse:
+    holder = _read(fd)
+    who = (f"cached {holder.get('command', '?')} (pid {holder.get('pid', '?')}"
+           + (f", socket {holder['socket']}" if holder.get("socket") else "") + ")"
+           if holder else "another process")
+    return StoreInUse(f"store {root} is in use by {who}: one process per store"
+                      + (f"; {hint}" if hint else ""))
+
+
 def take(root: Path, command: str, socket: str = "", hint: str = "") -> StoreLock:
     """The lock of the store at ``root`` for ``command`` (``serve``, ``gc``, ``verify``);
     StoreInUse naming the holder, and ``hint`` (what to do instead), when it is held. A
@@ -49,18 +74,17 @@ def take(root: Path, command: str, socket: str = "", hint: str = "") -> StoreLoc
     try:
         Path(root).mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-    except OSError:
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a link where the lock belongs: never followed
+            raise StoreInUse(f"{path} is a symbolic link, not the store's lock file; "
+                             "remove it") from None
         return StoreLock(None, path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = _read(fd)
+        error = _in_use(root, fd, hint)
         os.close(fd)
-        who = (f"cached {holder.get('command', '?')} (pid {holder.get('pid', '?')}"
-               + (f", socket {holder['socket']}" if holder.get("socket") else "") + ")"
-               if holder else "another process")
-        raise StoreInUse(f"store {root} is in use by {who}: one process per store"
-                         + (f"; {hint}" if hint else "")) from None
+        raise error from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps({"pid": os.getpid(), "command": command, "socket": socket,
                               "since": round(time.time(), 3)}).encode() + b"\n", 0)
