@@ -4,8 +4,12 @@ real interpreters registered with ``--toolchain``, real sockets between real pro
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import struct
+import subprocess
+import sys
 
 import pytest
 from conftest import DaemonProcess, raw_call
@@ -66,3 +70,40 @@ def test_a_version_that_only_equals_1_in_python_is_not_version_1(quick, version)
     assert replies[0]["id"] == 1 and replies[0]["error"]["code"] == "unsupported_version"
     assert "speaks 1" in replies[0]["error"]["message"]
     assert replies[1]["id"] == 2 and replies[1]["ok"] is True
+
+
+KEPT = """
+import json, os, signal, sys, time
+from cached_client import Client, DaemonUnavailable
+client = Client(sys.argv[1], timeout=600, fallback=False)  # what flashinfer.install() uses
+client.hello()  # the connection is kept for the next call
+os.kill(int(sys.argv[2]), signal.SIGSTOP)
+out = {}
+for i in range(2):
+    t0 = time.monotonic()
+    try:
+        client.hello()
+        out[f"call{i}"] = "answered"
+    except DaemonUnavailable as exc:
+        out[f"call{i}"] = exc.message
+    out[f"seconds{i}"] = time.monotonic() - t0
+print(json.dumps(out))
+"""
+
+
+def test_a_stopped_daemon_costs_a_call_on_a_kept_connection_one_silence_window(quick):
+    """docs/design.md: a stopped daemon costs a process one silence window (3 s without a
+    byte) and one hello probe (2 s), once. On a kept connection it cost two of each (about
+    10 s): the silent kept connection was taken for one the daemon had closed and the call
+    was tried again on a fresh one. Now the first call ends after one window and probe,
+    and the next fails at once (the circuit is open)."""
+    try:
+        out = subprocess.run([sys.executable, "-c", KEPT, quick.socket, str(quick.proc.pid)],
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        os.kill(quick.proc.pid, signal.SIGCONT)
+    result = json.loads(out.stdout)
+    assert "went silent" in result["call0"], result
+    assert 3 <= result["seconds0"] < 3 + 2 + 2.5, result  # one window and one probe
+    assert "not asking the daemon" in result["call1"] and result["seconds1"] < 1, result
+    assert raw_call(quick.socket, {"op": "hello"})["ok"] is True
