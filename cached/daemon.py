@@ -1,10 +1,11 @@
 """The daemon: wires store, pool, scheduler, the ops, socket server and HTTP endpoint.
 
 Start order: fleet keys checked, the HTTP port bound, the Unix socket claimed (a port or
-path that cannot be used stops the daemon here with one line, nothing left behind), store
-opened (index read into memory), workers spawned (they import the toolchain in the
-background), socket listening (hits are served at once), the start-up scan and the HTTP
-endpoint serving. The daemon never touches a GPU: device facts come from
+path that cannot be used stops the daemon here with one line, nothing left behind), the
+toolchains probed (one that cannot be used stops it likewise, before a store exists), store
+opened (index read into memory, evicted down to its budget), workers spawned (they import
+the toolchain in the background), socket listening (hits are served at once), the start-up
+scan and the HTTP endpoint serving. The daemon never touches a GPU: device facts come from
 requests, and compilation is cross-compilation for the requested arch.
 
 Everything that can make the store unusable is found before anything is bound: a store
@@ -73,6 +74,8 @@ class Daemon:
     def _open(self, settings: Settings) -> None:
         _raise_descriptor_limit()
         store_root = Path(settings.store)
+        if not settings.serve_only:  # first: a refused toolchain leaves no store behind
+            probed = identity.compute(list(settings.toolchain), settings.probe_timeout)
         self.store = Store(store_root, Budget(settings.max_bytes, settings.max_files,
                                               settings.evict_grace))
         self.store.check_budget()
@@ -81,7 +84,7 @@ class Daemon:
             self.toolchains = identity.pinned(store_root)
             workers = 0
         else:
-            self.toolchains = identity.compute(list(settings.toolchain))
+            self.toolchains = probed
             identity.save(store_root, self.toolchains)
             workers = sizing.worker_count(settings.workers)
         # the default toolchain's readable versions, fixed for the process's life
@@ -91,6 +94,7 @@ class Daemon:
         self.scheduler = Scheduler(self.store, self.pool, self.stats, self.toolchains,
                                    remote=self.remote)
         self.store.protect(lambda: tuple(self.scheduler.inflight))
+        self.store.evict()  # a budget lowered since the last start applies now, not later
         self.access = Access.from_settings(settings)
         self.quota = QueueQuota(self.scheduler, self.access, settings.max_queued_per_uid)
         self.leases = Leases(self.scheduler, self.access, self.stats)

@@ -10,6 +10,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import DaemonProcess, raw_call
@@ -107,3 +108,116 @@ def test_a_stopped_daemon_costs_a_call_on_a_kept_connection_one_silence_window(q
     assert 3 <= result["seconds0"] < 3 + 2 + 2.5, result  # one window and one probe
     assert "not asking the daemon" in result["call1"] and result["seconds1"] < 1, result
     assert raw_call(quick.socket, {"op": "hello"})["ok"] is True
+
+
+# -- toolchain interpreters that are not what they claim ------------------------------------
+
+BINARY = ("#!/bin/sh\nprintf '\\377\\376\\000\\033[2Jgarbage\\n\\200more'\n"
+          "printf '\\377oops\\n' >&2\nexit 3\n")
+HANGING = "#!/bin/sh\necho $$ > {pids}\nsleep 600 &\necho $! >> {pids}\nsleep 600\n"
+
+
+def _interpreter(path, text: str):
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def _serve(tmp_path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cached", "serve", "--store",
+                           str(tmp_path / "store"), "--socket", str(tmp_path / "x.sock"),
+                           "--http", "off", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _left_behind(tmp_path, *expected: str) -> list[str]:
+    return sorted(p.name for p in tmp_path.iterdir() if p.name not in expected)
+
+
+def test_an_interpreter_printing_binary_is_refused_in_one_line_leaving_nothing(tmp_path):
+    """A toolchain "interpreter" writing invalid UTF-8 and control bytes: the daemon died
+    with a UnicodeDecodeError traceback, after creating its store. Now: exit 2, one line
+    naming the toolchain, its exit code and what it wrote (escaped), and no store, socket
+    or lock file left in the directory."""
+    bad = _interpreter(tmp_path / "binary.sh", BINARY)
+    out = _serve(tmp_path, "--toolchain", f"bin={bad}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert f"toolchain bin: probing {bad} failed (exit 3" in lines[0]
+    assert "\\xffoops" in lines[0]
+    assert _left_behind(tmp_path, "binary.sh") == []
+
+
+def test_a_hanging_interpreter_is_killed_with_its_children_leaving_nothing(tmp_path):
+    """An interpreter that never answers and started a child of its own: the probe's
+    timeout (120 s, fixed) killed only the interpreter, and the child lived on. Now the
+    interpreter's process group is killed at ``--probe-timeout``: exit 2 in one line, both
+    processes gone, nothing left behind."""
+    pids = tmp_path / "pids"
+    hang = _interpreter(tmp_path / "hang.sh", HANGING.format(pids=pids))
+    started = time.monotonic()
+    out = _serve(tmp_path, "--toolchain", f"hang={hang}", "--probe-timeout", "2")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert time.monotonic() - started < 60
+    assert out.stderr.strip().splitlines() == [
+        f"cached serve: toolchain hang: probing {hang} took over 2s; it and the processes it "
+        "started were killed"], out.stderr
+    assert [pid for pid in map(int, pids.read_text().split()) if _running(pid)] == []
+    assert _left_behind(tmp_path, "hang.sh", "pids") == []
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for its reaper is not)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def test_a_smaller_max_bytes_at_restart_evicts_at_start(tmp_path):
+    """Three 200 kB kernels stored, then a restart with --max-bytes that holds one: the
+    store stayed at three (over its budget) until the next publish. Now it is evicted to
+    the budget before the socket listens: one entry, within the budget, the two oldest
+    gone, their blobs deleted."""
+    d = DaemonProcess(tmp_path, workers=1)
+    try:
+        client = d.client(timeout=120)
+        for tag in ("a", "b", "c"):
+            client.get(_built(tag, 200_000))
+            time.sleep(0.05)  # distinct last_used, oldest first
+        sizes = [r["size"] for r in _index(d)]
+        assert len(sizes) == 3
+    finally:
+        d.stop()
+    blobs = sorted(p.name for p in (tmp_path / "store" / "blobs").rglob("*") if p.is_file())
+    budget = max(sizes) + 1000
+    d = DaemonProcess(tmp_path, workers=1, ready_workers=0,
+                      extra_args=["--max-bytes", str(budget), "--evict-grace", "0"])
+    try:
+        stats = d.stats()
+        assert stats["entries"] == 1 and stats["bytes"] <= budget, stats
+        assert stats["evictions"] == 2 and not stats["over_budget"], stats
+        assert d.client(timeout=120, transfer="path").get(_built("c", 200_000)).origin == "hit"
+        left = sorted(p.name for p in (tmp_path / "store" / "blobs").rglob("*")
+                      if p.is_file())
+        assert len(left) == len(blobs) - 4, (blobs, left)  # two blobs per evicted kernel
+    finally:
+        d.stop()
+
+
+def _built(tag: str, size: int):
+    from cached_client import KernelRequest
+
+    return KernelRequest("cached.test.fault", {"action": "build", "tag": tag, "bytes": size},
+                         "sm_100a", 148, 148)
+
+
+def _index(d: DaemonProcess) -> list[dict]:
+    import sqlite3
+
+    with sqlite3.connect(d.store / "index.sqlite") as db:
+        db.row_factory = sqlite3.Row
+        return [dict(r) for r in db.execute("select * from entries")]
