@@ -55,6 +55,7 @@ import cached
 
 from .config import ConfigError
 from .families.base import Family
+from .log import one_line
 
 DEFAULT_NAME = "default"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -204,15 +205,6 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.communicate(timeout=5)
-
-
-def one_line(data: bytes, limit: int = 800) -> str:
-    """The last ``limit`` characters of a process's output as one printable line: invalid
-    UTF-8 and control characters escaped, line breaks shown as `` | ``."""
-    text = data.decode("utf-8", "backslashreplace").strip()
-    text = " | ".join(line.strip() for line in text.splitlines() if line.strip())
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-    return text[-limit:]
 
 
 # -- routing -----------------------------------------------------------------------------

@@ -221,3 +221,112 @@ def _index(d: DaemonProcess) -> list[dict]:
     with sqlite3.connect(d.store / "index.sqlite") as db:
         db.row_factory = sqlite3.Row
         return [dict(r) for r in db.execute("select * from entries")]
+
+
+# -- a toolchain whose workers die while starting ---------------------------------------------
+
+DIES_AT_START = """#!/bin/sh
+case "$2" in
+  *cached.worker*) echo "libcuda.so.1: cannot open shared object file" >&2; exit 3;;
+esac
+exec {python} "$@"
+"""
+
+
+def test_a_toolchain_whose_workers_die_at_start_fails_requests_at_once_and_backs_off(
+        tmp_path):
+    """The hostile run's interpreter states its identity but every worker of it exits at
+    start: a get waited out its whole deadline ("it keeps compiling") while the pool
+    respawned every 2 s for ever, uncounted. Now the get is ``compile_failed`` at once,
+    naming the toolchain, the exit status and what the worker wrote; so is the next one
+    (no wait for a worker); the respawns back off (1, 2, 4 s...) and count in
+    ``worker_restarts``."""
+    from cached_client import CompileFailed, KernelRequest
+
+    wrapper = _interpreter(tmp_path / "dies.sh", DIES_AT_START.format(python=sys.executable))
+    d = DaemonProcess(tmp_path, workers=1, ready_workers=0,
+                      extra_args=["--toolchain", f"dies={wrapper}"])
+    try:
+        client = d.client(timeout=120, fallback=False)
+        request = KernelRequest("cached.test.fault", {"action": "build", "tag": "x"},
+                                "sm_100a", 148, 148)
+        for _ in range(2):
+            started = time.monotonic()
+            with pytest.raises(CompileFailed) as err:
+                client.get(request, timeout=60)
+            assert time.monotonic() - started < 20  # not the 60 s deadline
+            message = err.value.message
+            assert "toolchain dies's workers die while starting" in message, message
+            assert "exit code 3" in message and "libcuda.so.1: cannot open" in message
+        time.sleep(7.5)
+        stats = d.stats()
+        assert stats["failures"] == 2 and stats["in_flight"] == 0, stats
+        retries = [json.loads(line)["retry_in_s"] for line in d.log_path.read_text().splitlines()
+                   if '"worker.start_failed"' in line]
+        assert retries[:3] == [1.0, 2.0, 4.0], retries  # 2 s each, for ever, before
+        assert stats["worker_restarts"] == len(retries) <= 4, (stats, retries)
+    finally:
+        d.stop()
+
+
+FAILS_AT_FIRST = """#!/bin/sh
+n=$(cat {count} 2>/dev/null || echo 0); echo $((n + 1)) > {count}
+[ "$n" -lt {fails} ] && {{ echo "start $n failed" >&2; exit 1; }}
+exec {python} "$@"
+"""
+
+
+def test_worker_start_retries_double_up_to_their_cap_and_reset_when_one_is_ready(
+        tmp_path, caplog):
+    """The back-off itself, on a real pool whose interpreter dies at its first six starts:
+    the delays double to the cap and stay there, each failure counts as a restart, acquire
+    fails at once (naming the cause) while the toolchain is broken; once a worker is ready
+    the toolchain is whole again and the delay starts over."""
+    import asyncio
+    import logging
+
+    from cached import toolchains
+    from cached.pool import Launcher, Pool, WorkerFailed
+
+    interpreter = _interpreter(tmp_path / "flaky.sh", FAILS_AT_FIRST.format(
+        count=tmp_path / "count", fails=6, python=sys.executable))
+
+    async def run() -> dict:
+        pool = Pool(1, 10, [Launcher("f", str(interpreter), toolchains.environment(),
+                                     str(toolchains.code_dir()))], retry=(0.05, 0.2))
+        await pool.start()
+        while pool.restarts < 2:
+            await asyncio.sleep(0.01)
+        out = {}
+        try:
+            await pool.acquire("f")
+        except WorkerFailed as exc:
+            out["broken"] = str(exc)
+        worker = await asyncio.wait_for(_acquire_when_whole(pool), 60)
+        out.update(restarts=pool.restarts, retry_in=pool._retry_in["f"],
+                   broken_after=dict(pool.broken), pid=worker.pid)
+        await pool.stop()
+        return out
+
+    with caplog.at_level(logging.ERROR, logger="cached.pool"):
+        out = asyncio.run(run())
+    delays = [r.fields["retry_in_s"] for r in caplog.records
+              if r.getMessage() == "worker.start_failed"]
+    assert delays == [0.05, 0.1, 0.2, 0.2, 0.2, 0.2], delays
+    assert out["restarts"] == 6 and out["pid"] > 0, out
+    assert "toolchain f's workers die while starting" in out["broken"], out
+    assert "exit code 1" in out["broken"] and "start 1 failed" in out["broken"], out
+    assert out["broken_after"] == {} and out["retry_in"] == 0.05, out
+
+
+async def _acquire_when_whole(pool):
+    """A worker of toolchain ``f``, asking again while it is broken."""
+    import asyncio
+
+    from cached.pool import WorkerFailed
+
+    while True:
+        try:
+            return await pool.acquire("f")
+        except WorkerFailed:
+            await asyncio.sleep(0.05)
