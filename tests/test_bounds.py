@@ -330,3 +330,85 @@ async def _acquire_when_whole(pool):
             return await pool.acquire("f")
         except WorkerFailed:
             await asyncio.sleep(0.05)
+
+
+# -- write-back leases: a holder that is stuck, one that never ends, and its waiters -------
+
+HOLDER = """
+import json, sys, threading, time
+from cached_client import Client, KernelRequest, writeback
+client = Client(sys.argv[1], timeout=30, fallback=False)
+request = KernelRequest.from_wire(json.loads(sys.argv[2]))
+def compile_object(path):
+    print("HELD", flush=True)
+    if sys.argv[3] == "stuck":  # waits on something that never comes: no CPU used
+        threading.Event().wait(300)
+    end = time.monotonic() + 300  # spins: CPU used, no end
+    while time.monotonic() < end:
+        pass
+bound = {} if sys.argv[5] == "default" else {"max_hold_s": float(sys.argv[5])}
+writeback.obtain(client, request, compile_object, ttl_s=float(sys.argv[4]), **bound)
+"""
+
+
+def _jit(kernel: str):
+    from cached_client import KernelRequest
+
+    return KernelRequest("flashinfer.jit", {"module": "bounds", "kernel": kernel,
+                                            "tvm_ffi": True, "source_sha256": "0" * 64},
+                         "sm_100a", 148, 148)
+
+
+def _holder(d: DaemonProcess, kernel: str, mode: str, ttl_s: float,
+            max_hold_s: float | str = "default"):
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, d.socket,
+                             json.dumps(_jit(kernel).to_wire()), mode, str(ttl_s),
+                             str(max_hold_s)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "HELD"
+    return proc
+
+
+def test_a_lease_holder_whose_compile_is_stuck_loses_the_lease_after_its_ttl(quick):
+    """A holder whose compile waits on something that never comes (no CPU used): its
+    renewer renewed every ttl/3 for ever, so every other process of the node waited on it
+    (3600 s each). Now it renews only while the process uses CPU: the lease runs out one
+    TTL (1.5 s) after the compile stopped, and the next process gets it."""
+    from cached_client.writeback import lease
+
+    holder = _holder(quick, "stuck", "stuck", ttl_s=1.5)
+    try:
+        started = time.monotonic()
+        reply = lease(quick.client(timeout=30), _jit("stuck"), ttl_s=30, wait_ms=10_000)
+        assert reply.state == "granted", reply
+        assert time.monotonic() - started < 8
+        assert holder.poll() is None  # the holder is alive: only its lease ran out
+        assert '"not renewed within 2s"' in quick.log_path.read_text()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_holder_that_never_finishes_keeps_its_lease_at_most_max_hold_and_waiters_give_up(
+        quick):
+    """A holder whose compile spins for ever (CPU used, so it counts as progress) held the
+    lease as long as it lived. Now it renews while it progresses (a waiter 2 s later still
+    waits), for at most ``max_hold_s`` (4 s here), then the lease runs out within its TTL.
+    A waiter that waited ``timeout`` seconds gives up: WaitedTooLong, a CompileLocally (its
+    caller compiles in-process), its compile function not called."""
+    from cached_client.writeback import CompileLocally, WaitedTooLong, lease, obtain
+
+    holder = _holder(quick, "spins", "spin", ttl_s=1.5, max_hold_s=4)
+    try:
+        held_at = time.monotonic()
+        calls = []
+        with pytest.raises(WaitedTooLong) as err:
+            obtain(quick.client(timeout=30), _jit("spins"), calls.append, timeout=2.5)
+        assert isinstance(err.value, CompileLocally) and calls == []
+        assert f"pid {holder.pid}" in str(err.value)
+        reply = lease(quick.client(timeout=30), _jit("spins"), ttl_s=30, wait_ms=15_000)
+        assert reply.state == "granted", reply
+        assert 4 <= time.monotonic() - held_at < 4 + 1.5 + 5
+        assert holder.poll() is None
+    finally:
+        holder.kill()
+        holder.wait()
