@@ -133,7 +133,8 @@ class Daemon:
             "started": round(self.started, 3), "stats_zeroed_at": self.stats.zeroed_at,
             "version": self.version, "versions": self.versions,
             "toolchain": self.toolchains.default.digest,
-            "toolchains": [{**t, "workers": dict(pool.toolchains.get(t["name"], {}))}
+            "toolchains": [{**t, "workers": dict(pool.toolchains.get(t["name"], {})),
+                            "broken": self.pool.broken.get(t["name"])}  # why: socket only
                            for t in self.toolchains.snapshot()],
             "serve_only": self.settings.serve_only,
             "store": self.settings.store, "socket": self.socket_path,

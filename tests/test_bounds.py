@@ -261,6 +261,12 @@ def test_a_toolchain_whose_workers_die_at_start_fails_requests_at_once_and_backs
         time.sleep(7.5)
         stats = d.stats()
         assert stats["failures"] == 2 and stats["in_flight"] == 0, stats
+        (toolchain,) = stats["toolchains"]  # `cached stats --json` says why, HTTP does not
+        assert "exit code 3" in toolchain["broken"], toolchain
+        assert "broken" not in _http_stats(d)["toolchains"][0]
+        text = subprocess.run([sys.executable, "-m", "cached", "stats", "--socket", d.socket],
+                              capture_output=True, text=True, timeout=60).stdout
+        assert "Broken:" in text and "toolchain dies's workers die while starting" in text
         retries = [json.loads(line)["retry_in_s"] for line in d.log_path.read_text().splitlines()
                    if '"worker.start_failed"' in line]
         assert retries[:3] == [1.0, 2.0, 4.0], retries  # 2 s each, for ever, before
@@ -274,6 +280,14 @@ n=$(cat {count} 2>/dev/null || echo 0); echo $((n + 1)) > {count}
 [ "$n" -lt {fails} ] && {{ echo "start $n failed" >&2; exit 1; }}
 exec {python} "$@"
 """
+
+
+def _http_stats(d: DaemonProcess) -> dict:
+    import urllib.request
+
+    address = d.stats()["http"]
+    with urllib.request.urlopen(f"http://{address}/stats", timeout=10) as reply:
+        return json.loads(reply.read())
 
 
 def test_worker_start_retries_double_up_to_their_cap_and_reset_when_one_is_ready(
