@@ -426,3 +426,54 @@ def test_a_holder_that_never_finishes_keeps_its_lease_at_most_max_hold_and_waite
     finally:
         holder.kill()
         holder.wait()
+
+
+NORM_WAITER = """
+import importlib, json, os, sys, time
+from cached_client import flashinfer as cf
+cf.install(os.environ["CACHED_SOCKET"], lease_wait_s=float(os.environ["WAIT"]))
+r = importlib.import_module("flashinfer.norm.kernels.rmsnorm_sigmoid_gate")
+from flashinfer.jit import cute_dsl_core
+spec_cls = cute_dsl_core.JitSpecCuteDsl
+original = spec_cls._export_object
+def export(self, path):
+    if os.environ.get("HANG"):  # the holder: compiled, then stuck before it publishes
+        print("HOLDER", flush=True)
+        time.sleep(600)
+    return original(self, path)
+spec_cls._export_object = export
+started = time.monotonic()
+fn = r._get_compiled(8, 8 * r.HEAD_DIM, 8 * r.HEAD_DIM, 32, 4, 1)
+print("RESULT " + json.dumps({"fn": type(fn).__name__, "stats": cf.stats(),
+                              "seconds": time.monotonic() - started}), flush=True)
+"""
+
+
+def test_a_flashinfer_process_waiting_on_a_stuck_holder_compiles_it_itself(tmp_path):
+    """Real FlashInfer (its RMSNorm-gate kernel, which the daemon writes back): one process
+    holds the lease and is stuck before it publishes; another, installed with
+    ``lease_wait_s=3``, waits 3 s, gives up (WaitedTooLong) and FlashInfer compiles the
+    kernel in that process: a working function, one fallback, the holder untouched."""
+    pytest.importorskip("flashinfer")
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_100a", "CACHED_SM_COUNT": "148"}
+    d = DaemonProcess(tmp_path, workers=1, ready_workers=0, extra_env=env)
+    holder = None
+    try:
+        base = {**env, "CACHED_SOCKET": d.socket, "WAIT": "3"}
+        holder = subprocess.Popen([sys.executable, "-c", NORM_WAITER], stdout=subprocess.PIPE,
+                                  text=True, env={**base, "HANG": "1",
+                                                  "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "h")})
+        assert holder.stdout.readline().strip() == "HOLDER"
+        out = subprocess.run([sys.executable, "-c", NORM_WAITER], capture_output=True,
+                             text=True, timeout=600,
+                             env={**base, "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "w")})
+        result = next(json.loads(line[7:]) for line in out.stdout.splitlines()
+                      if line.startswith("RESULT "))
+        assert result["fn"] == "Function" and result["stats"] == {"fallback": 1}, result
+        assert "WaitedTooLong" in out.stderr and f"pid {holder.pid}" in out.stderr, out.stderr
+        assert holder.poll() is None
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+        d.stop()
