@@ -298,6 +298,9 @@ OPTIONS: tuple[Option, ...] = (
            "NAME=PYTHON: also compile for the environment of this interpreter (repeatable; the "
            "first is the default; none: the daemon's own interpreter)", kind="list",
            metavar="NAME=PYTHON"),
+    Option("probe_timeout", _positive_seconds, lambda: 120.0,
+           "seconds a toolchain's interpreter may take to state its identity at start; one "
+           "that takes longer is killed with the processes it started", metavar="SECONDS"),
     Option("serve_only", _bool, lambda: False,
            "no compiler: serve a store built elsewhere (its keys are pinned in it)",
            kind="switch"),
@@ -353,6 +356,7 @@ class Settings:
     publish_uid: tuple[int, ...]
     publish_gid: tuple[int, ...]
     toolchain: tuple[tuple[str, str], ...]
+    probe_timeout: float
     serve_only: bool
     remote: str | None
     remote_signing_key: str | None

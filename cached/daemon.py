@@ -2,11 +2,13 @@
 
 Start order: fleet keys checked, the store's lock checked (one daemon per store: a live
 store stops it here), the HTTP port bound, the Unix socket claimed (a port or path that
-cannot be used stops the daemon here with one line, nothing left behind), the store's lock
-taken and the store opened (index read into memory), workers spawned (they import the
-toolchain in the background), socket listening (hits are served at once), the start-up
-scan and the HTTP endpoint serving. The daemon never touches a GPU: device facts come from
-requests, and compilation is cross-compilation for the requested arch.
+cannot be used stops the daemon here with one line, nothing left behind), the toolchains
+probed (one that cannot be used stops it likewise, before a store exists), the store's lock
+taken and the store opened (index read into memory, evicted down to its budget), workers
+spawned (they import the toolchain in the background), socket listening (hits are served at
+once), the start-up scan and the HTTP endpoint serving. The daemon never touches a GPU:
+device facts come from requests, and compilation is cross-compilation for the requested
+arch.
 
 Everything that can make the store unusable is found before anything is bound: a store
 path that is not a writable directory, an index that is not this program's SQLite
@@ -83,6 +85,8 @@ class Daemon:
     def _open(self, settings: Settings) -> None:
         _raise_descriptor_limit()
         store_root = Path(settings.store)
+        if not settings.serve_only:  # first: a refused toolchain leaves no store behind
+            probed = identity.compute(list(settings.toolchain), settings.probe_timeout)
         self.store_lock = storelock.take(store_root, "serve", self.socket_path, IN_USE_HINT)
         self.store = Store(store_root, Budget(settings.max_bytes, settings.max_files,
                                               settings.evict_grace))
@@ -92,7 +96,7 @@ class Daemon:
             self.toolchains = identity.pinned(store_root)
             workers = 0
         else:
-            self.toolchains = identity.compute(list(settings.toolchain))
+            self.toolchains = probed
             identity.save(store_root, self.toolchains)
             workers = sizing.worker_count(settings.workers)
         # the default toolchain's readable versions, fixed for the process's life
@@ -103,6 +107,7 @@ class Daemon:
         self.scheduler = Scheduler(self.store, self.pool, self.stats, self.toolchains,
                                    remote=self.remote)
         self.store.protect(lambda: tuple(self.scheduler.inflight))
+        self.store.evict()  # a budget lowered since the last start applies now, not later
         self.access = Access.from_settings(settings)
         self.quota = QueueQuota(self.scheduler, self.access, settings.max_queued_per_uid)
         self.leases = Leases(self.scheduler, self.access, self.stats)
@@ -145,7 +150,8 @@ class Daemon:
             "started": round(self.started, 3), "stats_zeroed_at": self.stats.zeroed_at,
             "version": self.version, "versions": self.versions,
             "toolchain": self.toolchains.default.digest,
-            "toolchains": [{**t, "workers": dict(pool.toolchains.get(t["name"], {}))}
+            "toolchains": [{**t, "workers": dict(pool.toolchains.get(t["name"], {})),
+                            "broken": self.pool.broken.get(t["name"])}  # why: socket only
                            for t in self.toolchains.snapshot()],
             "serve_only": self.settings.serve_only,
             "store": self.settings.store, "socket": self.socket_path,

@@ -386,7 +386,11 @@ class Scheduler:
             while self._top(name) is None:
                 self._has_work[name].clear()
                 await self._has_work[name].wait()
-            worker = await self.pool.acquire(name)
+            try:
+                worker = await self.pool.acquire(name)
+            except WorkerFailed as exc:  # the toolchain's workers die while starting
+                self._fail_queued(name, str(exc))
+                continue
             job = self._top(name)
             if job is None:  # drained meanwhile
                 self.pool.release(worker)
@@ -397,6 +401,29 @@ class Scheduler:
             task = asyncio.get_running_loop().create_task(run(worker, job))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _fail_queued(self, name: str, message: str) -> None:
+        """Every queued job of toolchain ``name`` fails now with ``message`` (its workers
+        cannot start): counted and logged like any failed compile, waiters told
+        ``compile_failed``."""
+        heap, self._heaps[name] = self._heaps[name], []
+        for _, _, job in heap:
+            if job.state != "queued":
+                continue  # a stale entry: the job was pushed again or is done
+            job.state = "done"
+            if job.plan is None:
+                self.inflight.pop(job.key, None)
+                self.stats.count("failures", job.family.name)
+                self.stats.fail({"time": time.time(), "family": job.family.name,
+                                 "key": job.key, "params": dict(job.request.params),
+                                 "message": message})
+                event(log, logging.ERROR, "compile.failed", family=job.family.name,
+                      key=job.key[:16], error=message[:500])
+                what = f"{job.family.name} {_describe(job.request)}"
+            else:
+                what = f"planning {job.family.name}"
+            if not job.future.done():
+                job.future.set_exception(CompileFailed(f"{what}: {message}"))
 
     async def _run_plan(self, worker: Any, job: Job) -> None:
         try:

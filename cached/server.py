@@ -533,6 +533,11 @@ class Server:
                 self.room.release(c.peer.uid, reserved)
                 await self._last_word(c, exc)
                 return
+            unknown = _unknown_op(frame)
+            if unknown is not None:  # docs/protocol.md: malformed_frame, then close
+                self.room.release(c.peer.uid, reserved)
+                await self._last_word(c, unknown, frame.message.get("id"))
+                return
             c.last_active = time.monotonic()
             c.inflight += 1
             task = loop.create_task(self._answer(frame, c, reserved))
@@ -562,13 +567,18 @@ class Server:
                 return b""
             await c.readable()
 
-    async def _last_word(self, c: _Connection, error: CachedError) -> None:
-        """A frame that ends the connection: answer the requests before it, then say why."""
+    async def _last_word(self, c: _Connection, error: CachedError,
+                         request_id: Any = None) -> None:
+        """A frame that ends the connection: answer the requests before it, then say why
+        (echoing ``request_id`` when the frame had one)."""
         self.stats.count(f"errors.{error.code}")
         if c.tasks:  # well-formed requests before it still get their answers
             await asyncio.wait(set(c.tasks))
-        with contextlib.suppress(OSError):
-            await self._write(c, p.encode_frame({"ok": False, "error": error.to_wire()}), None)
+        reply = {"ok": False, "error": error.to_wire()}
+        if request_id is not None:
+            reply["id"] = request_id
+        with contextlib.suppress(OSError, TypeError, ValueError):
+            await self._write(c, p.encode_frame(reply), None)
 
     async def _answer(self, request: _Frame, c: _Connection, reserved: int) -> None:
         attachment: Attachment | None = None
@@ -649,7 +659,7 @@ class Server:
         else:
             m = frame.message
             version = m.get("v", p.PROTOCOL_VERSION)
-            if version not in p.SUPPORTED_VERSIONS:
+            if not _is_version(version):
                 raise UnsupportedVersion(
                     f"protocol version {str(version)[:16]!r} is not supported; this daemon "
                     f"speaks {', '.join(map(str, p.SUPPORTED_VERSIONS))}")
@@ -674,6 +684,26 @@ class Server:
         if now - self._logged.get(what, -LOG_EVERY_S) >= LOG_EVERY_S:
             self._logged[what] = now
             event(log, logging.WARNING, name, **fields)
+
+
+def _is_version(value: Any) -> bool:
+    """Whether ``value`` is a protocol version this daemon speaks: a JSON integer (``true``
+    and ``1.0`` equal 1 in Python but are not version 1)."""
+    return type(value) is int and value in p.SUPPORTED_VERSIONS
+
+
+def _unknown_op(frame: _Frame) -> MalformedFrame | None:
+    """The error for a frame of a supported version whose ``op`` is none of ``p.OPS``
+    (a frame of another version is answered ``unsupported_version`` instead)."""
+    if frame.decoded is not None:
+        return None
+    m = frame.message
+    name = m.get("op")
+    if not _is_version(m.get("v", p.PROTOCOL_VERSION)) or (
+            isinstance(name, str) and name in p.OPS):
+        return None
+    return MalformedFrame(f"unknown op {str(name)[:64]!r}; expected one of {', '.join(p.OPS)}"
+                          "; closing this connection")
 
 
 def _peer(sock: socket.socket) -> Peer:

@@ -31,10 +31,12 @@ claimed identity and the registry in memory.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,6 +55,7 @@ import cached
 
 from .config import ConfigError
 from .families.base import Family
+from .log import one_line
 
 DEFAULT_NAME = "default"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -160,28 +163,48 @@ def environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def probe(name: str, python: str) -> Toolchain:
-    """Describe the environment of ``python`` by running cached_client.identity with it.
-    ToolchainError says why it cannot be used."""
+def probe(name: str, python: str, timeout: float = PROBE_TIMEOUT_S) -> Toolchain:
+    """Describe the environment of ``python`` by running cached_client.identity with it,
+    in a process group of its own: one that takes longer than ``timeout`` seconds is killed
+    with every process it started. ToolchainError says why it cannot be used, in one line
+    of text whatever bytes the interpreter wrote."""
     if not NAME_RE.match(name):
         raise ToolchainError(f"toolchain name {name!r}: use letters, digits, '.', '_', '-'")
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
         raise ToolchainError(f"toolchain {name}: {python} is not an executable interpreter")
     try:
-        out = subprocess.run([python, "-c", PROBE], env=environment(), cwd=code_dir(),
-                             capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        proc = subprocess.Popen([python, "-c", PROBE], env=environment(), cwd=code_dir(),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+    except OSError as exc:
         raise ToolchainError(f"toolchain {name}: probing {python} failed: {exc}") from None
-    lines = out.stdout.strip().splitlines()
     try:
-        doc = json.loads(lines[-1]) if out.returncode == 0 and lines else None
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise ToolchainError(f"toolchain {name}: probing {python} took over {timeout:g}s; "
+                             "it and the processes it started were killed") from None
+    lines = stdout.decode("utf-8", "replace").strip().splitlines()
+    try:
+        doc = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
     except ValueError:
         doc = None
-    if not isinstance(doc, dict):
+    if not isinstance(doc, dict) or not isinstance(doc.get("toolchain"), str):
+        said = one_line(stderr) or one_line(stdout) or "nothing on stdout or stderr"
         raise ToolchainError(f"toolchain {name}: probing {python} failed (exit "
-                             f"{out.returncode}): {out.stderr.strip()[-800:]}")
+                             f"{proc.returncode}; it is not an interpreter that prints its "
+                             f"identity): {said}")
     return Toolchain(name, python, doc["toolchain"], doc.get("sources", {}),
                      doc.get("runtime", {}), doc.get("runtime_library"), doc.get("versions", {}))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group ``proc`` leads (it and what it started; ``proc`` is not
+    reaped yet, so its pid is still the group's) and reap it."""
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.communicate(timeout=5)
 
 
 # -- routing -----------------------------------------------------------------------------
@@ -220,10 +243,12 @@ class Toolchains:
         return self.items[0]
 
     @classmethod
-    def probe_all(cls, registered: Sequence[tuple[str, str]]) -> Toolchains:
-        """Probe every registered (name, python); none registered: the daemon's own."""
+    def probe_all(cls, registered: Sequence[tuple[str, str]],
+                  timeout: float = PROBE_TIMEOUT_S) -> Toolchains:
+        """Probe every registered (name, python), each within ``timeout`` seconds; none
+        registered: the daemon's own."""
         pairs = list(registered) or [(DEFAULT_NAME, sys.executable)]
-        return cls([probe(name, python) for name, python in pairs])
+        return cls([probe(name, python, timeout) for name, python in pairs])
 
     def to_json(self) -> dict:
         return {"toolchains": [t.to_json() for t in self.items],

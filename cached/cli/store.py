@@ -160,6 +160,7 @@ def format_stats(s: dict) -> str:
         ("Workers", f"{s.get('workers_ready', 0)}/{s.get('workers', 0)} ready, "
                     f"{s.get('workers_idle', 0)} idle, {s['worker_restarts']} restarts"
                     + (" (serve-only: no compiler)" if s.get("serve_only") else "")),
+        *[("  Broken", t["broken"]) for t in s.get("toolchains", []) if t.get("broken")],
         ("Store", ""),
     ]
     max_bytes = s.get("max_bytes") or 0

@@ -226,7 +226,8 @@ class Client:
     def _exchange(self, message: dict, deadline: float) -> tuple[dict, bytes | None, list[int]]:
         """Send ``message`` and read its reply, under the lock. A kept connection the daemon
         closed meanwhile (its idle timeout, a restart) is replaced once, silently; a daemon
-        that cannot be reached or went silent opens the circuit (``RETRY_AFTER_S``)."""
+        that cannot be reached or went silent opens the circuit (``RETRY_AFTER_S``) at once,
+        kept connection or not (one silence window and one probe, never two)."""
         if self._untrusted:
             raise DaemonUnavailable(f"not connecting: {self._untrusted}")
         why = _circuit_reason(self.socket_path)
@@ -253,7 +254,8 @@ class Client:
                 raise
             except DaemonUnavailable as exc:
                 self._drop(conn)
-                if kept and attempt == 1 and conn is not None and conn.received == received:
+                if (kept and attempt == 1 and conn is not None and conn.received == received
+                        and not isinstance(exc, DaemonSilent)):
                     continue  # the daemon had closed the kept connection: one fresh try
                 if isinstance(exc, DaemonSilent):
                     _open_circuit(self.socket_path, exc.message)

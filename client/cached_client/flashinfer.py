@@ -83,9 +83,10 @@ _BI_CALL: contextvars.ContextVar = contextvars.ContextVar("cached_bi_call", defa
 
 
 class _State:
-    def __init__(self, client: Client, ttl_s: float) -> None:
+    def __init__(self, client: Client, ttl_s: float, wait_s: float | None = None) -> None:
         self.client = client
         self.ttl_s = ttl_s
+        self.wait_s = wait_s
         self.counts: Counter[str] = Counter()
         self.replaced: list[tuple[Any, str, Any, Any]] = []  # (owner, attr, original, new)
         self.class_attrs: list[tuple[type, str, Any, bool]] = []  # (cls, attr, original, own)
@@ -102,9 +103,13 @@ _state: _State | None = None
 
 
 def install(socket_path: str | None = None, *, client: Client | None = None,
-            timeout: float = 600.0, lease_ttl_s: float = 120.0) -> None:
+            timeout: float = 600.0, lease_ttl_s: float = 120.0,
+            lease_wait_s: float | None = None) -> None:
     """Route FlashInfer's CuTe-DSL kernels through the daemon at ``socket_path``
-    ($CACHED_SOCKET or the default socket). Idempotent; FlashInfer is imported here."""
+    ($CACHED_SOCKET or the default socket). Idempotent; FlashInfer is imported here. A
+    written-back kernel another process holds the lease on is waited for at most
+    ``lease_wait_s`` seconds (None: ``writeback.WAIT_S``), then compiled here
+    (writeback.WaitedTooLong)."""
     global _state
     if _state is not None:
         return
@@ -120,7 +125,8 @@ def install(socket_path: str | None = None, *, client: Client | None = None,
         bi_api = bi_tuning = None
         logger.info("cached: FlashInfer %s has no batch-invariant GEMMs (%s); their hooks are "
                     "skipped", identity.versions().get("flashinfer-python"), exc)
-    state = _State(client or Client(socket_path, timeout=timeout, fallback=False), lease_ttl_s)
+    state = _State(client or Client(socket_path, timeout=timeout, fallback=False), lease_ttl_s,
+                   lease_wait_s)
     _patch_class(state, JitSpecCuteDsl, "build_and_load", _build_and_load)
     _patch_class(state, JitSpecCuteDsl, "compile_and_persist", _compile_and_persist)
     hasher = cute_dsl_core._hash_source_files
@@ -339,8 +345,9 @@ def _write_back(state: _State, spec: Any, request: KernelRequest) -> Any:
         _export(spec, path)
         return spec._compiled_kernel
 
+    wait_s = writeback.WAIT_S if state.wait_s is None else state.wait_s
     artifact, compiled = writeback.obtain(state.client, request, compile_object, state.ttl_s,
-                                          kernel_name=spec.kernel_name)
+                                          wait_s, kernel_name=spec.kernel_name)
     state.counts["write_back_compiled" if compiled is not None else "write_back_hit"] += 1
     try:
         return _load(spec, artifact)
