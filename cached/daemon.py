@@ -138,6 +138,9 @@ class Daemon:
             "evictions": store.evictions, "evicted_bytes": store.evicted_bytes,
             "over_budget": store.over_budget, "client_fallbacks": c["client_fallbacks"],
             "unknown_toolchain": c["unknown_toolchain"],
+            "unknown_environments": self.toolchains.unknown_snapshot(),
+            "client_outside_kernels": c["client_outside_kernels"],
+            "outside_kernels": list(self.stats.outside_kernels),
             "draining": self.lifecycle.draining,
         }
 

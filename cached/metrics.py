@@ -79,6 +79,9 @@ class _Collector:
         yield per_family("cached_client_fallbacks",
                          "In-process compilations clients reported while the daemon was "
                          "unusable to them.", "client_fallbacks")
+        yield per_family("cached_client_outside_kernels",
+                         "Kernels serving clients reported building or loading outside the "
+                         "daemon (cached_client.monitor).", "client_outside_kernels")
         for metric, doc, histogram in HISTOGRAM_METRICS:
             hist = HistogramMetricFamily(metric, doc, labels=["family"])
             for f in names:

@@ -28,13 +28,15 @@ HISTOGRAMS = {"compile_seconds": COMPILE_BUCKETS, "hit_seconds": HIT_BUCKETS,
 """Every histogram by name: ``compile_seconds`` is observed by ``count`` (the counter of
 the same name is its sum); ``hit_seconds`` and ``miss_seconds`` by :meth:`Stats.observe`."""
 FAMILY_COUNTERS = ("hits", "misses", "compiles", "failures", "compile_seconds",
-                   "client_fallbacks", "remote_hits", "deadline_exceeded", "persist_failures",
-                   "compiles_avoided", "published", "bytes_served", "bytes_published")
+                   "client_fallbacks", "client_outside_kernels", "remote_hits",
+                   "deadline_exceeded", "persist_failures", "compiles_avoided", "published",
+                   "bytes_served", "bytes_published")
 """Per-family counters every family reports, zero until counted. ``hits``/``misses``
 count ``get`` answers and write-back ``lease`` answers (hit; granted: the asker compiles);
 ``compiles_avoided``: artifacts served that nobody compiled for that request (a ``get``
 hit or fleet-tier fetch, a write-back hit); ``published``: entries written back by
-clients; ``bytes_served``/``bytes_published``: their sizes."""
+clients; ``bytes_served``/``bytes_published``: their sizes; ``client_fallbacks`` and
+``client_outside_kernels``: what clients reported of their own processes (``report``)."""
 
 
 class Stats:
@@ -44,6 +46,7 @@ class Stats:
         self.counters: Counter[str] = Counter()
         self.by_family: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.failures: deque[dict] = deque(maxlen=20)
+        self.outside_kernels: deque[dict] = deque(maxlen=20)
         self.zeroed_at: float | None = None
         self._lock = threading.Lock()
         self._base: Counter[str] = Counter()
@@ -74,6 +77,13 @@ class Stats:
         """Keep one failure (time, family, key, params, message) for ``stats``."""
         with self._lock:
             self.failures.append(record)
+
+    def note_outside(self, pid: int, kernels: Iterable[str]) -> None:
+        """Keep the names of kernels a serving client built outside the daemon (last 20)."""
+        now = time.time()
+        with self._lock:
+            for name in kernels:
+                self.outside_kernels.append({"time": now, "pid": pid, "kernel": name})
 
     def histogram(self, family: str, name: str = "compile_seconds"
                   ) -> tuple[list[tuple[str, int]], float]:
