@@ -160,6 +160,7 @@ def _build_and_load(original: Any, spec: Any) -> Any:
     if hook is None or os.environ.get("FLASHINFER_DISABLE_JIT"):
         return original(spec)
     if not hook.usable():
+        hook.counts["local"] += 1
         hook.local(spec.name, fell_back=True)
         return original(spec)
     fell_back = False

@@ -134,6 +134,7 @@ def _compile_via_daemon(original: Any, cls: Any, source_path: str, cache_dirname
         return original(cls, source_path, cache_dirname, sm_version, kernel_expr, flags)
     name = " ".join((kernel_expr or Path(source_path).parent.name).split())[:200]
     if not hook.usable():
+        hook.counts["local"] += 1
         hook.local(name, fell_back=True)
         return original(cls, source_path, cache_dirname, sm_version, kernel_expr, flags)
     fell_back = False

@@ -32,7 +32,7 @@ PROBE_TIMEOUT_S = 2.0
 """How long one probe (a ``hello``) waits for the daemon."""
 BACKOFF_S = 0.5
 """Seconds before the first repeat of a failed probe; doubled after each failure."""
-BACKOFF_MAX_S = 30.0
+BACKOFF_MAX_S = 10.0
 """The longest wait between two probes of a daemon that does not answer."""
 REPORT_TIMEOUT_S = 2.0
 

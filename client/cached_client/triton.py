@@ -124,6 +124,7 @@ class DaemonBackend(RemoteCacheBackend):
         h = hook()
         name = group_file[len(GROUP_PREFIX):].removesuffix(".json")
         if not h.usable():
+            h.counts["local"] += 1
             h.local(name, fell_back=True)
             return
         try:

@@ -238,6 +238,11 @@ def _attach_flashinfer(module: Any) -> None:
                        "(%s: %s); it compiles in-process", _version("flashinfer-python"),
                        type(exc).__name__, exc)
         return
+    if d.hello is None:
+        logger.info("cached: FlashInfer %s: hooked; its CuTe-DSL kernels come from the daemon "
+                    "at %s once it answers (until then FlashInfer compiles them in-process); %s",
+                    _version("flashinfer-python"), d.socket, flashinfer_bi_available()[1])
+        return
     logger.info("cached: FlashInfer %s: CuTe-DSL kernels now come from the daemon at %s; %s",
                 _version("flashinfer-python"), d.socket, flashinfer_bi_available()[1])
 
