@@ -78,7 +78,12 @@ for what in plan:
         step("waited", usable=ok, seconds=s, stats=dict(ct.stats()))
     elif what == "settle":           # the prober's report after it answered again
         time.sleep(1.0)
-        step("settled", recovered=d.live.answered_after_failure)
+        from cached_client import monitor
+        step("settled", recovered=d.live.answered_after_failure, outside=monitor.counts())
+    elif what == "serve":            # what the plugin's wrapped worker warm-up does
+        from cached_client import monitor
+        monitor.serving(d.live)
+        step("serving")
 step("end")
 """
 
