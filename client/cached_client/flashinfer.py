@@ -139,7 +139,7 @@ def install(socket_path: str | None = None, *, client: Client | None = None,
             _replace_everywhere(state, original,
                                 _wrap(original, functools.partial(_bi_call, op)))
     _state = state
-    logger.info("cached: FlashInfer CuTe-DSL kernels now come from the daemon at %s",
+    logger.info("cached: FlashInfer's CuTe-DSL kernels are now asked of the daemon at %s",
                 state.client.socket_path)
 
 

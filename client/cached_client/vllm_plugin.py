@@ -115,9 +115,10 @@ def _register() -> None:
                 len(d.hello.families), mode, environment_line(d.hello), triton)
 
 
-def environment_line(hello: Any) -> str:
-    """What the daemon does for this environment's FlashInfer kernels, judged by versions
-    (``hello.toolchains``; exact identity is checked per request): compiles them, or not."""
+def own_toolchain(hello: Any) -> str | None:
+    """The daemon's toolchain with this environment's versions (``hello.toolchains``; the
+    exact identity is checked per request), or None: the daemon compiles none of its
+    FlashInfer kernels."""
     from . import identity
 
     mine = identity.versions()
@@ -125,9 +126,21 @@ def environment_line(hello: Any) -> str:
     for t in hello.toolchains:
         theirs = t.get("versions") or {}
         if all(theirs.get(k) == mine.get(k) for k in keys):
-            return (f"the daemon's toolchain {t.get('name')} is this environment's: "
-                    "FlashInfer's CuTe-DSL kernels come from the daemon once FlashInfer is "
-                    "imported; its JIT, Triton and Humming kernels are compiled once per node")
+            return str(t.get("name"))
+    return None
+
+
+def environment_line(hello: Any) -> str:
+    """What the daemon does for this environment's FlashInfer kernels (:func:`own_toolchain`),
+    for the plugin's first line."""
+    from . import identity
+
+    mine = identity.versions()
+    name = own_toolchain(hello)
+    if name is not None:
+        return (f"the daemon's toolchain {name} is this environment's: FlashInfer's "
+                "CuTe-DSL kernels come from the daemon once FlashInfer is imported; its JIT, "
+                "Triton and Humming kernels are compiled once per node")
     dsl = "nvidia-cutlass-dsl"
     there = "; ".join(f"{t.get('name')}: CuTe DSL {(t.get('versions') or {}).get(dsl)}"
                       for t in hello.toolchains) or "none"
@@ -241,6 +254,12 @@ def _attach_flashinfer(module: Any) -> None:
     if d.hello is None:
         logger.info("cached: FlashInfer %s: hooked; its CuTe-DSL kernels come from the daemon "
                     "at %s once it answers (until then FlashInfer compiles them in-process); %s",
+                    _version("flashinfer-python"), d.socket, flashinfer_bi_available()[1])
+        return
+    if own_toolchain(d.hello) is None:
+        logger.info("cached: FlashInfer %s: hooked; the daemon at %s has no toolchain of this "
+                    "environment, so its CuTe-DSL kernels are compiled in this node's "
+                    "processes, once per node, and shared through the daemon; %s",
                     _version("flashinfer-python"), d.socket, flashinfer_bi_available()[1])
         return
     logger.info("cached: FlashInfer %s: CuTe-DSL kernels now come from the daemon at %s; %s",
