@@ -157,9 +157,9 @@ def render(s: dict) -> str:
 <div class="tiles">{"".join(tiles)}</div>
 <h2>Families</h2>{families}
 <h2>Toolchains</h2>{toolchain_html}
-<h2>Unknown environments</h2>{unknown_html}
 <h2>Errors by code</h2><p id="errors">{errors or '<span class="none">none</span>'}</p>
 <h2>Last compile failures</h2>{failure_html}
+<h2>Unknown environments</h2>{unknown_html}
 <p class="sub" id="redacted">Paths, kernel parameters and compiler messages are not shown
 over HTTP: run <code>cached stats</code> on the node (its socket checks who asks).</p>
 </body></html>
