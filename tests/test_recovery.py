@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -124,6 +125,15 @@ class Steps:
         self.err.close()
 
 
+def _within(seconds: float, condition) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _metric(d: DaemonProcess, name: str) -> float:
     with urllib.request.urlopen(f"http://{d.stats()['http']}/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -213,3 +223,26 @@ def test_liveness_probes_once_at_a_time_and_backs_off(tmp_path):
     for _ in range(10_000):
         assert live.usable() is False
     assert live.probes <= before + 1  # at most the one the backoff had due
+
+
+def test_a_refused_report_is_dropped_and_the_daemon_stays_usable(tmp_path):
+    """A report the daemon refuses (here: a family it does not have; an older daemon would
+    refuse the new fields) is not a daemon that stopped answering: the prober drops it and
+    the hooks keep using the daemon; the next report is counted."""
+    from cached_client import liveness
+
+    d = DaemonProcess(tmp_path, workers=0)
+    try:
+        live = liveness.Liveness(d.socket)
+        assert live.wait(10.0) is True
+        live.fell_back("no.such.family")
+        live.poke()
+        before = live.probes
+        assert _within(10, lambda: live.probes > before)  # the probe that sends the report
+        live.fell_back("triton", 2)
+        live.poke()
+        assert _within(10, lambda: d.stats()["client_fallbacks"] > 0)
+        assert live.usable() and live.answered_after_failure == 0
+        assert d.stats()["families"]["triton"]["client_fallbacks"] == 2
+    finally:
+        d.stop()

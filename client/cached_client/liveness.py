@@ -12,8 +12,9 @@ Invariants: :meth:`Liveness.usable` reads state only (no I/O, no lock); at most 
 own thread and connection, never on a caller's thread; a probe that fails is repeated after
 ``BACKOFF_S`` seconds, doubling up to ``BACKOFF_MAX_S``; a usable daemon is not probed until
 a hook reports it lost or there is something to report. Reports are sent by the prober only;
-counts a report failed to deliver are kept for the next one. A forked child starts a prober
-of its own on first use.
+counts a report failed to deliver (the daemon gone again) are kept for the next one; a
+report the daemon refuses (an older daemon, a family it lacks) is dropped and the daemon
+stays usable. A forked child starts a prober of its own on first use.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import threading
 from collections import Counter
 from typing import Any, Protocol
 
-from .errors import CachedError
+from .errors import CachedError, DaemonUnavailable, DeadlineExceeded
 
 logger = logging.getLogger("cached_client.liveness")
 
@@ -187,7 +188,7 @@ class Liveness:
         try:
             self._client.call("report", p.ReportRequest(**{"fallbacks": {}, **fields}),
                               timeout=REPORT_TIMEOUT_S)
-        except CachedError as exc:
+        except (DaemonUnavailable, DeadlineExceeded) as exc:
             with self._cond:
                 self._fallbacks.update(fallbacks)
             for reporter, got in taken:
@@ -195,7 +196,19 @@ class Liveness:
             self._down(f"{type(exc).__name__}: {exc.message[:300]}")
             self._failed = True
             return False
+        except CachedError as exc:  # refused (an older daemon, a family it lacks): dropped
+            logger.debug("cached: the daemon at %s refused a report (%s); its counts are "
+                         "dropped", self.path, exc.message)
         return True
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def watch(path: str) -> Liveness:
