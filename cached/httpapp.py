@@ -25,7 +25,8 @@ PUBLIC_KEYS = (
     "workers_ready", "workers_idle", "worker_restarts", "connections", "errors", "families",
     "uptime_s", "started", "stats_zeroed_at", "version", "versions", "toolchain",
     "serve_only", "http", "max_bytes", "max_files", "evictions", "evicted_bytes",
-    "over_budget", "client_fallbacks", "draining", "unknown_toolchain",
+    "over_budget", "client_fallbacks", "client_outside_kernels", "draining",
+    "unknown_toolchain",
 )
 """The snapshot's keys HTTP shows as they are (counts, states, versions, family names)."""
 PUBLIC_REMOTE_KEYS = (
@@ -38,6 +39,8 @@ REDACTED = ("paths, kernel keys and parameters, compiler messages and the fleet 
             "address are shown over the socket only: cached stats")
 
 
+PUBLIC_UNKNOWN_KEYS = ("fingerprint", "versions", "families", "requests", "first_seen")
+"""Each unknown environment's keys HTTP shows (not its interpreter's path or pid)."""
 PUBLIC_TOOLCHAIN_KEYS = ("name", "fingerprint", "versions", "families", "default", "workers")
 """Each registered toolchain's keys HTTP shows (not its interpreter's path)."""
 
@@ -53,6 +56,8 @@ def public_stats(snapshot: dict) -> dict:
     out["remote"] = {k: remote[k] for k in PUBLIC_REMOTE_KEYS if k in remote}
     out["last_failures"] = [{"time": f.get("time"), "family": f.get("family")}
                             for f in snapshot.get("last_failures", [])]
+    out["unknown_environments"] = [{k: u[k] for k in PUBLIC_UNKNOWN_KEYS if k in u}
+                                   for u in snapshot.get("unknown_environments", [])]
     out["redacted"] = REDACTED
     return out
 

@@ -12,7 +12,11 @@ import json
 import logging
 import sys
 import time
+from contextvars import ContextVar
 from typing import Any
+
+request_pid: ContextVar[int | None] = ContextVar("cached_request_pid", default=None)
+"""The pid of the peer whose request is being handled (set by cached.server), for events."""
 
 
 class _Formatter(logging.Formatter):

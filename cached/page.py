@@ -137,6 +137,8 @@ def render(s: dict) -> str:
         _tile("compiles", str(s["compiles"]), f"compiled, {s['failures']} failed"),
         _tile("evictions", str(s.get("evictions", 0)), "evicted"),
         _tile("fallbacks", str(s.get("client_fallbacks", 0)), "client fallbacks"),
+        _tile("outside", str(s.get("client_outside_kernels", 0)),
+              "kernels built outside the daemon while serving"),
     ]
     rows = []
     for family, c in sorted(s.get("families", {}).items()):
@@ -172,6 +174,20 @@ def render(s: dict) -> str:
         "<table id=\"toolchains\"><tr><th>toolchain</th><th>fingerprint</th><th>versions</th>"
         "<th>workers</th></tr>" + "".join(toolchains) + "</table>"
         if toolchains else '<p class="none" id="toolchains">no toolchain registered</p>')
+    unknown = []
+    for u in s.get("unknown_environments", []):
+        versions = ", ".join(f"{e(k)} {e(str(v))}" for k, v in (u.get("versions") or {}).items())
+        unknown.append(f"<tr><td><code>{e(str(u.get('fingerprint', '')))}</code></td>"
+                       f"<td>{versions}</td><td>{e(', '.join(u.get('families') or []))}</td>"
+                       f"<td>{u.get('requests', 0)}</td></tr>")
+    unknown_html = (
+        "<table id=\"unknown-environments\"><tr><th>fingerprint</th><th>versions</th>"
+        "<th>families asked</th><th>requests</th></tr>" + "".join(unknown) + "</table>"
+        "<p class=\"sub\">No toolchain of this daemon compiles for these environments: their "
+        "processes compile in-process (write-back). The daemon's log "
+        "(<code>toolchain.unknown_environment</code>) has the <code>--toolchain</code> line "
+        "that registers each.</p>"
+        if unknown else '<p class="none" id="unknown-environments">none</p>')
     failures = []
     for f in reversed(s.get("last_failures", [])):
         when = time_text(f.get("time") or 0)
@@ -220,6 +236,7 @@ def render(s: dict) -> str:
 <h2>Errors by code</h2><p id="errors">failures: {failed or none}<br>
 client errors (what clients sent): {refused or none}</p>
 <h2>Last compile failures</h2>{failure_html}
+<h2>Unknown environments</h2>{unknown_html}
 <p class="sub" id="redacted">Paths, kernel parameters and compiler messages are not shown
 over HTTP: run <code>cached stats</code> on the node (its socket checks who asks).</p>
 </body></html>

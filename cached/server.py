@@ -61,7 +61,7 @@ from cached_client.errors import (
     UnsupportedVersion,
 )
 
-from .log import event
+from .log import event, request_pid
 from .stats import Stats
 
 log = logging.getLogger("cached.server")
@@ -676,6 +676,7 @@ class Server:
             request = op.request.from_wire(m)
             if op.remember and frame.body is not None:
                 self.remembered.remember(frame.body, m, op, request)
+        request_pid.set(peer.pid)
         return await self.handlers[op.name](request, peer)
 
     def _log_sometimes(self, what: tuple[str, int], name: str, **fields: Any) -> None:

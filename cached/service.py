@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cached_client import protocol as p
-from cached_client.errors import CachedError, IntegrityError, Overloaded
+from cached_client.errors import CachedError, IntegrityError, Overloaded, UnknownFamily
 from cached_client.keys import KernelRequest
 
 from . import families
@@ -220,10 +220,29 @@ class Service:
         return p.ListReply(entries=[{k: r[k] for k in LIST_FIELDS} for r in self.store.rows()])
 
     async def report(self, m: p.ReportRequest, peer: Peer) -> p.Empty:
+        """Counts a client tells of its own process: ``fallbacks`` (kernels it compiled while
+        this daemon was unusable to it) and ``outside`` (kernels it built or loaded outside
+        this daemon while serving, cached_client.monitor). Families must be registered
+        (UnknownFamily, nothing counted): the counters' rows stay bounded."""
+        known = set(families.names())
+        for name in ("fallbacks", "outside"):
+            unknown = sorted(set(getattr(m, name)) - known)
+            if unknown:
+                raise UnknownFamily(f"report: {name} names families this daemon does not "
+                                    f"have: {', '.join(f[:80] for f in unknown[:4])}; "
+                                    f"nothing was counted")
         for family, count in m.fallbacks.items():
             self.stats.count("client_fallbacks", family, count)
-        event(log, logging.WARNING, "client.fallbacks_reported", pid=peer.pid, uid=peer.uid,
-              fallbacks=m.fallbacks)
+        for family, count in m.outside.items():
+            self.stats.count("client_outside_kernels", family, count)
+        if m.outside:
+            self.stats.note_outside(peer.pid, m.outside_kernels)
+        if m.fallbacks:
+            event(log, logging.WARNING, "client.fallbacks_reported", pid=peer.pid,
+                  uid=peer.uid, fallbacks=m.fallbacks)
+        if m.outside:
+            event(log, logging.WARNING, "client.outside_kernels_reported", pid=peer.pid,
+                  uid=peer.uid, outside=m.outside, kernels=m.outside_kernels)
         return p.Empty()
 
     async def gc(self, m: p.GcRequest, peer: Peer) -> p.GcReply:

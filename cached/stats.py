@@ -71,6 +71,9 @@ FAMILY_METRICS = {
     "client_fallbacks": ("cached_client_fallbacks",
                          "In-process compilations clients reported while the daemon was "
                          "unusable to them."),
+    "client_outside_kernels": ("cached_client_outside_kernels",
+                               "Kernels serving clients reported building or loading outside "
+                               "the daemon (cached_client.monitor)."),
 }
 """Per-family counters ``/metrics`` exports (``<metric>_total{family}``): counter name ->
 (metric, help). Every registered family has each series from the start, zero until
@@ -83,7 +86,9 @@ compiles); ``prewarm_hits``/``prewarm_misses`` pre-warm ``get`` and ``prefetch``
 ``compiles_avoided``: artifacts served that nobody compiled for that request (a ``get``
 hit or fleet-tier fetch, a write-back hit); ``published``: entries written back by
 clients; ``bytes_served``/``bytes_published``: their sizes; ``hit_seconds`` and
-``miss_seconds``: summed latency of serving gets (seconds), ``*_count`` their number."""
+``miss_seconds``: summed latency of serving gets (seconds), ``*_count`` their number;
+``client_fallbacks`` and ``client_outside_kernels``: what clients reported of their own
+processes (``report``)."""
 ERROR_METRICS = (
     ("cached_errors", "Error replies that are failures (the daemon could not serve a "
      "well-formed request: compile failed, overloaded, deadline, integrity, internal), "
@@ -105,6 +110,7 @@ class Stats:
         self.counters: Counter[str] = Counter()
         self.by_family: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.failures: deque[dict] = deque(maxlen=20)
+        self.outside_kernels: deque[dict] = deque(maxlen=20)
         self.zeroed_at: float | None = None
         self._lock = threading.Lock()
         self._base: Counter[str] = Counter()
@@ -178,6 +184,13 @@ class Stats:
         """Keep one failure (time, family, key, params, message) for ``stats``."""
         with self._lock:
             self.failures.append(record)
+
+    def note_outside(self, pid: int, kernels: Iterable[str]) -> None:
+        """Keep the names of kernels a serving client built outside the daemon (last 20)."""
+        now = time.time()
+        with self._lock:
+            for name in kernels:
+                self.outside_kernels.append({"time": now, "pid": pid, "kernel": name})
 
     def zero(self) -> float:
         """Start ``cached stats``' counts from zero now (the monotonic counters behind

@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -40,6 +41,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,12 +57,16 @@ import cached
 
 from .config import ConfigError
 from .families.base import Family
-from .log import one_line
+from .log import event, one_line, request_pid
+
+log = logging.getLogger("cached.toolchains")
 
 DEFAULT_NAME = "default"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PROBE_TIMEOUT_S = 120.0
 PROBE = "from cached_client.identity import main; main()"
+MAX_UNKNOWN = 32
+"""Unknown environments remembered (each logged once); more are counted, not kept."""
 
 
 class ToolchainError(ConfigError):
@@ -237,6 +243,9 @@ class Toolchains:
         self.by_name = {t.name: t for t in items}
         self.live = live
         self._daemon_sources = dict(daemon_sources or {})
+        self.unknown_environments: dict[str, dict] = {}
+        """Fingerprint digest -> what the daemon knows of an environment it has no
+        toolchain for (:meth:`note_unknown`)."""
 
     @property
     def default(self) -> Toolchain:
@@ -341,8 +350,45 @@ class Toolchains:
             return t
         return self.by_fingerprint(identity.toolchain) or self.default
 
+    def note_unknown(self, identity: p.Identity, family: str) -> None:
+        """Remember an environment no toolchain compiles ``family`` for; the first time,
+        log ``toolchain.unknown_environment`` with its fingerprint digest, versions and the
+        ``--toolchain`` line that registers it (its interpreter read from the asking
+        process, ``/proc/PID/cmdline``, where this daemon may read it)."""
+        key = client_identity.digest(identity.toolchain)
+        seen = self.unknown_environments.get(key)
+        if seen is not None:
+            seen["requests"] += 1
+            if family not in seen["families"] and len(seen["families"]) < 16:
+                seen["families"].append(family)
+            return
+        if len(self.unknown_environments) >= MAX_UNKNOWN:
+            return
+        pid = request_pid.get()
+        python = interpreter_of(pid) if pid else None
+        versions = versions_of(identity.toolchain)
+        dsl = identity.runtime.get("dsl")
+        if dsl and "nvidia-cutlass-dsl" not in versions:
+            versions["nvidia-cutlass-dsl"] = str(dsl)
+        register = f"cached serve --toolchain NAME={python or 'PYTHON'}"
+        self.unknown_environments[key] = {
+            "fingerprint": key, "versions": versions, "families": [family], "requests": 1,
+            "first_seen": round(time.time(), 3), "pid": pid, "python": python,
+            "register": register}
+        event(log, logging.WARNING, "toolchain.unknown_environment", fingerprint=key,
+              versions=versions, family=family, pid=pid, register=register,
+              hint="no registered toolchain is this environment: its processes compile "
+                   "in-process (write-back); register it with the line given (PYTHON: that "
+                   "environment's interpreter) and restart the daemon")
+
+    def unknown_snapshot(self) -> list[dict]:
+        """The unknown environments, oldest first (for stats and the page)."""
+        return [dict(v, families=list(v["families"]))
+                for v in self.unknown_environments.values()]
+
     def unknown(self, identity: p.Identity, family: str) -> str:
         """Why no toolchain compiles ``family`` for ``identity`` (the unknown_toolchain message)."""
+        self.note_unknown(identity, family)
         same = self.by_fingerprint(identity.toolchain)
         if same is not None:
             detail = (f"toolchain {same.name} has this stack but other {family} sources "
@@ -380,3 +426,32 @@ def compiled_families(toolchain: Toolchain) -> list[str]:
     return sorted(n for n in families.names()
                   if families.get(n).sources == "daemon"
                   or families.get(n).sources == "flashinfer" and n in toolchain.sources)
+def versions_of(fingerprint: str) -> dict[str, str]:
+    """``{distribution: version}`` read from a toolchain fingerprint
+    (cached_client.identity.toolchain: ``tag;soabi;name==version:sha256;...``), with
+    ``python`` the cache tag."""
+    parts = fingerprint.split(";")
+    out = {"python": parts[0][:32]} if parts and parts[0] else {}
+    for part in parts[2:]:
+        name, sep, rest = part.partition("==")
+        if sep and name:
+            out[name[:64]] = rest.split(":", 1)[0][:64]
+    return out
+
+
+def interpreter_of(pid: int) -> str | None:
+    """The interpreter process ``pid`` was started with (its ``argv[0]``, made absolute
+    against its working directory), when this process may read it and it is an executable
+    file; else None. A virtual environment's ``bin/python`` stays as it was named (its
+    real executable would name the base interpreter, not the environment)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv0 = f.read(4096).split(b"\0", 1)[0].decode()
+        if "/" not in argv0:
+            return None
+        if not argv0.startswith("/"):
+            argv0 = os.path.join(os.readlink(f"/proc/{pid}/cwd"), argv0)
+    except (OSError, UnicodeDecodeError):
+        return None
+    path = os.path.normpath(argv0)
+    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from . import identity as env_identity
+from . import monitor
 from . import protocol as p
 from .errors import (
     BadReply,
@@ -507,6 +508,7 @@ class Client:
             ) from None
         artifact = build(request, self._scratch)
         self._fallbacks[request.family] = self._fallbacks.get(request.family, 0) + 1
+        monitor.outside(request.family, artifact.kernel_name, "compiled")
         return artifact
 
     def _report_fallbacks(self) -> None:

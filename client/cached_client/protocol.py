@@ -455,12 +455,16 @@ class ListReply(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class ReportRequest(Message):
-    fallbacks: dict = wire(Obj(64), doc="{family: count} compiled in-process meanwhile")
+    fallbacks: dict = wire(Obj(64), {}, "{family: count} compiled in-process meanwhile")
+    outside: dict = wire(Obj(64), {}, "{family: count} of kernels built or loaded in the "
+                         "process outside the daemon while serving (cached_client.monitor)")
+    outside_kernels: list = wire(List(Str(300), 16), [], "some of those kernels' names")
 
     def __post_init__(self) -> None:
-        for family, count in self.fallbacks.items():
-            Str(200)(family, "fallbacks key")
-            Int(1, 1_000_000)(count, f"fallbacks[{family[:200]!r}]")
+        for name in ("fallbacks", "outside"):
+            for family, count in getattr(self, name).items():
+                Str(200)(family, f"{name} key")
+                Int(1, 1_000_000)(count, f"{name}[{family[:200]!r}]")
 
 
 @dataclass(frozen=True, kw_only=True)
