@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import families, identity, sizing, toolchain, toolchains
+from . import families, identity, sizing, toolchain, toolchains, trust
 from .autotune import Autotune
 from .certifications import Certifications
 from .config import Settings
@@ -76,6 +76,8 @@ class Daemon:
         self.store = Store(store_root, Budget(settings.max_bytes, settings.max_files,
                                               settings.evict_grace))
         self.store.check_budget()
+        if dropped := trust.drop_unattributed(self.store):
+            event(log, logging.WARNING, "store.unattributed_dropped", entries=dropped)
         self.stats = Stats()
         if settings.serve_only:
             self.toolchains = identity.pinned(store_root)
@@ -137,6 +139,7 @@ class Daemon:
             "max_bytes": store.max_bytes, "max_files": store.max_files,
             "evictions": store.evictions, "evicted_bytes": store.evicted_bytes,
             "over_budget": store.over_budget, "client_fallbacks": c["client_fallbacks"],
+            "client_fallbacks_unregistered": c["client_fallbacks_unregistered"],
             "unknown_toolchain": c["unknown_toolchain"],
             "draining": self.lifecycle.draining,
         }
