@@ -62,6 +62,14 @@ try:
         out["publish"] = publish(data)
     elif action == "publish_with":  # somebody else's lease token
         out["publish"] = publish(data, arg["token"])
+    elif action == "steal":  # somebody else's lease token, for everything a lease allows
+        out["publish"] = publish(data, arg["token"])
+        try:
+            client.lease_renew(p.LeaseRenewRequest(request=request, lease=arg["token"]))
+            out["renew"] = "renewed"
+        except CachedError as exc:
+            out["renew"] = exc.code
+        client.lease_release(p.LeaseReleaseRequest(request=request, lease=arg["token"]))
     elif action == "publish":  # the honest way: lease, then publish with its token
         lease = client.lease(p.LeaseRequest(request=request, wait_ms=0))
         out["lease"] = lease.state
@@ -192,8 +200,8 @@ def test_a_forged_publish_without_a_lease_is_refused_and_roots_obtain_compiles_i
 
 def test_a_publish_with_another_processs_lease_token_is_refused(node, objects, peer_uid):  # noqa: F811
     """A lease token proves nothing in another process's hands: root's token used by the
-    peer uid, and by another process of root's own uid, is not_allowed, nothing is stored;
-    the holder then publishes with it."""
+    peer uid, and by another process of root's own uid, publishes nothing (not_allowed),
+    renews nothing, and releases nothing: the holder then publishes with it."""
     obj = build_object(objects, "held", None)
     request = jit_request("held")
     fp = node.client(timeout=10).hello().toolchain
@@ -203,10 +211,11 @@ def test_a_publish_with_another_processs_lease_token_is_refused(node, objects, p
     assert run_peer(peer_uid, node.socket, "publish_with", request=request.to_wire(),
                     object=str(obj), token=token) == {"publish": "not_allowed"}
     same_uid = subprocess.run(  # root, but not the process that took the lease
-        [sys.executable, "-c", PEER, node.socket, "publish_with",
+        [sys.executable, "-c", PEER, node.socket, "steal",
          json.dumps({"request": request.to_wire(), "object": str(obj), "token": token})],
         capture_output=True, text=True, timeout=60, check=True)
-    assert json.loads(same_uid.stdout) == {"publish": "not_allowed"}
+    assert json.loads(same_uid.stdout) == {"publish": "not_allowed", "renew": "not_allowed"}
+    # its lease_release with the token did not end the lease: the holder still holds it
     assert written_back(node, "held") == []
     data = obj.read_bytes()
     stored = writeback.publish(holder, request, data, lease=token)
