@@ -133,9 +133,12 @@ class Leases:
         if lease is None:
             raise NotAllowed("no lease is held on this kernel: take one with lease first (and "
                              "publish before it expires); nothing was stored")
-        if (not hmac.compare_digest(lease.token.encode(), token.encode())
-                or lease.uid != peer.uid or lease.pid != peer.pid):
-            raise NotAllowed(f"this kernel's lease is held by another process (pid "
+        if not hmac.compare_digest(lease.token.encode(), token.encode()):
+            raise NotAllowed("this lease token is not the one in force on this kernel (the "
+                             "lease ended and was granted again, or it was never this "
+                             "process's); nothing was stored")
+        if lease.uid != peer.uid or lease.pid != peer.pid:
+            raise NotAllowed(f"this kernel's lease was taken by another process (pid "
                              f"{lease.pid}); only the process that took a lease may renew, "
                              "release or publish with it; nothing was stored")
         why = lease.expired(time.monotonic())
