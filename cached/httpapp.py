@@ -11,9 +11,11 @@ snapshot stays off HTTP until it is added here). The socket's ``stats`` has ever
 Only requests addressed to the endpoint itself are answered (:class:`HostCheck`): a page
 in a browser on the node can make a name of its own resolve to 127.0.0.1 (DNS
 rebinding) and read what it is served, but its requests carry that name in ``Host``. A
-``Host`` that is not the listening address (an IP literal of it, or ``localhost`` on
-loopback; on a wildcard address any IP literal and this host's own names) and its port
-gets ``421 Misdirected Request`` with a plain-text body saying why.
+``Host`` whose name is not the listening address (an IP literal of it, ``localhost`` on
+loopback, the configured host name; on a wildcard address any IP literal and this host's
+own names) gets ``421 Misdirected Request`` with a plain-text body saying why. The port is
+not compared: a name decides a rebinding, and a port mapped elsewhere (a container's
+``-p 127.0.0.1:9000:8377``) must still be served.
 """
 
 from __future__ import annotations
@@ -95,8 +97,8 @@ def split_host(value: str) -> tuple[str, int | None] | None:
 
 class HostCheck:
     """ASGI middleware: answer only requests whose ``Host`` names the listening address
-    ``(host, port)`` or one of ``names`` (the configured host name) with that port (see
-    the module doc); others get 421 and why."""
+    ``(host, port)`` or one of ``names`` (the configured host name), see the module doc;
+    others get 421 and why."""
 
     def __init__(self, app: ASGIApp, address: tuple[str, int], names: Iterable[str] = ()
                  ) -> None:
@@ -117,9 +119,7 @@ class HostCheck:
         parsed = split_host(value)
         if parsed is None:
             return False
-        name, port = parsed
-        if (port if port is not None else 80) != self.port:
-            return False
+        name = parsed[0]
         ip = _ip(name)
         if ip is None:
             return name in self.names

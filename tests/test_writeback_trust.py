@@ -360,3 +360,35 @@ def test_publish_chunks_carry_the_token_and_a_stolen_one_cannot_finish_an_upload
                                    "lease": "f" * 32})
     assert reply["error"]["code"] == "not_allowed"
     assert written_back(node, "chunks") == []
+
+
+def test_trust_groups_and_writeback_come_from_flags_env_and_file_and_bad_ones_are_refused(
+        tmp_path):
+    """trust_group and writeback like every setting (flag, environment, file); a group
+    naming root, a uid in two groups or a non-number is refused in one line, exit 2."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHED_")}
+
+    def config(*args: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "cached", "config", *args],
+                              capture_output=True, text=True, env={**env, **extra})
+
+    def value(name: str, *args: str, **extra: str) -> object:
+        out = config("--json", *args, **extra)
+        assert out.returncode == 0, out.stderr
+        return next(o["value"] for o in json.loads(out.stdout)["options"] if o["name"] == name)
+
+    assert value("trust_group", "--trust-group", "1002,1001", "--trust-group", "2000") == [
+        [1001, 1002], [2000]]
+    assert value("trust_group", CACHED_TRUST_GROUP="1001,1002;2000") == [[1001, 1002], [2000]]
+    toml = tmp_path / "cached.toml"
+    toml.write_text('trust_group = [[1001, 1002], "2000"]\nwriteback = false\n')
+    assert value("trust_group", "--config", str(toml)) == [[1001, 1002], [2000]]
+    assert value("writeback", "--config", str(toml)) is False
+    assert value("writeback", "--no-writeback") is False and value("writeback") is True
+    assert "1001,1002 2000" in config("--config", str(toml)).stdout
+    for bad, why in (("0,1001", "uid 0 is in no trust group"), ("5,6 6", "more than one"),
+                     ("x", "expected an integer")):
+        out = config(CACHED_TRUST_GROUP=bad)
+        assert out.returncode == 2 and why in out.stderr and "trust_group" in out.stderr, (
+            bad, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1
