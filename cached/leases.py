@@ -129,6 +129,11 @@ class Leases:
     def holder(self, key: str, token: str, peer: Peer) -> Lease:
         """The lease on ``key`` if ``peer`` holds it with ``token`` now; NotAllowed when there
         is none, when another process took it, or when it ended (TTL, holder gone)."""
+        if not token:
+            raise NotAllowed("this request carries no lease token: publish, renew and release "
+                             "need the token lease granted this process (a cached-client "
+                             "older than this daemon sends none: update it); nothing was "
+                             "stored")
         lease = self.held.get(key)
         if lease is None:
             raise NotAllowed("no lease is held on this kernel: take one with lease first (and "

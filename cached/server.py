@@ -133,6 +133,7 @@ class Access:
         self.publish_uids = frozenset(publish_uids) or frozenset({0, os.getuid()})
         self.publish_gids = frozenset(publish_gids)
         self.writeback = writeback
+        self._trusted = frozenset({0, os.getuid()})
         self._groups = {uid: trust.group_name(group) for group in map(tuple, trust_groups)
                         for uid in group}
 
@@ -148,7 +149,7 @@ class Access:
         """``peer``'s trust group: None for root and the daemon's own uid (trusted: what
         they write back is served to every peer, and they are served only trusted
         objects), else its configured group or its uid alone."""
-        if peer.uid == 0 or peer.uid == os.getuid():
+        if peer.uid in self._trusted:
             return None
         group = self._groups.get(peer.uid)
         if group is None:

@@ -4,7 +4,9 @@
 daemon has no recipe for: a hit, or after waiting for the process holding the lease, or
 after this process compiled it (``compile_object(path)`` writes the object) and published
 it. A lease holder renews its lease from a thread while it compiles; if this process dies,
-the daemon sees its pid gone and hands the lease to the next waiter.
+the daemon sees its pid gone and hands the lease to the next waiter. Every publish chunk
+carries the lease's token: the daemon stores only what the process holding the lease
+sends, and serves it only to the publisher's trust group (docs/reliability.md).
 
 Bundles (the JIT libraries' own files: cached/families/jit.py): :func:`acquire` answers
 a hit or a :class:`HeldLease` for a compile that happens elsewhere in this process (a
