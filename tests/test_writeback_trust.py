@@ -16,6 +16,7 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -392,3 +393,33 @@ def test_trust_groups_and_writeback_come_from_flags_env_and_file_and_bad_ones_ar
         assert out.returncode == 2 and why in out.stderr and "trust_group" in out.stderr, (
             bad, out.stderr)
         assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_sighup_turns_write_back_off_and_on(tmp_path):
+    """writeback is reloadable: SIGHUP with writeback = false in the file refuses the next
+    lease (not_allowed), and back to true grants it again."""
+    config = tmp_path / "cached.toml"
+    config.write_text("writeback = true\n")
+    d = DaemonProcess(tmp_path, workers=1, ready_workers=0, extra_args=["--config", str(config)])
+    try:
+        client = Client(d.socket, timeout=30, fallback=False)
+        request = jit_request("reload")
+
+        def reloaded(n: int) -> None:
+            deadline = time.monotonic() + 30
+            while d.log_path.read_text().count('"daemon.reloaded"') < n:
+                assert time.monotonic() < deadline, d.log()
+                time.sleep(0.1)
+
+        config.write_text("writeback = false\n")
+        d.proc.send_signal(signal.SIGHUP)
+        reloaded(1)
+        with pytest.raises(CachedError) as refused:
+            client.lease(p.LeaseRequest(request=request, wait_ms=0))
+        assert refused.value.code == "not_allowed"
+        config.write_text("writeback = true\n")
+        d.proc.send_signal(signal.SIGHUP)
+        reloaded(2)
+        assert client.lease(p.LeaseRequest(request=request, wait_ms=0)).state == "granted"
+    finally:
+        d.stop()
