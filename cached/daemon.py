@@ -22,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import resource
 import signal
+import stat
 import threading
 import time
 from collections import Counter
@@ -31,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import families, identity, sizing, storelock, toolchain, toolchains
+from . import families, identity, sizing, storelock, toolchain, toolchains, trust
 from .autotune import Autotune
 from .certifications import Certifications
 from .config import Settings
@@ -45,7 +47,7 @@ from .scheduler import Scheduler
 from .server import Access, Limits, Server
 from .service import QueueQuota, Service
 from .stats import Stats
-from .store import Budget, Store
+from .store import Budget, Store, StoreError
 from .uploads import Uploads
 
 log = logging.getLogger("cached.daemon")
@@ -90,7 +92,10 @@ class Daemon:
         self.store_lock = storelock.take(store_root, "serve", self.socket_path, IN_USE_HINT)
         self.store = Store(store_root, Budget(settings.max_bytes, settings.max_files,
                                               settings.evict_grace))
+        _protect_store(store_root, *store_access(settings, self.socket_path))
         self.store.check_budget()
+        if dropped := trust.drop_unattributed(self.store):
+            event(log, logging.WARNING, "store.unattributed_dropped", entries=dropped)
         self.stats = Stats(families.names())
         if settings.serve_only:
             self.toolchains = identity.pinned(store_root)
@@ -241,7 +246,9 @@ class Daemon:
 
         from .httpapp import make_app
 
-        app = make_app(self.snapshot, self.healthy, make_metrics(self))
+        configured = self.settings.http_address
+        app = make_app(self.snapshot, self.healthy, make_metrics(self),
+                       (bound_host, bound_port), [configured[0]] if configured else [])
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
         self._http = uvicorn.Server(config)
         threading.Thread(target=self._http.run, kwargs={"sockets": [sock]}, name="http",
@@ -267,6 +274,50 @@ def _launchers(registry: toolchains.Toolchains) -> list[Launcher]:
         out.append(Launcher(t.name, t.python, toolchains.environment(), str(code),
                             tuple(preload)))
     return out
+def store_access(settings: Settings, socket_path: str) -> tuple[int, int | None]:
+    """The store directory's mode and group: readable by exactly the users the socket
+    admits. The allowlists when set (one ``allow_gid``, besides root and the daemon's own
+    uid: 0750 with that group; any other list: 0700), else the socket file's own mode:
+    others may connect, 0755; its group may, 0750 with that group; else 0700."""
+    if settings.allow_uid or settings.allow_gid:
+        others = set(settings.allow_uid) - {0, os.getuid()}
+        if len(settings.allow_gid) == 1 and not others:
+            return 0o750, settings.allow_gid[0]
+        return 0o700, None
+    try:
+        st = os.stat(socket_path)
+    except OSError:
+        return 0o700, None
+    if st.st_mode & 0o002:
+        return 0o755, None
+    if st.st_mode & 0o020:
+        return 0o750, st.st_gid
+    return 0o700, None
+
+
+def _protect_store(root: Path, mode: int, gid: int | None) -> None:
+    """Give the store directory ``mode`` and group ``gid``; a group this process may not
+    give it leaves it 0700 (logged). A directory owned by another uid is left alone."""
+    try:
+        st = os.stat(root)
+        if st.st_uid != os.getuid():
+            event(log, logging.WARNING, "store.mode_unchanged", store=str(root),
+                  owner=st.st_uid, reason="owned by another uid")
+            return
+        if gid is not None and st.st_gid != gid:
+            try:
+                os.chown(root, -1, gid)
+            except OSError as exc:
+                event(log, logging.WARNING, "store.group_refused", store=str(root), gid=gid,
+                      error=exc.strerror, mode="0700")
+                mode = 0o700
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(root, mode)
+    except OSError as exc:
+        raise StoreError(f"store {root}: cannot set its mode to {mode:o} ({exc.strerror}); "
+                         "the store must not be readable by users the socket refuses") from None
+
+
 def _raise_descriptor_limit() -> None:
     """Lift the soft descriptor limit to the hard one: each connection holds one, and a
     reply passing descriptors two more while it is sent (server.py bounds both)."""

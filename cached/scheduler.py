@@ -53,6 +53,7 @@ from .pool import JobError, Pool, WorkerFailed
 from .stats import Stats
 from .store import Entry, PersistFailed, Store, manifest, row_for
 from .toolchains import Route, Toolchains
+from .trust import writeback_key
 
 log = logging.getLogger("cached.scheduler")
 
@@ -180,18 +181,23 @@ class Scheduler:
 
     async def get(self, request: KernelRequest, priority: int = INTERACTIVE,
                   timeout: float = 60.0, identity: p.Identity | None = None,
-                  admit: Callable[[str], None] | None = None) -> tuple[Entry, str]:
+                  admit: Callable[[str], None] | None = None,
+                  trust_group: str | None = None) -> tuple[Entry, str]:
         """The stored entry for a request and whether it was a ``hit`` or ``compiled``
         (counted as ``hits``/``misses``, or ``prewarm_hits``/``prewarm_misses`` at pre-warm
         priority); UnknownToolchain at once for a miss no registered toolchain may compile.
-        On a miss, ``admit(key)`` runs right before the compilation is queued (or joined),
-        and may refuse it by raising."""
+        The key's own entry (trusted) first, then what ``trust_group`` (the asker's,
+        cached/trust.py; None: a trusted asker) wrote back for it. On a miss, ``admit(key)``
+        runs right before the compilation is queued (or joined), and may refuse it by
+        raising."""
         family, request, route = self.resolve(request, identity)
         if family.bundle:
             raise InvalidArgument(f"{family.name} artifacts are bundles a client writes back: "
                                   "ask for them with lease")
         key = route.key
         entry = await self.lookup(key)
+        if entry is None and trust_group is not None:
+            entry = await self.lookup(writeback_key(key, trust_group))
         prewarm = "prewarm_" if priority == PREWARM else ""  # counted apart from serving
         if entry is not None:
             self.stats.count(f"{prewarm}hits", family.name)

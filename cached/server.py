@@ -61,6 +61,7 @@ from cached_client.errors import (
     UnsupportedVersion,
 )
 
+from . import trust
 from .log import event, request_pid
 from .stats import Stats
 
@@ -106,26 +107,35 @@ class Limits:
 
 
 class Access:
-    """Who may connect and who may publish. Empty ``allow_*`` sets admit every peer the
-    socket's file mode admits; an empty ``publish_uids`` means root and the daemon's own
-    uid. One instance is shared by every component that checks a peer; :meth:`update`
-    changes it in place (SIGHUP)."""
+    """Who may connect, who may publish, and whose written-back objects each peer is served.
+    Empty ``allow_*`` sets admit every peer the socket's file mode admits; an empty
+    ``publish_uids`` means root and the daemon's own uid. ``trust_groups``: sets of uids
+    whose written-back objects are served to each other (cached/trust.py; a uid in none is
+    a group alone); ``writeback``: False refuses lease and publish. One instance is shared
+    by every component that checks a peer; :meth:`update` changes it in place (SIGHUP)."""
 
     def __init__(self, allow_uids: Iterable[int] = (), allow_gids: Iterable[int] = (),
-                 publish_uids: Iterable[int] = (), publish_gids: Iterable[int] = ()) -> None:
-        self.update(allow_uids, allow_gids, publish_uids, publish_gids)
+                 publish_uids: Iterable[int] = (), publish_gids: Iterable[int] = (),
+                 trust_groups: Iterable[Iterable[int]] = (), writeback: bool = True) -> None:
+        self.update(allow_uids, allow_gids, publish_uids, publish_gids, trust_groups,
+                    writeback)
 
     @classmethod
     def from_settings(cls, settings: Any) -> Access:
         return cls(settings.allow_uid, settings.allow_gid, settings.publish_uid,
-                   settings.publish_gid)
+                   settings.publish_gid, settings.trust_group, settings.writeback)
 
     def update(self, allow_uids: Iterable[int] = (), allow_gids: Iterable[int] = (),
-               publish_uids: Iterable[int] = (), publish_gids: Iterable[int] = ()) -> None:
+               publish_uids: Iterable[int] = (), publish_gids: Iterable[int] = (),
+               trust_groups: Iterable[Iterable[int]] = (), writeback: bool = True) -> None:
         self.allow_uids = frozenset(allow_uids)
         self.allow_gids = frozenset(allow_gids)
         self.publish_uids = frozenset(publish_uids) or frozenset({0, os.getuid()})
         self.publish_gids = frozenset(publish_gids)
+        self.writeback = writeback
+        self._trusted = frozenset({0, os.getuid()})
+        self._groups = {uid: trust.group_name(group) for group in map(tuple, trust_groups)
+                        for uid in group}
 
     def may_connect(self, peer: Peer) -> bool:
         if not self.allow_uids and not self.allow_gids:
@@ -134,6 +144,17 @@ class Access:
 
     def may_publish(self, peer: Peer) -> bool:
         return peer.uid in self.publish_uids or peer.gid in self.publish_gids
+
+    def group(self, peer: Peer) -> str | None:
+        """``peer``'s trust group: None for root and the daemon's own uid (trusted: what
+        they write back is served to every peer, and they are served only trusted
+        objects), else its configured group or its uid alone."""
+        if peer.uid in self._trusted:
+            return None
+        group = self._groups.get(peer.uid)
+        if group is None:
+            group = self._groups[peer.uid] = trust.group_name((peer.uid,))
+        return group
 
 
 @dataclass

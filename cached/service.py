@@ -30,7 +30,7 @@ from cached_client import protocol as p
 from cached_client.errors import CachedError, IntegrityError, Overloaded, UnknownFamily
 from cached_client.keys import KernelRequest
 
-from . import families
+from . import families, trust
 from .log import event
 from .scheduler import PRIORITIES, Scheduler
 from .server import Access, Attachment, Handler, Peer
@@ -145,7 +145,8 @@ class Service:
             admit = functools.partial(self._admit, peer)
         for attempt in range(3):
             entry, origin = await self.scheduler.get(
-                m.request, PRIORITIES[m.priority], m.deadline_ms / 1000, m.identity, admit)
+                m.request, PRIORITIES[m.priority], m.deadline_ms / 1000, m.identity, admit,
+                self.access.group(peer))
             if m.transfer == "path":
                 return p.GetReply(artifact=self.scheduler.artifact(entry, origin))
             try:
@@ -266,14 +267,18 @@ class Service:
                                    peer: Peer) -> p.FlashInferArtifactsReply:
         """Verified FlashInfer artifacts for ``cached export``: rows, meta and object paths."""
         rows = await asyncio.get_running_loop().run_in_executor(
-            None, self._flashinfer_rows, m.family)
+            None, self._flashinfer_rows, m.family, self.access.group(peer))
         return p.FlashInferArtifactsReply(
             artifacts=rows, toolchain=self.scheduler.toolchains.default.fingerprint)
 
-    def _flashinfer_rows(self, wanted: str | None) -> list[dict]:
+    def _flashinfer_rows(self, wanted: str | None, group: str | None) -> list[dict]:
+        """The rows ``cached export`` writes into FlashInfer's cache: only those a peer of
+        trust ``group`` may be served (cached/trust.py)."""
         out = []
         for row in self.store.rows():
             if row["family"] not in FLASHINFER_FAMILIES or (wanted and row["family"] != wanted):
+                continue
+            if not trust.may_serve(row, group):
                 continue
             entry = self.store.lookup(row["key"])
             if entry is None:

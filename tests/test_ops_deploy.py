@@ -48,7 +48,9 @@ def test_systemd_units_verify(tmp_path: Path):
     for line in ("Type=notify", "WatchdogSec=", "StateDirectory=cached",
                  "NoNewPrivileges=yes", "ProtectSystem=strict",
                  "ProtectHome=yes", "PrivateTmp=yes", "RestrictAddressFamilies=", "MemoryMax=",
-                 "User=cached", "EnvironmentFile=-/etc/cached/cached.env"):
+                 "User=cached", "EnvironmentFile=-/etc/cached/cached.env",
+                 # the store readable by exactly the socket's group (test_exposure.py)
+                 "Group=cached-clients", "StateDirectoryMode=0750"):
         assert line in service, line
     # below vLLM (a unit with the defaults): lower CPU and IO weights, niced, capped tasks
     # and memory (the booted test reads them back from systemd and the kernel)
@@ -169,6 +171,9 @@ def test_the_shipped_units_serve_under_systemd_with_their_hardening(booted):
     assert (again["cached"], again["failed"]) == (2, 0), again
     st = socket_path.stat()  # still the group's once the service runs
     assert (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o660, 990, CLIENT_GROUP)
+    for state in ("/var/lib/cached", "/var/lib/cached/store"):  # the socket's group only
+        st = booted.host_path(state).stat()
+        assert (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o750, 990, CLIENT_GROUP), state
     outsider = booted.py("-m", "cached", "stats", "--socket", SOCK, user=OUTSIDER, check=False)
     assert outsider.returncode != 0 and "Permission denied" in outsider.stderr
 

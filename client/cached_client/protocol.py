@@ -552,6 +552,7 @@ class PublishRequest(Message):
     compile_seconds: float = wire(Number(0, 1e6), 0.0)
     kernel_name: str | None = wire(Optional(Str(4096)), None,
                                    "the kernel's name, for a family the daemon could compile")
+    lease: str = wire(Str(64), "", "the token of the lease this process took on the kernel")
     identity: Identity | None = IdentityField()
 
 
@@ -576,6 +577,7 @@ class PublishBundleRequest(Message):
     offset: int = wire(Int(), 0)
     final: bool = wire(Bool(), True, "the last chunk of this file")
     compile_seconds: float = wire(Number(0, 1e6), 0.0)
+    lease: str = wire(Str(64), "", "the token of the lease this process took on the kernel")
     identity: Identity | None = IdentityField()
 
     def __post_init__(self) -> None:

@@ -10,7 +10,9 @@ spinning for ever) loses the lease within its time-to-live of stopping (or of th
 maximum), and the next waiter gets it. If this process dies, the daemon sees its pid gone
 and hands the lease on at once. A waiter waits at most ``timeout`` seconds (WAIT_S) for
 others, then gives up: :class:`WaitedTooLong` (a CompileLocally), and the caller
-compiles in its own process.
+compiles in its own process. Every publish chunk carries the lease's token: the daemon
+stores only what the process holding the lease sends, and serves it only to the
+publisher's trust group (docs/reliability.md).
 
 Bundles (the JIT libraries' own files: cached/families/jit.py): :func:`acquire` answers
 a hit or a :class:`HeldLease` for a compile that happens elsewhere in this process (a
@@ -67,9 +69,12 @@ def lease(client: Client, request: KernelRequest, ttl_s: float = DEFAULT_TTL_S,
 
 
 def publish(client: Client, request: KernelRequest, data: bytes,
-            compile_seconds: float = 0.0, kernel_name: str | None = None) -> p.PublishReply:
+            compile_seconds: float = 0.0, kernel_name: str | None = None,
+            lease: str = "") -> p.PublishReply:
     """Send an exported object in chunks; the last chunk commits it. ``kernel_name``: the
-    compiled kernel's name, for a family the daemon names itself (mm_fp4, batch-invariant)."""
+    compiled kernel's name, for a family the daemon names itself (mm_fp4, batch-invariant);
+    ``lease``: the token of the lease this process holds on ``request`` (the daemon stores
+    nothing without it: NotAllowed)."""
     sha = hashlib.sha256(data).hexdigest()
     offset = 0
     while True:
@@ -78,7 +83,7 @@ def publish(client: Client, request: KernelRequest, data: bytes,
         reply = client.publish(p.PublishRequest(
             request=request, object_sha256=sha, offset=offset, final=final,
             data=base64.b64encode(chunk).decode(), compile_seconds=compile_seconds,
-            kernel_name=kernel_name), timeout=120)
+            kernel_name=kernel_name, lease=lease), timeout=120)
         offset += len(chunk)
         if final or reply.state in ("exists", "stored"):
             return reply
@@ -205,7 +210,7 @@ def _compile_and_publish(client: Client, request: KernelRequest, token: str, ttl
             seconds = time.perf_counter() - started
             with open(path, "rb") as f:
                 data = f.read()
-            published = publish(client, request, data, seconds, kernel_name)
+            published = publish(client, request, data, seconds, kernel_name, token)
         except BaseException as exc:
             stop.set()
             release(client, request, token, f"{type(exc).__name__}: {exc}")
@@ -256,7 +261,7 @@ class HeldLease:
         seconds = (time.perf_counter() - self.started if compile_seconds is None
                    else compile_seconds)
         try:
-            artifact = publish_bundle(self.client, self.request, files, seconds)
+            artifact = publish_bundle(self.client, self.request, files, seconds, self.token)
         except BaseException as exc:
             self.release(f"{type(exc).__name__}: {exc}")
             raise
@@ -294,9 +299,10 @@ def acquire(client: Client, request: KernelRequest, ttl_s: float = DEFAULT_TTL_S
 
 
 def publish_bundle(client: Client, request: KernelRequest, files: dict[str, bytes],
-                   compile_seconds: float = 0.0) -> Artifact:
+                   compile_seconds: float = 0.0, lease: str = "") -> Artifact:
     """Upload ``files`` in chunks, file by file; the daemon stores the bundle when the last
-    chunk of the last file has arrived and every file matched the manifest."""
+    chunk of the last file has arrived and every file matched the manifest. ``lease``: the
+    token of the lease this process holds on ``request``."""
     manifest = {name: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
                 for name, data in files.items()}
     reply = None
@@ -307,8 +313,8 @@ def publish_bundle(client: Client, request: KernelRequest, files: dict[str, byte
             final = offset + len(chunk) >= len(data)
             reply = client.publish_bundle(p.PublishBundleRequest(
                 request=request, files=manifest, file=name, offset=offset, final=final,
-                data=base64.b64encode(chunk).decode(), compile_seconds=compile_seconds),
-                timeout=120)
+                data=base64.b64encode(chunk).decode(), compile_seconds=compile_seconds,
+                lease=lease), timeout=120)
             offset += len(chunk)
             if reply.state == "exists" and reply.artifact is not None:
                 return reply.artifact
