@@ -45,7 +45,11 @@ import vllm.utils.flashinfer as fu  # noqa: E402
 from vllm.model_executor.kernels import linear as L  # noqa: E402
 from vllm.model_executor.layers.quantization import fp8 as fp8_method  # noqa: E402
 from vllm.model_executor.layers.quantization.utils.quant_utils import (  # noqa: E402
+    kFp8Dynamic128Sym,
+    kFp8DynamicTensorSym,
     kFp8DynamicTokenSym,
+    kFp8Static128BlockSym,
+    kFp8StaticChannelSym,
     kFp8StaticTensorSym,
 )
 from vllm.platforms.cuda import CudaPlatform  # noqa: E402
@@ -76,16 +80,32 @@ for sc in scenarios:
         out["selected"].append({"config_error": f"{type(exc).__name__}: {exc}"[:600]})
         continue
     with set_current_vllm_config(VllmConfig(kernel_config=config)):
-        for name, act in (("static_tensor", kFp8StaticTensorSym),
-                          ("dynamic_token", kFp8DynamicTokenSym)):
+        # (activation, weight) keys: vLLM's online fp8 (static, or dynamic per-token under
+        # batch invariance), FP8-dynamic checkpoints (per-token x per-channel), dynamic
+        # per-tensor, block FP8 (1x128 x 128x128)
+        for name, act, wkey in (
+                ("static_tensor", kFp8StaticTensorSym, kFp8StaticTensorSym),
+                ("dynamic_token", kFp8DynamicTokenSym, kFp8StaticTensorSym),
+                ("dynamic_token_channel", kFp8DynamicTokenSym, kFp8StaticChannelSym),
+                ("dynamic_tensor", kFp8DynamicTensorSym, kFp8StaticTensorSym),
+                ("block", kFp8Dynamic128Sym, kFp8Static128BlockSym)):
             try:
                 k = L.init_fp8_linear_kernel(
-                    activation_quant_key=act, weight_quant_key=kFp8StaticTensorSym,
+                    activation_quant_key=act, weight_quant_key=wkey,
                     input_dtype=torch.bfloat16, out_dtype=torch.bfloat16,
                     weight_shape=(4096, 4096), module_name="Fp8LinearMethod")
                 got[name] = [type(k).__name__, fp8_method.fp8_scaled_mm_is_batch_invariant(k)]
             except Exception as exc:  # noqa: BLE001 -- reported
                 got[name] = f"{type(exc).__name__}: {exc}"[:600]
+            if "cached_client.vllm_kernel" in sys.modules:  # the kernel's own answer
+                from cached_client.vllm_kernel import CachedFP8ScaledMMLinearKernel as K
+                from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
+                    FP8ScaledMMLinearLayerConfig,
+                )
+
+                got[f"can_implement {name}"] = list(K.can_implement(FP8ScaledMMLinearLayerConfig(
+                    weight_quant_key=wkey, activation_quant_key=act, weight_shape=(4096, 4096),
+                    input_dtype=torch.bfloat16, out_dtype=torch.bfloat16)))
     out["selected"].append(got)
 out["after_fp8_selection"] = {"flashinfer_imported": "flashinfer" in sys.modules,
                               "cuda_initialized": torch.cuda.is_initialized()}

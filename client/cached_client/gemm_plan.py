@@ -203,9 +203,10 @@ class HopperFp8Gemm:
     """A loaded ``cached.hopper_fp8`` plan: ``gemm(a, b, a_scale, b_scale, out=None)``.
 
     a (M, K) and b (N, K) FP8 (the plan's ab_dtype), K-major; a_scale, b_scale 1-element
-    float32 CUDA tensors (per-token plans: M and N float32 values); returns C (M, N) in the plan's out_dtype. M picks the bucket
-    (the smallest upper bound >= M; the last bucket above). One workspace serves one launch
-    at a time: GEMMs on concurrent streams need their own loaded plan.
+    float32 CUDA tensors (per-token plans: M and N float32 values); returns C (M, N) in the
+    plan's out_dtype. M picks the bucket (the smallest upper bound >= M; the last bucket
+    above). One workspace serves one launch at a time: GEMMs on concurrent streams need
+    their own loaded plan.
     """
 
     def __init__(self, plan: GemmPlan, fns: list[Any], device: Any) -> None:

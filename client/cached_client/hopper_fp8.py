@@ -125,6 +125,17 @@ def check_gemm_args(a, b, a_scale, b_scale, out_dtype, out=None,
             f"N and K must be multiples of 16 (TMA needs 16-byte rows), got N={n}, K={k}; "
             f"pad the weight to the next multiple of 16"
         )
+    for name, s, want in (("a_scale", a_scale, m), ("b_scale", b_scale, n)):
+        if scales == "tensor" and (s.numel() != 1 or s.dtype != torch.float32):
+            raise ValueError(
+                f"{name} must be a 1-element float32 tensor, got shape {tuple(s.shape)} {s.dtype}"
+            )
+        if scales == "token" and (s.numel() != want or s.dtype != torch.float32
+                                  or not s.is_contiguous()):
+            raise ValueError(
+                f"per-token scales: {name} must be a contiguous float32 tensor of {want} "
+                f"elements (one per row of {name[0]}), got shape {tuple(s.shape)} {s.dtype}"
+            )
     for name, t in (("a", a), ("b", b)):
         if t.stride(1) != 1 or t.stride(0) != t.shape[1]:
             raise ValueError(
@@ -137,18 +148,7 @@ def check_gemm_args(a, b, a_scale, b_scale, out_dtype, out=None,
             raise ValueError(f"{name} must be a CUDA tensor")
         if t.device != a.device:
             raise ValueError("a, b, scales and output must be on one device")
-    for name, s, want in (("a_scale", a_scale, m), ("b_scale", b_scale, n)):
-        if scales == "tensor" and (s.numel() != 1 or s.dtype != torch.float32):
-            raise ValueError(
-                f"{name} must be a 1-element float32 tensor, got shape {tuple(s.shape)} {s.dtype}"
-            )
-        if scales == "token" and (s.numel() != want or s.dtype != torch.float32
-                                  or not s.is_contiguous()):
-            raise ValueError(
-                f"per-token scales: {name} must be a contiguous float32 tensor of "
-                f"{want} elements ({'one per row of a' if name == 'a_scale' else 'one per row of b'}), "
-                f"got shape {tuple(s.shape)} {s.dtype}"
-            )
+    for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
         if s.device != a.device:
             raise ValueError(f"{name} must be on {a.device}, got {s.device}")
     if _dtype_name(out_dtype) not in _OUT_NAMES:
@@ -215,11 +215,11 @@ def gemm(
 
     a (M, K) and b (N, K): float8 CUDA tensors, K contiguous; a_scale, b_scale: 1-element
     float32 CUDA tensors, or for a tactic with ``scales="token"`` (its ``params`` say so)
-    M and N float32 values (element (m, n) scaled by a_scale[m] * b_scale[n]); out_dtype: torch.bfloat16 or torch.float16 (must match the dtype
-    the tactic was compiled for). ``params``: the tactic's params (from its request);
-    required with ``workspace``/``counters``, which a ``split_mode="cta"`` tactic needs
-    (module doc). Runs on the current torch stream; no host sync, no allocation when
-    ``out`` is given.
+    M and N float32 values (element (m, n) scaled by a_scale[m] * b_scale[n]); out_dtype:
+    torch.bfloat16 or torch.float16 (must match the dtype the tactic was compiled for).
+    ``params``: the tactic's params (from its request); required with
+    ``workspace``/``counters``, which a ``split_mode="cta"`` tactic needs (module doc).
+    Runs on the current torch stream; no host sync, no allocation when ``out`` is given.
     """
     import torch
 
