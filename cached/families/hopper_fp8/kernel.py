@@ -3,8 +3,8 @@
 A (M, K), B (N, K): float8 (e4m3fn or e5m2), K-major. C (M, N): bf16/fp16, row-major.
 a_scale, b_scale: fp32 tensors of one element, read on the device (no host sync, so
 CUDA-graph safe); with tactic.scales = "token", a_scale (M,) and b_scale (N,): before the
-epilogue each thread multiplies every in-bounds element (m, n) of its fp32 sum by the
-fp32 product a_scale[m] * b_scale[n] (elements outside C get 0 and are never stored),
+epilogue each thread multiplies every element (m, n) of its fp32 sum by the fp32 product
+a_scale[m] * b_scale[n] (indices clamped into C: elements outside C are never stored),
 and the epilogue's per-tensor factor is 1.
 
 Exact accumulation (tactic.accum = "exact", S = 1): per K tile the four k32 wgmma start
@@ -685,18 +685,19 @@ class HopperFp8GemmKernel:
 
     @cute.jit
     def apply_token_scales(self, mC, gcC_t, thr_c, acc, mAScale, mBScale):
-        """acc[v] *= a_scale[m] * b_scale[n] for this thread's in-bounds elements (m, n)
-        (swap_ab: the MMA's (row, col) is (n, m)); 0 outside C (never stored)."""
+        """acc[v] *= a_scale[m] * b_scale[n] for this thread's elements (m, n) (swap_ab: the
+        MMA's (row, col) is (n, m)). Indices are clamped into C, so every load is in bounds
+        and unconditional (loads of one row or column are shared); elements outside C get
+        the edge's scale and are never stored."""
         tCcC_t = thr_c.partition_C(gcC_t)
+        last_r, last_c = mC.shape[0] - 1, mC.shape[1] - 1
         for v in cutlass.range_constexpr(cute.size(acc)):
             crd = tCcC_t[v]
-            s = cutlass.Float32(0.0)
-            if cute.elem_less(crd, mC.shape):
-                if cutlass.const_expr(self.swap):
-                    s = mAScale[crd[1]] * mBScale[crd[0]]
-                else:
-                    s = mAScale[crd[0]] * mBScale[crd[1]]
-            acc[v] = acc[v] * s
+            r, c = cutlass.min(crd[0], last_r), cutlass.min(crd[1], last_c)
+            if cutlass.const_expr(self.swap):
+                acc[v] = acc[v] * (mAScale[c] * mBScale[r])
+            else:
+                acc[v] = acc[v] * (mAScale[r] * mBScale[c])
 
     @cute.jit
     def k_loop(self, ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
