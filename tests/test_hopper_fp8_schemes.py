@@ -141,6 +141,18 @@ def test_scheme_options_through_the_daemon_and_the_client_plan(daemon):
     assert again.choice.reduction_class == "k128.acc1.s1.fixed"
 
 
+def test_accumulation_comes_from_the_environment(monkeypatch):
+    from cached_client import gemm_plan
+
+    monkeypatch.delenv(gemm_plan.ACCUMULATION_ENV, raising=False)
+    assert gemm_plan.accumulation_from_env() == "fast"
+    monkeypatch.setenv(gemm_plan.ACCUMULATION_ENV, "exact")
+    assert gemm_plan.accumulation_from_env() == "exact"
+    monkeypatch.setenv(gemm_plan.ACCUMULATION_ENV, "promoted")
+    with pytest.raises(ValueError, match="CACHED_FP8_ACCUMULATION='promoted'"):
+        gemm_plan.accumulation_from_env()
+
+
 def test_launcher_checks_per_token_scales_before_launch():
     torch = pytest.importorskip("torch")
     from cached_client.hopper_fp8 import gemm

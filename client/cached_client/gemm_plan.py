@@ -38,6 +38,20 @@ _OUT = {"bfloat16": "bf16", "float16": "f16"}
 _AB = ("e4m3", "e5m2")
 _SCALES = ("tensor", "token")
 _ACCUMULATION = ("fast", "exact")
+#: "fast" (the default) or "exact" (the wgmma accumulator promoted every K tile: the bf16
+#: floor, slower): what the vLLM kernel plans its layers with
+ACCUMULATION_ENV = "CACHED_FP8_ACCUMULATION"
+
+
+def accumulation_from_env() -> str:
+    """The accumulation ``$CACHED_FP8_ACCUMULATION`` asks for ("fast" when unset or empty);
+    ValueError naming the variable for any other value."""
+    import os
+
+    mode = os.environ.get(ACCUMULATION_ENV, "") or "fast"
+    if mode not in _ACCUMULATION:
+        raise ValueError(f"{ACCUMULATION_ENV}={mode!r}: must be one of {', '.join(_ACCUMULATION)}")
+    return mode
 
 
 class PlanUnavailable(RuntimeError):

@@ -45,9 +45,7 @@ logger = init_logger("vllm.cached")
 
 BACKEND = "cached"
 DEVICE_NAME_ENV = "CACHED_DEVICE_NAME"
-#: "fast" (the default) or "exact" (the wgmma accumulator promoted every K tile: the bf16
-#: floor, slower); read when a layer's plan is loaded
-ACCUMULATION_ENV = "CACHED_FP8_ACCUMULATION"
+ACCUMULATION_ENV = gemm_plan.ACCUMULATION_ENV
 ARCH_OF_CAPABILITY = {90: "sm_90a", 100: "sm_100a", 103: "sm_103a", 107: "sm_107a"}
 QUANTIZATION = "fp8_w8a8"
 _lock = threading.Lock()
@@ -136,15 +134,6 @@ def scale_scheme(c: FP8ScaledMMLinearLayerConfig, arch: str | None
                   f"{tuple(w.group_shape)} x activation {tuple(a.group_shape)} groups")
 
 
-def accumulation() -> str:
-    """The accumulation mode ``$CACHED_FP8_ACCUMULATION`` asks for (``fast`` unset);
-    ValueError for any other value."""
-    mode = os.environ.get(ACCUMULATION_ENV, "") or "fast"
-    if mode not in ("fast", "exact"):
-        raise ValueError(f"{ACCUMULATION_ENV}={mode!r}: must be 'fast' or 'exact'")
-    return mode
-
-
 class CachedFP8ScaledMMLinearKernel(FP8ScaledMMLinearKernel):
     """FP8 W8A8 linear on the project's batch-invariant GEMMs, served by the cached daemon:
     ``cached.hopper_fp8`` on sm_90a (per-tensor scales, and per-token activation x
@@ -224,7 +213,8 @@ class CachedFP8ScaledMMLinearKernel(FP8ScaledMMLinearKernel):
             replace_parameter(layer, "weight_scale",
                               ws.reshape(-1).to(torch.float32).expand(n).contiguous())
         self._gemm_index = load_plan(n, k, weight.dtype, self.config.out_dtype or torch.bfloat16,
-                                     weight.device, scales=scheme, accumulation=accumulation())
+                                     weight.device, scales=scheme,
+                                     accumulation=gemm_plan.accumulation_from_env())
 
     def apply_scaled_mm(self, *, A: torch.Tensor, B: torch.Tensor, out_dtype: torch.dtype,
                         As: torch.Tensor, Bs: torch.Tensor, bias: torch.Tensor | None,
