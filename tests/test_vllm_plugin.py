@@ -200,9 +200,41 @@ def test_fp8_linear_selection_at_capability_90_and_100(vllm_runs, run, base, ind
             assert "linear_backend" in vllm_choice["config_error"]
         else:
             assert vllm_choice["static_tensor"][0] in (CUTLASS, FLASHINFER)
-    asked = run == "90" and SC90[index].get("backend") == "cached"
-    if not asked:  # per-token activation scales: not this kernel's, vLLM's choice stands
-        assert got["dynamic_token"] == vllm_choice["dynamic_token"]
+    others = ("dynamic_token", "dynamic_token_channel", "dynamic_tensor", "block")
+    if run == "90" and want == CACHED:
+        # per-token activation x per-channel (FP8-dynamic) or per-tensor weight: the
+        # family's per-token scheme, batch invariant
+        assert got["dynamic_token"] == got["dynamic_token_channel"] == [CACHED, True]
+        if SC90[index]["bi"]:  # a dynamic per-tensor scale is refused: vLLM's choice
+            assert got["dynamic_tensor"][0] != CACHED
+        else:  # asked for without batch invariance: served, and not called invariant
+            assert got["dynamic_tensor"] == [CACHED, False]
+        assert got["block"][0] != CACHED  # block FP8: not served (yet)
+        if "config_error" not in vllm_choice:
+            assert got["dynamic_tensor"] == vllm_choice["dynamic_tensor"]
+            assert got["block"] == vllm_choice["block"]
+    else:  # not this kernel's (or not on this arch): vLLM's choice stands
+        for name in others:
+            assert got[name] == vllm_choice[name], name
+
+
+@needs_vllm
+def test_the_kernel_says_why_it_refuses_a_layer(vllm_runs):
+    """The kernel's own can_implement, through vLLM's config type: what it serves on sm_90a
+    under batch invariance, and the reason for each layer it does not."""
+    got = vllm_runs["90"][0]["selected"][0]
+    assert got["can_implement static_tensor"] == [True, None]
+    assert got["can_implement dynamic_token"] == [True, None]
+    assert got["can_implement dynamic_token_channel"] == [True, None]
+    ok, why = got["can_implement dynamic_tensor"]
+    assert not ok and "amax over every row" in why and "per-token" in why
+    ok, why = got["can_implement block"]
+    assert not ok and "(128, 128)" in why and "(1, 128)" in why
+    # without batch invariance a dynamic per-tensor scale is served (--linear-backend cached)
+    assert vllm_runs["90"][0]["selected"][3]["can_implement dynamic_tensor"] == [True, None]
+    # capability 100 (FlashInfer's per-tensor class): per-token scales are sm_90a's
+    ok, why = vllm_runs["100"][0]["selected"][0]["can_implement dynamic_token_channel"]
+    assert not ok and "served on sm_90a" in why
 
 
 @needs_vllm

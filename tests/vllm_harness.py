@@ -45,7 +45,11 @@ import vllm.utils.flashinfer as fu  # noqa: E402
 from vllm.model_executor.kernels import linear as L  # noqa: E402
 from vllm.model_executor.layers.quantization import fp8 as fp8_method  # noqa: E402
 from vllm.model_executor.layers.quantization.utils.quant_utils import (  # noqa: E402
+    kFp8Dynamic128Sym,
+    kFp8DynamicTensorSym,
     kFp8DynamicTokenSym,
+    kFp8Static128BlockSym,
+    kFp8StaticChannelSym,
     kFp8StaticTensorSym,
 )
 from vllm.platforms.cuda import CudaPlatform  # noqa: E402
@@ -64,31 +68,58 @@ from vllm.config import KernelConfig, VllmConfig, set_current_vllm_config  # noq
 
 out: dict = {"plugins": sorted(m for m in sys.modules if m.startswith("cached_client")),
              "selected": []}
-for sc in scenarios:
+# (activation, weight) keys: vLLM's online fp8 (static, or dynamic per-token under batch
+# invariance), FP8-dynamic checkpoints (per-token x per-channel), dynamic per-tensor; then
+# block FP8 (1x128 x 128x128), whose selection in vLLM imports FlashInfer, so it runs after
+# the snapshot below
+LAYERS = (("static_tensor", kFp8StaticTensorSym, kFp8StaticTensorSym),
+          ("dynamic_token", kFp8DynamicTokenSym, kFp8StaticTensorSym),
+          ("dynamic_token_channel", kFp8DynamicTokenSym, kFp8StaticChannelSym),
+          ("dynamic_tensor", kFp8DynamicTensorSym, kFp8StaticTensorSym))
+BLOCK = (("block", kFp8Dynamic128Sym, kFp8Static128BlockSym),)
+
+
+def select(sc: dict, layers: tuple, got: dict) -> None:
+    """vLLM's selection (and the kernel's own can_implement) for ``layers`` in scenario sc."""
     os.environ["VLLM_BATCH_INVARIANT"] = str(int(sc["bi"]))
     os.environ.pop("CACHED_DEVICE_NAME", None)
     if sc.get("device"):
         os.environ["CACHED_DEVICE_NAME"] = sc["device"]
-    got = {}
     try:
         config = KernelConfig(linear_backend=sc["backend"]) if sc.get("backend") else KernelConfig()
     except Exception as exc:  # noqa: BLE001 -- reported
-        out["selected"].append({"config_error": f"{type(exc).__name__}: {exc}"[:600]})
-        continue
+        got["config_error"] = f"{type(exc).__name__}: {exc}"[:600]
+        return
     with set_current_vllm_config(VllmConfig(kernel_config=config)):
-        for name, act in (("static_tensor", kFp8StaticTensorSym),
-                          ("dynamic_token", kFp8DynamicTokenSym)):
+        for name, act, wkey in layers:
             try:
                 k = L.init_fp8_linear_kernel(
-                    activation_quant_key=act, weight_quant_key=kFp8StaticTensorSym,
+                    activation_quant_key=act, weight_quant_key=wkey,
                     input_dtype=torch.bfloat16, out_dtype=torch.bfloat16,
                     weight_shape=(4096, 4096), module_name="Fp8LinearMethod")
                 got[name] = [type(k).__name__, fp8_method.fp8_scaled_mm_is_batch_invariant(k)]
             except Exception as exc:  # noqa: BLE001 -- reported
                 got[name] = f"{type(exc).__name__}: {exc}"[:600]
+            if "cached_client.vllm_kernel" in sys.modules:  # the kernel's own answer
+                from cached_client.vllm_kernel import CachedFP8ScaledMMLinearKernel as K
+                from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
+                    FP8ScaledMMLinearLayerConfig,
+                )
+
+                got[f"can_implement {name}"] = list(K.can_implement(FP8ScaledMMLinearLayerConfig(
+                    weight_quant_key=wkey, activation_quant_key=act, weight_shape=(4096, 4096),
+                    input_dtype=torch.bfloat16, out_dtype=torch.bfloat16)))
+
+
+for sc in scenarios:
+    got: dict = {}
+    select(sc, LAYERS, got)
     out["selected"].append(got)
 out["after_fp8_selection"] = {"flashinfer_imported": "flashinfer" in sys.modules,
                               "cuda_initialized": torch.cuda.is_initialized()}
+for sc, got in zip(scenarios, out["selected"], strict=True):
+    if "config_error" not in got:
+        select(sc, BLOCK, got)
 os.environ["VLLM_BATCH_INVARIANT"] = START_BI  # the process's own, as the pins saw it
 context = set_current_vllm_config(VllmConfig())
 context.__enter__()  # kept referenced: closing it restores the previous config

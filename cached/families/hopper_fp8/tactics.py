@@ -67,6 +67,21 @@ only: same K walk, so a pdl tactic is in the class of its S (bitwise checked on 
 docs/benchmarks.md). tactic_space lists a twin of the decode-band tactics (pdl_twin); a
 recorded winner may name pdl on any tactic (recordable_tactics).
 
+Scale schemes (``scales``, issue 27): ``"tensor"`` (the default: a_scale and b_scale
+one element each, the product applied once after the K loop) or ``"token"`` (FP8-dynamic
+checkpoints: a_scale (M,) one fp32 per activation row, b_scale (N,) one per weight row;
+the element (m, n) of the fp32 sum is multiplied by the fp32 product a_scale[m] *
+b_scale[n], then rounded). A row's scale is its own, so either scheme is batch invariant.
+The scheme is part of the class id (``.token`` appended; per-tensor ids stay as they were).
+
+Accumulation (``accum``, issue 27): ``"fast"`` (the default, ``acc1``: the four k32 wgmma of
+every K tile accumulate into one wgmma accumulator for the whole K range, so the tensor
+core's reduced-precision accumulation runs over all of K) or ``"exact"`` (``prom128``: the
+wgmma accumulator starts from zero at every K tile and is added, after the tile's wgmma
+retired, into a second fp32 register accumulator in K-tile order, ((0 + t_0) + t_1) + ...;
+the promotion CUTLASS and DeepGEMM use, which reaches the bf16 floor). Exact takes S = 1
+only and tiles whose two accumulator copies fit the registers.
+
 Choosing S: ``choose_split(n, k, sm_count)`` depends on N, K and the device only, never
 on M, so a batch-invariant plan for one (N, K) uses one class for every M.
 """
@@ -87,6 +102,9 @@ REDUCTION_ORDER_M_INDEPENDENT = True  # within each reduction-order class
 ACC_MODE = "acc1"  # one fp32 wgmma accumulator per K range (no periodic promotion)
 
 SPLIT_CHOICES = (1, 2, 4, 8, 16)
+SCALE_SCHEMES = ("tensor", "token")  # per-tensor; per-token activation x per-channel weight
+ACCUM_MODES = ("fast", "exact")  # one wgmma accumulator; promoted every K tile
+ACC_IDS = {"fast": ACC_MODE, "exact": "prom128"}  # the class id's accumulation part
 SPLIT_MODES = ("serial", "cta")
 
 TILE_M_CHOICES = (64, 128, 256)
@@ -176,10 +194,12 @@ PARAM_KEYS = (
     "wg_n",
     "pingpong",
     "pdl",
+    "scales",
+    "accum",
 )
 # keys to_params() leaves out at their default, so that the canonical params (and so the
 # artifact keys) of every tactic from before the field existed stay what they were
-OMITTED_AT_DEFAULT = {"pdl": False}
+OMITTED_AT_DEFAULT = {"pdl": False, "scales": "tensor", "accum": "fast"}
 
 
 def num_consumer_warpgroups(tile_m: int) -> int:
@@ -223,28 +243,42 @@ def tile_epilogue(tile_n: int, wg_n: int, swap_ab: bool = False) -> bool:
     return not swap_ab and (wg_n == 2 or tile_n in NARROW_TILE_N)
 
 
-def acc_sets(splits: int, split_mode: str) -> int:
+def acc_sets(splits: int, split_mode: str, accum: str = "fast") -> int:
     """fp32 accumulator copies a consumer thread holds: 2 for a serial split (the
-    running sum beside the current range's partial), else 1."""
-    return 2 if splits > 1 and split_mode == "serial" else 1
+    running sum beside the current range's partial) and for exact accumulation (the
+    promoted sum beside the K tile's wgmma accumulator), else 1."""
+    return 2 if (splits > 1 and split_mode == "serial") or accum == "exact" else 1
 
 
-def reduction_class_id(splits: int) -> str:
-    """The stable id of the reduction-order class with S = ``splits`` (module doc)."""
-    return f"k{TILE_K}.{ACC_MODE}.s{splits}.fixed"
+def reduction_class_id(splits: int, accum: str = "fast", scales: str = "tensor") -> str:
+    """The stable id of the reduction-order class with S = ``splits``, accumulation mode
+    and scale scheme (module doc): ``k128.acc1.s4.fixed`` (per-tensor, fast),
+    ``k128.prom128.s1.fixed.token`` (per-token x per-channel, exact)."""
+    return (f"k{TILE_K}.{ACC_IDS[accum]}.s{splits}.fixed"
+            + ("" if scales == "tensor" else f".{scales}"))
 
 
-REDUCTION_CLASSES = tuple(reduction_class_id(s) for s in SPLIT_CHOICES)
+#: the per-tensor fast classes first (the ids published before the schemes existed)
+REDUCTION_CLASSES = (tuple(reduction_class_id(s) for s in SPLIT_CHOICES)
+                     + tuple(reduction_class_id(s, "fast", "token") for s in SPLIT_CHOICES)
+                     + tuple(reduction_class_id(1, "exact", sc) for sc in SCALE_SCHEMES))
 
 
-def splits_of_class(class_id: str) -> int:
-    """Inverse of reduction_class_id; ValueError for an id this family does not have."""
+def class_scheme(class_id: str) -> tuple[int, str, str]:
+    """(splits, accum, scales) of a class id; ValueError for an id this family lacks."""
     for s in SPLIT_CHOICES:
-        if reduction_class_id(s) == class_id:
-            return s
+        for acc in ACCUM_MODES:
+            for sc in SCALE_SCHEMES:
+                if reduction_class_id(s, acc, sc) == class_id and class_id in REDUCTION_CLASSES:
+                    return s, acc, sc
     raise ValueError(
         f"unknown {FAMILY} reduction class {class_id!r}; classes: {', '.join(REDUCTION_CLASSES)}"
     )
+
+
+def splits_of_class(class_id: str) -> int:
+    """S of a class id (class_scheme); ValueError for an id this family does not have."""
+    return class_scheme(class_id)[0]
 
 
 def _stage_bytes(tile_m: int, tile_n: int) -> int:
@@ -295,7 +329,8 @@ def tile_is_feasible(tile_m: int, tile_n: int, out_dtype: str = "bfloat16",
     regs = acc_regs_per_thread(tile_m, tile_n, swap_ab, wg_n, pingpong)
     wgs = 1 if pingpong else num_consumer_warpgroups(mma_tile(tile_m, tile_n, swap_ab)[0]) * wg_n
     if sets * regs > MAX_ACC_REGS_PER_THREAD:
-        what = "" if sets == 1 else f" x {sets} (a serial split keeps a running sum)"
+        what = "" if sets == 1 else (f" x {sets} (a serial split keeps a running sum, exact "
+                                     f"accumulation a promoted sum)")
         return False, (
             f"tile {tile_m}x{tile_n} needs {regs}{what} fp32 "
             f"accumulator registers per consumer thread "
@@ -343,6 +378,12 @@ class HopperFp8Tactic:
                        or write of global memory). Any tactic may take it; the K walk is
                        unchanged, so a pdl tactic is in the class of its S. Left out of
                        to_params() when False (OMITTED_AT_DEFAULT).
+      scales           "tensor" or "token" (per-token activation x per-channel weight,
+                       applied in the epilogue); part of the class (module doc). Left out
+                       of to_params() at "tensor".
+      accum            "fast" or "exact" (the wgmma accumulator promoted into fp32
+                       registers every K tile; S = 1 only); part of the class. Left out
+                       of to_params() at "fast".
     """
 
     tile_m: int = 128
@@ -360,6 +401,8 @@ class HopperFp8Tactic:
     wg_n: int = 1
     pingpong: bool = False
     pdl: bool = False
+    scales: str = "tensor"
+    accum: str = "fast"
 
     # -- derived facts -------------------------------------------------------------
     @property
@@ -383,14 +426,20 @@ class HopperFp8Tactic:
 
     @property
     def reduction_order(self) -> str:
+        scheme = ("" if self.scales == "tensor"
+                  else ",scale=per_token_a_x_per_channel_b")
+        if self.accum == "exact":
+            return (f"k_tile={TILE_K},wgmma_k={WGMMA_K},full_k_per_cta,"
+                    f"wgmma_acc_per_k_tile_promoted_to_fp32_in_k_order,scale_after{scheme}")
         if self.splits == 1:
-            return REDUCTION_ORDER
+            return REDUCTION_ORDER + scheme
         return (f"k_tile={TILE_K},wgmma_k={WGMMA_K},splits={self.splits}:balanced_k_tile_ranges,"
-                f"fp32_acc_single_per_range,fp32_sum_in_split_order_from_zero,scale_after")
+                f"fp32_acc_single_per_range,fp32_sum_in_split_order_from_zero,scale_after"
+                f"{scheme}")
 
     @property
     def reduction_class(self) -> str:
-        return reduction_class_id(self.splits)
+        return reduction_class_id(self.splits, self.accum, self.scales)
 
     @property
     def name(self) -> str:
@@ -400,6 +449,7 @@ class HopperFp8Tactic:
             f"_r{self.raster}_s{self.swizzle}_st{self.stages}_{self.ab_dtype}_{self.out_dtype}"
             f"{split}{'_sw' if self.swap_ab else ''}{'_wn2' if self.wg_n == 2 else ''}"
             f"{'_pp' if self.pingpong else ''}{'_pdl' if self.pdl else ''}"
+            f"{'_tok' if self.scales == 'token' else ''}{'_ex' if self.accum == 'exact' else ''}"
         )
 
     # -- validation / encoding -------------------------------------------------------
@@ -453,6 +503,12 @@ class HopperFp8Tactic:
             bad(f"pingpong must be true or false, got {type(self.pingpong).__name__}")
         if not isinstance(self.pdl, bool):
             bad(f"pdl must be true or false, got {type(self.pdl).__name__}")
+        if self.scales not in SCALE_SCHEMES:
+            bad(f"scales must be one of {SCALE_SCHEMES}, got {self.scales!r}")
+        if self.accum not in ACCUM_MODES:
+            bad(f"accum must be one of {ACCUM_MODES}, got {self.accum!r}")
+        if self.accum == "exact" and self.splits != 1:
+            bad("accum 'exact' (promotion every K tile) takes splits=1 only")
         if self.tile_n in NARROW_TILE_N and not self.swap_ab:
             if self.tile_m != 64 or self.pingpong:
                 bad(f"tile_n in {NARROW_TILE_N} (narrow decode tiles) needs tile_m=64 and "
@@ -486,7 +542,8 @@ class HopperFp8Tactic:
         if self.split_mode == "cta" and self.cluster_size != 1:
             bad("split_mode 'cta' needs cluster_m = cluster_n = 1")
         ok, why = tile_is_feasible(self.tile_m, self.tile_n, self.out_dtype,
-                                   acc_sets(self.splits, self.split_mode), self.swap_ab,
+                                   acc_sets(self.splits, self.split_mode, self.accum),
+                                   self.swap_ab,
                                    self.wg_n, self.pingpong)
         if not ok:
             bad(why)
@@ -734,7 +791,8 @@ SWAP_TILES = tuple((tm, tn) for tn in SWAP_TILE_N_CHOICES for tm in SWAP_TILE_M_
 
 
 def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
-                 splits: int | None = None) -> list[HopperFp8Tactic]:
+                 splits: int | None = None, scales: str = "tensor",
+                 accum: str = "fast") -> list[HopperFp8Tactic]:
     """Every tactic the family plans, for one split count S or (None) for all of them.
 
     S = 1 (413): every feasible tile x cluster x raster x swizzle of the widths
@@ -750,7 +808,13 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
     Then a pdl twin (pdl=True) of each decode-band tactic (PDL_TWINS: swap_ab, wg_n = 2,
     the narrow widths): 41 in S = 1 and 24 per S > 1, so 454 in S = 1, 90 per S > 1,
     814 in all.
+
+    Other schemes (scheme_space): ``scales="token"`` lists the same tactics with that
+    scheme; ``accum="exact"`` the S = 1 tactics whose two accumulator copies fit, in the
+    scheme (none for splits > 1).
     """
+    if scales != "tensor" or accum != "fast":
+        return scheme_space(tactic_space(out_dtype, ab_dtype, splits), scales, accum)
     out: list[HopperFp8Tactic] = []
     for sp in SPLIT_CHOICES if splits is None else (splits,):
         if sp == 1:
@@ -800,6 +864,25 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
         out += _swap_tactics(sp, "cta", out_dtype, ab_dtype)
         out += _swap_tactics(sp, "serial", out_dtype, ab_dtype)
     return out + [dataclasses.replace(t, pdl=True) for t in out if pdl_twin(t)]
+
+
+def scheme_space(base: list[HopperFp8Tactic], scales: str, accum: str
+                 ) -> list[HopperFp8Tactic]:
+    """The tactics of ``base`` (per-tensor, fast) in scale scheme ``scales`` and
+    accumulation ``accum``: every one for fast; for exact the S = 1 ones whose promoted sum
+    fits beside the wgmma accumulator (tile_is_feasible with two copies). ValueError for
+    an unknown scheme or mode."""
+    if scales not in SCALE_SCHEMES:
+        raise ValueError(f"scales must be one of {SCALE_SCHEMES}, got {scales!r}")
+    if accum not in ACCUM_MODES:
+        raise ValueError(f"accum must be one of {ACCUM_MODES}, got {accum!r}")
+    out = []
+    for t in base:
+        if accum == "exact" and (t.splits != 1 or not tile_is_feasible(
+                t.tile_m, t.tile_n, t.out_dtype, 2, t.swap_ab, t.wg_n, t.pingpong)[0]):
+            continue
+        out.append(dataclasses.replace(t, scales=scales, accum=accum))
+    return out
 
 
 def pdl_twin(t: HopperFp8Tactic) -> bool:
@@ -909,21 +992,28 @@ def enumerate_tactics(
     ab_dtype: str = "e4m3",
     num_sms: int = H200_NUM_SMS,
     splits: int | None = None,
+    scales: str = "tensor",
+    accum: str = "fast",
 ) -> list[HopperFp8Tactic]:
     """The tactics of tactic_space(splits) for (m, n, k), best-first: the recorded winner
     of each class for this device and (N, K), if any (RECORDED_WINNERS), then the cost
     model's order (estimate_us, then the tie-breaks of _cost).
 
-    The order is deterministic (total order on the cost tuple). With ``splits`` given,
+    ``scales`` / ``accum`` pick the scheme (tactic_space). The order is deterministic
+    (total order on the cost tuple). With ``splits`` given,
     every tactic is of one reduction-order class, so any subset is batch-invariant as a
     set; with splits=None the list mixes classes (not batch-invariant across M).
     """
     _check_problem(m, n, k, out_dtype, ab_dtype)
     if splits is not None and splits not in SPLIT_CHOICES:
         raise ValueError(f"splits must be one of {SPLIT_CHOICES}, got {splits!r}")
-    out = tactic_space(out_dtype, ab_dtype, splits)
+    out = tactic_space(out_dtype, ab_dtype, splits, scales, accum)
     out.sort(key=lambda t: (_cost(t, m, n, k, num_sms), t.name))
-    first = _recorded_first(m, n, k, splits, num_sms, out_dtype, ab_dtype)
+    # recorded winners were timed per-tensor and fast; the token scheme changes only the
+    # epilogue, so they rank first there too; exact tactics are ranked by the model alone
+    first = [] if accum != "fast" else [
+        dataclasses.replace(t, scales=scales)
+        for t in _recorded_first(m, n, k, splits, num_sms, out_dtype, ab_dtype)]
     if first:
         names = {t.name for t in first}
         out = first + [t for t in out if t.name not in names]
