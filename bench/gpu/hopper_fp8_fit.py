@@ -198,23 +198,12 @@ def update_table(by, space, path: str, sources: list[str], margin: float,
     machines are never compared, and a win within the run-to-run spread changes nothing.
     With ``rounds`` (load_rounds), the best tactic (by median) must be faster than the
     winner by more than ``margin`` in every round of the cell, not only in the median."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_recorded", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    # the recorded file's own provenance: its docstring up to "per (N, K)"
-    head = []
-    for line in mod.__doc__.strip().splitlines()[2:]:
-        before, hit, _ = line.partition("per (N, K)")
-        if before.strip():
-            head.append(before.rstrip())
-        if hit:
-            break
-    head[-1] = head[-1].removesuffix(":")
+    with open(path) as f:
+        head = json.load(f)["about"]  # the recorded file's own provenance
+    recorded = T.load_winners(path)
     table: dict = {}
     changed = kept = 0
-    for (n, k), per in mod.WINNERS.items():
+    for (_sms, n, k), per in recorded.items():
         for s, row in per.items():
             out = []
             for m, key, us in row:
@@ -250,32 +239,45 @@ def update_table(by, space, path: str, sources: list[str], margin: float,
 
 
 def _emit(table: dict, path: str, how: list[str]) -> None:
-    lines = ['"""Recorded H200 winners of cached.hopper_fp8 (generated; do not edit).',
-             "",
-             *how,
-             "per (N, K) and reduction-order class S, per M: (M, tactic key, measured us).",
-             "A key is tactics.recorded_key(t): 'w' for swap_ab, 'n' for wg_n = 2, 'p' for",
-             "ping-pong, tile, raster, for S > 1 the split mode, '@CMxCN' for a cluster,",
-             "'+pdl' for programmatic dependent launch.",
-             '"""', "", "SM_COUNT = 132", "", "WINNERS = {"]
+    """Write recorded winners as JSON (the format tactics.load_winners reads): provenance
+    lines, the device, then per (N, K) and class S the rows [M, tactic key, us], one
+    shape a line group so that diffs stay readable."""
+    head = {"about": how, "device": "NVIDIA H200", "sm_count": 132,
+            "format": "per (N, K) and reduction-order class S, per M bucket: [M, tactic key, "
+                      "measured us]; a key is tactics.recorded_key(t): 'w' swap_ab, 'n' wg_n = "
+                      "2, 'p' ping-pong, tile, raster, for S > 1 the split mode, '@CMxCN' a "
+                      "cluster, '+pdl' programmatic dependent launch"}
+    text = json.dumps(head, indent=1)[:-2] + ',\n "shapes": [\n'
+    shapes = []
     for (n, k), per in table.items():
-        lines.append(f"    ({n}, {k}): {{")
-        for s, row in per.items():
-            lines.append(f"        {s}: (")
-            line = ""
-            for m, key, us in row:  # packed, at most 100 characters a line
-                cell = f"({m}, {key!r}, {us}),"
-                if line and len(line) + 1 + len(cell) > 100:
-                    lines.append(line)
-                    line = ""
-                line = f"{line} {cell}" if line else "            " + cell
-            lines.append(line)
-            lines.append("        ),")
-        lines.append("    },")
-    lines.append("}")
+        classes = ",\n".join(f'    "{s}": {json.dumps([list(r) for r in row])}'
+                              for s, row in per.items())
+        shapes.append(f'  {{"n": {n}, "k": {k}, "classes": {{\n{classes}\n  }}}}')
+    text += ",\n".join(shapes) + "\n ]\n}\n"
+    json.loads(text)  # well-formed
     with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(text)
+    T.load_winners(path)  # and readable as the family reads it
     print(f"wrote {path}: {len(table)} shapes")
+
+
+def write_cost(tables: dict, constants: dict, path: str, how: list[str]) -> None:
+    """Write a cost file (the format tactics.load_cost reads): per tile kind the per-K-tile
+    rows [tile_m, tile_n, [M <= 64, M <= 1024, larger]] in us, and model_parts' constants."""
+    head = {"about": how, "device": "NVIDIA H200", "sm_count": 132}
+    text = json.dumps(head, indent=1)[:-2] + ',\n "us_per_k_tile": {\n'
+    kinds = []
+    for kind, rows in tables.items():
+        body = ",\n".join(f"   [{tm}, {tn}, {json.dumps([round(x, 4) for x in per])}]"
+                           for (tm, tn), per in sorted(rows.items()))
+        kinds.append(f'  "{kind}": [\n{body}\n  ]')
+    text += ",\n".join(kinds) + "\n },\n"
+    text += f' "constants": {json.dumps(constants)}\n}}\n'
+    json.loads(text)
+    with open(path, "w") as f:
+        f.write(text)
+    T.load_cost(path)
+    print(f"wrote {path}")
 
 
 def spread(path_a: str, path_b: str, space) -> None:
@@ -317,11 +319,12 @@ def spread(path_a: str, path_b: str, space) -> None:
               f"95th {v[round(0.95 * (len(v) - 1))]:.3f}, max {v[-1]:.3f}")
 
 
-def per_k_tile(by, space, sms: int) -> None:
+def per_k_tile(by, space, sms: int) -> dict:
     """Per tile shape of the S = 1 kernels and M regime (M <= 64, <= 1024, larger): the
     median over the run of (time - LAUNCH_US) / waves / K tiles, the model's
     US_PER_K_TILE, SWAP_US_PER_K_TILE, WG_N_US_PER_K_TILE and PINGPONG_US_PER_K_TILE
-    (printed as Python literals)."""
+    (printed); returned as {kind: {(tile_m, tile_n): [3 medians or None]}}, kinds as in
+    the cost file (plain, swap_ab, wg_n, pingpong)."""
     import statistics
 
     samples: dict = {}
@@ -335,21 +338,24 @@ def per_k_tile(by, space, sms: int) -> None:
                 waves = -(-T.work_units(t, m, n) // sms)
                 kt = -(-k // T.TILE_K)
                 reg = 0 if m <= 64 else (1 if m <= 1024 else 2)
-                kind = "swap" if t.swap_ab else ("wg_n" if t.wg_n == 2 else (
+                kind = "swap_ab" if t.swap_ab else ("wg_n" if t.wg_n == 2 else (
                     "pingpong" if t.pingpong else "plain"))
                 samples.setdefault((kind, t.tile_m, t.tile_n), {}).setdefault(
                     reg, []).append((us - T.LAUNCH_US) / waves / kt)
-    for kind, table in (("plain", "US_PER_K_TILE"), ("swap", "SWAP_US_PER_K_TILE"),
+    fitted: dict = {}
+    for kind, table in (("plain", "US_PER_K_TILE"), ("swap_ab", "SWAP_US_PER_K_TILE"),
                         ("wg_n", "WG_N_US_PER_K_TILE"),
                         ("pingpong", "PINGPONG_US_PER_K_TILE")):
         print(f"{table} = {{")
         for (kd, tm, tn), regs in sorted(samples.items()):
             if kd != kind:
                 continue
-            cells = ", ".join(f"{statistics.median(regs[r]):.3f}" if r in regs else "None"
-                              for r in range(3))
-            print(f"    ({tm}, {tn}): ({cells}),")
+            med = [round(statistics.median(regs[r]), 3) if r in regs else None
+                   for r in range(3)]
+            fitted.setdefault(kind, {})[(tm, tn)] = med
+            print(f"    ({tm}, {tn}): ({', '.join(str(x) for x in med)}),")
         print("}")
+    return fitted
 
 
 def main() -> int:
