@@ -24,6 +24,7 @@ run inside an inference process: timing takes the GPU for seconds per shape.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -147,20 +148,27 @@ def candidates(client: Any, n: int, k: int, m: int, target: Target, top: int = D
     cls = classes.pop()
     splits = T.splits_of_class(cls)
     out = list(reply.requests[:top])
+    # the plan lists its class's whole space: a neighbour's winner outside it (a pdl twin
+    # the space does not list) is no candidate, since no client plan could run it
+    in_plan = {_params_key(r.params): r for r in reply.requests}
     for per in _nearest_recorded(n, k, target.sm_count, near):
         row = per.get(splits)
         if not row:
             continue
         _, key, _ = next((r for r in row if r[0] >= m), row[-1])
         t = T._from_key(key, splits, target.out_dtype, target.ab_dtype)
-        out.append(KernelRequest(family=FAMILY, params=t.to_params(), arch=target.arch,
-                                 sm_count=target.sm_count,
-                                 max_active_clusters=max(1, target.sm_count // t.cluster_size)))
+        hit = in_plan.get(_params_key(t.to_params()))
+        if hit is not None:
+            out.append(hit)
     out = list(dict.fromkeys(out))
     for r in out:
         if T.tactic_from_params(r.params).reduction_class != cls:
             raise ValueError(f"candidate {r.params} is not of the class {cls}")
     return cls, out
+
+
+def _params_key(params: Any) -> str:
+    return json.dumps(params, sort_keys=True)
 
 
 def pick(rounds_us: dict[int, list[float]], margin: float) -> int | None:
@@ -218,12 +226,16 @@ def tune(client: Any, shapes: Sequence[tuple[int, int]], timer: Timer, target: T
         try:
             for i, m in enumerate(todo):
                 if i and time.monotonic() - started > budget_s:  # one bucket at least
-                    res.unfinished = todo[i:]
+                    res.unfinished += todo[i:]
                     progress(f"{n}x{k}: budget of {budget_s:g} s spent; "
                              f"{len(res.unfinished)} buckets left for the next run")
                     break
-                res.buckets.append(_tune_bucket(client, timer, n, k, m, target, cls, top,
-                                                near, rounds, margin, progress))
+                got = _tune_bucket(client, timer, n, k, m, target, cls, top, near, rounds,
+                                   margin, progress)
+                if got is None:
+                    res.unfinished.append(m)
+                else:
+                    res.buckets.append(got)
         except KeyboardInterrupt:
             res.unfinished = [m for m in todo if m not in {b.m for b in res.buckets}]
             res.seconds = time.monotonic() - started
@@ -237,7 +249,7 @@ def tune(client: Any, shapes: Sequence[tuple[int, int]], timer: Timer, target: T
 
 def _tune_bucket(client: Any, timer: Timer, n: int, k: int, m: int, target: Target,
                  cls: str, top: int, near: int, rounds: int, margin: float,
-                 progress: Progress) -> BucketResult:
+                 progress: Progress) -> BucketResult | None:
     got_cls, cands = candidates(client, n, k, m, target, top, near)
     if got_cls != cls:  # the family's class depends on (N, K) and the device only
         raise ValueError(f"{n}x{k}: the plan's class changed with M ({cls} -> {got_cls})")
@@ -245,8 +257,9 @@ def _tune_bucket(client: Any, timer: Timer, n: int, k: int, m: int, target: Targ
     win = pick(times, margin)
     ref = times.get(-1)
     if win is None:
-        raise RuntimeError(f"{n}x{k} M={m}: none of the {len(cands)} candidates could be "
-                           "timed (not in this node's store, or wrong results)")
+        progress(f"  M<={m}: none of the {len(cands)} candidates could be timed (not in this "
+                 "node's store, or wrong results); nothing published")
+        return None
     us = _median(times[win])
     client.autotune_put(p.AutotunePutRequest(
         op_name=OP, n=n, k=k, dtype=DTYPE, arch=target.arch, device=target.device, bucket=m,

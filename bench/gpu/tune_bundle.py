@@ -2,7 +2,8 @@
 (N, K) on an H200 (sm_90a, 132 SMs) at every M bucket (cached.tune.candidates: the plan's
 first ``top`` of its class and the nearest recorded shapes' winners), so that a serve-only
 daemon there can tune without compiling. Usage:
-    python bench/gpu/tune_bundle.py STORE_DIR TOP NEAR N,K [N,K ...]
+    python bench/gpu/tune_bundle.py STORE_DIR TOP NEAR [--buckets M,M,..] N,K [N,K ...]
+(a store that exists is added to: only kernels it lacks are compiled).
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from cached.cli.warm import warm  # noqa: E402
 
 def main() -> None:
     store, top, near = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    shapes = [tune.parse_shape(s) for s in sys.argv[4:]]
+    rest = sys.argv[4:]
+    buckets = tune.DEFAULT_BUCKETS
+    if rest[:1] == ["--buckets"]:
+        buckets, rest = tuple(int(v) for v in rest[1].split(",")), rest[2:]
+    shapes = [tune.parse_shape(s) for s in rest]
     store.mkdir(parents=True, exist_ok=True)
     d = Daemon(store.parent, workers=2, store=store)
     try:
@@ -31,7 +36,7 @@ def main() -> None:
         requests = []
         for n, k in shapes:
             per = []
-            for m in tune.DEFAULT_BUCKETS:
+            for m in buckets:
                 cls, cands = tune.candidates(client, n, k, m, target, top, near)
                 per += cands
             per = list(dict.fromkeys(per))
