@@ -172,7 +172,7 @@ def _remote_metrics(remote: Any, by_family: dict[str, dict[str, float]]) -> Iter
     ops = CounterMetricFamily("cached_remote_operations",
                               "Fleet tier operations by result.", labels=["result"])
     for result in ("hits", "misses", "rejected", "published", "errors", "skipped",
-                   "publish_dropped"):
+                   "publish_dropped", "records_published", "record_hits"):
         ops.add_metric([result], float(snap[result]))
     yield ops
     yield GaugeMetricFamily("cached_remote_publish_queue", "Publishes waiting to go out.",

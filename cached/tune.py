@@ -206,13 +206,14 @@ def tune(client: Any, shapes: Sequence[tuple[int, int]], timer: Timer, target: T
          buckets: Sequence[int] = DEFAULT_BUCKETS, top: int = DEFAULT_TOP,
          near: int = DEFAULT_NEAR, rounds: int = DEFAULT_ROUNDS,
          margin: float = DEFAULT_MARGIN, budget_s: float = DEFAULT_BUDGET_S,
-         force: bool = False, progress: Progress = lambda line: None) -> list[ShapeResult]:
+         force: bool = False, progress: Progress = lambda line: None,
+         results: list[ShapeResult] | None = None) -> list[ShapeResult]:
     """Tune ``shapes`` (see module doc); the results per shape. A bucket whose winner is
     published for (device, toolchain, class) is skipped unless ``force``. Each winner is
     published when its bucket is done, so a KeyboardInterrupt loses at most the bucket
-    being timed (the exception propagates after the partial result is reported); a shape
-    gets at least one bucket, then none once ``budget_s`` is spent."""
-    results = []
+    being timed (the exception propagates; ``results``, when given, holds what was done);
+    a shape gets at least one bucket, then none once ``budget_s`` is spent."""
+    results = [] if results is None else results
     for n, k in shapes:
         started = time.monotonic()
         cls, _ = candidates(client, n, k, buckets[0], target, top=1, near=0)

@@ -114,8 +114,10 @@ def test_interrupted_tune_goes_on_where_it_stopped(node):
     target = target_of(c)
     shapes = [(3584, 4608), (1152, 16384)]
     first = Preferring(stop_after=5)  # 4 buckets timed and published, the 5th interrupted
+    partial: list = []
     with pytest.raises(KeyboardInterrupt):
-        tune.tune(c, shapes, first, target, buckets=BUCKETS, rounds=2)
+        tune.tune(c, shapes, first, target, buckets=BUCKETS, rounds=2, results=partial)
+    assert [len(r.buckets) for r in partial] == [3, 1] and partial[1].unfinished == [64, 2048]
     assert [m for _, _, m, _ in first.calls] == [1, 64, 2048, 1, 64]
     assert {r["bucket"] for r in rows(c, 3584, 4608)} == set(BUCKETS)
     assert {r["bucket"] for r in rows(c, 1152, 16384)} == {1}
@@ -180,6 +182,17 @@ def test_winners_never_mix_classes(node):
     assert {T.tactic_from_params(b.request.params).reduction_class
             for b in plan.choice.buckets} == {cls}
     assert tune.published(c, n, k, target, cls).get(64, {}).get("tactic") != dict(s1.params)
+    # a winner of the class timed with another toolchain's kernels is not this one's
+    alien = c.plan_reply("cached.hopper_fp8", (4, n, k), "sm_90a", 132,
+                         {"reduction_class": cls}).requests[5]
+    assert c.autotune_put(AutotunePutRequest(**{**put, "bucket": 4, "time_us": 0.5,
+                                                "toolchain": "another-toolchain",
+                                                "tactic": dict(alien.params)},
+                                             reduction_class=cls))
+    again = gemm_plan.plan_gemm(c, n, k, arch="sm_90a", sm_count=132, device=H200,
+                                max_m=2048, prefetch=False)
+    at4 = {b.upper: b for b in again.choice.buckets}[4]
+    assert at4.request.params != dict(alien.params) and at4.source == "plan order"
 
 
 def test_planned_shapes_are_what_tune_planned_picks(node):

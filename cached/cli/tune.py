@@ -99,9 +99,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     try:
-        results = tune.tune(client, shapes, timer, target, buckets=args.buckets, top=args.top,
-                            near=args.near, rounds=args.rounds, margin=args.margin,
-                            budget_s=args.budget_s, force=args.force, progress=say)
+        tune.tune(client, shapes, timer, target, buckets=args.buckets, top=args.top,
+                  near=args.near, rounds=args.rounds, margin=args.margin,
+                  budget_s=args.budget_s, force=args.force, progress=say, results=results)
     except KeyboardInterrupt:
         say("cached tune: interrupted; the winners of finished buckets are published, and "
             "the next run starts where this one stopped")
