@@ -82,7 +82,7 @@ def test_every_command_and_option_has_plain_help():
     parser = build_parser()
     commands = _subparsers(parser)
     assert set(commands) == {"serve", "config", "warm", "stats", "ls", "gc", "verify",
-                             "export", "certify", "toolchains"}
+                             "export", "certify", "tune", "toolchains"}
     for name, sub in commands.items():
         for action in sub._actions:
             assert action.help and action.help.strip(), f"cached {name} {action.option_strings}"
