@@ -193,11 +193,16 @@ class Autotune:
         asyncio.get_running_loop().run_in_executor(None, self._note, row)
 
     def _note(self, row: dict) -> None:
-        with self.store.write() as db:
-            table = db.table(PLANNED)
-            if not table.exists():
-                table.create(PLANNED_COLUMNS, pk="id")
-            table.insert(row, ignore=True)
+        try:
+            with self.store.write() as db:
+                table = db.table(PLANNED)
+                if not table.exists():
+                    table.create(PLANNED_COLUMNS, pk="id")
+                table.insert(row, ignore=True)
+        except Exception as exc:  # noqa: BLE001 -- a plan never fails for its record
+            self._planned_seen.discard(row["id"])  # the next plan of the shape tries again
+            event(log, logging.WARNING, "autotune.planned_not_recorded", n=row["n"],
+                  k=row["k"], error=f"{type(exc).__name__}: {exc}"[:200])
 
     async def planned(self, m: p.PlannedRequest, peer: Peer) -> p.PlannedReply:
         rows = await asyncio.get_running_loop().run_in_executor(None, self._planned, m.family)
