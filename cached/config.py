@@ -482,8 +482,14 @@ def resolve(flags: argparse.Namespace | Mapping[str, Any] | None = None,
 
 def format_table(settings: Settings) -> str:
     """``cached config``'s table: name, value, source; the columns stay aligned."""
+    return format_rows(settings.rows(), settings.file, settings.file_source)
+
+
+def format_rows(options: list[dict], file: Any, file_source: str) -> str:
+    """:func:`format_table` of :meth:`Settings.rows` (as they are, or as JSON brought them
+    back from a running daemon: lists for tuples)."""
     rows = []
-    for row in settings.rows():
+    for row in options:
         value = row["value"]
         if BY_NAME[row["name"]].parse is parse_size:
             value = f"{size_text(value)} ({value} bytes)" if value else "0 (no limit)"
@@ -491,14 +497,14 @@ def format_table(settings: Settings) -> str:
             value = f"0{value:o}"
         elif value is None:
             value = "auto" if row["name"] == "workers" else "-"
-        elif isinstance(value, tuple):
-            value = ",".join("=".join(v) if isinstance(v, tuple) else str(v)
+        elif isinstance(value, (tuple, list)):
+            value = ",".join("=".join(v) if isinstance(v, (tuple, list)) else str(v)
                              for v in value) or "-"
         mark = "" if row["reloadable"] else "  (restart to change)"
         rows.append((row["name"], _printable(str(value)), row["source"] + mark))
     name_width = max(len(r[0]) for r in rows)
     value_width = min(VALUE_COLUMN, max(len(r[1]) for r in rows))
-    lines = [f"config file: {settings.file or '(none)'} ({settings.file_source})"]
+    lines = [f"config file: {file or '(none)'} ({file_source})"]
     for name, value, source in rows:
         if len(value) > value_width:  # its source goes under the source column
             lines += [f"{name:<{name_width}}  {value}", f"{'':<{name_width + value_width + 2}}"

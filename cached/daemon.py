@@ -1,10 +1,11 @@
 """The daemon: wires store, pool, scheduler, the ops, socket server and HTTP endpoint.
 
-Start order: fleet keys checked, the HTTP port bound, the Unix socket claimed (a port or
-path that cannot be used stops the daemon here with one line, nothing left behind), store
-opened (index read into memory), workers spawned (they import the toolchain in the
-background), socket listening (hits are served at once), the start-up scan and the HTTP
-endpoint serving. The daemon never touches a GPU: device facts come from
+Start order: fleet keys checked, the store's lock checked (one daemon per store: a live
+store stops it here), the HTTP port bound, the Unix socket claimed (a port or path that
+cannot be used stops the daemon here with one line, nothing left behind), the store's lock
+taken and the store opened (index read into memory), workers spawned (they import the
+toolchain in the background), socket listening (hits are served at once), the start-up
+scan and the HTTP endpoint serving. The daemon never touches a GPU: device facts come from
 requests, and compilation is cross-compilation for the requested arch.
 
 Everything that can make the store unusable is found before anything is bound: a store
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import families, identity, sizing, toolchain, toolchains
+from . import families, identity, sizing, storelock, toolchain, toolchains
 from .autotune import Autotune
 from .certifications import Certifications
 from .config import Settings
@@ -48,6 +49,7 @@ from .uploads import Uploads
 log = logging.getLogger("cached.daemon")
 
 FLUSH_INTERVAL_S = 2.0
+IN_USE_HINT = "stop that daemon first, or give this one another --store"
 
 
 class Daemon:
@@ -58,25 +60,34 @@ class Daemon:
         self.version = toolchain.daemon_version()
         self.remote = _make_remote(settings)  # first: a bad key file stops us before any I/O
         self.lifecycle = Lifecycle(self, reload_settings)
-        # Then what we listen on, HTTP first: a port or path we cannot use stops the daemon
-        # here, before its store is opened, and leaves no socket file behind.
-        self._http_sock = bind_http(settings.http_address)
+        # One daemon per store (cached/storelock.py): a live store stops us before we bind
+        # anything (a second serve would otherwise first meet the first one's port); the
+        # lock itself is taken when the store is opened (nothing is created before).
+        storelock.check(Path(settings.store), "serve", IN_USE_HINT)
+        self.store_lock: storelock.StoreLock | None = None
+        self._http_sock = None
         try:
+            # Then what we listen on, HTTP first: a port or path we cannot use stops the
+            # daemon here, before its store is opened, and leaves no socket file behind.
+            self._http_sock = bind_http(settings.http_address)
             self.socket_path = self.lifecycle.bind().path
             self._open(settings)
         except BaseException:
             if self._http_sock is not None:
                 self._http_sock.close()
             self.lifecycle.release()
+            if self.store_lock is not None:
+                self.store_lock.release()
             raise
 
     def _open(self, settings: Settings) -> None:
         _raise_descriptor_limit()
         store_root = Path(settings.store)
+        self.store_lock = storelock.take(store_root, "serve", self.socket_path, IN_USE_HINT)
         self.store = Store(store_root, Budget(settings.max_bytes, settings.max_files,
                                               settings.evict_grace))
         self.store.check_budget()
-        self.stats = Stats()
+        self.stats = Stats(families.names())
         if settings.serve_only:
             self.toolchains = identity.pinned(store_root)
             workers = 0
@@ -88,6 +99,7 @@ class Daemon:
         self.versions = dict(self.toolchains.default.versions) or toolchain.versions()
         self.pool = Pool(workers, settings.job_timeout,
                          [] if settings.serve_only else _launchers(self.toolchains))
+        self.stats.keep("worker_restarts", lambda: self.pool.restarts)
         self.scheduler = Scheduler(self.store, self.pool, self.stats, self.toolchains,
                                    remote=self.remote)
         self.store.protect(lambda: tuple(self.scheduler.inflight))
@@ -114,14 +126,18 @@ class Daemon:
         c = Counter(counters)
         return {
             "entries": store.entries, "bytes": store.bytes, "hits": c["hits"],
-            "misses": c["misses"], "compiles": c["compiles"], "failures": c["failures"],
+            "misses": c["misses"], "prewarm_hits": c["prewarm_hits"],
+            "prewarm_misses": c["prewarm_misses"],
+            "hit_seconds_mean": _mean(by_family, "hit_seconds"),
+            "miss_seconds_mean": _mean(by_family, "miss_seconds"),
+            "compiles": c["compiles"], "failures": c["failures"],
             "persist_failures": c["persist_failures"],
             "remote_hits": c["remote_hits"],
             "remote": self.remote.snapshot() if self.remote else {"state": "disabled"},
             "compile_seconds": round(c["compile_seconds"], 3),
             "in_flight": jobs.in_flight, "queued": jobs.queued, "running": jobs.running,
             "workers": pool.size, "workers_alive": pool.alive, "workers_ready": pool.ready,
-            "workers_idle": pool.idle, "worker_restarts": pool.restarts,
+            "workers_idle": pool.idle, "worker_restarts": self.stats.since_zero("worker_restarts"),
             "connections": self.server.connections,
             "errors": {k.split(".", 1)[1]: v for k, v in c.items()
                        if k.startswith("errors.") and v},
@@ -141,6 +157,9 @@ class Daemon:
             "over_budget": store.over_budget, "client_fallbacks": c["client_fallbacks"],
             "unknown_toolchain": c["unknown_toolchain"],
             "draining": self.lifecycle.draining,
+            "settings": {"file": str(self.settings.file) if self.settings.file else None,
+                         "file_source": self.settings.file_source,
+                         "options": self.settings.rows()},
         }
 
     async def run(self) -> None:
@@ -181,6 +200,8 @@ class Daemon:
         if self._http is not None:
             self._http.should_exit = True
         await loop.run_in_executor(None, self.store.close)  # a locked index waits there
+        if self.store_lock is not None:
+            self.store_lock.release()
         event(log, logging.INFO, "daemon.stopped")
 
     def stop(self) -> None:
@@ -219,6 +240,13 @@ class Daemon:
         threading.Thread(target=self._http.run, kwargs={"sockets": [sock]}, name="http",
                          daemon=True).start()
         event(log, logging.INFO, "http.listening", address=self.http_address)
+
+
+def _mean(by_family: dict[str, dict[str, float]], name: str) -> float | None:
+    """The mean of latency ``name`` (``hit_seconds``, ``miss_seconds``) over every family's
+    serving gets, in seconds; None before the first."""
+    count = sum(c.get(f"{name}_count", 0) for c in by_family.values())
+    return round(sum(c.get(name, 0) for c in by_family.values()) / count, 6) if count else None
 
 
 def _launchers(registry: toolchains.Toolchains) -> list[Launcher]:

@@ -159,11 +159,6 @@ def run_in(python: str | None, request: dict) -> dict:
 # -- in the exporting process -------------------------------------------------------------
 
 
-def default_flashinfer_cache(python: str | None = None) -> Path:
-    """The target environment's ``FLASHINFER_JIT_DIR`` (honours FLASHINFER_WORKSPACE_BASE)."""
-    return Path(run_in(python, {"jit_dir": True})["jit_dir"])
-
-
 def _module(artifact: dict) -> str:
     return artifact["meta"].get("flashinfer_module") or names.MM_FP4_MODULE
 

@@ -14,16 +14,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fastapi import FastAPI
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import HTMLResponse
+from starlette.routing import Route
 
 PUBLIC_KEYS = (
-    "entries", "bytes", "hits", "misses", "compiles", "failures", "persist_failures",
+    "entries", "bytes", "hits", "misses", "prewarm_hits", "prewarm_misses",
+    "hit_seconds_mean", "miss_seconds_mean", "compiles", "failures", "persist_failures",
     "remote_hits",
     "compile_seconds", "in_flight", "queued", "running", "workers", "workers_alive",
     "workers_ready", "workers_idle", "worker_restarts", "connections", "errors", "families",
     "uptime_s", "started", "stats_zeroed_at", "version", "versions", "toolchain",
     "serve_only", "http", "max_bytes", "max_files", "evictions", "evicted_bytes",
-    "over_budget", "client_fallbacks", "draining",
+    "over_budget", "client_fallbacks", "draining", "unknown_toolchain",
 )
 """The snapshot's keys HTTP shows as they are (counts, states, versions, family names)."""
 PUBLIC_REMOTE_KEYS = (
@@ -56,7 +58,9 @@ def public_stats(snapshot: dict) -> dict:
 
 
 def make_app(stats_fn: Callable[[], dict], ready_fn: Callable[[], bool],
-             metrics_fn: Callable[[], bytes] | None = None) -> FastAPI:
+             metrics_app: Callable | None = None) -> FastAPI:
+    """The endpoint's routes; ``metrics_app`` (an ASGI app, cached.metrics.make_metrics)
+    answers ``/metrics``."""
     app = FastAPI(title="cached", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.get("/healthz")
@@ -67,12 +71,8 @@ def make_app(stats_fn: Callable[[], dict], ready_fn: Callable[[], bool],
     def stats() -> dict:
         return public_stats(stats_fn())
 
-    if metrics_fn is not None:
-        from .metrics import CONTENT_TYPE
-
-        @app.get("/metrics")
-        def metrics() -> Response:
-            return Response(metrics_fn(), media_type=CONTENT_TYPE)
+    if metrics_app is not None:  # at /metrics itself (a mount would redirect to /metrics/)
+        app.router.routes.append(Route("/metrics", _Asgi(metrics_app), methods=["GET"]))
 
     @app.get("/", response_class=HTMLResponse)
     def page() -> HTMLResponse:
@@ -82,3 +82,14 @@ def make_app(stats_fn: Callable[[], dict], ready_fn: Callable[[], bool],
                             headers={"Cache-Control": "no-store"})
 
     return app
+
+
+class _Asgi:
+    """An ASGI app that Starlette's ``Route`` calls as it is (a plain function would be
+    taken for a request handler)."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        await self.app(scope, receive, send)

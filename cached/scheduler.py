@@ -56,11 +56,12 @@ from .toolchains import Route, Toolchains
 
 log = logging.getLogger("cached.scheduler")
 
-INTERACTIVE, PREWARM = 0, 1
+PRIORITIES = {name: rank for rank, name in enumerate(p.PRIORITIES)}
+"""A request's priority name -> its rank in the queue (lower goes first)."""
+INTERACTIVE, PREWARM = PRIORITIES["interactive"], PRIORITIES["prewarm"]
 UNSTORED_HOLD_S = 120.0
 """How long the work directory of an unstored kernel outlives its job (seconds): its
 waiters open the files by path within that time."""
-PRIORITIES = {"interactive": INTERACTIVE, "prewarm": PREWARM}
 RESOLVED_MAX = 4096
 """Resolved requests remembered (the oldest forgotten first): a hit does not canonicalise
 its request or hash its key again."""
@@ -180,20 +181,22 @@ class Scheduler:
     async def get(self, request: KernelRequest, priority: int = INTERACTIVE,
                   timeout: float = 60.0, identity: p.Identity | None = None,
                   admit: Callable[[str], None] | None = None) -> tuple[Entry, str]:
-        """The stored entry for a request and whether it was a ``hit`` or ``compiled``;
-        UnknownToolchain at once for a miss no registered toolchain may compile. On a miss,
-        ``admit(key)`` runs right before the compilation is queued (or joined), and may
-        refuse it by raising."""
+        """The stored entry for a request and whether it was a ``hit`` or ``compiled``
+        (counted as ``hits``/``misses``, or ``prewarm_hits``/``prewarm_misses`` at pre-warm
+        priority); UnknownToolchain at once for a miss no registered toolchain may compile.
+        On a miss, ``admit(key)`` runs right before the compilation is queued (or joined),
+        and may refuse it by raising."""
         family, request, route = self.resolve(request, identity)
         if family.bundle:
             raise InvalidArgument(f"{family.name} artifacts are bundles a client writes back: "
                                   "ask for them with lease")
         key = route.key
         entry = await self.lookup(key)
+        prewarm = "prewarm_" if priority == PREWARM else ""  # counted apart from serving
         if entry is not None:
-            self.stats.count("hits", family.name)
+            self.stats.count(f"{prewarm}hits", family.name)
             return entry, "hit"
-        self.stats.count("misses", family.name)
+        self.stats.count(f"{prewarm}misses", family.name)
         if route.compiler is None:
             self.stats.count("unknown_toolchain", family.name)
             raise UnknownToolchain(route.why)
@@ -223,7 +226,8 @@ class Scheduler:
             self.store.readers, self.store.lookup, key)
 
     def prefetch(self, wires: list[Any], identity: p.Identity | None = None) -> dict:
-        """Queue every request not stored or in flight as pre-warm work; answers at once."""
+        """Queue every request not stored or in flight as pre-warm work; answers at once.
+        Stored ones count as ``prewarm_hits``, queued ones as ``prewarm_misses``."""
         report: dict[str, Any] = {"queued": 0, "cached": 0, "in_flight": 0, "rejected": []}
         for index, wire in enumerate(wires):
             try:
@@ -234,6 +238,7 @@ class Scheduler:
             key = route.key
             if self.store.contains(key):
                 report["cached"] += 1
+                self.stats.count("prewarm_hits", family.name)
             elif key in self.inflight:
                 report["in_flight"] += 1
             elif route.compiler is None:
@@ -246,6 +251,7 @@ class Scheduler:
                     report["rejected"].append({"index": index, "error": exc.to_wire()})
                     continue
                 report["queued"] += 1
+                self.stats.count("prewarm_misses", family.name)
         return report
 
     async def plan(self, m: p.PlanRequest) -> list[dict]:

@@ -125,15 +125,16 @@ class Service:
 
     async def get(self, m: p.GetRequest, peer: Peer
                   ) -> p.GetReply | tuple[p.GetReply, Attachment]:
-        """The artifact, handed over as ``m.transfer`` asks; its latency (decoded request to
-        reply, seconds) goes into the ``hit_seconds`` or ``miss_seconds`` histogram of its
-        family."""
+        """The artifact, handed over as ``m.transfer`` asks; a serving request's latency
+        (decoded request to reply, seconds) goes into the ``hit_seconds`` or
+        ``miss_seconds`` histogram of its family (a pre-warm request's does not)."""
         started = time.perf_counter()
         reply = await self._get(m, peer)
         artifact = (reply[0] if isinstance(reply, tuple) else reply).artifact
         family = m.request.family
-        self.stats.observe("hit_seconds" if artifact.origin == "hit" else "miss_seconds",
-                           family, time.perf_counter() - started)
+        if m.priority != "prewarm":
+            self.stats.observe("hit_seconds" if artifact.origin == "hit" else "miss_seconds",
+                               family, time.perf_counter() - started)
         self.stats.count("bytes_served", family, artifact.library_size + artifact.object_size)
         if artifact.origin in ("hit", "remote"):  # served without compiling anything for it
             self.stats.count("compiles_avoided", family)

@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import sqlite_utils
-from cached_client.errors import CompileFailed, IntegrityError
+from cached_client.errors import CompileFailed
 from cached_client.keys import KernelRequest
-from cached_client.protocol import BUNDLE_NAME, MAX_BUNDLE_FILES, check_manifest
+from cached_client.protocol import BUNDLE_NAME, KINDS, MAX_BUNDLE_FILES, check_manifest
 
 from .config import ConfigError
 from .log import event
@@ -61,10 +61,6 @@ COLUMNS = {
 }
 ADDED_COLUMNS = {"kind": "kernel", "files": ""}
 """Columns an older index lacks, added with these values when it is opened."""
-KINDS = ("kernel", "bundle")
-"""What an entry holds: a ``kernel`` is an object and the library linked from it; a
-``bundle`` is a set of named opaque files (a JIT library's own artifacts, written back by
-clients), listed with their digests and sizes in the row's ``files`` manifest."""
 
 SUFFIXES = {"object": ".o", "library": ".so"}
 INDEX_NAME = "index.sqlite"
@@ -593,21 +589,6 @@ class Store:
                 for name, f in manifest(row).items()})
         return Entry(dict(row), self.blob_path(row["object_sha256"], SUFFIXES["object"]),
                      self.blob_path(row["library_sha256"], SUFFIXES["library"]))
-
-    def read_library(self, entry: Entry) -> bytes:
-        """The library blob's bytes, checked against its digest once more as read."""
-        if entry.library_data is not None:
-            return entry.library_data
-        try:
-            data = self.read_blob(entry.row["library_sha256"], SUFFIXES["library"],
-                                  entry.row["library_size"], keep=True, what="library")
-        except BadBlob as bad:
-            self.drop(entry.key, f"while being read: {bad.reason}")
-            raise IntegrityError(f"the stored library of {entry.key[:12]} changed while being "
-                                 "read; it was dropped, and the next request rebuilds it"
-                                 ) from None
-        assert data is not None
-        return data
 
     def contains(self, key: str) -> bool:
         """Whether an index row exists (not verified; use :meth:`lookup` to serve)."""

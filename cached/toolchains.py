@@ -338,8 +338,20 @@ class Toolchains:
                 "path": t.runtime_library if t is not None else None}
 
     def snapshot(self) -> list[dict]:
-        """Each toolchain for people: name, python, readable versions, fingerprint digest."""
+        """Each toolchain for people: name, python, readable versions, fingerprint digest,
+        the families it compiles (:func:`compiled_families`)."""
         return [{"name": t.name, "python": t.python, "fingerprint": t.digest,
-                 "versions": dict(t.versions), "families": sorted(t.sources),
+                 "versions": dict(t.versions), "families": compiled_families(t),
                  "runtime": t.describe_runtime(), "default": t is self.default}
                 for t in self.items]
+
+
+def compiled_families(toolchain: Toolchain) -> list[str]:
+    """The registered families ``toolchain`` compiles: the project's own (every toolchain
+    compiles them) and the FlashInfer families its FlashInfer has; never the write-back
+    ones (``"params"``)."""
+    from . import families
+
+    return sorted(n for n in families.names()
+                  if families.get(n).sources == "daemon"
+                  or families.get(n).sources == "flashinfer" and n in toolchain.sources)

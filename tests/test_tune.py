@@ -208,11 +208,11 @@ def test_planned_shapes_are_what_tune_planned_picks(node):
 
 
 def test_cli_checks_its_arguments_and_needs_a_gpu(node):
-    bad = run_cli("tune", "--socket", node.socket, "--shape", "4608,35", check=False)
+    bad = run_cli("tune", "--socket", node.socket, "--weight", "4608,35", check=False)
     assert bad.returncode == 2 and "multiples of 16" in bad.stderr
     none = run_cli("tune", "--socket", node.socket, check=False)
     assert none.returncode == 2 and "no shapes" in none.stderr
-    cpu = run_cli("tune", "--socket", node.socket, "--shape", "4608,3584", check=False)
+    cpu = run_cli("tune", "--socket", node.socket, "--weight", "4608,3584", check=False)
     assert cpu.returncode == 2 and "no CUDA device" in cpu.stderr
 
 

@@ -294,3 +294,38 @@ def test_the_plugin_costs_nothing_until_flashinfer_is_imported(tmp_path):
     # the hook attached when FlashInfer was imported: vLLM's pin 0.7.2.post1 lacks what the
     # integration hooks (cached_client.flashinfer, issue 11), and the line says so
     assert any("cached: FlashInfer 0.7.2.post1" in x for x in out.splitlines()), out[-3000:]
+
+
+ARG_UTILS_FIRST = """
+import json, sys, types
+# vllm/platforms/cuda.py imports its compiled extension at module level (needs libcuda.so.1)
+sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+first = "vllm.config.kernel" in sys.modules
+from vllm.engine.arg_utils import EngineArgs  # imports vllm.config.kernel while importing
+from vllm.config.kernel import KernelConfig
+print("RESULT " + json.dumps({"kernel_imported_first": first,
+                              "backend": KernelConfig(linear_backend="cached").linear_backend}))
+"""
+
+
+@needs_vllm
+def test_the_kernel_config_hook_fires_cleanly_inside_arg_utils_own_import(tmp_path):
+    """A worker that loads the plugin before vLLM's config (vllm.engine.arg_utils, mid-import,
+    imports vllm.config.kernel, whose hook then ran before arg_utils had its kwargs cache):
+    ``cached`` is accepted and no hook fails in the log."""
+    d = DaemonProcess(tmp_path, workers=0)
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PYTHONPATH")}
+        env.update({"CACHED_SOCKET": d.socket, "PYTHONPATH": str(ROOT / "client")})
+        proc = subprocess.run([str(VLLM_PYTHON), "-c", ARG_UTILS_FIRST], capture_output=True,
+                              text=True, env=env, timeout=600)
+    finally:
+        d.stop()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    assert json.loads(line[7:]) == {"kernel_imported_first": False, "backend": "cached"}
+    assert "hook for vllm.config.kernel failed" not in out, out[-3000:]
+    assert "_compute_kwargs" not in out

@@ -74,7 +74,7 @@ if [[ $mode == gpu ]]; then
   echo "setup $(( $(date +%s) - t0 )) s"
   set +e
   args=()
-  for s in "${SHAPES[@]}"; do args+=(--shape "$s"); done
+  for s in "${SHAPES[@]}"; do args+=(--weight "$s"); done
   t1=$(date +%s)
   python3 -m cached tune --socket /tmp/cached.sock "${args[@]}" --top "$TOP" --near "$NEAR" \
     --rounds "$ROUNDS" --budget-s "$BUDGET" --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log"
@@ -86,7 +86,7 @@ if [[ $mode == gpu ]]; then
     echo "cached tune again: $(( $(date +%s) - t1 )) s in all"
   fi
   if [[ -n ${WIDE:-} ]]; then  # a wider search on one shape, replacing its winners
-    python3 -m cached tune --socket /tmp/cached.sock --shape "$WIDE" --force \
+    python3 -m cached tune --socket /tmp/cached.sock --weight "$WIDE" --force \
       --buckets "${WIDE_BUCKETS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192}" \
       --top "${WIDE_TOP:-16}" --near "${WIDE_NEAR:-3}" --rounds "$ROUNDS" --budget-s 60 \
       --json "$OUT/tune_wide.json" 2>&1 | tee "$OUT/tune_wide.log"

@@ -44,8 +44,14 @@ def _positive_float(text: str) -> float:
 
 def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     t = sub.add_parser("tune", parents=[common],
-                       help="time tactics per M bucket on this GPU and share the winners")
-    t.add_argument("--shape", type=_shape, action="append", default=[], metavar="N,K",
+                       help="time tactics per M bucket on this GPU and share the winners",
+                       description="For some weight shapes, time each M bucket's candidate "
+                       "tactics of the batch-invariant class on this node's GPU (kernels "
+                       "fetched from the daemon) and publish the winners through the daemon, "
+                       "for every process and, with a fleet tier, every node with this device "
+                       "and toolchain. Interruptible; a later run goes on where it stopped. "
+                       "Needs a GPU; never run it inside an inference process.")
+    t.add_argument("--weight", type=_shape, action="append", default=[], metavar="N,K",
                    help="weight shape N,K (repeatable)")
     t.add_argument("--manifest", metavar="NAME|PATH", help="the shapes of a manifest")
     t.add_argument("--planned", action="store_true",
@@ -73,9 +79,9 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
 
 def cmd_tune(args: argparse.Namespace) -> int:
     client = Client(args.socket, timeout=600)
-    shapes = tune.shapes_to_tune(client, args.shape, args.manifest, args.planned)
+    shapes = tune.shapes_to_tune(client, args.weight, args.manifest, args.planned)
     if not shapes:
-        print("cached tune: no shapes: give --shape, --manifest or --planned",
+        print("cached tune: no shapes: give --weight, --manifest or --planned",
               file=sys.stderr)
         return 2
     import torch

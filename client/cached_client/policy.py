@@ -48,9 +48,6 @@ OPS = ("linear", "bmm")
 QUANTS = ("fp8", "nvfp4-w4a4", "nvfp4-w4a16")
 ARCHES = ("sm_90a", "sm_100a", "sm_103a", "sm_107a")
 FLASHINFER_BI_ARCHES = ("sm_100a", "sm_103a", "sm_107a")
-#: backends vLLM's batch-invariant mode accepts as they are, per quantisation
-BI_OK_BACKENDS = {"fp8": ("cutlass",), "nvfp4-w4a16": ("humming",),
-                  "nvfp4-w4a4": ("cutlass",)}
 DEFAULT_BACKEND = {"fp8": "flashinfer", "nvfp4-w4a4": "flashinfer.mm_fp4",
                    "nvfp4-w4a16": "flashinfer-cutedsl"}
 NO_PREFERENCE = (None, "", "auto")

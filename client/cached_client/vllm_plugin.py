@@ -189,9 +189,11 @@ def attach_kernel_config(kernel_cfg: Any) -> None:
     cls.__dataclass_fields__["linear_backend"].type = literal
     cls.__annotations__["linear_backend"] = literal
     rebuild_dataclass(cls, force=True)
-    arg_utils = sys.modules.get("vllm.engine.arg_utils")
-    if arg_utils is not None:
-        arg_utils._compute_kwargs.cache_clear()
+    # argparse's choices come from arg_utils' cached kwargs; while arg_utils is itself
+    # importing (it imports vllm.config), it has no cache yet: its own hook clears it then
+    compute_kwargs = getattr(sys.modules.get("vllm.engine.arg_utils"), "_compute_kwargs", None)
+    if compute_kwargs is not None:
+        compute_kwargs.cache_clear()
 
 
 def lacks_bmm_pin(flashinfer_scaled_fp8_mm: Any) -> bool:
