@@ -117,9 +117,11 @@ class Daemon:
         self.quota = QueueQuota(self.scheduler, self.access, settings.max_queued_per_uid)
         self.leases = Leases(self.scheduler, self.access, self.stats)
         self.uploads = Uploads(self.leases, settings.upload_timeout)
-        service = Service(self.scheduler, self.access, self.stats, self.snapshot, self.quota)
+        autotune = Autotune(self.store, self.remote)
+        service = Service(self.scheduler, self.access, self.stats, self.snapshot, self.quota,
+                          on_plan=autotune.note_plan)
         self.server = Server({**service.ops(), **self.leases.ops(), **self.uploads.ops(),
-                              **Autotune(self.store).ops(),
+                              **autotune.ops(),
                               **Certifications(self.store).ops()},
                              self.access, self.stats, Limits.from_settings(settings))
         self.http_address = ""

@@ -81,7 +81,7 @@ def _remote_counters(d: Any) -> Iterator[Metric]:
     ops = CounterMetricFamily("cached_remote_operations",
                               "Fleet tier operations by result.", labels=["result"])
     for result in ("hits", "misses", "rejected", "published", "errors", "skipped",
-                   "publish_dropped"):
+                   "publish_dropped", "records_published", "record_hits"):
         ops.add_metric([result], float(snap[result]))
     yield ops
     moved = CounterMetricFamily("cached_remote_bytes", "Bytes read from and written to "

@@ -100,7 +100,9 @@ class QueueQuota:
 
 class Service:
     def __init__(self, scheduler: Scheduler, access: Access, stats: Stats,
-                 snapshot: Callable[[], dict], quota: QueueQuota | None = None) -> None:
+                 snapshot: Callable[[], dict], quota: QueueQuota | None = None,
+                 on_plan: Callable[[p.PlanRequest], None] | None = None) -> None:
+        self.on_plan = on_plan  # told of every answered plan (cached tune --planned)
         self.scheduler = scheduler
         self.store = scheduler.store
         self.access = access
@@ -203,6 +205,8 @@ class Service:
         wires = await self.scheduler.plan(m)
         requests = [p.Kernel()(w, "requests") for w in wires]
         family = families.get(m.family)
+        if self.on_plan is not None:
+            self.on_plan(m)
         return p.PlanReply(requests=requests,
                            classes=[family.reduction_class(r.params) for r in requests])
 

@@ -83,7 +83,7 @@ def test_every_command_and_option_has_plain_help():
     parser = build_parser()
     commands = _subparsers(parser)
     assert set(commands) == {"serve", "config", "warm", "stats", "ls", "gc", "verify",
-                             "export", "certify", "toolchains"}
+                             "export", "certify", "tune", "toolchains"}
     for name, sub in commands.items():
         assert sub.description and len(sub.description) > 40, f"cached {name}: no description"
         for action in sub._actions:
@@ -100,16 +100,17 @@ def test_every_command_and_option_has_plain_help():
 
 
 def test_each_flag_means_one_thing_across_commands():
-    """--shape is M,N,K wherever it is (certify's weight is --weight N,K), --arch is the one
-    target flag (warm has no --target), --toolchain names a registered toolchain (serve and
-    config register one: NAME=PYTHON; warm picks one: NAME; ls filters by --built-with)."""
+    """--shape is M,N,K wherever it is (certify's and tune's weight is --weight N,K), --arch
+    is the one target flag (warm has no --target), --toolchain names a registered toolchain
+    (serve and config register one: NAME=PYTHON; warm picks one: NAME; ls filters by
+    --built-with)."""
     seen: dict[str, dict[str, str]] = {}
     for name, sub in _subparsers(build_parser()).items():
         for action in sub._actions:
             for flag in action.option_strings:
                 seen.setdefault(flag, {})[name] = action.metavar or ""
     assert set(seen["--shape"].values()) == {"M,N,K"}, seen["--shape"]
-    assert seen["--weight"] == {"certify": "N,K"}
+    assert seen["--weight"] == {"certify": "N,K", "tune": "N,K"}
     assert set(seen["--arch"].values()) == {"ARCH"} and "--target" not in seen
     assert seen["--toolchain"] == {"serve": "NAME=PYTHON", "config": "NAME=PYTHON",
                                    "warm": "NAME"}, seen["--toolchain"]

@@ -450,6 +450,12 @@ class Client:
                      timeout: float | None = None) -> list[dict]:
         return self._call("autotune_get", request, p.AutotuneGetReply, timeout).results
 
+    def planned(self, family: str | None = None, timeout: float | None = None) -> list[dict]:
+        """The weight shapes clients planned on this node ({family, n, k, arch, sm_count,
+        options}), first seen first."""
+        return self._call("planned", p.PlannedRequest(family=family), p.PlannedReply,
+                          timeout).shapes
+
     def certify_record(self, record: dict, timeout: float | None = None) -> int:
         return self._call("certify_record", p.CertifyRecordRequest(record=record),
                           p.CertifyRecordReply, timeout).record_id

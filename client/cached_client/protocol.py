@@ -612,6 +612,10 @@ class AutotunePutRequest(Message):
     tactic: Any = wire(Any_(), None)
     time_us: float = wire(Number(1e-6, 1e9))
     replace: bool = wire(Bool(), False)
+    toolchain: str = wire(Str(1 << 16), "", "the fingerprint of the stack that compiled the "
+                          "kernel timed (hello's toolchain); empty: not stated")
+    reduction_class: str = wire(Str(200), "", "the winner's reduction-order class; when "
+                                "stated, the daemon checks the tactic is of it")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -627,11 +631,24 @@ class AutotuneGetRequest(Message):
     dtype: str | None = wire(Optional(Str(200)), None)
     arch: str | None = wire(Optional(Str(200)), None)
     device: str | None = wire(Optional(Str(200)), None)
+    toolchain: str | None = wire(Optional(Str(1 << 16)), None)
+    reduction_class: str | None = wire(Optional(Str(200)), None)
 
 
 @dataclass(frozen=True, kw_only=True)
 class AutotuneGetReply(Message):
     results: list = wire(List(Obj()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedRequest(Message):
+    family: str | None = wire(Optional(Str()), None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedReply(Message):
+    shapes: list = wire(List(Obj()), [], "each (family, n, k, arch, sm_count, options) a "
+                        "client planned on this node, first seen first")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -693,7 +710,10 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("autotune_put", AutotunePutRequest, AutotunePutReply, True,
        "share a tuning winner with the node"),
     Op("autotune_get", AutotuneGetRequest, AutotuneGetReply, False,
-       "tuning winners recorded on this node"),
+       "tuning winners recorded on this node (and, with a fleet tier, on its peers)"),
+    Op("planned", PlannedRequest, PlannedReply, False,
+       "the weight shapes clients have planned on this node (what cached tune --planned "
+       "tunes)"),
     Op("certify_record", CertifyRecordRequest, CertifyRecordReply, True,
        "record a batch-invariance certification"),
     Op("certifications", FamilyFilter, CertificationsReply, False,

@@ -89,7 +89,9 @@ on M, so a batch-invariant plan for one (N, K) uses one class for every M.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 FAMILY = "hopper_fp8_gemm"
@@ -591,99 +593,89 @@ def smem_bytes(t: HopperFp8Tactic) -> int:
 # Enumeration and the cost model
 # --------------------------------------------------------------------------------------
 
-# Microseconds one CTA spends per 128-deep K tile, by (tile_m, tile_n) and M regime
-# (M <= 64, M <= 1024, larger): the median over H200 runs (14 (N, K) shapes,
-# bench/gpu/hopper_fp8_check.py, 2026-11-30) of (time - 2.5 us) / waves / K tiles, for
-# S = 1, cluster 1x1, swizzle 1, raster m (bench/gpu/hopper_fp8_fit.py --per-k-tile over
-# docs/results/h200_hopper_fp8_swap_wide.csv then h200_hopper_fp8_mid.csv, whose cells
-# replace the first run's at M = 64..8192). 256x64 was never timed: scaled from 256x80.
-# The NARROW_TILE_N tiles (64 x 40/48/56): M <= 64 the same median over the H200 decode7
-# run (seventh pass, 14 (N, K) x M = 1..64; docs/results/h200_hopper_fp8_pass7_decode7.csv,
-# --per-k-tile), where 64x64 gave 0.290; M > 64 not timed: 64x64's figures.
-US_PER_K_TILE = {
-    (64, 40): (0.240, 0.189, 0.204),
-    (64, 48): (0.237, 0.189, 0.204),
-    (64, 56): (0.248, 0.189, 0.204),
-    (64, 64): (0.291, 0.189, 0.204),
-    (64, 80): (0.244, 0.217, 0.228),
-    (64, 96): (0.245, 0.242, 0.249),
-    (64, 112): (0.258, 0.259, 0.279),
-    (64, 128): (0.267, 0.291, 0.294),
-    (64, 160): (0.266, 0.346, 0.326),
-    (64, 192): (0.300, 0.382, 0.347),
-    (64, 256): (0.374, 0.434, 0.430),
-    (128, 64): (0.376, 0.258, 0.332),
-    (128, 80): (0.353, 0.293, 0.369),
-    (128, 96): (0.316, 0.317, 0.371),
-    (128, 112): (0.332, 0.351, 0.400),
-    (128, 128): (0.405, 0.391, 0.428),
-    (128, 160): (0.408, 0.460, 0.541),
-    (128, 192): (0.482, 0.522, 0.641),
-    (128, 256): (0.625, 0.671, 0.835),
-    (256, 64): (0.700, 0.460, 0.530),
-    (256, 80): (0.755, 0.490, 0.569),
-    (256, 96): (0.701, 0.557, 0.656),
-    (256, 112): (0.606, 0.639, 0.759),
-    (256, 128): (0.667, 0.686, 0.833),
-    (256, 160): (0.778, 0.830, 1.038),
-    (256, 192): (0.930, 0.977, 1.205),
-}
+# The cost model's fitted numbers are data (data/h200_cost.json, written by
+# bench/gpu/hopper_fp8_fit.py --write-cost from the H200 runs; docs/benchmarks.md): the
+# microseconds one CTA spends per 128-deep K tile, by tile kind (plain, swap_ab, wg_n = 2,
+# ping-pong), (tile_m, tile_n) and M regime (M <= 64, M <= 1024, larger), and the constants
+# of model_parts. Read once, on first use (not at import), by cost_model(); the module
+# attributes US_PER_K_TILE, SWAP_US_PER_K_TILE, WG_N_US_PER_K_TILE, PINGPONG_US_PER_K_TILE,
+# HBM_BYTES_PER_US, DRAIN_K_TILES, CTA_FIXED_US, CTA_REDUCE_US_PER_KB, LAUNCH_US and
+# RECORDED_WINNERS are the loaded values (module __getattr__).
+DATA_DIR = Path(__file__).parent / "data"
+COST_FILE = DATA_DIR / "h200_cost.json"
+WINNERS_FILE = DATA_DIR / "h200_winners.json"
+_COST_TABLES = {"plain": "US_PER_K_TILE", "swap_ab": "SWAP_US_PER_K_TILE",
+                "wg_n": "WG_N_US_PER_K_TILE", "pingpong": "PINGPONG_US_PER_K_TILE"}
+_COST_CONSTANTS = {"hbm_bytes_per_us": "HBM_BYTES_PER_US", "drain_k_tiles": "DRAIN_K_TILES",
+                   "cta_fixed_us": "CTA_FIXED_US",
+                   "cta_reduce_us_per_kb": "CTA_REDUCE_US_PER_KB", "launch_us": "LAUNCH_US"}
+_loaded: dict[str, Any] = {}
 
-# swap_ab tiles, (tile_m = tokens, tile_n = weight rows) -> the same three regimes: the
-# median of the same quantity over the H200 swap_ab wide run (14 (N, K) x M <= 256, and
-# the 64x128 tile at every M; docs/results/h200_hopper_fp8_swap_wide.csv, printed by
-# bench/gpu/hopper_fp8_fit.py --per-k-tile). The small tiles were not timed past M = 256:
-# 1.0 us ranks them behind every measured tile there.
-SWAP_US_PER_K_TILE = {
-    (8, 64): (0.142, 0.087, 1.0),
-    (8, 128): (0.207, 0.172, 1.0),
-    (16, 64): (0.156, 0.128, 1.0),
-    (16, 128): (0.194, 0.218, 1.0),
-    (32, 64): (0.188, 0.158, 1.0),
-    (32, 128): (0.214, 0.261, 1.0),
-    (64, 64): (0.265, 0.200, 0.220),
-    (64, 128): (0.270, 0.307, 0.317),
-}
 
-# wg_n = 2 tiles (64 x tile_n, two consumer warpgroups along N) -> the same three regimes:
-# the same median over the H200 pass4 run (14 (N, K) x M = 64..2048, the plan's class;
-# docs/results/h200_hopper_fp8_pass4.log, printed by bench/gpu/hopper_fp8_fit.py
-# --per-k-tile over that run's JSON); 64x48 (halves of 24, seventh pass): M <= 64 from the
-# decode7 run (as US_PER_K_TILE's narrow tiles), M > 64 64x64's figures
-WG_N_US_PER_K_TILE = {
-    (64, 48): (0.243, 0.198, 0.201),
-    (64, 64): (0.210, 0.198, 0.201),
-    (64, 80): (0.210, 0.221, 0.213),
-    (64, 96): (0.223, 0.243, 0.228),
-    (64, 128): (0.267, 0.306, 0.272),
-    (64, 160): (0.291, 0.351, 0.293),
-    (64, 192): (0.322, 0.377, 0.344),
-    (64, 256): (0.430, 0.463, 0.460),
-}
+def load_cost(path: str | Path) -> dict[str, Any]:
+    """{attribute name: value} of a cost file (the format of data/h200_cost.json): each
+    table as {(tile_m, tile_n): (M <= 64, M <= 1024, larger)} in us, each constant a float.
+    ValueError names the file and what is wrong."""
+    try:
+        raw = json.loads(Path(path).read_text())
+        out: dict[str, Any] = {}
+        for kind, name in _COST_TABLES.items():
+            out[name] = {(int(tm), int(tn)): tuple(float(x) for x in per)
+                         for tm, tn, per in raw["us_per_k_tile"][kind]}
+            if any(len(v) != 3 or min(v) <= 0 for v in out[name].values()):
+                raise ValueError(f"{kind}: every entry needs 3 positive times")
+        for key, name in _COST_CONSTANTS.items():
+            out[name] = float(raw["constants"][key])
+            if out[name] <= 0:
+                raise ValueError(f"constant {key} must be positive")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a {FAMILY} cost file: {type(exc).__name__}: {exc}"
+                         ) from None
+    return out
 
-# ping-pong tiles (tile_m x tile_n per consumer warpgroup) -> the same three regimes: the
-# same median over the H200 pingpong run for the 64-row tiles (14 (N, K) x M = 1024..8192,
-# the plan's class; docs/results/h200_hopper_fp8_pass4_pingpong.log) and over the pp128
-# run for the 128-row ones (M = 256..8192; docs/results/h200_hopper_fp8_pass5_pp128.csv),
-# hopper_fp8_fit.py --per-k-tile; not timed at M <= 64: 1.0 us ranks them behind every
-# measured tile there
-PINGPONG_US_PER_K_TILE = {
-    (64, 128): (1.0, 0.287, 0.273),
-    (64, 192): (1.0, 0.337, 0.344),
-    (64, 256): (1.0, 0.414, 0.421),
-    (128, 128): (1.0, 0.398, 0.421),
-    (128, 160): (1.0, 0.485, 0.531),
-    (128, 192): (1.0, 0.575, 0.634),
-}
 
-# Fitted on the same run (bench/gpu/hopper_fp8_fit.py): the constants that rank each
-# class's measured tactics best (geometric mean of first choice / best 1.035 over 588
-# (shape, M, class) points before the recorded winners below).
-HBM_BYTES_PER_US = 4.2e6  # unique bytes (A, B, C and 'cta' partials) per us, whole chip
-DRAIN_K_TILES = 0.5  # serial split: one range boundary (pipeline drain) in K-tile times
-CTA_FIXED_US = 4.0  # split_mode 'cta': partial stores, counter atomic, barriers, last sum
-CTA_REDUCE_US_PER_KB = 0.1  # last unit of a tile: reading the S partials (L2), per KB
-LAUNCH_US = 2.5  # fixed per launch (prologue, first loads, last store)
+def load_winners(path: str | Path) -> dict:
+    """(sm_count, N, K) -> {S: ((M, key, us), ...)} of a recorded-winners file (the format
+    of data/h200_winners.json), every key checked against the family (recordable_tactics).
+    ValueError names the file and what is wrong."""
+    try:
+        raw = json.loads(Path(path).read_text())
+        sms = int(raw["sm_count"])
+        out: dict = {}
+        for shape in raw["shapes"]:
+            per = {}
+            for s, rows in shape["classes"].items():
+                per[int(s)] = tuple((int(m), str(key), float(us)) for m, key, us in rows)
+                for _, key, _ in per[int(s)]:
+                    _from_key(key, int(s), "bfloat16", "e4m3")
+            out[(sms, int(shape["n"]), int(shape["k"]))] = per
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a {FAMILY} winners file: {type(exc).__name__}: {exc}"
+                         ) from None
+    return out
+
+
+def cost_model() -> dict[str, Any]:
+    """The loaded cost tables and constants (COST_FILE, read on the first call)."""
+    if "US_PER_K_TILE" not in _loaded:
+        _loaded.update(load_cost(COST_FILE))
+    return _loaded
+
+
+def recorded_winners() -> dict:
+    """RECORDED_WINNERS (WINNERS_FILE, read on the first call): the dict the plan ranks by,
+    the same object on every call (a caller may replace its contents)."""
+    if "RECORDED_WINNERS" not in _loaded:
+        _loaded["RECORDED_WINNERS"] = load_winners(WINNERS_FILE)
+    return _loaded["RECORDED_WINNERS"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RECORDED_WINNERS":
+        return recorded_winners()
+    if name in _COST_TABLES.values() or name in _COST_CONSTANTS.values():
+        return cost_model()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 CTA_PAST_ONE_WAVE_US = 1e9  # rank a 'cta' split that needs two waves or more last
 
 
@@ -693,8 +685,9 @@ def _regime(m: int) -> int:
 
 def _per_k_tile_us(tile_m: int, tile_n: int, m: int, swap_ab: bool = False,
                    wg_n: int = 1, pingpong: bool = False) -> float:
-    table = (SWAP_US_PER_K_TILE if swap_ab else WG_N_US_PER_K_TILE if wg_n == 2
-             else PINGPONG_US_PER_K_TILE if pingpong else US_PER_K_TILE)
+    c = cost_model()
+    table = c[("SWAP_US_PER_K_TILE" if swap_ab else "WG_N_US_PER_K_TILE" if wg_n == 2
+               else "PINGPONG_US_PER_K_TILE" if pingpong else "US_PER_K_TILE")]
     per = table.get((tile_m, tile_n))
     if per is None:  # a tile shape not measured: scale from operand bytes per K tile
         return 0.0032 * (tile_m + tile_n) * max(1.0, tile_m * tile_n / 16384)
@@ -712,7 +705,7 @@ def work_units(t: HopperFp8Tactic, m: int, n: int) -> int:
 
 def estimate_us(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int = H200_NUM_SMS) -> float:
     """Model time in microseconds: the larger of model_parts() plus the launch cost."""
-    return max(model_parts(t, m, n, k, num_sms)) + LAUNCH_US
+    return max(model_parts(t, m, n, k, num_sms)) + cost_model()["LAUNCH_US"]
 
 
 def model_parts(t: HopperFp8Tactic, m: int, n: int, k: int,
@@ -726,6 +719,7 @@ def model_parts(t: HopperFp8Tactic, m: int, n: int, k: int,
     units need more than one wave). Memory side: the unique bytes (A, B, C, partials)
     over the chip's bandwidth.
     """
+    c = cost_model()
     slots = (num_sms // t.cluster_size) * t.cluster_size
     units = work_units(t, m, n)
     waves = -(-units // slots)
@@ -736,13 +730,13 @@ def model_parts(t: HopperFp8Tactic, m: int, n: int, k: int,
         if waves > 1:  # 'cta' exists to fill one wave; past that 'serial' has the same
             return CTA_PAST_ONE_WAVE_US + waves, 0.0  # parallelism without the round trip
         rows = min(m, t.tile_m)
-        compute = (waves * -(-kt // t.splits) * per + CTA_FIXED_US
-                   + t.splits * rows * t.tile_n * 4 / 1024 * CTA_REDUCE_US_PER_KB)
+        compute = (waves * -(-kt // t.splits) * per + c["CTA_FIXED_US"]
+                   + t.splits * rows * t.tile_n * 4 / 1024 * c["CTA_REDUCE_US_PER_KB"])
         rows_moved = m if m <= t.tile_m else -(-m // t.tile_m) * t.tile_m
         partial_bytes = 2 * t.splits * rows_moved * n * 4
     else:
-        compute = waves * (kt + (t.splits - 1) * DRAIN_K_TILES) * per
-    memory = (n * k + m * k + 2 * m * n + partial_bytes) / HBM_BYTES_PER_US
+        compute = waves * (kt + (t.splits - 1) * c["DRAIN_K_TILES"]) * per
+    memory = (n * k + m * k + 2 * m * n + partial_bytes) / c["HBM_BYTES_PER_US"]
     return compute, memory
 
 
@@ -957,21 +951,11 @@ def _from_key(key: str, splits: int, out_dtype: str, ab_dtype: str) -> HopperFp8
                            mode, swap, wg_n, pp, pdl).normalized()
 
 
-def _load_recorded() -> dict:
-    from . import h200_winners
-
-    return {(h200_winners.SM_COUNT, n, k): per for (n, k), per in h200_winners.WINNERS.items()}
-
-
-#: (sm_count, N, K) -> {S: ((M, key, us), ...)}: the best measured tactic per M and class
-#: on a device (h200_winners.py, from the H200 wide run). The plan ranks it first for
-#: that (N, K) on that device; every other (N, K) is ranked by the model alone.
-RECORDED_WINNERS: dict = _load_recorded()
-
-
 def _recorded_first(m: int, n: int, k: int, splits: int | None, num_sms: int, out_dtype: str,
                     ab_dtype: str) -> list[HopperFp8Tactic]:
-    per = RECORDED_WINNERS.get((num_sms, n, k))
+    # RECORDED_WINNERS: (sm_count, N, K) -> {S: ((M, key, us), ...)}, the best measured
+    # tactic per M and class on a device; ranked first for that (N, K) on that device
+    per = recorded_winners().get((num_sms, n, k))
     if not per:
         return []
     found = []
