@@ -169,6 +169,29 @@ def _ids(value: Any) -> tuple[int, ...]:
     return ids
 
 
+def _trust_groups(value: Any) -> tuple[tuple[int, ...], ...]:
+    """Groups of uids whose written-back kernels are served to each other: a list of groups
+    (each ``"1001,1002"`` or a list of uids), or one string of groups separated by ``;`` or
+    spaces. Root is in none (what it writes back is served to every peer); a uid is in one
+    group at most."""
+    items = (value if isinstance(value, (list, tuple))
+             else str(value).replace(";", " ").split())
+    groups: list[tuple[int, ...]] = []
+    for item in items:
+        uids = _ids(item if isinstance(item, (list, tuple)) else str(item).split(","))
+        if not uids:
+            raise ConfigError(f"a trust group needs at least one uid, got {value!r}")
+        if 0 in uids:
+            raise ConfigError("uid 0 is in no trust group: what root writes back is served to "
+                              "every peer, and root is served only what is trusted")
+        groups.append(tuple(sorted(set(uids))))
+    seen = [u for g in groups for u in g]
+    twice = sorted({u for u in seen if seen.count(u) > 1})
+    if twice:
+        raise ConfigError(f"uid(s) {', '.join(map(str, twice))} in more than one trust group")
+    return tuple(groups)
+
+
 def _level(value: Any) -> str:
     text = str(value).lower()
     if text not in ("debug", "info", "warning", "error"):
@@ -294,10 +317,21 @@ OPTIONS: tuple[Option, ...] = (
            True, "list", "UID"),
     Option("publish_gid", _ids, tuple, "gid allowed to publish (repeatable)", True, "list",
            "GID"),
+    # Write-back (cached/trust.py, docs/reliability.md "Write-back").
+    Option("writeback", _bool, lambda: True,
+           "accept write-back (lease, publish): publish rights are code execution in every "
+           "process of the publisher's trust group", True, aliases=(("--no-writeback", False),)),
+    Option("trust_group", _trust_groups, tuple,
+           "UID,UID,...: uids whose written-back kernels are served to each other "
+           "(repeatable; default: each uid alone; root's are served to every peer)", True,
+           "list", "UIDS"),
     Option("toolchain", _toolchains, tuple,
            "NAME=PYTHON: also compile for the environment of this interpreter (repeatable; the "
            "first is the default; none: the daemon's own interpreter)", kind="list",
            metavar="NAME=PYTHON"),
+    Option("probe_timeout", _positive_seconds, lambda: 120.0,
+           "seconds a toolchain's interpreter may take to state its identity at start; one "
+           "that takes longer is killed with the processes it started", metavar="SECONDS"),
     Option("serve_only", _bool, lambda: False,
            "no compiler: serve a store built elsewhere (its keys are pinned in it)",
            kind="switch"),
@@ -352,7 +386,10 @@ class Settings:
     allow_gid: tuple[int, ...]
     publish_uid: tuple[int, ...]
     publish_gid: tuple[int, ...]
+    writeback: bool
+    trust_group: tuple[tuple[int, ...], ...]
     toolchain: tuple[tuple[str, str], ...]
+    probe_timeout: float
     serve_only: bool
     remote: str | None
     remote_signing_key: str | None
@@ -482,8 +519,14 @@ def resolve(flags: argparse.Namespace | Mapping[str, Any] | None = None,
 
 def format_table(settings: Settings) -> str:
     """``cached config``'s table: name, value, source; the columns stay aligned."""
+    return format_rows(settings.rows(), settings.file, settings.file_source)
+
+
+def format_rows(options: list[dict], file: Any, file_source: str) -> str:
+    """:func:`format_table` of :meth:`Settings.rows` (as they are, or as JSON brought them
+    back from a running daemon: lists for tuples)."""
     rows = []
-    for row in settings.rows():
+    for row in options:
         value = row["value"]
         if BY_NAME[row["name"]].parse is parse_size:
             value = f"{size_text(value)} ({value} bytes)" if value else "0 (no limit)"
@@ -491,14 +534,16 @@ def format_table(settings: Settings) -> str:
             value = f"0{value:o}"
         elif value is None:
             value = "auto" if row["name"] == "workers" else "-"
-        elif isinstance(value, tuple):
-            value = ",".join("=".join(v) if isinstance(v, tuple) else str(v)
-                             for v in value) or "-"
+        elif isinstance(value, (tuple, list)):
+            value = (" ".join(",".join(map(str, g)) for g in value)
+                     if row["name"] == "trust_group" else
+                     ",".join("=".join(v) if isinstance(v, (tuple, list)) else str(v)
+                              for v in value)) or "-"
         mark = "" if row["reloadable"] else "  (restart to change)"
         rows.append((row["name"], _printable(str(value)), row["source"] + mark))
     name_width = max(len(r[0]) for r in rows)
     value_width = min(VALUE_COLUMN, max(len(r[1]) for r in rows))
-    lines = [f"config file: {settings.file or '(none)'} ({settings.file_source})"]
+    lines = [f"config file: {file or '(none)'} ({file_source})"]
     for name, value, source in rows:
         if len(value) > value_width:  # its source goes under the source column
             lines += [f"{name:<{name_width}}  {value}", f"{'':<{name_width + value_width + 2}}"

@@ -1,11 +1,14 @@
 """The daemon: wires store, pool, scheduler, the ops, socket server and HTTP endpoint.
 
-Start order: fleet keys checked, the HTTP port bound, the Unix socket claimed (a port or
-path that cannot be used stops the daemon here with one line, nothing left behind), store
-opened (index read into memory), workers spawned (they import the toolchain in the
-background), socket listening (hits are served at once), the start-up scan and the HTTP
-endpoint serving. The daemon never touches a GPU: device facts come from
-requests, and compilation is cross-compilation for the requested arch.
+Start order: fleet keys checked, the store's lock checked (one daemon per store: a live
+store stops it here), the HTTP port bound, the Unix socket claimed (a port or path that
+cannot be used stops the daemon here with one line, nothing left behind), the toolchains
+probed (one that cannot be used stops it likewise, before a store exists), the store's lock
+taken and the store opened (index read into memory, evicted down to its budget), workers
+spawned (they import the toolchain in the background), socket listening (hits are served at
+once), the start-up scan and the HTTP endpoint serving. The daemon never touches a GPU:
+device facts come from requests, and compilation is cross-compilation for the requested
+arch.
 
 Everything that can make the store unusable is found before anything is bound: a store
 path that is not a writable directory, an index that is not this program's SQLite
@@ -19,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import resource
 import signal
+import stat
 import threading
 import time
 from collections import Counter
@@ -28,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import families, identity, sizing, toolchain, toolchains
+from . import families, identity, sizing, storelock, toolchain, toolchains, trust
 from .autotune import Autotune
 from .certifications import Certifications
 from .config import Settings
@@ -42,12 +47,13 @@ from .scheduler import Scheduler
 from .server import Access, Limits, Server
 from .service import QueueQuota, Service
 from .stats import Stats
-from .store import Budget, Store
+from .store import Budget, Store, StoreError
 from .uploads import Uploads
 
 log = logging.getLogger("cached.daemon")
 
 FLUSH_INTERVAL_S = 2.0
+IN_USE_HINT = "stop that daemon first, or give this one another --store"
 
 
 class Daemon:
@@ -58,46 +64,64 @@ class Daemon:
         self.version = toolchain.daemon_version()
         self.remote = _make_remote(settings)  # first: a bad key file stops us before any I/O
         self.lifecycle = Lifecycle(self, reload_settings)
-        # Then what we listen on, HTTP first: a port or path we cannot use stops the daemon
-        # here, before its store is opened, and leaves no socket file behind.
-        self._http_sock = bind_http(settings.http_address)
+        # One daemon per store (cached/storelock.py): a live store stops us before we bind
+        # anything (a second serve would otherwise first meet the first one's port); the
+        # lock itself is taken when the store is opened (nothing is created before).
+        storelock.check(Path(settings.store), "serve", IN_USE_HINT)
+        self.store_lock: storelock.StoreLock | None = None
+        self._http_sock = None
         try:
+            # Then what we listen on, HTTP first: a port or path we cannot use stops the
+            # daemon here, before its store is opened, and leaves no socket file behind.
+            self._http_sock = bind_http(settings.http_address)
             self.socket_path = self.lifecycle.bind().path
             self._open(settings)
         except BaseException:
             if self._http_sock is not None:
                 self._http_sock.close()
             self.lifecycle.release()
+            if self.store_lock is not None:
+                self.store_lock.release()
             raise
 
     def _open(self, settings: Settings) -> None:
         _raise_descriptor_limit()
         store_root = Path(settings.store)
+        if not settings.serve_only:  # first: a refused toolchain leaves no store behind
+            probed = identity.compute(list(settings.toolchain), settings.probe_timeout)
+        self.store_lock = storelock.take(store_root, "serve", self.socket_path, IN_USE_HINT)
         self.store = Store(store_root, Budget(settings.max_bytes, settings.max_files,
                                               settings.evict_grace))
+        _protect_store(store_root, *store_access(settings, self.socket_path))
         self.store.check_budget()
-        self.stats = Stats()
+        if dropped := trust.drop_unattributed(self.store):
+            event(log, logging.WARNING, "store.unattributed_dropped", entries=dropped)
+        self.stats = Stats(families.names())
         if settings.serve_only:
             self.toolchains = identity.pinned(store_root)
             workers = 0
         else:
-            self.toolchains = identity.compute(list(settings.toolchain))
+            self.toolchains = probed
             identity.save(store_root, self.toolchains)
             workers = sizing.worker_count(settings.workers)
         # the default toolchain's readable versions, fixed for the process's life
         self.versions = dict(self.toolchains.default.versions) or toolchain.versions()
         self.pool = Pool(workers, settings.job_timeout,
                          [] if settings.serve_only else _launchers(self.toolchains))
+        self.stats.keep("worker_restarts", lambda: self.pool.restarts)
         self.scheduler = Scheduler(self.store, self.pool, self.stats, self.toolchains,
                                    remote=self.remote)
         self.store.protect(lambda: tuple(self.scheduler.inflight))
+        self.store.evict()  # a budget lowered since the last start applies now, not later
         self.access = Access.from_settings(settings)
         self.quota = QueueQuota(self.scheduler, self.access, settings.max_queued_per_uid)
         self.leases = Leases(self.scheduler, self.access, self.stats)
         self.uploads = Uploads(self.leases, settings.upload_timeout)
-        service = Service(self.scheduler, self.access, self.stats, self.snapshot, self.quota)
+        autotune = Autotune(self.store, self.remote)
+        service = Service(self.scheduler, self.access, self.stats, self.snapshot, self.quota,
+                          on_plan=autotune.note_plan)
         self.server = Server({**service.ops(), **self.leases.ops(), **self.uploads.ops(),
-                              **Autotune(self.store).ops(),
+                              **autotune.ops(),
                               **Certifications(self.store).ops()},
                              self.access, self.stats, Limits.from_settings(settings))
         self.http_address = ""
@@ -112,14 +136,18 @@ class Daemon:
         c = Counter(counters)
         return {
             "entries": store.entries, "bytes": store.bytes, "hits": c["hits"],
-            "misses": c["misses"], "compiles": c["compiles"], "failures": c["failures"],
+            "misses": c["misses"], "prewarm_hits": c["prewarm_hits"],
+            "prewarm_misses": c["prewarm_misses"],
+            "hit_seconds_mean": _mean(by_family, "hit_seconds"),
+            "miss_seconds_mean": _mean(by_family, "miss_seconds"),
+            "compiles": c["compiles"], "failures": c["failures"],
             "persist_failures": c["persist_failures"],
             "remote_hits": c["remote_hits"],
             "remote": self.remote.snapshot() if self.remote else {"state": "disabled"},
             "compile_seconds": round(c["compile_seconds"], 3),
             "in_flight": jobs.in_flight, "queued": jobs.queued, "running": jobs.running,
             "workers": pool.size, "workers_alive": pool.alive, "workers_ready": pool.ready,
-            "workers_idle": pool.idle, "worker_restarts": pool.restarts,
+            "workers_idle": pool.idle, "worker_restarts": self.stats.since_zero("worker_restarts"),
             "connections": self.server.connections,
             "errors": {k.split(".", 1)[1]: v for k, v in c.items()
                        if k.startswith("errors.") and v},
@@ -129,7 +157,8 @@ class Daemon:
             "started": round(self.started, 3), "stats_zeroed_at": self.stats.zeroed_at,
             "version": self.version, "versions": self.versions,
             "toolchain": self.toolchains.default.digest,
-            "toolchains": [{**t, "workers": dict(pool.toolchains.get(t["name"], {}))}
+            "toolchains": [{**t, "workers": dict(pool.toolchains.get(t["name"], {})),
+                            "broken": self.pool.broken.get(t["name"])}  # why: socket only
                            for t in self.toolchains.snapshot()],
             "serve_only": self.settings.serve_only,
             "store": self.settings.store, "socket": self.socket_path,
@@ -138,7 +167,13 @@ class Daemon:
             "evictions": store.evictions, "evicted_bytes": store.evicted_bytes,
             "over_budget": store.over_budget, "client_fallbacks": c["client_fallbacks"],
             "unknown_toolchain": c["unknown_toolchain"],
+            "unknown_environments": self.toolchains.unknown_snapshot(),
+            "client_outside_kernels": c["client_outside_kernels"],
+            "outside_kernels": list(self.stats.outside_kernels),
             "draining": self.lifecycle.draining,
+            "settings": {"file": str(self.settings.file) if self.settings.file else None,
+                         "file_source": self.settings.file_source,
+                         "options": self.settings.rows()},
         }
 
     async def run(self) -> None:
@@ -179,6 +214,8 @@ class Daemon:
         if self._http is not None:
             self._http.should_exit = True
         await loop.run_in_executor(None, self.store.close)  # a locked index waits there
+        if self.store_lock is not None:
+            self.store_lock.release()
         event(log, logging.INFO, "daemon.stopped")
 
     def stop(self) -> None:
@@ -211,12 +248,21 @@ class Daemon:
 
         from .httpapp import make_app
 
-        app = make_app(self.snapshot, self.healthy, make_metrics(self))
+        configured = self.settings.http_address
+        app = make_app(self.snapshot, self.healthy, make_metrics(self),
+                       (bound_host, bound_port), [configured[0]] if configured else [])
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
         self._http = uvicorn.Server(config)
         threading.Thread(target=self._http.run, kwargs={"sockets": [sock]}, name="http",
                          daemon=True).start()
         event(log, logging.INFO, "http.listening", address=self.http_address)
+
+
+def _mean(by_family: dict[str, dict[str, float]], name: str) -> float | None:
+    """The mean of latency ``name`` (``hit_seconds``, ``miss_seconds``) over every family's
+    serving gets, in seconds; None before the first."""
+    count = sum(c.get(f"{name}_count", 0) for c in by_family.values())
+    return round(sum(c.get(name, 0) for c in by_family.values()) / count, 6) if count else None
 
 
 def _launchers(registry: toolchains.Toolchains) -> list[Launcher]:
@@ -230,6 +276,50 @@ def _launchers(registry: toolchains.Toolchains) -> list[Launcher]:
         out.append(Launcher(t.name, t.python, toolchains.environment(), str(code),
                             tuple(preload)))
     return out
+def store_access(settings: Settings, socket_path: str) -> tuple[int, int | None]:
+    """The store directory's mode and group: readable by exactly the users the socket
+    admits. The allowlists when set (one ``allow_gid``, besides root and the daemon's own
+    uid: 0750 with that group; any other list: 0700), else the socket file's own mode:
+    others may connect, 0755; its group may, 0750 with that group; else 0700."""
+    if settings.allow_uid or settings.allow_gid:
+        others = set(settings.allow_uid) - {0, os.getuid()}
+        if len(settings.allow_gid) == 1 and not others:
+            return 0o750, settings.allow_gid[0]
+        return 0o700, None
+    try:
+        st = os.stat(socket_path)
+    except OSError:
+        return 0o700, None
+    if st.st_mode & 0o002:
+        return 0o755, None
+    if st.st_mode & 0o020:
+        return 0o750, st.st_gid
+    return 0o700, None
+
+
+def _protect_store(root: Path, mode: int, gid: int | None) -> None:
+    """Give the store directory ``mode`` and group ``gid``; a group this process may not
+    give it leaves it 0700 (logged). A directory owned by another uid is left alone."""
+    try:
+        st = os.stat(root)
+        if st.st_uid != os.getuid():
+            event(log, logging.WARNING, "store.mode_unchanged", store=str(root),
+                  owner=st.st_uid, reason="owned by another uid")
+            return
+        if gid is not None and st.st_gid != gid:
+            try:
+                os.chown(root, -1, gid)
+            except OSError as exc:
+                event(log, logging.WARNING, "store.group_refused", store=str(root), gid=gid,
+                      error=exc.strerror, mode="0700")
+                mode = 0o700
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(root, mode)
+    except OSError as exc:
+        raise StoreError(f"store {root}: cannot set its mode to {mode:o} ({exc.strerror}); "
+                         "the store must not be readable by users the socket refuses") from None
+
+
 def _raise_descriptor_limit() -> None:
     """Lift the soft descriptor limit to the hard one: each connection holds one, and a
     reply passing descriptors two more while it is sent (server.py bounds both)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import families
 from .config import ConfigError
-from .toolchains import Toolchains
+from .toolchains import PROBE_TIMEOUT_S, Toolchains
 
 FILENAME = "identity.json"
 
@@ -26,9 +26,11 @@ class IdentityError(ConfigError):
     """``identity.json`` is missing or unusable on a serve-only node (one line, at start)."""
 
 
-def compute(registered: list[tuple[str, str]]) -> Toolchains:
-    """Probe the registered toolchains and hash this package's own families' sources."""
-    toolchains = Toolchains.probe_all(registered)
+def compute(registered: list[tuple[str, str]],
+            timeout: float = PROBE_TIMEOUT_S) -> Toolchains:
+    """Probe the registered toolchains (each within ``timeout`` seconds) and hash this
+    package's own families' sources."""
+    toolchains = Toolchains.probe_all(registered, timeout)
     for name in families.names():
         family = families.get(name)
         if family.sources == "daemon":

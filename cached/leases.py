@@ -13,11 +13,19 @@ so it holds under systemd's ProtectProc=invisible and ProcSubset=pid, and a reus
 cannot pass for the holder); the next waiter then gets it. A peer that may not publish is
 told to compile locally instead of being handed a lease it could never fulfil. Ops:
 ``lease``, ``lease_renew``, ``lease_release``.
+
+Trust (cached/trust.py): a lease is the publisher's proof. It is taken on the key of the
+peer's own trust group (:func:`cached.trust.writeback_key`) and held by the peer that took
+it (its pid and uid, from SO_PEERCRED): renewing, releasing and publishing need its token
+*from that peer* while it holds (:meth:`Leases.holder`); anything else is ``not_allowed``.
+A peer is served hits of its own group and trusted ones only. With ``writeback`` off
+every op here is ``not_allowed``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import secrets
@@ -26,9 +34,10 @@ import time
 from dataclasses import dataclass, field
 
 from cached_client import protocol as p
-from cached_client.errors import InvalidArgument, InvalidTactic
+from cached_client.errors import InvalidTactic, NotAllowed
 from cached_client.keys import KernelRequest
 
+from . import trust
 from .families.base import Family
 from .log import event
 from .scheduler import Scheduler
@@ -54,8 +63,11 @@ def watch(pid: int) -> int | None:
 
 @dataclass
 class Lease:
+    """One lease: its token and its holder (the pid and uid that took it)."""
+
     token: str
     pid: int
+    uid: int
     pidfd: int | None
     ttl: float
     expires: float
@@ -101,6 +113,45 @@ class Leases:
                                 f"the daemon's toolchain {route.compiler.name} (use get)")
         return family, request, route
 
+    def check_enabled(self) -> None:
+        """NotAllowed while the operator has write-back off (setting ``writeback``)."""
+        if not self.access.writeback:
+            raise NotAllowed("write-back is off on this daemon (setting writeback = false): "
+                             "compile this kernel in this process")
+
+    def keys(self, route: Route, peer: Peer) -> tuple[str, list[str]]:
+        """The key ``peer`` leases and publishes ``route``'s kernel under (its trust group's)
+        and the keys of what it may be served, trusted first."""
+        group = self.access.group(peer)
+        own = trust.writeback_key(route.key, group)
+        return own, [route.key] if group is None else [route.key, own]
+
+    def holder(self, key: str, token: str, peer: Peer) -> Lease:
+        """The lease on ``key`` if ``peer`` holds it with ``token`` now; NotAllowed when there
+        is none, when another process took it, or when it ended (TTL, holder gone)."""
+        if not token:
+            raise NotAllowed("this request carries no lease token: publish, renew and release "
+                             "need the token lease granted this process (a cached-client "
+                             "older than this daemon sends none: update it); nothing was "
+                             "stored")
+        lease = self.held.get(key)
+        if lease is None:
+            raise NotAllowed("no lease is held on this kernel: take one with lease first (and "
+                             "publish before it expires); nothing was stored")
+        if not hmac.compare_digest(lease.token.encode(), token.encode()):
+            raise NotAllowed("this lease token is not the one in force on this kernel (the "
+                             "lease ended and was granted again, or it was never this "
+                             "process's); nothing was stored")
+        if lease.uid != peer.uid or lease.pid != peer.pid:
+            raise NotAllowed(f"this kernel's lease was taken by another process (pid "
+                             f"{lease.pid}); only the process that took a lease may renew, "
+                             "release or publish with it; nothing was stored")
+        why = lease.expired(time.monotonic())
+        if why:
+            raise NotAllowed(f"the lease on this kernel has ended ({why}); take a new one; "
+                             "nothing was stored")
+        return lease
+
     def settle(self, key: str) -> None:
         """The key was published (or given up): end its lease and wake its waiters."""
         lease = self.held.pop(key, None)
@@ -111,7 +162,7 @@ class Leases:
             ev.set()
 
     def _grant(self, key: str, peer: Peer, ttl: float, reason: str = "") -> p.LeaseReply:
-        lease = Lease(secrets.token_hex(16), peer.pid, watch(peer.pid), ttl,
+        lease = Lease(secrets.token_hex(16), peer.pid, peer.uid, watch(peer.pid), ttl,
                       time.monotonic() + ttl)
         old = self.held.pop(key, None)
         if old is not None:
@@ -119,27 +170,27 @@ class Leases:
         self.held[key] = lease
         self.stats.count("writeback.leases_granted")
         event(log, logging.INFO, "writeback.lease_granted", key=key[:16], pid=peer.pid,
-              after=reason or "free")
+              uid=peer.uid, after=reason or "free")
         return p.LeaseReply(state="granted", lease=lease.token, ttl_s=ttl)
-
-    def _held(self, key: str, token: str) -> Lease:
-        lease = self.held.get(key)
-        if lease is None or lease.token != token:
-            raise InvalidArgument("this lease is not held (it expired and was given to "
-                                  "another process, or it was never granted)")
-        return lease
 
     # -- ops -------------------------------------------------------------------------
 
     async def lease(self, m: p.LeaseRequest, peer: Peer) -> p.LeaseReply:
         """A hit, a lease to compile and publish, or (after ``wait_ms``) ``wait``."""
+        self.check_enabled()
         family, _, route = self.resolve(m.request, m.identity)
-        key = route.key
+        key, served = self.keys(route, peer)
+        group = self.access.group(peer)
         deadline = time.monotonic() + m.wait_ms / 1000
         may_publish = self.access.may_publish(peer)
         waited = False
         while True:
-            entry = await self.scheduler.lookup(key)
+            entry = None
+            for candidate in served:
+                entry = await self.scheduler.lookup(candidate)
+                if entry is not None and trust.may_serve(entry.row, group):
+                    break
+                entry = None
             if entry is not None:
                 self.stats.count("writeback.hits_after_wait" if waited else "writeback.hits")
                 self.stats.count("hits", family.name)
@@ -173,16 +224,18 @@ class Leases:
                 pass
 
     async def lease_renew(self, m: p.LeaseRenewRequest, peer: Peer) -> p.LeaseRenewReply:
-        key = self.resolve(m.request, m.identity)[2].key
-        lease = self._held(key, m.lease)
+        self.check_enabled()
+        key = self.keys(self.resolve(m.request, m.identity)[2], peer)[0]
+        lease = self.holder(key, m.lease, peer)
         lease.ttl = m.ttl_s if m.ttl_s is not None else lease.ttl
         lease.expires = time.monotonic() + lease.ttl
         return p.LeaseRenewReply(state="renewed", ttl_s=lease.ttl)
 
     async def lease_release(self, m: p.LeaseReleaseRequest, peer: Peer) -> p.StateReply:
-        key = self.resolve(m.request, m.identity)[2].key
+        key = self.keys(self.resolve(m.request, m.identity)[2], peer)[0]
         lease = self.held.get(key)
-        if lease is not None and lease.token == m.lease:
+        if (lease is not None and hmac.compare_digest(lease.token.encode(), m.lease.encode())
+                and (lease.pid, lease.uid) == (peer.pid, peer.uid)):
             self.settle(key)
             event(log, logging.INFO, "writeback.lease_released", key=key[:16], pid=peer.pid,
                   reason=m.reason[:200])

@@ -143,7 +143,7 @@ class Lifecycle:
         d.pool.job_timeout = settings.job_timeout
         d.store.set_budget(Budget(settings.max_bytes, settings.max_files, settings.evict_grace))
         d.access.update(settings.allow_uid, settings.allow_gid, settings.publish_uid,
-                        settings.publish_gid)
+                        settings.publish_gid, settings.trust_group, settings.writeback)
         d.server.limits = Limits.from_settings(settings)
         d.quota.limit = settings.max_queued_per_uid
         d.uploads.idle_s = settings.upload_timeout

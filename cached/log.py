@@ -12,7 +12,11 @@ import json
 import logging
 import sys
 import time
+from contextvars import ContextVar
 from typing import Any
+
+request_pid: ContextVar[int | None] = ContextVar("cached_request_pid", default=None)
+"""The pid of the peer whose request is being handled (set by cached.server), for events."""
 
 
 class _Formatter(logging.Formatter):
@@ -60,3 +64,13 @@ def setup(level: str = "info", as_json: bool | None = None) -> None:
 def event(log: logging.Logger, level: int, name: str, **fields: Any) -> None:
     if log.isEnabledFor(level):
         log.log(level, name, extra={"fields": fields})
+
+
+def one_line(data: bytes, limit: int = 800) -> str:
+    """The last ``limit`` characters of a process's output as one printable line, for an
+    event or an error message: invalid UTF-8 and control characters escaped, line breaks
+    shown as `` | ``."""
+    text = data.decode("utf-8", "backslashreplace").strip()
+    text = " | ".join(line.strip() for line in text.splitlines() if line.strip())
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text[-limit:]

@@ -1,10 +1,13 @@
-"""``GET /metrics``: the daemon's state in Prometheus text format (prometheus-client).
+"""``GET /metrics``: the daemon's state for Prometheus, through prometheus_client.
 
-Nothing is counted twice: a collector renders, at scrape time, the daemon's counters
-(:class:`cached.stats.Stats`, monotonic whatever ``stats --zero`` did, with its compile
-and get-latency histograms) for every registered family, its components' snapshots (store,
-pool, scheduler) and the process's own ``process_*`` metrics. Metric names and what to
-alert on are in docs/operations.md.
+One registry, :attr:`cached.stats.Stats.registry`: the counters and histograms the
+components count into (``Stats``), plus what is added here: gauges read from the
+components at scrape time (``set_function``), the counters the store, the pool and the
+fleet tier keep themselves (one small collector: prometheus_client cannot set a counter),
+one info series per registered toolchain and the process's own ``process_*`` metrics.
+prometheus_client's ASGI app serves it, in the text format or, to a scraper whose
+``Accept`` asks for it, OpenMetrics. Metric names and what to alert on are in
+docs/operations.md.
 """
 
 from __future__ import annotations
@@ -13,156 +16,62 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from cached_client.identity import VERSION_NAMES
+from prometheus_client import Gauge, ProcessCollector, make_asgi_app
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from .families import names as registered_families
-from .stats import Stats
-
-HISTOGRAM_METRICS = (
-    ("cached_compile_duration_seconds", "Compile time of stored kernels, in the worker.",
-     "compile_seconds"),
-    ("cached_hit_duration_seconds", "Latency of get requests answered from the store: "
-     "request decoded to reply ready.", "hit_seconds"),
-    ("cached_miss_duration_seconds", "Latency of get requests that missed, until served: "
-     "waiting for a compilation (its own or one in flight) or a fleet-tier fetch.",
-     "miss_seconds"),
-)
-"""(metric, help, Stats histogram) of every histogram exported."""
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+WORKER_STATES = ("idle", "busy", "starting", "down")
+"""``cached_workers{state}``: a partition of the configured workers (they sum to it):
+``idle`` ready and waiting for work, ``busy`` compiling, ``starting`` alive and importing
+the toolchain, ``down`` not running (dead, being replaced)."""
+REMOTE_STATES = ("connecting", "up", "down", "full")
+VERSION_LABELS = ("python", *VERSION_NAMES)
+"""The readable versions ``cached_build_info`` names (:func:`cached_client.identity.versions`),
+each as a label of the same name (``-`` as ``_``), empty when a toolchain lacks it."""
 
 
-class _Collector:
+def label(name: str) -> str:
+    """A version's name as a Prometheus label (``nvidia-cutlass-dsl`` -> ``nvidia_cutlass_dsl``)."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def worker_states(size: int, alive: int, ready: int, idle: int) -> dict[str, int]:
+    """:data:`WORKER_STATES` from a pool's counts; each worker in one state, the states
+    summing to ``size``."""
+    alive = min(alive, size)
+    ready = min(ready, alive)
+    idle = min(idle, ready)
+    return {"idle": idle, "busy": ready - idle, "starting": alive - ready,
+            "down": size - alive}
+
+
+class _Kept(Collector):
+    """Counters the components keep themselves (store eviction, worker restarts, the fleet
+    tier), rendered at scrape time."""
+
     def __init__(self, daemon: Any) -> None:
         self.daemon = daemon
 
     def collect(self) -> Iterator[Metric]:
         d = self.daemon
-        stats: Stats = d.stats
-        # monotonic since the start (stats --zero does not reset what Prometheus sees);
-        # every registered family has its series, zero until it has traffic
-        counters, by_family = stats.view(registered_families(), since_zero=False)
-        names = sorted(by_family)
-
-        def per_family(name: str, doc: str, counter: str) -> Metric:
-            m = CounterMetricFamily(name, doc, labels=["family"])
-            for f in names:
-                m.add_metric([f], float(by_family[f][counter]))
-            return m
-
-        yield per_family("cached_hits", "Requests answered from the store.", "hits")
-        yield per_family("cached_misses", "Requests that needed a compilation.", "misses")
-        yield per_family("cached_compilations", "Compilations stored.", "compiles")
-        yield per_family("cached_compile_failures",
-                         "Compilations that failed (compiler error, worker died or overran).",
-                         "failures")
-        yield per_family("cached_persist_failures",
-                         "Kernels compiled but not stored (disk full, budget): served to "
-                         "their waiters unstored.", "persist_failures")
-        yield per_family("cached_compiles_avoided",
-                         "Artifacts served that nobody compiled for that request: get hits, "
-                         "fleet-tier fetches, write-back hits.", "compiles_avoided")
-        yield per_family("cached_published",
-                         "Artifacts written back by clients (write-back families, and any "
-                         "family of an environment the daemon has no toolchain for).",
-                         "published")
-        yield per_family("cached_served_bytes", "Bytes of the artifacts served (get answers "
-                         "and write-back hits).", "bytes_served")
-        yield per_family("cached_published_bytes", "Bytes of the artifacts written back.",
-                         "bytes_published")
-        yield per_family("cached_client_fallbacks",
-                         "In-process compilations clients reported while the daemon was "
-                         "unusable to them.", "client_fallbacks")
-        for metric, doc, histogram in HISTOGRAM_METRICS:
-            hist = HistogramMetricFamily(metric, doc, labels=["family"])
-            for f in names:
-                buckets, total = stats.histogram(f, histogram)
-                hist.add_metric([f], buckets, total)
-            yield hist
-        errors = CounterMetricFamily("cached_errors", "Error replies by code.", labels=["code"])
-        for key, value in sorted(counters.items()):
-            if key.startswith("errors."):
-                errors.add_metric([key.split(".", 1)[1]], float(value))
-        yield errors
-
-        jobs = d.scheduler.snapshot()
-        yield GaugeMetricFamily("cached_queue_depth", "Compilations waiting for a worker.",
-                                value=jobs.queued)
-        yield GaugeMetricFamily("cached_compilations_running", "Compilations on a worker now.",
-                                value=jobs.running)
-        yield GaugeMetricFamily("cached_in_flight",
-                                "Keys queued or compiling (each compiled once).",
-                                value=jobs.in_flight)
-        workers = GaugeMetricFamily("cached_workers", "Compile workers by state.",
-                                    labels=["state"])
-        pool = d.pool.snapshot()
-        for state, value in (("configured", pool.size), ("alive", pool.alive),
-                             ("ready", pool.ready), ("idle", pool.idle)):
-            workers.add_metric([state], value)
-        yield workers
         yield CounterMetricFamily("cached_worker_restarts",
                                   "Workers replaced after dying or overrunning a job.",
-                                  value=pool.restarts)
-
+                                  value=d.pool.restarts)
         store = d.store.snapshot()
-        yield GaugeMetricFamily("cached_store_bytes", "Bytes of stored blobs (index).",
-                                value=store.bytes)
-        yield GaugeMetricFamily("cached_store_entries", "Stored kernels.", value=store.entries)
-        yield GaugeMetricFamily("cached_store_max_bytes", "Store budget in bytes (0: none).",
-                                value=store.max_bytes)
-        yield GaugeMetricFamily("cached_store_max_files",
-                                "Store budget in blob files (0: none).", value=store.max_files)
-        yield GaugeMetricFamily("cached_store_over_budget",
-                                "1 when eviction could not get under budget (all in use).",
-                                value=int(store.over_budget))
         yield CounterMetricFamily("cached_store_evictions", "Entries evicted (LRU).",
                                   value=store.evictions)
         yield CounterMetricFamily("cached_store_evicted_bytes", "Bytes freed by eviction.",
                                   value=store.evicted_bytes)
-        yield GaugeMetricFamily("cached_connections", "Open client connections.",
-                                value=d.server.connections)
-        yield GaugeMetricFamily("cached_start_time_seconds",
-                                "Unix time the daemon started.", value=d.started)
-        yield from _remote_metrics(getattr(d, "remote", None), by_family)
-        labels = {"version": d.version, "toolchain": d.toolchains.default.digest,
-                  **{re.sub(r"[^a-zA-Z0-9_]", "_", k): v for k, v in d.versions.items()}}
-        info = GaugeMetricFamily("cached_build_info", "Always 1: this daemon's version, the "
-                                 "digest of its default toolchain (as in stats) and the "
-                                 "versions in it.", labels=list(labels))
-        info.add_metric(list(labels.values()), 1)
-        yield info
-        toolchains = GaugeMetricFamily("cached_toolchain_info", "Always 1 per registered "
-                                       "toolchain: its name, digest and readable versions.",
-                                       labels=["name", "toolchain", "flashinfer", "dsl",
-                                               "tvm_ffi", "torch", "python"])
-        for t in d.toolchains.snapshot():
-            v = t.get("versions", {})
-            toolchains.add_metric([t["name"], t["fingerprint"], v.get("flashinfer-python", ""),
-                                   v.get("nvidia-cutlass-dsl", ""), v.get("apache-tvm-ffi", ""),
-                                   v.get("torch", ""), v.get("python", "")], 1)
-        yield toolchains
+        yield from _remote_counters(d)
 
 
-REMOTE_STATES = ("connecting", "up", "down", "full")
-
-
-def _remote_metrics(remote: Any, by_family: dict[str, dict[str, float]]) -> Iterator[Metric]:
-    """The fleet tier (cached/remote.py, docs/fleet.md); nothing when it is off."""
-    if remote is None:
+def _remote_counters(d: Any) -> Iterator[Metric]:
+    """The fleet tier's counters (cached/remote.py, docs/fleet.md); nothing when it is off."""
+    if d.remote is None:
         return
-    snap = remote.snapshot()
-    state = GaugeMetricFamily("cached_remote_state",
-                              "1 for the fleet tier's current state (down/full: local-only).",
-                              labels=["state"])
-    for name in REMOTE_STATES:
-        state.add_metric([name], int(snap["state"] == name))
-    yield state
+    snap = d.remote.snapshot()
+    _, by_family = d.stats.view(since_zero=False)
     hits = CounterMetricFamily("cached_remote_hits",
                                "Local misses answered from the fleet tier (not compiled).",
                                labels=["family"])
@@ -172,11 +81,9 @@ def _remote_metrics(remote: Any, by_family: dict[str, dict[str, float]]) -> Iter
     ops = CounterMetricFamily("cached_remote_operations",
                               "Fleet tier operations by result.", labels=["result"])
     for result in ("hits", "misses", "rejected", "published", "errors", "skipped",
-                   "publish_dropped"):
+                   "publish_dropped", "records_published", "record_hits"):
         ops.add_metric([result], float(snap[result]))
     yield ops
-    yield GaugeMetricFamily("cached_remote_publish_queue", "Publishes waiting to go out.",
-                            value=snap["publish_queue"])
     moved = CounterMetricFamily("cached_remote_bytes", "Bytes read from and written to "
                                 "the fleet tier (stored, compressed).", labels=["direction"])
     moved.add_metric(["in"], float(snap["bytes_in"]))
@@ -184,10 +91,74 @@ def _remote_metrics(remote: Any, by_family: dict[str, dict[str, float]]) -> Iter
     yield moved
 
 
-def make_metrics(daemon: Any) -> Callable[[], bytes]:
-    """A function that renders the daemon's metrics in the Prometheus text format, with
-    the process's own (``process_*``: CPU, memory, open files, start time)."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(daemon))
+def _gauges(d: Any) -> None:
+    """Gauges read from the components at scrape time, into the daemon's registry."""
+    registry = d.stats.registry
+
+    def gauge(name: str, doc: str, read: Callable[[], float]) -> None:
+        Gauge(name, doc, registry=registry).set_function(read)
+
+    gauge("cached_queue_depth", "Compilations waiting for a worker.",
+          lambda: d.scheduler.snapshot().queued)
+    gauge("cached_compilations_running", "Compilations on a worker now.",
+          lambda: d.scheduler.snapshot().running)
+    gauge("cached_in_flight", "Keys queued or compiling (each compiled once).",
+          lambda: d.scheduler.snapshot().in_flight)
+    workers = Gauge("cached_workers", "Compile workers by state: idle, busy (compiling), "
+                    "starting (importing the toolchain), down (being replaced); each worker "
+                    "in one state, summing to the configured count.", ["state"],
+                    registry=registry)
+
+    def state_of(state: str) -> Callable[[], float]:
+        def read() -> float:
+            pool = d.pool.snapshot()
+            return worker_states(pool.size, pool.alive, pool.ready, pool.idle)[state]
+        return read
+
+    for state in WORKER_STATES:
+        workers.labels(state).set_function(state_of(state))
+    gauge("cached_workers_configured", "Compile workers configured (0: serve-only).",
+          lambda: d.pool.size)
+    gauge("cached_store_bytes", "Bytes of stored blobs (index).",
+          lambda: d.store.snapshot().bytes)
+    gauge("cached_store_entries", "Stored kernels.", lambda: d.store.snapshot().entries)
+    gauge("cached_store_max_bytes", "Store budget in bytes (0: none).",
+          lambda: d.store.snapshot().max_bytes)
+    gauge("cached_store_max_files", "Store budget in blob files (0: none).",
+          lambda: d.store.snapshot().max_files)
+    gauge("cached_store_over_budget", "1 when eviction could not get under budget (all in "
+          "use).", lambda: int(d.store.snapshot().over_budget))
+    gauge("cached_connections", "Open client connections.", lambda: d.server.connections)
+    gauge("cached_start_time_seconds", "Unix time the daemon started.", lambda: d.started)
+    if d.remote is not None:
+        state = Gauge("cached_remote_state", "1 for the fleet tier's current state "
+                      "(down/full: local-only).", ["state"], registry=registry)
+        for name in REMOTE_STATES:
+            state.labels(name).set_function(
+                lambda name=name: int(d.remote.snapshot()["state"] == name))
+        gauge("cached_remote_publish_queue", "Publishes waiting to go out.",
+              lambda: d.remote.snapshot()["publish_queue"])
+
+
+def _build_info(d: Any) -> None:
+    """``cached_build_info``: 1 per registered toolchain, the same label keys on each."""
+    keys = ["version", "toolchain", "name", "default", *map(label, VERSION_LABELS)]
+    info = Gauge("cached_build_info", "Always 1 per registered toolchain: cached's version, "
+                 "the toolchain's digest (as cached stats shows it) and name, whether it is "
+                 "the default, and its readable versions.", keys, registry=d.stats.registry)
+    for t in d.toolchains.snapshot():
+        versions = t.get("versions", {})
+        info.labels(d.version, t["fingerprint"], t["name"], str(bool(t.get("default"))).lower(),
+                    *(str(versions.get(v, "")) for v in VERSION_LABELS)).set(1)
+
+
+def make_metrics(daemon: Any) -> Callable:
+    """prometheus_client's ASGI app serving the daemon's registry: its counters, gauges and
+    info series, and the process's own (``process_*``: CPU, memory, open files, start
+    time)."""
+    registry = daemon.stats.registry
+    _gauges(daemon)
+    _build_info(daemon)
+    registry.register(_Kept(daemon))
     ProcessCollector(registry=registry)
-    return lambda: generate_latest(registry)
+    return make_asgi_app(registry, disable_compression=True)

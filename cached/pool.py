@@ -13,12 +13,20 @@ a new one while the budget allows, else the idle worker of a toolchain with noth
 is retired for it. Blocking socket I/O runs on a private thread pool, never on the event
 loop; processes are started from the event loop's thread (PR_SET_PDEATHSIG follows the
 thread that started the child).
+
+A worker that dies before it is ready is started again after a back-off (``retry``: from
+1 s, doubling per failure of that toolchain up to 60 s, back to the start once one of its
+workers is ready), and counted in ``restarts``. While a toolchain has no ready worker and
+its last start failed it is *broken*: its waiters, and every :meth:`Pool.acquire` until a
+worker of it is ready, get :class:`WorkerFailed` naming the cause at once (the exit status
+and the last words the worker wrote on stderr, which is forwarded to the daemon's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -32,11 +40,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import worker as wire
-from .log import event
+from .log import event, one_line
 
 log = logging.getLogger("cached.pool")
 
 WORKER_MAIN = "from cached.worker import main; main()"
+RETRY = (1.0, 60.0)
+"""Seconds before a worker that died while starting is started again: the first, and the
+most it doubles to."""
+TAIL_BYTES = 4096
+"""How much of a worker's latest stderr is kept to say why it died."""
 
 
 class WorkerFailed(Exception):
@@ -65,15 +78,19 @@ class Launcher:
 
 
 class _Worker:
+    """One worker process; started on the event loop's thread, whose loop forwards its
+    stderr to the daemon's (keeping the last TAIL_BYTES to say why it died)."""
+
     def __init__(self, launcher: Launcher) -> None:
         self.toolchain = launcher.toolchain
+        self.tail = b""
         self.sock, child = socket.socketpair()
         try:
             self.process = subprocess.Popen(
                 [launcher.python, "-c", WORKER_MAIN, str(child.fileno()), str(os.getpid()),
                  json.dumps(list(launcher.families))],
                 pass_fds=(child.fileno(),), env=dict(launcher.env) or None, cwd=launcher.cwd,
-                stdin=subprocess.DEVNULL)
+                stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
         except BaseException:
             self.sock.close()
             raise
@@ -81,6 +98,36 @@ class _Worker:
             child.close()
         self.pid = self.process.pid
         self.idle_since = time.monotonic()
+        self._loop = asyncio.get_running_loop()
+        self._stderr = self.process.stderr.fileno()
+        os.set_blocking(self._stderr, False)
+        self._loop.add_reader(self._stderr, self.forward_stderr)
+
+    def forward_stderr(self) -> None:
+        """Copy what the worker wrote on stderr to the daemon's; at its end, stop."""
+        while True:
+            try:
+                data = os.read(self._stderr, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._loop.remove_reader(self._stderr)
+                self.process.stderr.close()
+                return
+            self.tail = (self.tail + data)[-TAIL_BYTES:]
+            with contextlib.suppress(OSError):
+                while data:
+                    data = data[os.write(2, data):]
+
+    def last_words(self) -> str:
+        """What the worker last wrote on stderr, as one line (on the loop's thread, after
+        it exited: all of it is in the pipe by then)."""
+        if not self.process.stderr.closed:
+            self.forward_stderr()
+        said = one_line(self.tail, 600)
+        return f"; it wrote: {said}" if said else "; it wrote nothing on stderr"
 
     def is_alive(self) -> bool:
         return self.process.poll() is None
@@ -146,7 +193,7 @@ class PoolSnapshot:
 
 class Pool:
     def __init__(self, size: int, job_timeout: float, launchers: Sequence[Launcher],
-                 startup_timeout: float = 300.0) -> None:
+                 startup_timeout: float = 300.0, retry: tuple[float, float] = RETRY) -> None:
         self.size = size
         self.job_timeout = job_timeout
         self.startup_timeout = startup_timeout
@@ -163,6 +210,10 @@ class Pool:
         self._threads = ThreadPoolExecutor(max_workers=size + 2, thread_name_prefix="pool-io")
         self._closing = False
         self._tasks: set[asyncio.Task] = set()
+        self.retry = retry
+        self._retry_in = {name: self.retry[0] for name in self.launchers}
+        self.broken: dict[str, str] = {}
+        """Toolchain name -> why it has no worker (its last start failed, none is ready)."""
 
     @property
     def alive(self) -> int:
@@ -199,20 +250,36 @@ class Pool:
         try:
             w = _Worker(self.launchers[name])
         except OSError as exc:
-            event(log, logging.ERROR, "worker.start_failed", toolchain=name, reason=str(exc))
-            self._retry_later(name)
+            self._start_failed(name, f"its interpreter could not be started: {exc}")
             return
         self._all.add(w)
         self._task(self._await_ready(w))
+
+    def _start_failed(self, name: str, reason: str, pid: int | None = None) -> None:
+        """A worker of ``name`` died before it was ready: count it, start another after the
+        back-off, and if none of ``name`` is ready, fail its waiters now with ``reason``."""
+        self.restarts += 1
+        delay = self._retry_in[name]
+        self._retry_in[name] = min(delay * 2, self.retry[1])
+        event(log, logging.ERROR, "worker.start_failed", pid=pid, toolchain=name,
+              reason=reason, retry_in_s=delay)
+        if not any(w.toolchain == name and w.is_alive() for w in self._ready):
+            self.broken[name] = (f"toolchain {name}'s workers die while starting ({reason}); "
+                                 f"starting another in {delay:g}s")
+            for future in self._waiters[name]:
+                if not future.done():
+                    future.set_exception(WorkerFailed(self.broken[name]))
+            self._waiters[name].clear()
+        self._retry_later(name, delay)
 
     def _task(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _retry_later(self, name: str) -> None:
+    def _retry_later(self, name: str, delay: float) -> None:
         async def later() -> None:
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(delay)
             self._spawn(name)
 
         if not self._closing:
@@ -226,13 +293,13 @@ class Pool:
         except WorkerFailed as exc:
             self._all.discard(w)
             w.kill()
-            event(log, logging.ERROR, "worker.start_failed", pid=w.pid, toolchain=w.toolchain,
-                  reason=str(exc))
-            self._retry_later(w.toolchain)
+            self._start_failed(w.toolchain, f"{exc}{w.last_words()}", w.pid)
             return
         event(log, logging.INFO, "worker.ready", pid=w.pid, toolchain=w.toolchain,
               seconds=round(time.monotonic() - started, 2))
         self._ready.add(w)
+        self.broken.pop(w.toolchain, None)
+        self._retry_in[w.toolchain] = self.retry[0]
         self._release(w)
 
     def _release(self, w: _Worker) -> None:
@@ -273,10 +340,13 @@ class Pool:
                 self._spawn(name)
 
     async def acquire(self, name: str) -> _Worker:
-        """An idle worker of toolchain ``name``, waiting (and asking for one) if none is."""
+        """An idle worker of toolchain ``name``, waiting (and asking for one) if none is;
+        WorkerFailed at once while ``name`` is broken (see the module doc)."""
         idle = self._idle[name]
         if idle:
             return idle.popleft()
+        if name in self.broken:
+            raise WorkerFailed(self.broken[name])
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiters[name].append(future)
         self._rebalance()

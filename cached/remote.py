@@ -20,6 +20,13 @@ the encodings and both stored blobs. ``kid`` names the public key that verifies 
 valid. A blob is stored zlib-compressed when that saves at least 10 % (measured:
 CuTe-DSL objects and libraries shrink about 3.5x).
 
+Tuning winners (cached.autotune) travel the same way, small and signed: one Redis hash
+per (op, N, K, dtype, arch, device), ``cached:v2:tune:<group id>``, one field per winner
+(its row id), each value ``b"CKR2" | kid (8) | sig (64) | JSON row`` with ``sig =
+Ed25519(private key, b"cached-fleet-tune-v2\0" + group + row id + JSON)``: a row cannot be
+moved to another shape or bucket without breaking its signature, and the reader checks that
+the row's fields name the group and id it was filed under.
+
 States: ``up``; ``down`` (connection refused, reset or timed out: the daemon goes on
 local-only and retries with jittered exponential backoff, 1 s to 60 s); ``full``
 (Redis refused a write with OOM: reads go on, publishing retries with backoff). Each
@@ -65,6 +72,11 @@ log = logging.getLogger("cached.remote")
 PREFIX = "cached:v2:art:"
 MAGIC = b"CKF2"
 DOMAIN = b"cached-fleet-v2\0"
+RECORD_PREFIX = "cached:v2:tune:"
+RECORD_MAGIC = b"CKR2"
+RECORD_DOMAIN = b"cached-fleet-tune-v2\0"
+MAX_RECORD = 64 << 10
+MAX_RECORDS = 4096  # fields read from one hash
 KID_BYTES, SIG_BYTES = 8, 64
 MAX_META = 1 << 20
 MAX_BLOB = 256 << 20
@@ -345,6 +357,32 @@ def unpack(key: str, data: bytes, keys: FleetKeys) -> tuple[dict, bytes, bytes]:
     return row, blobs[0], blobs[1]
 
 
+def pack_record(group: str, rid: str, row: dict, keys: FleetKeys) -> bytes:
+    """The signed envelope of one tuning winner (a JSON-able ``row``)."""
+    body = json.dumps(row, sort_keys=True, separators=(",", ":")).encode()
+    kid, sig = keys.sign(RECORD_DOMAIN + group.encode() + b"\0" + rid.encode() + b"\0" + body)
+    return b"".join([RECORD_MAGIC, kid, sig, body])
+
+
+def unpack_record(group: str, rid: str, data: bytes, keys: FleetKeys) -> dict:
+    """Verify a winner's envelope filed under (group, rid); its row, or :class:`Rejected`."""
+    head = 4 + KID_BYTES + SIG_BYTES
+    if len(data) < head or data[:4] != RECORD_MAGIC:
+        raise Rejected("not a cached fleet tuning record")
+    if len(data) > MAX_RECORD:
+        raise Rejected("record too large")
+    kid, sig, body = data[4:4 + KID_BYTES].hex(), data[4 + KID_BYTES:head], data[head:]
+    if kid not in keys.by_id:
+        raise Rejected(f"signed with unknown key id {kid!r}")
+    message = RECORD_DOMAIN + group.encode() + b"\0" + rid.encode() + b"\0" + body
+    if not keys.verify(kid, message, sig):
+        raise Rejected("signature does not verify")
+    row = json.loads(body)
+    if not isinstance(row, dict):
+        raise Rejected("a record is a JSON object")
+    return row
+
+
 # -- the tier ----------------------------------------------------------------------------
 
 
@@ -384,6 +422,17 @@ class _Publish:
     row: dict
     object_path: Path
     library_path: Path
+
+
+@dataclass
+class _Record:
+    group: str
+    rid: str
+    row: dict
+
+    @property
+    def key(self) -> str:
+        return self.group + ":" + self.rid
 
 
 _STOP = object()
@@ -555,6 +604,48 @@ class Remote:
         except queue.Full:
             self._count("publish_dropped")
 
+    def publish_record(self, group: str, rid: str, row: dict) -> None:
+        """Queue a tuning winner for the tier (see the module doc); returns at once."""
+        if self.read_only or self._closing.is_set():
+            return
+        try:
+            self._queue.put_nowait(_Record(group, rid, dict(row)))
+        except queue.Full:
+            self._count("publish_dropped")
+
+    def fetch_records(self, group: str) -> list[tuple[str, dict]]:
+        """The verified (row id, row) of every winner the tier holds for ``group``; []
+        when it holds none or is down. A record that fails verification is counted,
+        logged (``remote.rejected``) and left out. Blocking: call it from a thread."""
+        if not self._may_try(write=False):
+            self._count("skipped")
+            return []
+        try:
+            raw = self._conn().hgetall(RECORD_PREFIX + group)
+        except Exception as exc:  # noqa: BLE001 -- every failure means: local winners only
+            self._count("errors")
+            if self._classify(exc) is not None:
+                self._failed("down", exc)
+            else:
+                with self._lock:
+                    self._probing = False
+                event(log, logging.WARNING, "remote.error", op="hgetall", key=group[:16],
+                      error=f"{type(exc).__name__}: {exc}"[:300])
+            return []
+        self._ok(write=False)
+        out = []
+        for field, data in list(raw.items())[:MAX_RECORDS]:
+            rid = field.decode(errors="replace") if isinstance(field, bytes) else str(field)
+            try:
+                out.append((rid, unpack_record(group, rid, bytes(data), self.keys)))
+            except (Rejected, ValueError, TypeError) as exc:
+                self._count("rejected")
+                event(log, logging.WARNING, "remote.rejected", key=rid[:16], bytes=len(data),
+                      reason=str(exc)[:300] if isinstance(exc, Rejected)
+                      else f"malformed: {type(exc).__name__}")
+        self._count("record_hits", len(out))
+        return out
+
     def _publisher(self) -> None:
         self._probe()
         item: Any = None
@@ -597,7 +688,13 @@ class Remote:
             else:
                 item = None
 
-    def _publish_now(self, item: _Publish) -> None:
+    def _publish_now(self, item: _Publish | _Record) -> None:
+        if isinstance(item, _Record):
+            data = pack_record(item.group, item.rid, item.row, self.keys)
+            self._conn().hset(RECORD_PREFIX + item.group, item.rid, data)
+            self._ok(write=True)
+            self._count("records_published")
+            return
         obj = item.object_path.read_bytes()
         lib = item.library_path.read_bytes()
         if (hashlib.sha256(obj).hexdigest() != item.row["object_sha256"]
@@ -640,6 +737,8 @@ class Remote:
             "verify_keys": len(self.keys.by_id), "verify_key_ids": sorted(self.keys.by_id),
             "hits": c.get("hits", 0), "misses": c.get("misses", 0),
             "rejected": c.get("rejected", 0), "published": c.get("published", 0),
+            "records_published": c.get("records_published", 0),
+            "record_hits": c.get("record_hits", 0),
             "errors": c.get("errors", 0), "skipped": c.get("skipped", 0),
             "publish_queue": self._queue.qsize(),
             "publish_dropped": c.get("publish_dropped", 0),

@@ -54,6 +54,7 @@ from .pool import JobError, Pool, WorkerFailed
 from .stats import Stats
 from .store import Entry, PersistFailed, Store, manifest, row_for
 from .toolchains import Route, Toolchains
+from .trust import writeback_key
 
 log = logging.getLogger("cached.scheduler")
 
@@ -182,21 +183,28 @@ class Scheduler:
 
     async def get(self, request: KernelRequest, priority: int = INTERACTIVE,
                   timeout: float = 60.0, identity: p.Identity | None = None,
-                  admit: Callable[[str], None] | None = None) -> tuple[Entry, str]:
-        """The stored entry for a request and whether it was a ``hit`` or ``compiled``;
-        UnknownToolchain at once for a miss no registered toolchain may compile. On a miss,
-        ``admit(key)`` runs right before the compilation is queued (or joined), and may
-        refuse it by raising."""
+                  admit: Callable[[str], None] | None = None,
+                  trust_group: str | None = None) -> tuple[Entry, str]:
+        """The stored entry for a request and whether it was a ``hit`` or ``compiled``
+        (counted as ``hits``/``misses``, or ``prewarm_hits``/``prewarm_misses`` at pre-warm
+        priority); UnknownToolchain at once for a miss no registered toolchain may compile.
+        The key's own entry (trusted) first, then what ``trust_group`` (the asker's,
+        cached/trust.py; None: a trusted asker) wrote back for it. On a miss, ``admit(key)``
+        runs right before the compilation is queued (or joined), and may refuse it by
+        raising."""
         family, request, route = self.resolve(request, identity)
         if family.bundle:
             raise InvalidArgument(f"{family.name} artifacts are bundles a client writes back: "
                                   "ask for them with lease")
         key = route.key
         entry = await self.lookup(key)
+        if entry is None and trust_group is not None:
+            entry = await self.lookup(writeback_key(key, trust_group))
+        prewarm = "prewarm_" if priority == PREWARM else ""  # counted apart from serving
         if entry is not None:
-            self.stats.count("hits", family.name)
+            self.stats.count(f"{prewarm}hits", family.name)
             return entry, "hit"
-        self.stats.count("misses", family.name)
+        self.stats.count(f"{prewarm}misses", family.name)
         if route.compiler is None:
             self.stats.count("unknown_toolchain", family.name)
             raise UnknownToolchain(route.why)
@@ -226,7 +234,8 @@ class Scheduler:
             self.store.readers, self.store.lookup, key)
 
     def prefetch(self, wires: list[Any], identity: p.Identity | None = None) -> dict:
-        """Queue every request not stored or in flight as pre-warm work; answers at once."""
+        """Queue every request not stored or in flight as pre-warm work; answers at once.
+        Stored ones count as ``prewarm_hits``, queued ones as ``prewarm_misses``."""
         report: dict[str, Any] = {"queued": 0, "cached": 0, "in_flight": 0, "rejected": []}
         for index, wire in enumerate(wires):
             try:
@@ -237,6 +246,7 @@ class Scheduler:
             key = route.key
             if self.store.contains(key):
                 report["cached"] += 1
+                self.stats.count("prewarm_hits", family.name)
             elif key in self.inflight:
                 report["in_flight"] += 1
             elif route.compiler is None:
@@ -249,6 +259,7 @@ class Scheduler:
                     report["rejected"].append({"index": index, "error": exc.to_wire()})
                     continue
                 report["queued"] += 1
+                self.stats.count("prewarm_misses", family.name)
         return report
 
     async def plan(self, m: p.PlanRequest) -> list[dict]:
@@ -383,7 +394,11 @@ class Scheduler:
             while self._top(name) is None:
                 self._has_work[name].clear()
                 await self._has_work[name].wait()
-            worker = await self.pool.acquire(name)
+            try:
+                worker = await self.pool.acquire(name)
+            except WorkerFailed as exc:  # the toolchain's workers die while starting
+                self._fail_queued(name, str(exc))
+                continue
             job = self._top(name)
             if job is None:  # drained meanwhile
                 self.pool.release(worker)
@@ -394,6 +409,29 @@ class Scheduler:
             task = asyncio.get_running_loop().create_task(run(worker, job))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _fail_queued(self, name: str, message: str) -> None:
+        """Every queued job of toolchain ``name`` fails now with ``message`` (its workers
+        cannot start): counted and logged like any failed compile, waiters told
+        ``compile_failed``."""
+        heap, self._heaps[name] = self._heaps[name], []
+        for _, _, job in heap:
+            if job.state != "queued":
+                continue  # a stale entry: the job was pushed again or is done
+            job.state = "done"
+            if job.plan is None:
+                self.inflight.pop(job.key, None)
+                self.stats.count("failures", job.family.name)
+                self.stats.fail({"time": time.time(), "family": job.family.name,
+                                 "key": job.key, "params": dict(job.request.params),
+                                 "message": message})
+                event(log, logging.ERROR, "compile.failed", family=job.family.name,
+                      key=job.key[:16], error=message[:500])
+                what = f"{job.family.name} {_describe(job.request)}"
+            else:
+                what = f"planning {job.family.name}"
+            if not job.future.done():
+                job.future.set_exception(CompileFailed(f"{what}: {message}"))
 
     async def _run_plan(self, worker: Any, job: Job) -> None:
         try:

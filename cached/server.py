@@ -61,7 +61,8 @@ from cached_client.errors import (
     UnsupportedVersion,
 )
 
-from .log import event
+from . import trust
+from .log import event, request_pid
 from .stats import Stats
 
 log = logging.getLogger("cached.server")
@@ -106,26 +107,35 @@ class Limits:
 
 
 class Access:
-    """Who may connect and who may publish. Empty ``allow_*`` sets admit every peer the
-    socket's file mode admits; an empty ``publish_uids`` means root and the daemon's own
-    uid. One instance is shared by every component that checks a peer; :meth:`update`
-    changes it in place (SIGHUP)."""
+    """Who may connect, who may publish, and whose written-back objects each peer is served.
+    Empty ``allow_*`` sets admit every peer the socket's file mode admits; an empty
+    ``publish_uids`` means root and the daemon's own uid. ``trust_groups``: sets of uids
+    whose written-back objects are served to each other (cached/trust.py; a uid in none is
+    a group alone); ``writeback``: False refuses lease and publish. One instance is shared
+    by every component that checks a peer; :meth:`update` changes it in place (SIGHUP)."""
 
     def __init__(self, allow_uids: Iterable[int] = (), allow_gids: Iterable[int] = (),
-                 publish_uids: Iterable[int] = (), publish_gids: Iterable[int] = ()) -> None:
-        self.update(allow_uids, allow_gids, publish_uids, publish_gids)
+                 publish_uids: Iterable[int] = (), publish_gids: Iterable[int] = (),
+                 trust_groups: Iterable[Iterable[int]] = (), writeback: bool = True) -> None:
+        self.update(allow_uids, allow_gids, publish_uids, publish_gids, trust_groups,
+                    writeback)
 
     @classmethod
     def from_settings(cls, settings: Any) -> Access:
         return cls(settings.allow_uid, settings.allow_gid, settings.publish_uid,
-                   settings.publish_gid)
+                   settings.publish_gid, settings.trust_group, settings.writeback)
 
     def update(self, allow_uids: Iterable[int] = (), allow_gids: Iterable[int] = (),
-               publish_uids: Iterable[int] = (), publish_gids: Iterable[int] = ()) -> None:
+               publish_uids: Iterable[int] = (), publish_gids: Iterable[int] = (),
+               trust_groups: Iterable[Iterable[int]] = (), writeback: bool = True) -> None:
         self.allow_uids = frozenset(allow_uids)
         self.allow_gids = frozenset(allow_gids)
         self.publish_uids = frozenset(publish_uids) or frozenset({0, os.getuid()})
         self.publish_gids = frozenset(publish_gids)
+        self.writeback = writeback
+        self._trusted = frozenset({0, os.getuid()})
+        self._groups = {uid: trust.group_name(group) for group in map(tuple, trust_groups)
+                        for uid in group}
 
     def may_connect(self, peer: Peer) -> bool:
         if not self.allow_uids and not self.allow_gids:
@@ -134,6 +144,17 @@ class Access:
 
     def may_publish(self, peer: Peer) -> bool:
         return peer.uid in self.publish_uids or peer.gid in self.publish_gids
+
+    def group(self, peer: Peer) -> str | None:
+        """``peer``'s trust group: None for root and the daemon's own uid (trusted: what
+        they write back is served to every peer, and they are served only trusted
+        objects), else its configured group or its uid alone."""
+        if peer.uid in self._trusted:
+            return None
+        group = self._groups.get(peer.uid)
+        if group is None:
+            group = self._groups[peer.uid] = trust.group_name((peer.uid,))
+        return group
 
 
 @dataclass
@@ -533,6 +554,11 @@ class Server:
                 self.room.release(c.peer.uid, reserved)
                 await self._last_word(c, exc)
                 return
+            unknown = _unknown_op(frame)
+            if unknown is not None:  # docs/protocol.md: malformed_frame, then close
+                self.room.release(c.peer.uid, reserved)
+                await self._last_word(c, unknown, frame.message.get("id"))
+                return
             c.last_active = time.monotonic()
             c.inflight += 1
             task = loop.create_task(self._answer(frame, c, reserved))
@@ -562,13 +588,18 @@ class Server:
                 return b""
             await c.readable()
 
-    async def _last_word(self, c: _Connection, error: CachedError) -> None:
-        """A frame that ends the connection: answer the requests before it, then say why."""
+    async def _last_word(self, c: _Connection, error: CachedError,
+                         request_id: Any = None) -> None:
+        """A frame that ends the connection: answer the requests before it, then say why
+        (echoing ``request_id`` when the frame had one)."""
         self.stats.count(f"errors.{error.code}")
         if c.tasks:  # well-formed requests before it still get their answers
             await asyncio.wait(set(c.tasks))
-        with contextlib.suppress(OSError):
-            await self._write(c, p.encode_frame({"ok": False, "error": error.to_wire()}), None)
+        reply = {"ok": False, "error": error.to_wire()}
+        if request_id is not None:
+            reply["id"] = request_id
+        with contextlib.suppress(OSError, TypeError, ValueError):
+            await self._write(c, p.encode_frame(reply), None)
 
     async def _answer(self, request: _Frame, c: _Connection, reserved: int) -> None:
         attachment: Attachment | None = None
@@ -649,7 +680,7 @@ class Server:
         else:
             m = frame.message
             version = m.get("v", p.PROTOCOL_VERSION)
-            if version not in p.SUPPORTED_VERSIONS:
+            if not _is_version(version):
                 raise UnsupportedVersion(
                     f"protocol version {str(version)[:16]!r} is not supported; this daemon "
                     f"speaks {', '.join(map(str, p.SUPPORTED_VERSIONS))}")
@@ -666,6 +697,7 @@ class Server:
             request = op.request.from_wire(m)
             if op.remember and frame.body is not None:
                 self.remembered.remember(frame.body, m, op, request)
+        request_pid.set(peer.pid)
         return await self.handlers[op.name](request, peer)
 
     def _log_sometimes(self, what: tuple[str, int], name: str, **fields: Any) -> None:
@@ -674,6 +706,26 @@ class Server:
         if now - self._logged.get(what, -LOG_EVERY_S) >= LOG_EVERY_S:
             self._logged[what] = now
             event(log, logging.WARNING, name, **fields)
+
+
+def _is_version(value: Any) -> bool:
+    """Whether ``value`` is a protocol version this daemon speaks: a JSON integer (``true``
+    and ``1.0`` equal 1 in Python but are not version 1)."""
+    return type(value) is int and value in p.SUPPORTED_VERSIONS
+
+
+def _unknown_op(frame: _Frame) -> MalformedFrame | None:
+    """The error for a frame of a supported version whose ``op`` is none of ``p.OPS``
+    (a frame of another version is answered ``unsupported_version`` instead)."""
+    if frame.decoded is not None:
+        return None
+    m = frame.message
+    name = m.get("op")
+    if not _is_version(m.get("v", p.PROTOCOL_VERSION)) or (
+            isinstance(name, str) and name in p.OPS):
+        return None
+    return MalformedFrame(f"unknown op {str(name)[:64]!r}; expected one of {', '.join(p.OPS)}"
+                          "; closing this connection")
 
 
 def _peer(sock: socket.socket) -> Peer:

@@ -27,10 +27,10 @@ from collections.abc import Callable
 from typing import Any
 
 from cached_client import protocol as p
-from cached_client.errors import CachedError, IntegrityError, Overloaded
+from cached_client.errors import CachedError, IntegrityError, Overloaded, UnknownFamily
 from cached_client.keys import KernelRequest
 
-from . import families
+from . import families, trust
 from .log import event
 from .scheduler import PRIORITIES, Scheduler
 from .server import Access, Attachment, Handler, Peer
@@ -100,7 +100,9 @@ class QueueQuota:
 
 class Service:
     def __init__(self, scheduler: Scheduler, access: Access, stats: Stats,
-                 snapshot: Callable[[], dict], quota: QueueQuota | None = None) -> None:
+                 snapshot: Callable[[], dict], quota: QueueQuota | None = None,
+                 on_plan: Callable[[p.PlanRequest], None] | None = None) -> None:
+        self.on_plan = on_plan  # told of every answered plan (cached tune --planned)
         self.scheduler = scheduler
         self.store = scheduler.store
         self.access = access
@@ -123,15 +125,16 @@ class Service:
 
     async def get(self, m: p.GetRequest, peer: Peer
                   ) -> p.GetReply | tuple[p.GetReply, Attachment]:
-        """The artifact, handed over as ``m.transfer`` asks; its latency (decoded request to
-        reply, seconds) goes into the ``hit_seconds`` or ``miss_seconds`` histogram of its
-        family."""
+        """The artifact, handed over as ``m.transfer`` asks; a serving request's latency
+        (decoded request to reply, seconds) goes into the ``hit_seconds`` or
+        ``miss_seconds`` histogram of its family (a pre-warm request's does not)."""
         started = time.perf_counter()
         reply = await self._get(m, peer)
         artifact = (reply[0] if isinstance(reply, tuple) else reply).artifact
         family = m.request.family
-        self.stats.observe("hit_seconds" if artifact.origin == "hit" else "miss_seconds",
-                           family, time.perf_counter() - started)
+        if m.priority != "prewarm":
+            self.stats.observe("hit_seconds" if artifact.origin == "hit" else "miss_seconds",
+                               family, time.perf_counter() - started)
         self.stats.count("bytes_served", family, artifact.library_size + artifact.object_size)
         if artifact.origin in ("hit", "remote"):  # served without compiling anything for it
             self.stats.count("compiles_avoided", family)
@@ -144,7 +147,8 @@ class Service:
             admit = functools.partial(self._admit, peer)
         for attempt in range(3):
             entry, origin = await self.scheduler.get(
-                m.request, PRIORITIES[m.priority], m.deadline_ms / 1000, m.identity, admit)
+                m.request, PRIORITIES[m.priority], m.deadline_ms / 1000, m.identity, admit,
+                self.access.group(peer))
             if m.transfer == "path":
                 return p.GetReply(artifact=self.scheduler.artifact(entry, origin))
             try:
@@ -201,6 +205,8 @@ class Service:
         wires = await self.scheduler.plan(m)
         requests = [p.Kernel()(w, "requests") for w in wires]
         family = families.get(m.family)
+        if self.on_plan is not None:
+            self.on_plan(m)
         return p.PlanReply(requests=requests,
                            classes=[family.reduction_class(r.params) for r in requests])
 
@@ -219,10 +225,29 @@ class Service:
         return p.ListReply(entries=[{k: r[k] for k in LIST_FIELDS} for r in self.store.rows()])
 
     async def report(self, m: p.ReportRequest, peer: Peer) -> p.Empty:
+        """Counts a client tells of its own process: ``fallbacks`` (kernels it compiled while
+        this daemon was unusable to it) and ``outside`` (kernels it built or loaded outside
+        this daemon while serving, cached_client.monitor). Families must be registered
+        (UnknownFamily, nothing counted): the counters' rows stay bounded."""
+        known = set(families.names())
+        for name in ("fallbacks", "outside"):
+            unknown = sorted(set(getattr(m, name)) - known)
+            if unknown:
+                raise UnknownFamily(f"report: {name} names families this daemon does not "
+                                    f"have: {', '.join(f[:80] for f in unknown[:4])}; "
+                                    f"nothing was counted")
         for family, count in m.fallbacks.items():
             self.stats.count("client_fallbacks", family, count)
-        event(log, logging.WARNING, "client.fallbacks_reported", pid=peer.pid, uid=peer.uid,
-              fallbacks=m.fallbacks)
+        for family, count in m.outside.items():
+            self.stats.count("client_outside_kernels", family, count)
+        if m.outside:
+            self.stats.note_outside(peer.pid, m.outside_kernels)
+        if m.fallbacks:
+            event(log, logging.WARNING, "client.fallbacks_reported", pid=peer.pid,
+                  uid=peer.uid, fallbacks=m.fallbacks)
+        if m.outside:
+            event(log, logging.WARNING, "client.outside_kernels_reported", pid=peer.pid,
+                  uid=peer.uid, outside=m.outside, kernels=m.outside_kernels)
         return p.Empty()
 
     async def gc(self, m: p.GcRequest, peer: Peer) -> p.GcReply:
@@ -246,14 +271,18 @@ class Service:
                                    peer: Peer) -> p.FlashInferArtifactsReply:
         """Verified FlashInfer artifacts for ``cached export``: rows, meta and object paths."""
         rows = await asyncio.get_running_loop().run_in_executor(
-            None, self._flashinfer_rows, m.family)
+            None, self._flashinfer_rows, m.family, self.access.group(peer))
         return p.FlashInferArtifactsReply(
             artifacts=rows, toolchain=self.scheduler.toolchains.default.fingerprint)
 
-    def _flashinfer_rows(self, wanted: str | None) -> list[dict]:
+    def _flashinfer_rows(self, wanted: str | None, group: str | None) -> list[dict]:
+        """The rows ``cached export`` writes into FlashInfer's cache: only those a peer of
+        trust ``group`` may be served (cached/trust.py)."""
         out = []
         for row in self.store.rows():
             if row["family"] not in FLASHINFER_FAMILIES or (wanted and row["family"] != wanted):
+                continue
+            if not trust.may_serve(row, group):
                 continue
             entry = self.store.lookup(row["key"])
             if entry is None:

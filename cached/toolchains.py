@@ -31,13 +31,17 @@ claimed identity and the registry in memory.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
+import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,11 +58,16 @@ import cached
 
 from .config import ConfigError
 from .families.base import Family
+from .log import event, one_line, request_pid
+
+log = logging.getLogger("cached.toolchains")
 
 DEFAULT_NAME = "default"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PROBE_TIMEOUT_S = 120.0
 PROBE = "from cached_client.identity import main; main()"
+MAX_UNKNOWN = 32
+"""Unknown environments remembered (each logged once); more are counted, not kept."""
 
 
 class ToolchainError(ConfigError):
@@ -161,28 +170,48 @@ def environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def probe(name: str, python: str) -> Toolchain:
-    """Describe the environment of ``python`` by running cached_client.identity with it.
-    ToolchainError says why it cannot be used."""
+def probe(name: str, python: str, timeout: float = PROBE_TIMEOUT_S) -> Toolchain:
+    """Describe the environment of ``python`` by running cached_client.identity with it,
+    in a process group of its own: one that takes longer than ``timeout`` seconds is killed
+    with every process it started. ToolchainError says why it cannot be used, in one line
+    of text whatever bytes the interpreter wrote."""
     if not NAME_RE.match(name):
         raise ToolchainError(f"toolchain name {name!r}: use letters, digits, '.', '_', '-'")
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
         raise ToolchainError(f"toolchain {name}: {python} is not an executable interpreter")
     try:
-        out = subprocess.run([python, "-c", PROBE], env=environment(), cwd=code_dir(),
-                             capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        proc = subprocess.Popen([python, "-c", PROBE], env=environment(), cwd=code_dir(),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+    except OSError as exc:
         raise ToolchainError(f"toolchain {name}: probing {python} failed: {exc}") from None
-    lines = out.stdout.strip().splitlines()
     try:
-        doc = json.loads(lines[-1]) if out.returncode == 0 and lines else None
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise ToolchainError(f"toolchain {name}: probing {python} took over {timeout:g}s; "
+                             "it and the processes it started were killed") from None
+    lines = stdout.decode("utf-8", "replace").strip().splitlines()
+    try:
+        doc = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
     except ValueError:
         doc = None
-    if not isinstance(doc, dict):
+    if not isinstance(doc, dict) or not isinstance(doc.get("toolchain"), str):
+        said = one_line(stderr) or one_line(stdout) or "nothing on stdout or stderr"
         raise ToolchainError(f"toolchain {name}: probing {python} failed (exit "
-                             f"{out.returncode}): {out.stderr.strip()[-800:]}")
+                             f"{proc.returncode}; it is not an interpreter that prints its "
+                             f"identity): {said}")
     return Toolchain(name, python, doc["toolchain"], doc.get("sources", {}),
                      doc.get("runtime", {}), doc.get("runtime_library"), doc.get("versions", {}))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group ``proc`` leads (it and what it started; ``proc`` is not
+    reaped yet, so its pid is still the group's) and reap it."""
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.communicate(timeout=5)
 
 
 # -- routing -----------------------------------------------------------------------------
@@ -215,16 +244,21 @@ class Toolchains:
         self.by_name = {t.name: t for t in items}
         self.live = live
         self._daemon_sources = dict(daemon_sources or {})
+        self.unknown_environments: dict[str, dict] = {}
+        """Fingerprint digest -> what the daemon knows of an environment it has no
+        toolchain for (:meth:`note_unknown`)."""
 
     @property
     def default(self) -> Toolchain:
         return self.items[0]
 
     @classmethod
-    def probe_all(cls, registered: Sequence[tuple[str, str]]) -> Toolchains:
-        """Probe every registered (name, python); none registered: the daemon's own."""
+    def probe_all(cls, registered: Sequence[tuple[str, str]],
+                  timeout: float = PROBE_TIMEOUT_S) -> Toolchains:
+        """Probe every registered (name, python), each within ``timeout`` seconds; none
+        registered: the daemon's own."""
         pairs = list(registered) or [(DEFAULT_NAME, sys.executable)]
-        return cls([probe(name, python) for name, python in pairs])
+        return cls([probe(name, python, timeout) for name, python in pairs])
 
     def to_json(self) -> dict:
         return {"toolchains": [t.to_json() for t in self.items],
@@ -317,8 +351,45 @@ class Toolchains:
             return t
         return self.by_fingerprint(identity.toolchain) or self.default
 
+    def note_unknown(self, identity: p.Identity, family: str) -> None:
+        """Remember an environment no toolchain compiles ``family`` for; the first time,
+        log ``toolchain.unknown_environment`` with its fingerprint digest, versions and the
+        ``--toolchain`` line that registers it (its interpreter read from the asking
+        process, ``/proc/PID/cmdline``, where this daemon may read it)."""
+        key = client_identity.digest(identity.toolchain)
+        seen = self.unknown_environments.get(key)
+        if seen is not None:
+            seen["requests"] += 1
+            if family not in seen["families"] and len(seen["families"]) < 16:
+                seen["families"].append(family)
+            return
+        if len(self.unknown_environments) >= MAX_UNKNOWN:
+            return
+        pid = request_pid.get()
+        python = interpreter_of(pid) if pid else None
+        versions = versions_of(identity.toolchain)
+        dsl = identity.runtime.get("dsl")
+        if dsl and "nvidia-cutlass-dsl" not in versions:
+            versions["nvidia-cutlass-dsl"] = str(dsl)
+        register = f"cached serve --toolchain NAME={python or 'PYTHON'}"
+        self.unknown_environments[key] = {
+            "fingerprint": key, "versions": versions, "families": [family], "requests": 1,
+            "first_seen": round(time.time(), 3), "pid": pid, "python": python,
+            "register": register}
+        event(log, logging.WARNING, "toolchain.unknown_environment", fingerprint=key,
+              versions=versions, family=family, pid=pid, register=register,
+              hint="no registered toolchain is this environment: its processes compile "
+                   "in-process (write-back); register it with the line given (PYTHON: that "
+                   "environment's interpreter) and restart the daemon")
+
+    def unknown_snapshot(self) -> list[dict]:
+        """The unknown environments, oldest first (for stats and the page)."""
+        return [dict(v, families=list(v["families"]))
+                for v in self.unknown_environments.values()]
+
     def unknown(self, identity: p.Identity, family: str) -> str:
         """Why no toolchain compiles ``family`` for ``identity`` (the unknown_toolchain message)."""
+        self.note_unknown(identity, family)
         same = self.by_fingerprint(identity.toolchain)
         if same is not None:
             detail = (f"toolchain {same.name} has this stack but other {family} sources "
@@ -339,8 +410,49 @@ class Toolchains:
                 "path": t.runtime_library if t is not None else None}
 
     def snapshot(self) -> list[dict]:
-        """Each toolchain for people: name, python, readable versions, fingerprint digest."""
+        """Each toolchain for people: name, python, readable versions, fingerprint digest,
+        the families it compiles (:func:`compiled_families`)."""
         return [{"name": t.name, "python": t.python, "fingerprint": t.digest,
-                 "versions": dict(t.versions), "families": sorted(t.sources),
+                 "versions": dict(t.versions), "families": compiled_families(t),
                  "runtime": t.describe_runtime(), "default": t is self.default}
                 for t in self.items]
+
+
+def compiled_families(toolchain: Toolchain) -> list[str]:
+    """The registered families ``toolchain`` compiles: the project's own (every toolchain
+    compiles them) and the FlashInfer families its FlashInfer has; never the write-back
+    ones (``"params"``)."""
+    from . import families
+
+    return sorted(n for n in families.names()
+                  if families.get(n).sources == "daemon"
+                  or families.get(n).sources == "flashinfer" and n in toolchain.sources)
+def versions_of(fingerprint: str) -> dict[str, str]:
+    """``{distribution: version}`` read from a toolchain fingerprint
+    (cached_client.identity.toolchain: ``tag;soabi;name==version:sha256;...``), with
+    ``python`` the cache tag."""
+    parts = fingerprint.split(";")
+    out = {"python": parts[0][:32]} if parts and parts[0] else {}
+    for part in parts[2:]:
+        name, sep, rest = part.partition("==")
+        if sep and name:
+            out[name[:64]] = rest.split(":", 1)[0][:64]
+    return out
+
+
+def interpreter_of(pid: int) -> str | None:
+    """The interpreter process ``pid`` was started with (its ``argv[0]``, made absolute
+    against its working directory), when this process may read it and it is an executable
+    file; else None. A virtual environment's ``bin/python`` stays as it was named (its
+    real executable would name the base interpreter, not the environment)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv0 = f.read(4096).split(b"\0", 1)[0].decode()
+        if "/" not in argv0:
+            return None
+        if not argv0.startswith("/"):
+            argv0 = os.path.join(os.readlink(f"/proc/{pid}/cwd"), argv0)
+    except (OSError, UnicodeDecodeError):
+        return None
+    path = os.path.normpath(argv0)
+    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None

@@ -5,8 +5,12 @@ The object is checked against ``object_sha256`` and for being ELF, linked into a
 here (so the only untrusted input is the object, which is exactly what FlashInfer's own
 disk cache would have held), and stored like any other artifact; the key's lease ends and
 its waiters get the hit. The row carries the publisher's identity (the toolchain and
-sources it stated), never the daemon's: it is served only to requests stating the same.
-Only peers on the publish allowlist reach this op (protocol.OPS). An upload that stops
+sources it stated), never the daemon's: it is served only to requests stating the same,
+from peers of the publisher's trust group (cached/trust.py: stored under that group's key,
+the row names the publisher's uid, gid, pid and group and the identity it stated). Only
+peers on the publish allowlist reach this op (protocol.OPS), and every chunk needs the
+token of the lease that very peer holds on the key (:meth:`Leases.holder`; else
+``not_allowed`` and nothing is kept). An upload that stops
 arriving is removed ``idle_s`` seconds after its last chunk (setting ``upload_timeout``;
 the daemon's flush loop calls :meth:`Uploads.expire`).
 
@@ -33,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from cached_client import protocol as p
-from cached_client.errors import CompileFailed, InvalidArgument
+from cached_client.errors import CompileFailed, InvalidArgument, NotAllowed
 
-from . import toolchain
+from . import toolchain, trust
 from .families.base import Family
 from .families.flashinfer_jit import HEX64_RE
 from .leases import Leases
@@ -107,11 +111,12 @@ class Uploads:
 
     async def publish(self, m: p.PublishRequest, peer: Peer) -> p.PublishReply:
         """Receive one chunk; the final one is verified, linked, stored and served."""
+        self.leases.check_enabled()
         family, request, route = self.leases.resolve(m.request, m.identity)
         if family.bundle:
             raise InvalidArgument(f"{family.name} artifacts are bundles: publish them with "
                                   "publish_bundle")
-        key = route.key
+        key = self.leases.keys(route, peer)[0]
         kernel_name, symbol = family.published_name(request, m.kernel_name)
         if not HEX64_RE.match(m.object_sha256):
             raise InvalidArgument("publish needs object_sha256: 64 lowercase hex digits")
@@ -119,6 +124,7 @@ class Uploads:
         if self.store.contains(key):
             self._discard(id_)
             return p.PublishReply(state="exists")
+        self._holder(key, m.lease, peer, family)
         try:
             data = base64.b64decode(m.data, validate=True)
         except (binascii.Error, ValueError):
@@ -144,6 +150,7 @@ class Uploads:
         del self.pending[id_]
         workdir = upload.path.parent
         try:
+            self._holder(key, m.lease, peer, family)  # still, after the last chunk
             if upload.digest.hexdigest() != m.object_sha256:
                 raise InvalidArgument("published object does not match its object_sha256")
             with open(upload.path, "rb") as f:
@@ -151,7 +158,7 @@ class Uploads:
                     raise InvalidArgument("published object is not an ELF object file")
             entry = await asyncio.get_running_loop().run_in_executor(
                 None, self._commit, family, request, route, (kernel_name, symbol), upload.path,
-                m)
+                m, key, self._provenance(key, peer, m.identity))
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         self.leases.settle(key)
@@ -164,22 +171,38 @@ class Uploads:
         return p.PublishReply(state="stored", key=key,
                               artifact=self.scheduler.artifact(entry, "compiled"))
 
+    def _holder(self, key: str, token: str, peer: Peer, family: Family) -> None:
+        """NotAllowed (counted and logged) unless ``peer`` holds the lease on ``key``."""
+        try:
+            self.leases.holder(key, token, peer)
+        except NotAllowed as exc:
+            self.stats.count("writeback.publish_refused")
+            event(log, logging.WARNING, "writeback.publish_refused", key=key[:16],
+                  pid=peer.pid, uid=peer.uid, family=family.name, reason=exc.message[:200])
+            raise
+
+    def _provenance(self, key: str, peer: Peer, identity: p.Identity | None) -> dict:
+        """The row's record of its publisher and the identity it stated (cached/trust.py);
+        the group is the one whose key the lease was on."""
+        lease = self.leases.held[key]
+        return trust.provenance(lease.uid, peer.gid, lease.pid, self.leases.access.group(peer),
+                                identity)
+
     def _commit(self, family: Family, request: Any, route: Any, names: tuple[str, str],
-                object_path: Path, m: p.PublishRequest) -> Entry:
+                object_path: Path, m: p.PublishRequest, key: str, provenance: dict) -> Entry:
         library_path = object_path.with_suffix(".so")
         try:
             toolchain.link_shared_library(object_path, library_path)
         except RuntimeError as exc:
             raise CompileFailed(f"the published object does not link: {exc}") from None
-        meta: dict[str, Any] = {"origin": "write-back",
-                                "runtime_library": toolchain.RUNTIME_LIBRARY_NAME}
+        meta: dict[str, Any] = {**provenance, "runtime_library": toolchain.RUNTIME_LIBRARY_NAME}
         if family.sources == "params":  # flashinfer.jit: FlashInfer's module and its sources
             meta.update({"flashinfer_module": request.params["module"],
                          "flashinfer_source_sha256": request.params["source_sha256"],
                          "tvm_ffi": request.params["tvm_ffi"]})
         elif family.sources == "flashinfer":  # exported as <module>_<kernel>
             meta["flashinfer_module"] = names[1][:-(len(names[0]) + 1)]
-        row = row_for(route.key, request, kernel_name=names[0], symbol=names[1],
+        row = row_for(key, request, kernel_name=names[0], symbol=names[1],
                       toolchain=route.toolchain, source_sha256=route.source_sha256,
                       compile_seconds=m.compile_seconds, meta=meta)
         return self.store.publish(row, object_path, library_path)
@@ -187,12 +210,13 @@ class Uploads:
     async def publish_bundle(self, m: p.PublishBundleRequest, peer: Peer) -> p.PublishReply:
         """Receive one chunk of one file of a bundle; when every file has arrived and
         matches its manifest entry, store the bundle (one row) and serve it."""
+        self.leases.check_enabled()
         family, request, route = self.leases.resolve(m.request, m.identity)
         if not family.bundle:
             raise InvalidArgument(f"{family.name} artifacts are objects: publish them with "
                                   "publish")
         family.check_files(request.params, m.files)
-        key = route.key
+        key = self.leases.keys(route, peer)[0]
         total = sum(f["size"] for f in m.files.values())
         if total > MAX_BUNDLE_BYTES or any(f["size"] > MAX_OBJECT_BYTES
                                             for f in m.files.values()):
@@ -202,8 +226,12 @@ class Uploads:
         if self.store.contains(key):
             self._discard_bundle(id_)
             entry = await self.scheduler.lookup(key)
+            if entry is not None and not trust.may_serve(entry.row,
+                                                         self.leases.access.group(peer)):
+                entry = None
             return p.PublishReply(state="exists", key=key, artifact=(
                 self.scheduler.artifact(entry, "hit") if entry is not None else None))
+        self._holder(key, m.lease, peer, family)
         try:
             data = base64.b64decode(m.data, validate=True)
         except (binascii.Error, ValueError):
@@ -244,8 +272,10 @@ class Uploads:
             return p.PublishReply(state="partial", received=upload.size)
         del self.bundles[id_]
         try:
+            self._holder(key, m.lease, peer, family)  # still, after the last chunk
             entry = await asyncio.get_running_loop().run_in_executor(
-                None, self._commit_bundle, family, request, route, bundle, m)
+                None, self._commit_bundle, family, request, route, bundle, m, key,
+                self._provenance(key, peer, m.identity))
         finally:
             shutil.rmtree(bundle.workdir, ignore_errors=True)
         self.leases.settle(key)
@@ -260,11 +290,11 @@ class Uploads:
                               artifact=self.scheduler.artifact(entry, "compiled"))
 
     def _commit_bundle(self, family: Family, request: Any, route: Any, bundle: BundleUpload,
-                       m: p.PublishBundleRequest) -> Entry:
+                       m: p.PublishBundleRequest, key: str, provenance: dict) -> Entry:
         kernel_name, symbol = family.published_name(request, None)
-        row = row_for(route.key, request, kernel_name=kernel_name, symbol=symbol,
+        row = row_for(key, request, kernel_name=kernel_name, symbol=symbol,
                       toolchain=route.toolchain, source_sha256=route.source_sha256,
-                      compile_seconds=m.compile_seconds, meta={"origin": "write-back"})
+                      compile_seconds=m.compile_seconds, meta=provenance)
         return self.store.publish_bundle(row, {name: u.path
                                                for name, u in bundle.received.items()})
 

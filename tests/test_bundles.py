@@ -229,14 +229,15 @@ def test_bad_bundle_uploads_get_a_typed_error_and_lose_nothing(daemon, change, c
 
 def test_a_file_that_does_not_match_its_manifest_drops_the_upload(daemon):
     request = triton_request("E")
-    client = daemon.client(timeout=30)
+    client = daemon.client(timeout=30, identity=False)  # as raw_call: the default toolchain
     held = writeback.acquire(client, request)
     manifest = _manifest(FILES)
-    reply = raw_call(daemon.socket, _chunk(request, manifest, "k.cubin", b"not the cubin"))
-    assert reply["error"]["code"] == "invalid_argument"
+    reply = raw_call(daemon.socket, _chunk(request, manifest, "k.cubin", b"not the cubin",
+                                           lease=held.token))
+    assert reply["error"]["code"] == "invalid_argument", reply
     assert "does not match its manifest entry" in reply["error"]["message"]
     reply = raw_call(daemon.socket, _chunk(request, manifest, "k.json", FILES["k.json"],
-                                           offset=5))
+                                           offset=5, lease=held.token))
     assert "start again at offset 0" in reply["error"]["message"]
     assert client.lease(p.LeaseRequest(request=request, wait_ms=0)).state == "wait"
     held.publish_bundle(dict(FILES))

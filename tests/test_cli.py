@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from cached_client import gemm_plan
 from conftest import ROOT, DaemonProcess, run_cli
 
 from cached import families, toolchain
@@ -82,8 +83,9 @@ def test_every_command_and_option_has_plain_help():
     parser = build_parser()
     commands = _subparsers(parser)
     assert set(commands) == {"serve", "config", "warm", "stats", "ls", "gc", "verify",
-                             "export", "certify", "toolchains"}
+                             "export", "certify", "tune", "toolchains"}
     for name, sub in commands.items():
+        assert sub.description and len(sub.description) > 40, f"cached {name}: no description"
         for action in sub._actions:
             assert action.help and action.help.strip(), f"cached {name} {action.option_strings}"
     for args in ([], *([name] for name in commands)):
@@ -95,6 +97,27 @@ def test_every_command_and_option_has_plain_help():
     for family in families.names():
         assert family in warm_help
     assert "llama-3.1-8b" in warm_help
+
+
+def test_each_flag_means_one_thing_across_commands():
+    """--shape is M,N,K wherever it is (certify's and tune's weight is --weight N,K), --arch
+    is the one target flag (warm has no --target), --toolchain names a registered toolchain
+    (serve and config register one: NAME=PYTHON; warm picks one: NAME; ls filters by
+    --built-with)."""
+    seen: dict[str, dict[str, str]] = {}
+    for name, sub in _subparsers(build_parser()).items():
+        for action in sub._actions:
+            for flag in action.option_strings:
+                seen.setdefault(flag, {})[name] = action.metavar or ""
+    assert set(seen["--shape"].values()) == {"M,N,K"}, seen["--shape"]
+    assert seen["--weight"] == {"certify": "N,K", "tune": "N,K"}
+    assert set(seen["--arch"].values()) == {"ARCH"} and "--target" not in seen
+    assert seen["--toolchain"] == {"serve": "NAME=PYTHON", "config": "NAME=PYTHON",
+                                   "warm": "NAME"}, seen["--toolchain"]
+    assert seen["--built-with"] == {"ls": "WHICH"}
+    result = run_cli("warm", "--manifest", "llama-3.1-8b", "--target", "sm_100a",
+                     "--socket", "/nonexistent/cached.sock", check=False)
+    assert result.returncode == 2 and "unrecognized arguments: --target" in result.stderr
 
 
 def test_version_names_cached_and_its_toolchain():
@@ -115,7 +138,7 @@ def test_version_names_cached_and_its_toolchain():
     (["gc", "--max-files", "-1"], "--max-files: expected an integer from 0"),
     (["gc", "--max-bytes", "lots"], "--max-bytes: expected a size"),
     (["gc", "--grace", "inf"], "--grace: expected seconds"),
-    (["certify", "--family", "x", "--shape", "8,8", "--limit", "-1"], "--limit"),
+    (["certify", "--family", "x", "--weight", "8,8", "--limit", "-1"], "--limit"),
 ])
 def test_nonsense_counts_are_refused_before_anything_runs(args, message):
     result = run_cli(*args, "--socket", "/nonexistent/cached.sock", check=False)
@@ -231,13 +254,16 @@ def test_warm_on_a_terminal_draws_a_tqdm_bar_with_rate_eta_and_last_kernel(d, tm
 
 @pytest.fixture(scope="module")
 def warmed(d):
-    """Two real NVFP4 kernels compiled through `cached warm`, then one of them a hit."""
+    """Two real NVFP4 kernels compiled through `cached warm`, one of them warmed again (a
+    pre-warm hit), then asked for by a client (a serving hit)."""
     out = cli(d, "warm", "--family", "flashinfer.mm_fp4", "--arch", "sm_100a", "--shape",
               "256,1024,7168", "--limit", "2", "--json")
     assert json.loads(out.stdout)["compiled"] == 2
     out = cli(d, "warm", "--family", "flashinfer.mm_fp4", "--arch", "sm_100a", "--shape",
               "256,1024,7168", "--limit", "1", "--json")
     assert json.loads(out.stdout)["cached"] == 1
+    (first,) = d.client(timeout=60).plan("flashinfer.mm_fp4", (256, 1024, 7168), "sm_100a")[:1]
+    assert d.client(timeout=60).get(first).origin == "hit"  # a serving request
     return d
 
 
@@ -254,8 +280,14 @@ def test_stats_reads_like_ccache(warmed):
     assert re.fullmatch(r"[0-9a-f]{16}", s["toolchain"])
     text = cli(d, "stats").stdout
     requests = s["hits"] + s["misses"]
-    assert s["hits"] >= 1 and s["misses"] >= 2
-    assert _field(text, "Requests") == str(requests)
+    assert s["hits"] >= 1 and s["prewarm_misses"] >= 2 and s["prewarm_hits"] >= 1
+    assert _field(text, "Serving requests") == str(requests)
+    assert _field(text, "Pre-warm requests") == (
+        f"{s['prewarm_hits'] + s['prewarm_misses']} ({s['prewarm_hits']} stored, "
+        f"{s['prewarm_misses']} compiled; not in the hits and misses above)")
+    hit_ms = 1000 * s["hit_seconds_mean"]
+    assert 0 < hit_ms < 5000
+    assert _field(text, "  Mean latency").startswith(f"hit {hit_ms:.3f} ms, miss until served ")
     assert re.fullmatch(rf"\s*{s['hits']} / {requests} \({100 * s['hits'] / requests:.2f}%\)",
                         _field(text, "  Hits"))
     assert re.fullmatch(rf"\s*{s['misses']} / {requests} "
@@ -271,8 +303,8 @@ def test_stats_reads_like_ccache(warmed):
     for name, version in toolchain.versions().items():
         assert f"{name} {version}" in _field(text, "Toolchain")
     assert s["toolchain"] in _field(text, "Toolchain")
-    assert re.fullmatch(r"(\d+\.\ds|\d+s|\d+m\d\ds) \(since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\), "
-                        r"serving", _field(text, "Uptime"))
+    assert re.fullmatch(r"(\d+\.\ds|\d+s|\d+m\d\ds) \(since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d "
+                        rf"{time.strftime('%Z')}\), serving", _field(text, "Uptime"))
     assert _field(text, "Counting since") == "start"
     table = text[text.index("\nFamily "):]
     for family, counts in s["families"].items():  # every registered family, idle ones too
@@ -289,9 +321,9 @@ def test_stats_zero_starts_the_counts_again_and_metrics_go_on(warmed, tmp_path):
     with urllib.request.urlopen(f"http://{before['http']}/metrics", timeout=10) as r:
         metrics_before = r.read().decode()
     result = cli(d, "stats", "--zero")
-    assert _field(result.stdout, "Requests") == str(before["hits"] + before["misses"])
-    assert re.search(r"^Statistics zeroed at \d{4}-\d\d-\d\d \d\d:\d\d:\d\d$", result.stdout,
-                     re.M)
+    assert _field(result.stdout, "Serving requests") == str(before["hits"] + before["misses"])
+    assert re.search(r"^Statistics zeroed at \d{4}-\d\d-\d\d \d\d:\d\d:\d\d [A-Z+-]\w*$",
+                     result.stdout, re.M)
     after = d.stats()
     assert (after["hits"], after["misses"], after["failures"], after["last_failures"]) == (
         0, 0, 0, [])
@@ -300,8 +332,8 @@ def test_stats_zero_starts_the_counts_again_and_metrics_go_on(warmed, tmp_path):
     assert all(c["hits"] == 0 for c in after["families"].values())
     cli(d, "warm", "--requests", str(fault_requests(tmp_path / "r.json", "zero", 1, 0)),
         check=False)
-    assert d.stats()["misses"] == 1  # counting again
-    assert "Counting since:   zeroed" in cli(d, "stats").stdout
+    assert d.stats()["prewarm_misses"] == 1  # counting again
+    assert _field(cli(d, "stats").stdout, "Counting since").startswith("zeroed ")
     with urllib.request.urlopen(f"http://{before['http']}/metrics", timeout=10) as r:
         metrics_after = r.read().decode()
     name = 'cached_hits_total{family="flashinfer.mm_fp4"}'
@@ -322,10 +354,10 @@ def test_ls_has_a_header_filters_and_json_params_objects(warmed):
     digest = d.stats()["toolchain"]
     for args, count in ((["--family", "flashinfer.mm_fp4"], 2), (["--family", "x"], 0),
                         (["--arch", "sm_100a"], 2), (["--arch", "sm_90a"], 0),
-                        (["--toolchain", "current"], 2), (["--toolchain", "other"], 0),
-                        (["--toolchain", digest[:6]], 2), (["--toolchain", "nvidia-cutlass-dsl"
+                        (["--built-with", "current"], 2), (["--built-with", "other"], 0),
+                        (["--built-with", digest[:6]], 2), (["--built-with", "nvidia-cutlass-dsl"
                                                             "==4.8.1"], 2),
-                        (["--toolchain", "torch==0.0"], 0)):
+                        (["--built-with", "torch==0.0"], 0)):
         assert len(json.loads(cli(d, "ls", *args, "--json").stdout)) == count, args
     empty = cli(d, "ls", "--family", "cached.hopper_fp8").stdout.splitlines()
     assert empty[0].startswith("KEY") and empty[-1] == "0 kernels, 0 B (of 2 stored)"
@@ -379,3 +411,39 @@ def test_zeroing_needs_publish_rights_and_a_closed_socket_says_why(d, shared, pe
         closed.close()
     assert result.returncode == 2 and f"{path}: Permission denied" in result.stderr
     assert "cached-clients" in result.stderr
+
+
+# -- warm of the batch-invariant GEMM family, cached toolchains (last: they add entries) ----
+
+
+def test_warm_of_the_hopper_family_is_the_plans_choice_per_m_bucket_unless_asked(d):
+    """warm --family cached.hopper_fp8 --shape M,N,K compiles what clients will ask for:
+    the tactic gemm_plan picks per M bucket up to M (the code clients run), not the
+    family's whole space, which takes --all-tactics."""
+    hopper = gemm_plan.HOPPER_FAMILY
+    base = ["warm", "--family", hopper, "--arch", "sm_90a", "--plan-only", "--json"]
+    default = json.loads(cli(d, *base, "--shape", "64,4096,4096").stdout)
+    plan = gemm_plan.plan_gemm(d.client(timeout=120), 4096, 4096, arch="sm_90a", max_m=64,
+                               prefetch=False)
+    assert default["requests"] == [r.to_wire() for r in plan.requests]
+    assert 1 <= default["total"] <= len(gemm_plan.buckets_up_to(64)) + 1, default["total"]
+    whole = json.loads(cli(d, *base, "--shape", "64,4096,4096", "--all-tactics").stdout)
+    assert whole["total"] > 10 * default["total"], (whole["total"], default["total"])
+    assert all(r in whole["requests"] for r in default["requests"])
+    wanted = gemm_plan.plan_gemm(d.client(timeout=120), 256, 512, arch="sm_90a", max_m=1,
+                                 prefetch=False).requests
+    warmed = json.loads(cli(d, "warm", "--family", hopper, "--arch", "sm_90a", "--shape",
+                            "1,256,512", "--json").stdout)
+    assert (warmed["compiled"], warmed["failed"]) == (len(wanted), 0), warmed
+    for request in wanted:  # what a client then asks for is there
+        assert d.client(timeout=60).get(request).origin == "hit"
+
+
+def test_toolchains_lists_every_family_each_compiles(d):
+    text = cli(d, "toolchains").stdout
+    listed = json.loads(cli(d, "toolchains", "--json").stdout)
+    (default,) = listed
+    assert {"cached.hopper_fp8", "flashinfer.mm_fp4", "flashinfer.bi.bmm_fp8"} <= set(
+        default["families"]), default["families"]
+    assert not {"flashinfer.jit", "flashinfer.nvcc", "triton"} & set(default["families"])
+    assert f"families {', '.join(default['families'])}" in text, text

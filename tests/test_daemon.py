@@ -37,7 +37,8 @@ def test_cold_then_warm_warm_up_compiles_nothing_the_second_time(daemon):
     warm = warm_json(daemon, 4)
     assert (warm["compiled"], warm["cached"], warm["failed"]) == (0, 4, 0)
     stats = daemon.stats()
-    assert stats["compiles"] == 4 and stats["entries"] == 4 and stats["hits"] == 4
+    assert stats["compiles"] == 4 and stats["entries"] == 4 and stats["prewarm_hits"] == 4
+    assert (stats["hits"], stats["misses"], stats["prewarm_misses"]) == (0, 0, 4)  # warm-ups
     listed = run_cli("ls", "--socket", daemon.socket, "--json").stdout
     assert {e["family"] for e in json.loads(listed)} == {"flashinfer.mm_fp4"}
 

@@ -146,7 +146,7 @@ def test_every_manifest_warms_fp8_on_blackwell_through_the_bi_family(tmp_path):
             if manifest.model == first.model:
                 continue
             plan = json.loads(run_cli("warm", "--socket", d.socket, "--manifest", str(path),
-                                      "--family", BMM_FP8, "--target", "sm_100a",
+                                      "--family", BMM_FP8, "--arch", "sm_100a",
                                       "--plan-only", "--json").stdout)
             expected = _dispatcher_kernels(manifest, "sm_100a")
             assert plan["kernels"] == {f"{BMM_FP8}@sm_100a": expected} and expected > 0, path

@@ -43,12 +43,13 @@ def test_classes_round_trip_through_hello_and_plan(daemon):
     c = daemon.client(timeout=60)
     info = c.hello().reduction_classes
     assert info[HOPPER] == {"classes": list(T.REDUCTION_CLASSES), "m_independent": True}
-    assert len(info[HOPPER]["classes"]) == 5
+    # 5 per-tensor fast classes, 5 per-token fast ones, the two exact ones (issue 27)
+    assert len(info[HOPPER]["classes"]) == 12
     assert "e4m3.c1" in info["flashinfer.bi.bmm_fp8"]["classes"]
     assert info["flashinfer.mm_fp4"] == {"classes": [], "m_independent": False}
     reply = c.plan_reply(HOPPER, (16, 4096, 14336), "sm_90a", 132)
     assert len(reply.classes) == len(reply.requests) > 0
-    assert len(set(reply.classes)) == 5  # no option: every class of the family
+    assert len(set(reply.classes)) == 5  # no option: every per-tensor fast class
     for request, cls in zip(reply.requests, reply.classes, strict=True):
         assert cls == family(HOPPER).reduction_class(request.params)
     bi = c.plan_reply(HOPPER, (16, 4096, 14336), "sm_90a", 132, {"batch_invariant": True})
@@ -64,7 +65,7 @@ def test_policy_reads_classes_from_hello_not_a_table(daemon):
     c = daemon.client(timeout=60)
     with_daemon = policy.select("bmm", "fp8", "sm_90a", True, client=c)
     assert (with_daemon.kernel, with_daemon.tactics) == (HOPPER, "set")
-    assert "5 reduction-order classes" in with_daemon.reason
+    assert "12 reduction-order classes" in with_daemon.reason
     without = policy.select("bmm", "fp8", "sm_100a", True)
     assert without.tactics == "one" and "no daemon to ask" in without.reason
 

@@ -114,9 +114,14 @@ def test_reduction_order_constants():
     assert T.REDUCTION_ORDER_M_INDEPENDENT is True
     assert "k_tile=128" in T.REDUCTION_ORDER and "scale_after" in T.REDUCTION_ORDER
     assert T.TILE_K == 128
-    assert T.REDUCTION_CLASSES == ("k128.acc1.s1.fixed", "k128.acc1.s2.fixed",
-                                   "k128.acc1.s4.fixed", "k128.acc1.s8.fixed",
-                                   "k128.acc1.s16.fixed")
+    # the per-tensor fast ids first, as published before the scale schemes existed
+    assert T.REDUCTION_CLASSES[:5] == ("k128.acc1.s1.fixed", "k128.acc1.s2.fixed",
+                                       "k128.acc1.s4.fixed", "k128.acc1.s8.fixed",
+                                       "k128.acc1.s16.fixed")
+    assert T.REDUCTION_CLASSES[5:] == (
+        "k128.acc1.s1.fixed.token", "k128.acc1.s2.fixed.token", "k128.acc1.s4.fixed.token",
+        "k128.acc1.s8.fixed.token", "k128.acc1.s16.fixed.token",
+        "k128.prom128.s1.fixed", "k128.prom128.s1.fixed.token")
 
 
 def test_reduction_class_round_trips_through_canonical_params():
@@ -385,7 +390,9 @@ def test_pingpong_tactics():
 def test_params_round_trip():
     for t in enumerate_tactics(1000, 2688, 4096):
         p = t.to_params()
-        assert list(p) == [k for k in T.PARAM_KEYS if k != "pdl" or t.pdl]
+        # the fields added later (pdl, the scale scheme, the accumulation) only off default
+        assert list(p) == [k for k in T.PARAM_KEYS if k not in T.OMITTED_AT_DEFAULT
+                           or getattr(t, k) != T.OMITTED_AT_DEFAULT[k]]
         assert tactic_from_params(p) == t
         assert tactic_from_params(json.loads(json.dumps(p))) == t
 
@@ -515,7 +522,8 @@ def test_plan_reduction_class_option_and_default():
 
     fam = HopperFp8()
     every = fam.plan((16, 4096, 4096), "sm_90a", 132, {})
-    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES) and len(every) == 814
+    # no scheme option: the per-tensor fast classes (REDUCTION_CLASSES[:5])
+    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES[:5]) and len(every) == 814
     for cid in T.REDUCTION_CLASSES:
         reqs = fam.plan((16, 4096, 4096), "sm_90a", 132, {"reduction_class": cid})
         assert {_class(r) for r in reqs} == {cid}
@@ -972,7 +980,7 @@ def test_pdl_keeps_the_params_of_tactics_without_it():
            "pingpong": False}
     assert fam.canonical_params(old, "sm_90a") == old
     assert fam.canonical_params({**old, "pdl": False}, "sm_90a") == old
-    assert list(fam.canonical_params(old, "sm_90a")) == list(T.PARAM_KEYS[:-1])
+    assert list(fam.canonical_params(old, "sm_90a")) == list(T.PARAM_KEYS[:-3])
     on = fam.canonical_params({**old, "pdl": True}, "sm_90a")
     assert on == {**old, "pdl": True} and list(on)[-1] == "pdl"
     assert fam.reduction_class(on) == fam.reduction_class(old) == "k128.acc1.s1.fixed"

@@ -256,16 +256,17 @@ def test_abandoned_uploads_expire(tmp_path):
         requests = [KernelRequest("flashinfer.jit", {
             "module": "demo", "kernel": f"k{i}", "tvm_ffi": True, "source_sha256": "0" * 64},
             "sm_100a", 148, 148) for i in range(50)]
-        for request in requests:
+        tokens = [client.lease(p.LeaseRequest(request=r, wait_ms=0)).lease for r in requests]
+        for request, token in zip(requests, tokens, strict=True):
             reply = client.publish(p.PublishRequest(
                 request=request, object_sha256=sha, offset=0, final=False,
-                data=base64.b64encode(data[:500]).decode()))
+                data=base64.b64encode(data[:500]).decode(), lease=token))
             assert reply.state == "partial"
         assert len(os.listdir(d.store / "tmp")) == 50
         wait_for(lambda: not os.listdir(d.store / "tmp"), 30)
         with pytest.raises(InvalidArgument, match="start again at offset 0"):
             client.publish(p.PublishRequest(request=requests[0], object_sha256=sha,
-                                            offset=500, final=True,
+                                            offset=500, final=True, lease=tokens[0],
                                             data=base64.b64encode(data[500:]).decode()))
     finally:
         d.stop()

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, DaemonProcess, run_cli
 
 from cached import families, manifests
 from cached.config import ConfigError, parse_size, size_text
@@ -115,3 +115,59 @@ def test_manifest_errors_say_where(tmp_path: Path):
                    '[[build]]\nfamily = "flashinfer.mm_fp4"\ntargets = ["sm_100a"]\n')
     with pytest.raises(manifests.ManifestError, match="does not divide by tensor_parallel 3"):
         manifests.load(bad)
+
+
+def test_config_shows_the_running_daemons_settings_and_what_differs(tmp_path: Path):
+    """cached config: what a new serve would use, then what the daemon on the socket runs
+    with (its flags here), and the names that differ; none answering says so."""
+    alone = run_cli("config", "--socket", str(tmp_path / "none.sock"))
+    assert f"no daemon answers on {tmp_path / 'none.sock'}" in alone.stdout
+    d = DaemonProcess(tmp_path, workers=1, ready_workers=0, extra_args=["--max-bytes", "10MB"])
+    try:
+        out = run_cli("config", "--socket", d.socket).stdout
+        mine, running = out.split(f"\nthe daemon running on {d.socket}:\n")
+        assert re.search(r"^max_bytes\s+0 \(no limit\)\s+default", mine, re.M), mine
+        assert re.search(r"^max_bytes\s+10 MB \(10000000 bytes\)\s+flag", running, re.M), running
+        assert re.search(rf"^store\s+{re.escape(str(d.store))}\s+flag", running, re.M)
+        differ = re.search(r"^differs from a new serve: (.*)$", running, re.M).group(1)
+        assert {"max_bytes", "store", "workers"} <= set(differ.split(", ")), differ
+        assert "socket" not in differ.split(", ")  # the same --socket
+        as_json = json.loads(run_cli("config", "--socket", d.socket, "--json").stdout)
+        values = {r["name"]: r["value"] for r in as_json["running"]["options"]}
+        assert values["max_bytes"] == 10**7 and values["store"] == str(d.store)
+    finally:
+        d.stop()
+
+
+def _capacity_rows() -> dict[str, list[int]]:
+    """docs/operations.md's Capacity table: the kernel count of each cell, by manifest."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    table = text[text.index("## Capacity"):text.index("## Pre-warm manifests")]
+    rows = {}
+    for line in table.splitlines():
+        name = re.search(r"\(`([\w.-]+)`\)|\*\*(all four models together)\*\*", line)
+        if line.startswith("| ") and name:
+            cells = line.strip("|").split("|")[1:]
+            rows[name.group(1) or "all"] = [int(re.search(r"\d+", c).group()) for c in cells]
+    return rows
+
+
+def test_capacity_table_is_what_plan_only_plans(tmp_path: Path):
+    """The Llama-3.1-8B row is what `cached warm --manifest llama-3.1-8b --plan-only` plans
+    now (bench/capacity.py prints every row); the union row is at least every row."""
+    rows = _capacity_rows()
+    assert set(rows) == {"llama-3.1-8b", "llama-3.3-70b", "qwen3-32b", "deepseek-v3-dense",
+                         "all"}, rows
+    for name, cells in rows.items():
+        assert all(u >= c for u, c in zip(rows["all"], cells, strict=True)), name
+    d = DaemonProcess(tmp_path, workers=1)
+    try:
+        plan = json.loads(run_cli("warm", "--socket", d.socket, "--manifest", "llama-3.1-8b",
+                                  "--plan-only", "--json").stdout)["kernels"]
+    finally:
+        d.stop()
+    assert rows["llama-3.1-8b"] == [plan["flashinfer.mm_fp4@sm_100a"],
+                                    plan["flashinfer.mm_fp4@sm_103a"],
+                                    plan["cached.hopper_fp8@sm_90a"],
+                                    plan["flashinfer.bi.bmm_fp8@sm_100a"]], plan
+    assert plan["flashinfer.bi.bmm_fp8@sm_103a"] == plan["flashinfer.bi.bmm_fp8@sm_100a"]

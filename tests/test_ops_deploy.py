@@ -48,8 +48,17 @@ def test_systemd_units_verify(tmp_path: Path):
     for line in ("Type=notify", "WatchdogSec=", "StateDirectory=cached",
                  "NoNewPrivileges=yes", "ProtectSystem=strict",
                  "ProtectHome=yes", "PrivateTmp=yes", "RestrictAddressFamilies=", "MemoryMax=",
-                 "User=cached", "EnvironmentFile=-/etc/cached/cached.env"):
+                 "User=cached", "EnvironmentFile=-/etc/cached/cached.env",
+                 # the store readable by exactly the socket's group (test_exposure.py)
+                 "Group=cached-clients", "StateDirectoryMode=0750"):
         assert line in service, line
+    # below vLLM (a unit with the defaults): lower CPU and IO weights, niced, capped tasks
+    # and memory (the booted test reads them back from systemd and the kernel)
+    below = dict(re.findall(r"^(CPUWeight|IOWeight|Nice|TasksMax|MemoryHigh)=(\S+)$",
+                            service, re.MULTILINE))
+    assert int(below["CPUWeight"]) < 100 and int(below["IOWeight"]) < 100, below
+    assert 0 < int(below["Nice"]) <= 19 and 0 < int(below["TasksMax"]) <= 4096, below
+    assert below["MemoryHigh"].endswith("G"), below
     # systemd chowns a RuntimeDirectory= recursively on start: the socket in /run/cached
     # would become cached:cached (test_the_shipped_units_serve_under_systemd_with_their_hardening)
     assert not re.search(r"^RuntimeDirectory", service, re.MULTILINE)
@@ -162,6 +171,9 @@ def test_the_shipped_units_serve_under_systemd_with_their_hardening(booted):
     assert (again["cached"], again["failed"]) == (2, 0), again
     st = socket_path.stat()  # still the group's once the service runs
     assert (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o660, 990, CLIENT_GROUP)
+    for state in ("/var/lib/cached", "/var/lib/cached/store"):  # the socket's group only
+        st = booted.host_path(state).stat()
+        assert (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o750, 990, CLIENT_GROUP), state
     outsider = booted.py("-m", "cached", "stats", "--socket", SOCK, user=OUTSIDER, check=False)
     assert outsider.returncode != 0 and "Permission denied" in outsider.stderr
 
@@ -177,6 +189,11 @@ def test_the_shipped_units_serve_under_systemd_with_their_hardening(booted):
         status = _status(pid)
         assert status["Uid"].split()[0] == "990" and status["Seccomp"] == "2", status
         assert status["NoNewPrivs"] == "1" and int(status["CapEff"], 16) == 0, status
+        nice = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+        assert nice == 10, (pid, nice)  # Nice=: below vLLM, workers included
+    below = booted.show("cached.service", "CPUWeight", "IOWeight", "TasksMax", "MemoryHigh")
+    assert below == {"CPUWeight": "20", "IOWeight": "20", "TasksMax": "1024",
+                     "MemoryHigh": str(9 << 30)}, below
     procs = [line.split(" - ")[1].split() for line in
              Path(f"/proc/{pids[0]}/mountinfo").read_text().splitlines()
              if line.split()[4] == "/proc"]

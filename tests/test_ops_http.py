@@ -5,32 +5,41 @@ and photographed for docs/operations.md), against one live daemon with real comp
 from __future__ import annotations
 
 import importlib.metadata
+import io
 import json
 import os
 import re
 import shutil
 import struct
 import subprocess
+import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import pytest
-from cached_client import CompileFailed
-from conftest import ROOT, DaemonProcess, fault
+from cached_client import CompileFailed, KernelRequest, UnknownFamily, identity
+from conftest import ROOT, DaemonProcess, fault, raw_call, run_cli, wait_for
+from PIL import Image
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from cached import toolchain
 from cached.config import size_text
 from cached.httpapp import public_stats
-from cached.page import render
+from cached.page import health, render
 
 SCREENSHOT = ROOT / "docs" / "img" / "status.png"
+DEGRADED_RGB, OK_RGB = (0xFF, 0xED, 0xC2), (0xE3, 0xF4, 0xE8)  # the state box's background
 WINDOW = (1280, 1000)
 
 
 @pytest.fixture(scope="module")
 def busy_daemon(tmp_path_factory, mm_fp4_requests):
-    """Two compiles, one hit, one failed compile, fallbacks reported by a client."""
-    d = DaemonProcess(tmp_path_factory.mktemp("http"), extra_args=["--max-bytes", "10MB"])
+    """Two compiles, one hit, one failed compile, fallbacks reported by a client; then
+    pre-warm: ``cached warm`` of the two stored kernels, a pre-warm get that compiles and a
+    prefetch of it; and a client's typo (an unknown family)."""
+    tmp = tmp_path_factory.mktemp("http")
+    d = DaemonProcess(tmp, extra_args=["--max-bytes", "10MB"])
     client = d.client(timeout=120)
     for request in mm_fp4_requests[:2]:
         assert client.get(request).origin == "compiled"
@@ -40,8 +49,19 @@ def busy_daemon(tmp_path_factory, mm_fp4_requests):
     client._fallbacks = {"flashinfer.mm_fp4": 3}  # as Client.load counts them
     client._report_fallbacks()  # what load() does on its next answered get
     assert client._fallbacks == {}
+    wanted = tmp / "requests.json"
+    wanted.write_text(json.dumps([r.to_wire() for r in mm_fp4_requests[:2]]))
+    warmed = run_cli("warm", "--socket", d.socket, "--requests", str(wanted), "--json")
+    assert json.loads(warmed.stdout)["cached"] == 2
+    assert client.get(PREWARM, priority="prewarm").origin == "compiled"
+    assert client.prefetch([PREWARM]).cached == 1
+    with pytest.raises(UnknownFamily):
+        client.get(KernelRequest("no.such.family", {}, "sm_100a", 148, 148))
     yield d
     d.stop()
+
+
+PREWARM = fault("build", tag="prewarm")
 
 
 def _get(d: DaemonProcess, path: str) -> tuple[str, str]:
@@ -69,14 +89,59 @@ def test_metrics_pass_promtool_and_count_what_happened(busy_daemon):
     assert _sample(text, f"cached_compile_duration_seconds_count{fam}") == 2
     assert _sample(text, 'cached_compile_failures_total{family="cached.test.fault"}') == 1
     assert _sample(text, 'cached_errors_total{code="compile_failed"}') == 1
-    assert _sample(text, 'cached_workers{state="alive"}') == 2
-    assert _sample(text, 'cached_workers{state="idle"}') == 2  # none is compiling now
-    assert _sample(text, "cached_store_entries") == 2
+    for state, count in (("idle", 2), ("busy", 0), ("starting", 0), ("down", 0)):
+        assert _sample(text, f'cached_workers{{state="{state}"}}') == count, state
+    assert _sample(text, "cached_workers_configured") == 2
+    assert _sample(text, "cached_store_entries") == 3  # two mm_fp4, the pre-warm build
     assert _sample(text, "cached_store_bytes") == busy_daemon.stats()["bytes"] > 0
     assert _sample(text, "cached_store_max_bytes") == 10**7  # 10MB: decimal
     for name in ("cached_queue_depth", "cached_in_flight", "cached_worker_restarts_total",
                  "cached_store_evictions_total"):
         assert _sample(text, name) == 0
+
+
+def test_prewarm_is_counted_apart_from_serving(busy_daemon):
+    """A warm-up (cached warm, a pre-warm get, a prefetch) leaves the serving hit ratio,
+    its latency histograms and CachedLowHitRatio's inputs alone."""
+    _, text = _get(busy_daemon, "/metrics")
+    fam, fault_fam = '{family="flashinfer.mm_fp4"}', '{family="cached.test.fault"}'
+    assert _sample(text, f"cached_hits_total{fam}") == 1
+    assert _sample(text, f"cached_misses_total{fam}") == 2
+    assert _sample(text, f"cached_prewarm_hits_total{fam}") == 2  # cached warm
+    assert _sample(text, f"cached_prewarm_misses_total{fam}") == 0
+    assert _sample(text, f"cached_misses_total{fault_fam}") == 1  # the failed compile
+    assert _sample(text, f"cached_prewarm_misses_total{fault_fam}") == 1  # pre-warm get
+    assert _sample(text, f"cached_prewarm_hits_total{fault_fam}") == 1  # the prefetch
+    assert _sample(text, f"cached_hit_duration_seconds_count{fam}") == 1
+    assert _sample(text, f"cached_miss_duration_seconds_count{fault_fam}") == 0
+    stats = busy_daemon.stats()
+    assert (stats["hits"], stats["misses"]) == (1, 3)
+    assert (stats["prewarm_hits"], stats["prewarm_misses"]) == (3, 1)
+
+
+def test_errors_are_failures_or_client_errors_never_both(busy_daemon):
+    _, text = _get(busy_daemon, "/metrics")
+    assert _sample(text, 'cached_errors_total{code="compile_failed"}') == 1
+    assert _sample(text, 'cached_client_errors_total{code="unknown_family"}') == 1
+    assert 'cached_errors_total{code="unknown_family"}' not in text
+    assert 'cached_client_errors_total{code="compile_failed"}' not in text
+
+
+def test_metrics_speak_openmetrics_to_a_scraper_that_asks(busy_daemon):
+    url = f"http://{busy_daemon.stats()['http']}/metrics"
+    accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+    request = urllib.request.Request(url, headers={"Accept": accept})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        content_type, text = r.headers["Content-Type"], r.read().decode()
+    assert content_type.startswith("application/openmetrics-text; version=1.0.0")
+    assert text.endswith("# EOF\n")
+    parsed = {m.name: m for m in text_string_to_metric_families(text)}  # a strict parser
+    hits = [x for x in parsed["cached_hits"].samples if x.name == "cached_hits_total"
+            and x.labels == {"family": "flashinfer.mm_fp4"}]
+    assert parsed["cached_hits"].type == "counter" and hits[0].value == 1
+    assert parsed["cached_hit_duration_seconds"].type == "histogram"
+    plain, _ = _get(busy_daemon, "/metrics")
+    assert plain.startswith("text/plain; version=0.0.4")  # what Accept-less scrapers get
 
 
 def test_metrics_have_latency_histograms_process_metrics_and_idle_families(busy_daemon):
@@ -96,13 +161,15 @@ def test_metrics_have_latency_histograms_process_metrics_and_idle_families(busy_
                      "cached_hit_duration_seconds_count", "cached_miss_duration_seconds_count",
                      "cached_compile_duration_seconds_count"):
             assert _sample(text, f'{name}{{family="{idle}"}}') == 0, (name, idle)
-    info = re.search(r"^cached_build_info\{(.*)\} 1\.0$", text, re.M)
-    assert info, text
-    labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1)))
+    infos = re.findall(r"^cached_build_info\{(.*)\} 1\.0$", text, re.M)
+    assert len(infos) == len(busy_daemon.stats()["toolchains"]) == 1, text
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', infos[0]))
     assert labels["version"] == importlib.metadata.version("cached")
     assert labels["toolchain"] == busy_daemon.stats()["toolchain"]
+    assert labels["default"] == "true" and labels["name"]
     for name, version in toolchain.versions().items():
         assert labels[name.replace("-", "_")] == version
+    assert "cached_toolchain_info" not in text  # one info metric, one set of label keys
     assert _sample(text, "process_resident_memory_bytes") > 10 << 20
     assert _sample(text, "process_cpu_seconds_total") > 0
     assert _sample(text, "process_open_fds") > 0
@@ -148,13 +215,18 @@ def test_operator_page_in_headless_chromium(busy_daemon, tmp_path):
     text = re.sub(r"<[^>]+>", " ", dom)
     text = re.sub(r"\s+", " ", text)
     stats = busy_daemon.stats()
-    assert "25.0% hit ratio (1 hits, 3 misses)" in text  # the fault request is a miss too
+    assert "25.0% serving hit ratio (1 hits, 3 misses)" in text  # the failed one too
+    assert "4 pre-warm requests (3 stored, 1 compiled)" in text
+    assert re.search(r"\d+\.\d\d ms mean hit latency", text), text
+    # the state, with its reasons, first on the page
+    assert re.search(r"cached on \S+ degraded 1 compile failed 3 client fallbacks ", text), text
     assert "2/2 workers ready (2 idle, 2 alive, 0 restarts)" in text
     assert "of 10 MB budget" in text
-    # hits misses ratio compiled failed mean, written back, avoided (the hit), served, fallbacks
+    # hits misses ratio compiled failed mean, written back, avoided (the hit and the two
+    # warmed), served, fallbacks
     served = size_text(stats["families"]["flashinfer.mm_fp4"]["bytes_served"])
     assert stats["families"]["flashinfer.mm_fp4"]["bytes_served"] > 0
-    assert re.search(rf"flashinfer\.mm_fp4 1 2 33\.3% 2 0 \d+\.\d\d 0 1 {served} 3", text), text
+    assert re.search(rf"flashinfer\.mm_fp4 1 2 33\.3% 2 0 \d+\.\d\d 0 3 {served} 3", text), text
     for idle in ("cached.hopper_fp8", "flashinfer.bi.bmm_fp8", "flashinfer.jit", "triton",
                  "humming", "flashinfer.nvcc"):
         assert f"{idle} 0 0 n/a 0 0 - 0 0 0 B 0" in text, idle  # every family has its row
@@ -165,12 +237,17 @@ def test_operator_page_in_headless_chromium(busy_daemon, tmp_path):
     assert f"{t['name']} (default) {t['fingerprint']} " in section, section
     assert all(f"{k} {v}" in section for k, v in t["versions"].items()), section
     assert section.rstrip().endswith("2 ready, 0 busy"), section
-    assert re.search(r"up (\d+\.\ds|\d+s|\d+m\d\ds) \(since \d{4}-\d\d-\d\d \d\d:\d\d\)", text)
+    zone = time.strftime("%Z")
+    assert re.search(r"up (\d+\.\ds|\d+s|\d+m\d\ds) \(since \d{4}-\d\d-\d\d \d\d:\d\d "
+                     rf"{zone}\)", text), text
     assert f"cached {importlib.metadata.version('cached')}" in text
     for name, version in toolchain.versions().items():
         assert f"{name} {version}" in text
     assert f"toolchain digest {stats['toolchain']}" in text
-    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d cached\.test\.fault", text)  # a failure
+    assert re.search(rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d {zone} cached\.test\.fault",
+                     text)  # a failure, its time with its zone
+    assert "failures: compile_failed: 1 client errors (what clients sent): unknown_family: 1" \
+        in text
     for secret in (stats["store"], stats["socket"], "injected failure", "page-check",
                    t["python"]):
         assert secret not in dom, secret  # over the socket only
@@ -180,6 +257,10 @@ def test_operator_page_in_headless_chromium(busy_daemon, tmp_path):
     png = shot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n", result.stderr[-2000:]
     assert struct.unpack(">II", png[16:24]) == WINDOW
+    with Image.open(io.BytesIO(png)) as image:  # the state is seen, not only in the DOM
+        colours = Counter(image.convert("RGB").getdata())
+    assert colours[DEGRADED_RGB] > 20_000, colours.most_common(8)
+    assert colours[OK_RGB] == 0
     if os.environ.get("CACHED_DOC_IMAGES") == "1":  # refresh docs/operations.md's picture
         Path(SCREENSHOT).write_bytes(png)
 
@@ -191,3 +272,34 @@ def test_page_escapes_what_it_shows(busy_daemon):
     page = render(public_stats(snapshot))
     assert "&lt;b&gt;x&lt;/b&gt;" in page and "<b>x</b>" not in page
     assert "&lt;script&gt;1&lt;/script&gt;" in page and "<script>" not in page
+
+
+def test_page_state_is_ok_then_names_a_worker_restart_and_an_unknown_environment(
+        tmp_path, mm_fp4_requests):
+    """A fresh daemon's page says ok; a worker that dies and a request from an environment
+    no toolchain is registered for turn it degraded, each named; no running worker is
+    failing. ``stats --zero`` (an operator who has looked) brings it back to ok."""
+    d = DaemonProcess(tmp_path, workers=1)
+    try:
+        _, page = _get(d, "/")
+        assert '<div class="state ok" id="health"><b>ok</b>' in page, page
+        with pytest.raises(CompileFailed):
+            d.client(timeout=60).get(fault("crash", tag="state"))
+        elsewhere = {**identity.for_families(["flashinfer.mm_fp4"]), "toolchain": "another"}
+        reply = raw_call(d.socket, {"v": 1, "op": "get", "request": mm_fp4_requests[0].to_wire(),
+                                    "identity": elsewhere})
+        assert reply["error"]["code"] == "unknown_toolchain", reply
+        wait_for(lambda: d.stats()["workers_ready"] == 1)
+        _, page = _get(d, "/")
+        assert '<div class="state degraded" id="health"><b>degraded</b>' in page, page
+        for reason in ("1 compile failed", "1 worker restart",
+                       "1 request from an environment no toolchain is registered for"):
+            assert f"<li>{reason}" in page, reason
+        dead = {**public_stats(d.stats()), "workers_alive": 0, "workers_ready": 0}
+        assert health(dead)[0] == "failing"
+        assert health(dead)[1][0].startswith("no compile worker is running (0 of 1)")
+        run_cli("stats", "--socket", d.socket, "--zero")
+        _, page = _get(d, "/")
+        assert '<div class="state ok" id="health">' in page, page
+    finally:
+        d.stop()

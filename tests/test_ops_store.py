@@ -1,9 +1,15 @@
-"""Store eviction and verification, on synthetic blobs (fast, no daemon)."""
+"""Store eviction and verification, on synthetic blobs (fast, no daemon), and one process
+per store (a real daemon, a second serve, offline gc and verify)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 
+from conftest import DaemonProcess, fault, run_cli
 from test_store import K, publish
 
 from cached.store import Budget, Store
@@ -54,3 +60,35 @@ def test_verify_reports_and_drops_bad_entries(tmp_path):
     assert report["orphan_blobs"] >= 1
     assert {r["key"] for r in store.rows()} == {K("good")}
     assert store.verify()["bad"] == [] and good.library_path.exists()
+
+
+def test_one_process_per_store_a_second_serve_and_offline_commands_refuse_a_live_store(
+        tmp_path):
+    """A store lock (cached/storelock.py): a second serve on a live store, and gc/verify
+    --store on it, refuse with one line naming the daemon and touch nothing; after the
+    daemon is killed (-9: the kernel drops the lock) the offline commands work."""
+    d = DaemonProcess(tmp_path, workers=1)
+    try:
+        assert d.client(timeout=60).get(fault("build", tag="lock")).origin == "compiled"
+        other = tmp_path / "other.sock"
+        second = subprocess.run(
+            [sys.executable, "-m", "cached", "serve", "--store", str(d.store), "--socket",
+             str(other), "--workers", "1"], capture_output=True, text=True, timeout=120,
+            env={**os.environ, "CACHED_TEST_FAMILIES": "1"})
+        lines = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and len(lines) == 1, second.stderr
+        assert (f"store {d.store} is in use by cached serve (pid {d.proc.pid}, socket "
+                f"{d.socket}): one process per store") in lines[0], lines
+        assert "Traceback" not in second.stderr and not other.exists()
+        for command in ("gc", "verify"):
+            refused = run_cli(command, "--store", str(d.store), check=False)
+            assert refused.returncode == 2, refused.stderr
+            assert f"in use by cached serve (pid {d.proc.pid}" in refused.stderr
+            assert f"run cached {command} without --store" in refused.stderr
+        stats = d.stats()
+        assert stats["entries"] == 1 and stats["workers_alive"] == 1  # nothing touched
+    finally:
+        d.kill9()
+    verified = json.loads(run_cli("verify", "--store", str(d.store), "--json").stdout)
+    assert (verified["verified"], verified["bad"]) == (1, [])
+    assert run_cli("gc", "--store", str(d.store)).returncode == 0

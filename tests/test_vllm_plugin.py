@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -198,9 +200,41 @@ def test_fp8_linear_selection_at_capability_90_and_100(vllm_runs, run, base, ind
             assert "linear_backend" in vllm_choice["config_error"]
         else:
             assert vllm_choice["static_tensor"][0] in (CUTLASS, FLASHINFER)
-    asked = run == "90" and SC90[index].get("backend") == "cached"
-    if not asked:  # per-token activation scales: not this kernel's, vLLM's choice stands
-        assert got["dynamic_token"] == vllm_choice["dynamic_token"]
+    others = ("dynamic_token", "dynamic_token_channel", "dynamic_tensor", "block")
+    if run == "90" and want == CACHED:
+        # per-token activation x per-channel (FP8-dynamic) or per-tensor weight: the
+        # family's per-token scheme, batch invariant
+        assert got["dynamic_token"] == got["dynamic_token_channel"] == [CACHED, True]
+        if SC90[index]["bi"]:  # a dynamic per-tensor scale is refused: vLLM's choice
+            assert got["dynamic_tensor"][0] != CACHED
+        else:  # asked for without batch invariance: served, and not called invariant
+            assert got["dynamic_tensor"] == [CACHED, False]
+        assert got["block"][0] != CACHED  # block FP8: not served (yet)
+        if "config_error" not in vllm_choice:
+            assert got["dynamic_tensor"] == vllm_choice["dynamic_tensor"]
+            assert got["block"] == vllm_choice["block"]
+    else:  # not this kernel's (or not on this arch): vLLM's choice stands
+        for name in others:
+            assert got[name] == vllm_choice[name], name
+
+
+@needs_vllm
+def test_the_kernel_says_why_it_refuses_a_layer(vllm_runs):
+    """The kernel's own can_implement, through vLLM's config type: what it serves on sm_90a
+    under batch invariance, and the reason for each layer it does not."""
+    got = vllm_runs["90"][0]["selected"][0]
+    assert got["can_implement static_tensor"] == [True, None]
+    assert got["can_implement dynamic_token"] == [True, None]
+    assert got["can_implement dynamic_token_channel"] == [True, None]
+    ok, why = got["can_implement dynamic_tensor"]
+    assert not ok and "amax over every row" in why and "per-token" in why
+    ok, why = got["can_implement block"]
+    assert not ok and "(128, 128)" in why and "(1, 128)" in why
+    # without batch invariance a dynamic per-tensor scale is served (--linear-backend cached)
+    assert vllm_runs["90"][0]["selected"][3]["can_implement dynamic_tensor"] == [True, None]
+    # capability 100 (FlashInfer's per-tensor class): per-token scales are sm_90a's
+    ok, why = vllm_runs["100"][0]["selected"][0]["can_implement dynamic_token_channel"]
+    assert not ok and "served on sm_90a" in why
 
 
 @needs_vllm
@@ -249,8 +283,9 @@ def test_fp8_selection_neither_imports_flashinfer_nor_initialises_cuda(vllm_runs
     # vLLM's own NVFP4 W4A16 selection imports FlashInfer; the plugin's hook attaches then
     result, out = vllm_runs["100-nobi"]
     assert result["flashinfer_imported"] is True
-    assert any("cached: FlashInfer 0.7.4: CuTe-DSL kernels now come from the daemon" in x
-               for x in out.splitlines())
+    # (this environment's DSL 4.8.0 is none of the daemon's toolchains: the line says so)
+    assert any("cached: FlashInfer 0.7.4: hooked; the daemon at" in x
+               and "has no toolchain of this environment" in x for x in out.splitlines())
 
 
 PROBE = """
@@ -294,3 +329,108 @@ def test_the_plugin_costs_nothing_until_flashinfer_is_imported(tmp_path):
     # the hook attached when FlashInfer was imported: vLLM's pin 0.7.2.post1 lacks what the
     # integration hooks (cached_client.flashinfer, issue 11), and the line says so
     assert any("cached: FlashInfer 0.7.2.post1" in x for x in out.splitlines()), out[-3000:]
+
+
+ARG_UTILS_FIRST = """
+import json, sys, types
+# vllm/platforms/cuda.py imports its compiled extension at module level (needs libcuda.so.1)
+sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+first = "vllm.config.kernel" in sys.modules
+from vllm.engine.arg_utils import EngineArgs  # imports vllm.config.kernel while importing
+from vllm.config.kernel import KernelConfig
+print("RESULT " + json.dumps({"kernel_imported_first": first,
+                              "backend": KernelConfig(linear_backend="cached").linear_backend}))
+"""
+
+
+@needs_vllm
+def test_the_kernel_config_hook_fires_cleanly_inside_arg_utils_own_import(tmp_path):
+    """A worker that loads the plugin before vLLM's config (vllm.engine.arg_utils, mid-import,
+    imports vllm.config.kernel, whose hook then ran before arg_utils had its kwargs cache):
+    ``cached`` is accepted and no hook fails in the log."""
+    d = DaemonProcess(tmp_path, workers=0)
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PYTHONPATH")}
+        env.update({"CACHED_SOCKET": d.socket, "PYTHONPATH": str(ROOT / "client")})
+        proc = subprocess.run([str(VLLM_PYTHON), "-c", ARG_UTILS_FIRST], capture_output=True,
+                              text=True, env=env, timeout=600)
+    finally:
+        d.stop()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    assert json.loads(line[7:]) == {"kernel_imported_first": False, "backend": "cached"}
+    assert "hook for vllm.config.kernel failed" not in out, out[-3000:]
+    assert "_compute_kwargs" not in out
+
+
+@needs_vllm
+def test_inside_vllm_every_client_line_goes_through_vllms_logging(tmp_path):
+    """Issue 24, "Where it speaks", with vLLM 0.33.0's own logging configuration: the client's
+    lines (the unknown_toolchain warning, the breaker's INFO line, the DaemonSilent warning,
+    the prober's and the serving monitor's lines) come out through vLLM's handler in vLLM's
+    format; before, the warnings were bare stderr lines and the INFO lines were lost. The
+    daemon logs the unknown environment once, with the line that registers it, and its page
+    names it; the monitor's count reaches the daemon once it answers again."""
+    pytest.importorskip("flashinfer")
+    d = DaemonProcess(tmp_path, workers=0)
+    try:
+        proc = _harness(100, [], {"CACHED_SOCKET": d.socket,
+                                  "CACHED_HARNESS_SPEAK": str(d.proc.pid),
+                                  "CUTE_DSL_ARCH": "sm_100a", "CACHED_SM_COUNT": "148",
+                                  "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "fi")})
+        out, _ = proc.communicate(timeout=600)
+        (tmp_path / "harness.log").write_text(out)
+        lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, out[-4000:]
+        speak = json.loads(lines[-1][7:])["speak"]
+        stats = d.stats()
+        with urllib.request.urlopen(f"http://{stats['http']}/", timeout=10) as r:
+            page = r.read().decode()
+        daemon_log = d.log_path.read_text()
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+        d.stop()
+    assert speak["installed"] and speak["worker_wrapped"] and speak["usable_again"], speak
+    assert speak["first"][1] == speak["second"][1] == "Function", speak
+    assert speak["outside"] == {"flashinfer.mm_fp4": 1}, speak
+
+    # every client line in vLLM's format: "(MainProcess pid=N) LEVEL MM-DD hh:mm:ss
+    # [file:line] message"; none bare
+    client = [x for x in out.splitlines() if "cached: " in x or "cached daemon at" in x]
+    assert all(x.startswith("(MainProcess pid=") for x in client), client
+
+    def through_vllm(text: str, level: str) -> str:
+        found = [x for x in client if text in x and f") {level} " in x]
+        assert found, f"{text!r} not logged at {level}:\n{out[-6000:]}"
+        return found[0]
+
+    first = through_vllm(" families); FP8 linear kernel 'cached' registered", "INFO")
+    assert "no toolchain of the daemon is this environment (CuTe DSL 4.8.0" in first
+    assert "come from the daemon" not in first and "--toolchain NAME=" in first
+    assert "[flashinfer.py:" in through_vllm("no toolchain of this daemon compiles "
+                                             "flashinfer.mm_fp4", "WARNING")
+    assert "[client.py:" in through_vllm("unusable (the daemon at", "INFO")  # the breaker
+    silent = through_vllm("DaemonSilent: the daemon at", "WARNING")
+    assert "FlashInfer compiles it in this process" in silent
+    through_vllm("stopped answering", "INFO")
+    through_vllm("answers again; its kernels are used again", "INFO")
+    through_vllm("serving: kernels built or loaded outside the daemon", "INFO")
+    monitor_line = through_vllm("was compiled in this process while serving", "WARNING")
+    assert speak["second"][0] in monitor_line  # names the kernel
+    # the daemon: the unknown environment logged once, with its versions and --toolchain line
+    events = [json.loads(x) for x in daemon_log.splitlines()
+              if '"toolchain.unknown_environment"' in x]
+    assert len(events) == 1, events
+    (ev,) = events
+    assert ev["versions"]["nvidia-cutlass-dsl"] == "4.8.0" and ev["family"] == "flashinfer.mm_fp4"
+    assert ev["register"] == f"cached serve --toolchain NAME={VLLM_PYTHON}"
+    (unknown,) = stats["unknown_environments"]
+    assert unknown["fingerprint"] == ev["fingerprint"] and unknown["requests"] >= 2
+    assert 'id="unknown-environments"' in page and ev["fingerprint"] in page
+    assert str(VLLM_PYTHON) not in page  # paths stay off HTTP
+    # what the process told the daemon once it answered again
+    assert stats["client_fallbacks"] == 1 and stats["client_outside_kernels"] == 1, stats
+    assert stats["outside_kernels"][0]["kernel"] == f"flashinfer.mm_fp4:{speak['second'][0]}"

@@ -316,18 +316,14 @@ def _final_plan(top: int):
 
 def _alt_plan(winners_path: str):
     """The plan's first choice per shape and M with the recorded winners of another
-    h200_winners.py (e.g. the one before a refit), for a final run that times both plans
-    side by side (the same machine, interleaved rounds)."""
-    import importlib.util
-
+    winners file (tactics.load_winners' format, e.g. the one before a refit), for a final
+    run that times both plans side by side (the same machine, interleaved rounds)."""
     from cached.families.hopper_fp8 import tactics as T
 
-    spec = importlib.util.spec_from_file_location("_alt_winners", winners_path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    alt = T.load_winners(winners_path)
     saved = dict(T.RECORDED_WINNERS)
     T.RECORDED_WINNERS.clear()
-    T.RECORDED_WINNERS.update({(mod.SM_COUNT, n, k): per for (n, k), per in mod.WINNERS.items()})
+    T.RECORDED_WINNERS.update(alt)
     try:
         return _final_plan(1)
     finally:
@@ -1292,7 +1288,7 @@ def main():
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--top", type=int, default=3, help="plan choices per M kept (final)")
     b.add_argument("--alt-winners", default=None,
-                   help="final: another h200_winners.py whose plan's first choices are "
+                   help="final: another winners JSON whose plan's first choices are "
                         "timed beside the plan's (summarize compares the two)")
     b.add_argument("--dry", action="store_true", help="manifest only, no compile")
     b.add_argument("--reuse-code", action="store_true",

@@ -198,23 +198,12 @@ def update_table(by, space, path: str, sources: list[str], margin: float,
     machines are never compared, and a win within the run-to-run spread changes nothing.
     With ``rounds`` (load_rounds), the best tactic (by median) must be faster than the
     winner by more than ``margin`` in every round of the cell, not only in the median."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_recorded", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    # the recorded file's own provenance: its docstring up to "per (N, K)"
-    head = []
-    for line in mod.__doc__.strip().splitlines()[2:]:
-        before, hit, _ = line.partition("per (N, K)")
-        if before.strip():
-            head.append(before.rstrip())
-        if hit:
-            break
-    head[-1] = head[-1].removesuffix(":")
+    with open(path) as f:
+        head = json.load(f)["about"]  # the recorded file's own provenance
+    recorded = T.load_winners(path)
     table: dict = {}
     changed = kept = 0
-    for (n, k), per in mod.WINNERS.items():
+    for (_sms, n, k), per in recorded.items():
         for s, row in per.items():
             out = []
             for m, key, us in row:
@@ -250,32 +239,45 @@ def update_table(by, space, path: str, sources: list[str], margin: float,
 
 
 def _emit(table: dict, path: str, how: list[str]) -> None:
-    lines = ['"""Recorded H200 winners of cached.hopper_fp8 (generated; do not edit).',
-             "",
-             *how,
-             "per (N, K) and reduction-order class S, per M: (M, tactic key, measured us).",
-             "A key is tactics.recorded_key(t): 'w' for swap_ab, 'n' for wg_n = 2, 'p' for",
-             "ping-pong, tile, raster, for S > 1 the split mode, '@CMxCN' for a cluster,",
-             "'+pdl' for programmatic dependent launch.",
-             '"""', "", "SM_COUNT = 132", "", "WINNERS = {"]
+    """Write recorded winners as JSON (the format tactics.load_winners reads): provenance
+    lines, the device, then per (N, K) and class S the rows [M, tactic key, us], one
+    shape a line group so that diffs stay readable."""
+    head = {"about": how, "device": "NVIDIA H200", "sm_count": 132,
+            "format": "per (N, K) and reduction-order class S, per M bucket: [M, tactic key, "
+                      "measured us]; a key is tactics.recorded_key(t): 'w' swap_ab, 'n' wg_n = "
+                      "2, 'p' ping-pong, tile, raster, for S > 1 the split mode, '@CMxCN' a "
+                      "cluster, '+pdl' programmatic dependent launch"}
+    text = json.dumps(head, indent=1)[:-2] + ',\n "shapes": [\n'
+    shapes = []
     for (n, k), per in table.items():
-        lines.append(f"    ({n}, {k}): {{")
-        for s, row in per.items():
-            lines.append(f"        {s}: (")
-            line = ""
-            for m, key, us in row:  # packed, at most 100 characters a line
-                cell = f"({m}, {key!r}, {us}),"
-                if line and len(line) + 1 + len(cell) > 100:
-                    lines.append(line)
-                    line = ""
-                line = f"{line} {cell}" if line else "            " + cell
-            lines.append(line)
-            lines.append("        ),")
-        lines.append("    },")
-    lines.append("}")
+        classes = ",\n".join(f'    "{s}": {json.dumps([list(r) for r in row])}'
+                              for s, row in per.items())
+        shapes.append(f'  {{"n": {n}, "k": {k}, "classes": {{\n{classes}\n  }}}}')
+    text += ",\n".join(shapes) + "\n ]\n}\n"
+    json.loads(text)  # well-formed
     with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(text)
+    T.load_winners(path)  # and readable as the family reads it
     print(f"wrote {path}: {len(table)} shapes")
+
+
+def write_cost(tables: dict, constants: dict, path: str, how: list[str]) -> None:
+    """Write a cost file (the format tactics.load_cost reads): per tile kind the per-K-tile
+    rows [tile_m, tile_n, [M <= 64, M <= 1024, larger]] in us, and model_parts' constants."""
+    head = {"about": how, "device": "NVIDIA H200", "sm_count": 132}
+    text = json.dumps(head, indent=1)[:-2] + ',\n "us_per_k_tile": {\n'
+    kinds = []
+    for kind, rows in tables.items():
+        body = ",\n".join(f"   [{tm}, {tn}, {json.dumps([round(x, 4) for x in per])}]"
+                           for (tm, tn), per in sorted(rows.items()))
+        kinds.append(f'  "{kind}": [\n{body}\n  ]')
+    text += ",\n".join(kinds) + "\n },\n"
+    text += f' "constants": {json.dumps(constants)}\n}}\n'
+    json.loads(text)
+    with open(path, "w") as f:
+        f.write(text)
+    T.load_cost(path)
+    print(f"wrote {path}")
 
 
 def spread(path_a: str, path_b: str, space) -> None:
@@ -317,11 +319,12 @@ def spread(path_a: str, path_b: str, space) -> None:
               f"95th {v[round(0.95 * (len(v) - 1))]:.3f}, max {v[-1]:.3f}")
 
 
-def per_k_tile(by, space, sms: int) -> None:
+def per_k_tile(by, space, sms: int, show: bool = True) -> dict:
     """Per tile shape of the S = 1 kernels and M regime (M <= 64, <= 1024, larger): the
     median over the run of (time - LAUNCH_US) / waves / K tiles, the model's
     US_PER_K_TILE, SWAP_US_PER_K_TILE, WG_N_US_PER_K_TILE and PINGPONG_US_PER_K_TILE
-    (printed as Python literals)."""
+    (printed); returned as {kind: {(tile_m, tile_n): [3 medians or None]}}, kinds as in
+    the cost file (plain, swap_ab, wg_n, pingpong)."""
     import statistics
 
     samples: dict = {}
@@ -335,21 +338,107 @@ def per_k_tile(by, space, sms: int) -> None:
                 waves = -(-T.work_units(t, m, n) // sms)
                 kt = -(-k // T.TILE_K)
                 reg = 0 if m <= 64 else (1 if m <= 1024 else 2)
-                kind = "swap" if t.swap_ab else ("wg_n" if t.wg_n == 2 else (
+                kind = "swap_ab" if t.swap_ab else ("wg_n" if t.wg_n == 2 else (
                     "pingpong" if t.pingpong else "plain"))
                 samples.setdefault((kind, t.tile_m, t.tile_n), {}).setdefault(
                     reg, []).append((us - T.LAUNCH_US) / waves / kt)
-    for kind, table in (("plain", "US_PER_K_TILE"), ("swap", "SWAP_US_PER_K_TILE"),
+    fitted: dict = {}
+    for kind, table in (("plain", "US_PER_K_TILE"), ("swap_ab", "SWAP_US_PER_K_TILE"),
                         ("wg_n", "WG_N_US_PER_K_TILE"),
                         ("pingpong", "PINGPONG_US_PER_K_TILE")):
-        print(f"{table} = {{")
+        lines = [f"{table} = {{"]
         for (kd, tm, tn), regs in sorted(samples.items()):
             if kd != kind:
                 continue
-            cells = ", ".join(f"{statistics.median(regs[r]):.3f}" if r in regs else "None"
-                              for r in range(3))
-            print(f"    ({tm}, {tn}): ({cells}),")
-        print("}")
+            med = [round(statistics.median(regs[r]), 3) if r in regs else None
+                   for r in range(3)]
+            fitted.setdefault(kind, {})[(tm, tn)] = med
+            lines.append(f"    ({tm}, {tn}): ({', '.join(str(x) for x in med)}),")
+        if show:
+            print("\n".join(lines + ["}"]))
+    return fitted
+
+
+def merged_tables(fitted: dict, base: dict) -> dict:
+    """The cost model's tables with ``fitted`` (per_k_tile) medians in place of ``base``'s
+    (tactics.load_cost's attribute names); a cell the runs did not time keeps base's."""
+    out = {}
+    for kind, name in T._COST_TABLES.items():
+        table = dict(base[name])
+        for tile, med in fitted.get(kind, {}).items():
+            old = table.get(tile)
+            table[tile] = tuple(m if m is not None else (old[i] if old else 1.0)
+                                for i, m in enumerate(med))
+        out[name] = table
+    return out
+
+
+def first_choice_ratios(by, shapes, sms: int) -> list[tuple]:
+    """(N, K, M, first choice / best measured of the plan's class) at every cell of
+    ``shapes`` in ``by``, the plan ranked by the model alone (no recorded winners); a
+    first choice the runs did not time is stood in for by the best-ranked timed one, and
+    flagged."""
+    out = []
+    saved = dict(T.RECORDED_WINNERS)
+    T.RECORDED_WINNERS.clear()
+    try:
+        for n, k in shapes:
+            s = T.choose_split(n, k, sms)
+            for m, d in sorted(by[(n, k)].items()):
+                ks = [x for x in d if not x.startswith("cublas") and splits_of(x) == s
+                      and x in T.recordable_tactics()]
+                if not ks:
+                    continue
+                best = min(ks, key=d.get)
+                plan = T.enumerate_tactics(m, n, k, splits=s, num_sms=sms)
+                first = next((t.name for t in plan if t.name in d), None)
+                if first is None:
+                    continue
+                out.append((n, k, m, d[first] / d[best], first == plan[0].name))
+    finally:
+        T.RECORDED_WINNERS.update(saved)
+    return out
+
+
+def holdout(by, space, sms: int) -> None:
+    """Leave one shape out: for each (N, K) the runs hold, refit the per-K-tile tables on
+    the other shapes' cells (per_k_tile, merged over the family's tables), rank the held-out
+    shape's cells by that model alone, and report the first choice's time over the best
+    measured tactic of the plan's class; beside it the same with the tables fitted on every
+    shape (in sample) and with the family's current tables."""
+    shapes = sorted(by)
+    base = {name: T.cost_model()[name] for name in T._COST_TABLES.values()}
+    saved = dict(T.cost_model())
+
+    def use(tables: dict) -> None:
+        T._loaded.update(tables)
+
+    rows = {"current": [], "in sample": [], "held out": []}
+    try:
+        use(base)
+        rows["current"] = first_choice_ratios(by, shapes, sms)
+        use(merged_tables(per_k_tile(by, space, sms, show=False), base))
+        rows["in sample"] = first_choice_ratios(by, shapes, sms)
+        for nk in shapes:
+            train = {x: v for x, v in by.items() if x != nk}
+            use(merged_tables(per_k_tile(train, space, sms, show=False), base))
+            rows["held out"] += first_choice_ratios(by, [nk], sms)
+    finally:
+        T._loaded.update(saved)
+    print("first choice / best measured of the plan's class, model alone (no recorded "
+          "winners), per shape: geomean (worst) over M")
+    print("  N x K        " + "".join(f"{w:>18}" for w in rows))
+    for n, k in shapes:
+        cells = []
+        for w in rows:
+            r = [x[3] for x in rows[w] if x[:2] == (n, k)]
+            cells.append(f"{_gm(r):.3f} ({max(r):.2f})" if r else "-")
+        print(f"  {n}x{k}".ljust(15) + "".join(f"{c:>18}" for c in cells))
+    for w, r in rows.items():
+        q = [x[3] for x in r]
+        print(f"{w}: geomean {_gm(q):.3f}, worst {max(q):.3f}, within 5 %: "
+              f"{sum(x <= 1.05 for x in q)} of {len(q)}, over 1.2: {sum(x > 1.2 for x in q)}; "
+              f"first choice untimed (stood in): {sum(not x[4] for x in r)}")
 
 
 def main() -> int:
@@ -369,6 +458,13 @@ def main() -> int:
                          "in every round of a cell")
     ap.add_argument("--write-csv")
     ap.add_argument("--per-k-tile", action="store_true")
+    ap.add_argument("--write-cost", metavar="PATH",
+                    help="--per-k-tile: write the cost file (tactics.load_cost's format) with "
+                         "the runs' medians in place of the family's (cells they did not time "
+                         "kept)")
+    ap.add_argument("--holdout", action="store_true",
+                    help="leave one shape out: the refitted model's first choice on shapes it "
+                         "was not fitted on (see holdout)")
     ap.add_argument("--spread", action="store_true",
                     help="two runs: how far their relative times disagree (see spread)")
     a = ap.parse_args()
@@ -376,8 +472,27 @@ def main() -> int:
         spread(a.json[0], a.json[1], {t.name: t for t in T.tactic_space()})
         return 0
     by, space = load(a.json)
+    if a.holdout:
+        holdout(by, space, a.sms)
+        return 0
     if a.per_k_tile:
-        per_k_tile(by, space, a.sms)
+        fitted = per_k_tile(by, space, a.sms, show=not a.write_cost)
+        if a.write_cost:
+            base = {name: T.cost_model()[name] for name in T._COST_TABLES.values()}
+            tables = merged_tables(fitted, base)
+            with open(T.COST_FILE) as f:
+                constants = json.load(f)["constants"]
+            write_cost({kind: tables[name] for kind, name in T._COST_TABLES.items()},
+                       constants, a.write_cost,
+                       ["Per-K-tile costs of cached.hopper_fp8's cost model (tactics."
+                        "model_parts), by tile kind, (tile_m, tile_n) and M regime (M <= 64, "
+                        "M <= 1024, larger): the median over H200 runs of (time - launch_us) / "
+                        "waves / K tiles for S = 1, cluster 1x1, swizzle 1, raster m, by "
+                        "bench/gpu/hopper_fp8_fit.py --per-k-tile --write-cost from",
+                        *(f"    {os.path.basename(x)}" for x in a.json),
+                        "(later runs' cells replace earlier ones'; a tile the runs did not "
+                        "time keeps the previous file's figures). constants: model_parts' "
+                        "fitted constants, unchanged."])
         return 0
     if a.write_csv:
         write_csv(by, a.write_csv)

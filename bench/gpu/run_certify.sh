@@ -49,7 +49,7 @@ if [[ $mode == gpu ]]; then
     sleep 0.2
   done
   args=()
-  for s in "${SHAPES[@]}"; do args+=(--shape "$s"); done
+  for s in "${SHAPES[@]}"; do args+=(--weight "$s"); done
   set +e
   python3 -m cached certify --socket /tmp/cached.sock --family cached.hopper_fp8 \
     "${args[@]}" --limit "${LIMIT:-6}" --json | tee "$OUT/certify.jsonl"

@@ -1,11 +1,11 @@
 """The ``cached`` command: one subcommand per module of this package.
 
 ``serve`` and ``config`` (serve.py), ``warm`` (warm.py, progress.py), ``stats``, ``ls``,
-``gc``, ``verify`` and ``export`` (store.py), ``certify`` (certify.py), ``toolchains``
-(toolchains.py); argument types shared by them in args.py. Every command that talks to a
-daemon takes ``--socket``. Exit status: 0 done, 1 done with failures (a kernel failed, a bad
-entry found), 2 a usage, configuration or daemon error. Help texts are plain text (argparse
-prints them as written).
+``gc``, ``verify`` and ``export`` (store.py), ``certify`` (certify.py), ``tune``
+(tune.py), ``toolchains`` (toolchains.py); argument types shared by them in args.py.
+Every command that talks to a daemon takes ``--socket``. Exit status: 0 done, 1 done with
+failures (a kernel failed, a bad entry found), 2 a usage, configuration or daemon error.
+Help texts are plain text (argparse prints them as written).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from cached_client.paths import SOCKET_ENV, default_socket_path
 
 from .. import toolchain
 from ..config import ConfigError
-from . import certify, serve, store, toolchains, warm
+from . import certify, serve, store, toolchains, tune, warm
 
-MODULES = (serve, warm, store, certify, toolchains)
+MODULES = (serve, warm, store, certify, tune, toolchains)
 
 DESCRIPTION = """\
 A per-node compilation cache for CuTe-DSL GEMM kernels: one daemon per node compiles

@@ -15,7 +15,7 @@ def _shape_nk(text: str) -> tuple[int, int]:
     try:
         n, k = (int(v) for v in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"shape must be N,K, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"a weight shape is N,K, got {text!r}") from None
     if min(n, k) < 1:
         raise argparse.ArgumentTypeError(f"shape dimensions must be positive, got {text!r}")
     return n, k
@@ -23,11 +23,16 @@ def _shape_nk(text: str) -> tuple[int, int]:
 
 def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     certify = sub.add_parser("certify", parents=[common],
-                             help="measure batch invariance on this GPU and record it")
+                             help="measure batch invariance on this GPU and record it",
+                             description="Run a family's kernels (fetched from the daemon) "
+                             "on this node's GPU for some weight shapes, count the rows that "
+                             "differ between batch sizes, tactics and the autotuner's mix, "
+                             "and record the result in the daemon. Needs a GPU.")
     certify.add_argument("--family", required=True, metavar="NAME",
                          help="the family to certify, e.g. cached.hopper_fp8")
-    certify.add_argument("--shape", type=_shape_nk, action="append", required=True,
-                         metavar="N,K", help="weight shape N,K (repeatable)")
+    certify.add_argument("--weight", type=_shape_nk, action="append", required=True,
+                         metavar="N,K", help="weight shape N,K (repeatable); every M the "
+                         "measurement needs is run against it")
     certify.add_argument("--limit", type=argtypes.count(), default=None, metavar="N",
                          help="certify the first N tactics of the M=2048 plan")
     certify.add_argument("--no-record", action="store_true",
@@ -40,7 +45,7 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
 def cmd_certify(args: argparse.Namespace) -> int:
     from cached_client.certify import certify
 
-    records = certify(Client(args.socket, timeout=600), args.family, args.shape, args.limit,
+    records = certify(Client(args.socket, timeout=600), args.family, args.weight, args.limit,
                       record=not args.no_record)
     for rec in records:
         if args.json:

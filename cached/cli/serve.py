@@ -20,7 +20,9 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     serve.set_defaults(run=cmd_serve)
     show = sub.add_parser("config", help="print the effective configuration and sources",
                           description="Print every setting cached serve would use with "
-                          "these flags, and where each value came from.")
+                          "these flags, and where each value came from; then, when a daemon "
+                          "answers on the socket, the settings that daemon runs with (after "
+                          "its last SIGHUP) and which of them differ.")
     config.add_flags(show)
     show.add_argument("--json", action="store_true", help="one JSON object")
     show.set_defaults(run=cmd_config)
@@ -55,9 +57,33 @@ def cmd_config(args: argparse.Namespace) -> int:
     settings = settings_from(args, "config")
     if settings is None:
         return 2
+    running = running_settings(settings.socket)
     if args.json:
         print(json.dumps({"file": str(settings.file) if settings.file else None,
-                          "file_source": settings.file_source, "options": settings.rows()}))
-    else:
-        print(config.format_table(settings))
+                          "file_source": settings.file_source, "options": settings.rows(),
+                          "running": running}))
+        return 0
+    print(config.format_table(settings))
+    if running is None:
+        print(f"\nno daemon answers on {settings.socket}: the above is what cached serve "
+              "would use")
+        return 0
+    print(f"\nthe daemon running on {settings.socket}:")
+    print(config.format_rows(running["options"], running["file"], running["file_source"]))
+    new = {r["name"]: r["value"] for r in json.loads(json.dumps(settings.rows()))}
+    differ = [r["name"] for r in running["options"] if new.get(r["name"]) != r["value"]]
+    print(f"differs from a new serve: {', '.join(differ) if differ else 'nothing'}")
     return 0
+
+
+def running_settings(socket_path: str) -> dict | None:
+    """The settings of the daemon answering on ``socket_path`` (file, file_source,
+    options as :meth:`config.Settings.rows`), or None when none answers (or it is too old
+    to say)."""
+    from cached_client import Client
+    from cached_client.errors import CachedError
+
+    try:
+        return Client(socket_path, timeout=5, identity=False).stats().get("settings")
+    except CachedError:
+        return None

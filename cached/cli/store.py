@@ -1,7 +1,7 @@
 """The store commands: ``stats``, ``ls``, ``gc``, ``verify`` and ``export``.
 
 ``gc`` and ``verify`` go through the daemon, or work on a store directly with ``--store``
-(the daemon stopped)."""
+(refused while a daemon serves it: cached/storelock.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,12 @@ from pathlib import Path
 from cached_client import Client
 from cached_client import protocol as p
 
-from .. import config, toolchain
-from ..stats import duration_text
+from .. import config, storelock, toolchain
+from ..stats import duration_text, time_text
 from . import argtypes
+
+THROUGH_THE_DAEMON = ("run cached {} without --store (through the daemon, with --socket), "
+                      "or stop the daemon first")
 
 
 def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -36,20 +39,30 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                         description="One row per stored kernel, by family and kernel name.")
     ls.add_argument("--family", metavar="NAME", help="only this family's kernels")
     ls.add_argument("--arch", metavar="ARCH", help="only kernels for this arch, e.g. sm_100a")
-    ls.add_argument("--toolchain", metavar="WHICH",
+    ls.add_argument("--built-with", metavar="WHICH",
                     help="only kernels built with: current (the daemon's toolchain), other "
                          "(any other: left from an upgrade), a digest prefix as ls and stats "
                          "show it, or text in the toolchain, e.g. nvidia-cutlass-dsl==4.8.1")
     ls.add_argument("--json", action="store_true",
                     help="a JSON list of the rows, params as objects")
     ls.set_defaults(run=cmd_ls)
-    gc = sub.add_parser("gc", parents=[common], help="evict least recently used entries now")
+    gc = sub.add_parser("gc", parents=[common], help="evict least recently used entries now",
+                        description="Evict least recently used entries until the store is "
+                        "under its budget (the daemon's, or the one given here), sparing "
+                        "entries used within the grace period and those in use. Goes "
+                        "through the running daemon, or with --store works on a store no "
+                        "daemon serves.")
     verify = sub.add_parser("verify", parents=[common],
-                            help="recheck every stored blob against its digest")
+                            help="recheck every stored blob against its digest",
+                            description="Read every stored blob, check it against the digest "
+                            "its index row records, and drop the entries that fail (the next "
+                            "request compiles them again); report unreferenced blobs and "
+                            "temporaries. Goes through the running daemon, or with --store "
+                            "works on a store no daemon serves.")
     for parser in (gc, verify):
         parser.add_argument("--store", type=Path, default=None, metavar="DIR",
                             help="work on this store directly instead of through the daemon "
-                                 "(the daemon stopped)")
+                                 "(refused while a daemon serves it)")
         parser.add_argument("--json", action="store_true", help="the report as one JSON object")
     gc.add_argument("--max-bytes", type=argtypes.size, default=None, metavar="SIZE",
                     help="budget for this run, e.g. 500MB or 2GiB (default: the daemon's, or "
@@ -63,7 +76,11 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     gc.set_defaults(run=cmd_gc)
     verify.set_defaults(run=cmd_verify)
     export = sub.add_parser("export", parents=[common],
-                            help="write stored FlashInfer kernels into FlashInfer's disk cache")
+                            help="write stored FlashInfer kernels into FlashInfer's disk cache",
+                            description="Copy the daemon's verified FlashInfer kernels into "
+                            "an environment's FlashInfer JIT cache directory, with the meta "
+                            "its FlashInfer accepts, so that processes without the client "
+                            "find them there.")
     export.add_argument("--flashinfer-cache", type=Path, default=None, metavar="DIR",
                         help="FlashInfer's FLASHINFER_JIT_DIR (the cached_ops folder); default: "
                              "the current environment's")
@@ -99,7 +116,12 @@ def _percent(part: float, whole: float) -> str:
 
 
 def _when(unix: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
+    return time_text(unix)
+
+
+def _ms(seconds: float | None) -> str:
+    """Seconds as milliseconds (``-`` for none yet)."""
+    return "-" if seconds is None else f"{1000 * seconds:.3f} ms"
 
 
 def _columns(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
@@ -115,13 +137,19 @@ def format_stats(s: dict) -> str:
     requests = s["hits"] + s["misses"]
     width = len(str(requests))
     out: list[tuple[str, str]] = [
-        ("Requests", str(requests)),
+        ("Serving requests", str(requests)),
         ("  Hits", f"{s['hits']:>{width}} / {requests} {_percent(s['hits'], requests)}"),
         ("  Misses", f"{s['misses']:>{width}} / {requests} "
                      f"{_percent(s['misses'], requests)}"),
     ]
     if s.get("remote_hits"):
         out.append(("    From the fleet tier", str(s["remote_hits"])))
+    out.append(("  Mean latency", f"hit {_ms(s.get('hit_seconds_mean'))}, miss until served "
+                                  f"{_ms(s.get('miss_seconds_mean'))}"))
+    prewarm = s.get("prewarm_hits", 0) + s.get("prewarm_misses", 0)
+    out.append(("Pre-warm requests", f"{prewarm} ({s.get('prewarm_hits', 0)} stored, "
+                                     f"{s.get('prewarm_misses', 0)} compiled; not in the "
+                                     "hits and misses above)"))
     compiles = s["compiles"]
     mean = f", {s.get('compile_seconds', 0) / compiles:.2f} s mean" if compiles else ""
     out += [
@@ -132,6 +160,7 @@ def format_stats(s: dict) -> str:
         ("Workers", f"{s.get('workers_ready', 0)}/{s.get('workers', 0)} ready, "
                     f"{s.get('workers_idle', 0)} idle, {s['worker_restarts']} restarts"
                     + (" (serve-only: no compiler)" if s.get("serve_only") else "")),
+        *[("  Broken", t["broken"]) for t in s.get("toolchains", []) if t.get("broken")],
         ("Store", ""),
     ]
     max_bytes = s.get("max_bytes") or 0
@@ -204,15 +233,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     client = Client(args.socket, timeout=10)
     entries = client.list()
     current = None
-    if args.toolchain in ("current", "other"):
+    if args.built_with in ("current", "other"):
         current = client.stats()["toolchain"]
     rows = []
     for e in entries:
         digest = toolchain.fingerprint_digest(e["toolchain"]) if "toolchain" in e else ""
         if args.family and e["family"] != args.family or args.arch and e["arch"] != args.arch:
             continue
-        if args.toolchain and not _toolchain_matches(args.toolchain, e.get("toolchain", ""),
-                                                     digest, current):
+        if args.built_with and not _toolchain_matches(args.built_with, e.get("toolchain", ""),
+                                                      digest, current):
             continue
         params = e["params"]
         rows.append({**e, "params": json.loads(params) if isinstance(params, str) else params})
@@ -254,6 +283,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         from ..store import Store
 
         settings = config.resolve(config_flag=args.config)
+        lock = storelock.take(args.store, "gc", hint=THROUGH_THE_DAEMON.format("gc"))
         store = Store(args.store)
         try:
             limits = {"max_bytes": settings.max_bytes if args.max_bytes is None
@@ -265,6 +295,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             report["entries"], report["bytes"] = store.totals()
         finally:
             store.close()
+            lock.release()
     budget = (f"of a {config.size_text(report['max_bytes'])} budget"
               if report.get("max_bytes") else "no byte budget")
     _print_json_or(args, report,
@@ -284,11 +315,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if not (Path(args.store) / "index.sqlite").exists():
             print(f"cached verify: no store at {args.store}", file=sys.stderr)
             return 2
+        lock = storelock.take(args.store, "verify", hint=THROUGH_THE_DAEMON.format("verify"))
         store = Store(args.store)
         try:
             report = store.verify()
         finally:
             store.close()
+            lock.release()
     text = [f"{report['verified']}/{report['checked']} entries verified "
             f"({config.size_text(report['bytes'])}), "
             f"{len(report['bad'])} bad (dropped), {report['orphan_blobs']} unreferenced blobs, "

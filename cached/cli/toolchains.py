@@ -19,7 +19,11 @@ VERSIONS = (("FlashInfer", "flashinfer-python"), ("DSL", "nvidia-cutlass-dsl"),
 
 def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     parser = sub.add_parser("toolchains", parents=[common],
-                            help="list the toolchains (environments) the daemon compiles for")
+                            help="list the toolchains (environments) the daemon compiles for",
+                            description="One entry per toolchain registered with the running "
+                            "daemon (cached serve --toolchain NAME=PYTHON): its name, "
+                            "readable versions, fingerprint digest, interpreter, workers and "
+                            "the families it compiles.")
     parser.add_argument("--json", action="store_true",
                         help="the toolchains as one JSON list")
     parser.set_defaults(run=cmd_toolchains)
@@ -28,15 +32,19 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
 def cmd_toolchains(args: argparse.Namespace) -> int:
     client = Client(args.socket, timeout=10, identity=False)
     described = client.hello().toolchains
-    workers = {t["name"]: t.get("workers", {}) for t in client.stats().get("toolchains", [])}
+    running = {t["name"]: t for t in client.stats().get("toolchains", [])}
+    workers = {name: t.get("workers", {}) for name, t in running.items()}
     if args.json:
-        print(json.dumps([{**t, "workers": workers.get(t["name"], {})} for t in described]))
+        print(json.dumps([{**t, "workers": workers.get(t["name"], {}),
+                           "families": running.get(t["name"], {}).get("families", [])}
+                          for t in described]))
         return 0
     for i, t in enumerate(described):
         v = t.get("versions", {})
         versions = ", ".join(f"{label} {v.get(key, '?')}" for label, key in VERSIONS)
         w = workers.get(t["name"], {})
         print(f"{t['name']}{' (default)' if i == 0 else ''}  {t['digest']}  {versions}")
+        compiled = running.get(t["name"], {}).get("families") or sorted(t.get("sources", {}))
         print(f"    python {t['python'] or '-'}  workers {w.get('ready', 0)} ready, "
-              f"{w.get('busy', 0)} busy  families {', '.join(sorted(t.get('sources', {}))) or '-'}")
+              f"{w.get('busy', 0)} busy  families {', '.join(compiled) or '-'}")
     return 0

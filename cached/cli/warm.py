@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cached_client import Client, KernelRequest
+from cached_client import Client, KernelRequest, gemm_plan
 from cached_client import protocol as p
 from cached_client.errors import CachedError, InvalidArgument
 from cached_client.transport import Connection
@@ -44,9 +44,12 @@ def _option(text: str) -> tuple[str, object]:
 
 WARM_DESCRIPTION = """\
 Compile kernels at pre-warm priority (a client waiting for a kernel goes first): a
-family's tactic space for some shapes (--family, --arch, --shape), a model's manifest
+family's kernels for some shapes (--family, --arch, --shape), a model's manifest
 (--manifest), or a list of kernel requests (--requests, e.g. what cached ls --json printed
-on another node). Kernels already stored count as cached and are not compiled again."""
+on another node). For --family cached.hopper_fp8 that is the tactic its plan picks for
+each M bucket (what clients ask for); --all-tactics compiles its whole space. Kernels
+already stored count as cached and are not compiled again. Pre-warm requests are counted
+apart from serving ones (cached stats: Pre-warm requests)."""
 
 
 def _epilog() -> str:
@@ -69,12 +72,10 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     what = warm.add_argument_group("what to warm")
     what.add_argument("--manifest", metavar="FILE",
                       help="a pre-warm manifest (a path or a shipped name, e.g. llama-3.1-8b)")
-    what.add_argument("--target", action="append", default=[], metavar="ARCH",
-                      help="with --manifest: only this target, e.g. sm_100a (repeatable)")
     what.add_argument("--skip-missing", action="store_true",
                       help="with --manifest: skip builds whose family this daemon lacks")
     what.add_argument("--plan-only", action="store_true",
-                      help="with --manifest: count the kernels, compile nothing")
+                      help="with --manifest or --family: count the kernels, compile nothing")
     what.add_argument("--requests", metavar="FILE",
                       help="kernel requests as JSON: a list of objects with family, arch, "
                            "sm_count, max_active_clusters and params (what cached ls "
@@ -82,9 +83,10 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     what.add_argument("--family", metavar="NAME",
                       help="the family (required without --manifest or --requests; with "
                            "them: only this family's kernels)")
-    what.add_argument("--arch", metavar="ARCH",
-                      help="target arch, e.g. sm_100a (required with --family alone; with "
-                           "--requests: only this arch's kernels)")
+    what.add_argument("--arch", action="append", default=[], metavar="ARCH",
+                      help="target arch, e.g. sm_100a (repeatable): required with --family "
+                           "alone; with --manifest or --requests, only these targets' "
+                           "kernels")
     what.add_argument("--shape", type=_shape, action="append", metavar="M,N,K",
                       help="GEMM shape (repeatable; required with --family)")
     what.add_argument("--sm-count", type=argtypes.count(1, argtypes.MAX_SM_COUNT),
@@ -98,9 +100,15 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     what.add_argument("--limit", type=argtypes.count(), default=None, metavar="N",
                       help="only the first N tactics (of each shape's plan, or per manifest "
                            "build)")
+    what.add_argument("--all-tactics", action="store_true",
+                      help=f"with --family {gemm_plan.HOPPER_FAMILY}: its whole tactic space "
+                           "for each shape (hundreds of kernels); without it, the tactic "
+                           "the plan picks for each M bucket up to the shape's M, as "
+                           "clients ask for them")
     what.add_argument("--toolchain", metavar="NAME", default=None,
-                      help="compile for this registered toolchain (cached toolchains lists "
-                           "them); default: the daemon's default toolchain")
+                      help="compile for the toolchain NAME registered with cached serve "
+                           "--toolchain NAME=PYTHON (cached toolchains lists them); default: "
+                           "the daemon's default toolchain")
     how = warm.add_argument_group("output")
     how.add_argument("--json", action="store_true",
                      help="print the result as one JSON object on stdout")
@@ -146,16 +154,40 @@ def cmd_warm(args: argparse.Namespace) -> int:
     started = time.monotonic()
     client = client_for(args)
     requests: list[KernelRequest] = []
-    for shape in args.shape:
-        requests += client.plan(args.family, shape, args.arch, args.sm_count,
-                                dict(args.option), timeout=120)
+    for arch in args.arch:
+        for shape in args.shape:
+            requests += planned(client, args, shape, arch)
     requests = list(dict.fromkeys(requests))
     if args.limit is not None:
         requests = requests[: args.limit]
+    if args.plan_only:
+        summary = {"total": len(requests), "seconds": round(time.monotonic() - started, 3),
+                   "requests": [r.to_wire() for r in requests]}
+        print(json.dumps(summary) if args.json else f"{args.family}: {len(requests)} kernels "
+              f"over {len(args.shape)} shapes on {', '.join(args.arch)}")
+        return 0
     counts = warm(client.socket_path, requests, args.timeout, _progress(args, len(requests)),
                   identity=client.identity)
     counts["seconds"] = round(time.monotonic() - started, 3)
     return report_warm(counts, args.json)
+
+
+def planned(client: Client, args: argparse.Namespace, shape: tuple[int, int, int],
+            arch: str) -> list[KernelRequest]:
+    """What ``warm --family`` compiles for one shape (M, N, K): for the batch-invariant
+    GEMM family (cached.hopper_fp8), unless ``--all-tactics`` or ``--limit``, the tactic
+    per M bucket up to M that :func:`cached_client.gemm_plan.plan_gemm` (the code clients
+    run) picks, with its split fixups; otherwise the family's tactic space, in plan order."""
+    options = dict(args.option)
+    if (args.family == gemm_plan.HOPPER_FAMILY and not args.all_tactics
+            and args.limit is None):
+        m, n, k = shape
+        plan = gemm_plan.plan_gemm(
+            client, n, k, arch=arch, sm_count=args.sm_count, max_m=m,
+            out_dtype=str(options.get("out_dtype", "bfloat16")),
+            ab_dtype=str(options.get("ab_dtype", "e4m3")), prefetch=False)
+        return plan.requests
+    return client.plan(args.family, shape, arch, args.sm_count, options, timeout=120)
 
 
 def warm_requests(args: argparse.Namespace) -> int:
@@ -168,7 +200,7 @@ def warm_requests(args: argparse.Namespace) -> int:
     if args.family:
         requests = [r for r in requests if r.family == args.family]
     if args.arch:
-        requests = [r for r in requests if r.arch == args.arch]
+        requests = [r for r in requests if r.arch in args.arch]
     if args.limit is not None:
         requests = requests[: args.limit]
     client = client_for(args)
@@ -213,7 +245,7 @@ def warm_manifest(args: argparse.Namespace) -> int:
     client = client_for(args)
     known = set(client.hello(timeout=30).families)
     try:
-        groups = manifests.plan(client, manifest, set(args.target) or None,
+        groups = manifests.plan(client, manifest, set(args.arch) or None,
                                 {args.family} if args.family else None, known,
                                 args.skip_missing)
     except manifests.ManifestError as exc:
@@ -229,6 +261,8 @@ def warm_manifest(args: argparse.Namespace) -> int:
     if args.plan_only:
         summary["seconds"] = round(time.monotonic() - started, 3)
         if args.json:
+            summary["requests"] = {f"{family}@{target}": [r.to_wire() for r in group]
+                                   for (family, target), group in groups.items()}
             print(json.dumps(summary))
         else:
             print(f"{manifest.model}: {len(requests)} kernels over {summary['shapes']} shapes")

@@ -47,8 +47,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from . import identity as env_identity
+from . import monitor, trust
 from . import protocol as p
-from . import trust
 from .errors import (
     ArtifactMismatch,
     BadReply,
@@ -239,7 +239,8 @@ class Client:
     def _exchange(self, message: dict, deadline: float) -> tuple[dict, bytes | None, list[int]]:
         """Send ``message`` and read its reply, under the lock. A kept connection the daemon
         closed meanwhile (its idle timeout, a restart) is replaced once, silently; a daemon
-        that cannot be reached or went silent opens the circuit (``RETRY_AFTER_S``)."""
+        that cannot be reached or went silent opens the circuit (``RETRY_AFTER_S``) at once,
+        kept connection or not (one silence window and one probe, never two)."""
         why = _circuit_reason(self.socket_path)
         if why is not None:
             raise DaemonUnavailable(why)
@@ -265,7 +266,8 @@ class Client:
                 raise
             except DaemonUnavailable as exc:
                 self._drop(conn)
-                if kept and attempt == 1 and conn is not None and conn.received == received:
+                if (kept and attempt == 1 and conn is not None and conn.received == received
+                        and not isinstance(exc, DaemonSilent)):
                     continue  # the daemon had closed the kept connection: one fresh try
                 if isinstance(exc, DaemonSilent):
                     _open_circuit(self.socket_path, exc.message)
@@ -507,6 +509,12 @@ class Client:
                      timeout: float | None = None) -> list[dict]:
         return self._call("autotune_get", request, p.AutotuneGetReply, timeout).results
 
+    def planned(self, family: str | None = None, timeout: float | None = None) -> list[dict]:
+        """The weight shapes clients planned on this node ({family, n, k, arch, sm_count,
+        options}), first seen first."""
+        return self._call("planned", p.PlannedRequest(family=family), p.PlannedReply,
+                          timeout).shapes
+
     def certify_record(self, record: dict, timeout: float | None = None) -> int:
         return self._call("certify_record", p.CertifyRecordRequest(record=record),
                           p.CertifyRecordReply, timeout).record_id
@@ -562,6 +570,7 @@ class Client:
             ) from None
         artifact = build(request, self._scratch)
         self._fallbacks[request.family] = self._fallbacks.get(request.family, 0) + 1
+        monitor.outside(request.family, artifact.kernel_name, "compiled")
         return artifact
 
     def _report_fallbacks(self) -> None:

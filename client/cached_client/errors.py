@@ -138,6 +138,14 @@ ERROR_CODES: dict[str, type[CachedError]] = {
 }
 
 
+CLIENT_ERROR_CODES = frozenset(cls.code for cls in (
+    MalformedFrame, UnsupportedVersion, UnknownFamily, InvalidArgument, InvalidTactic,
+    ToolchainMismatch, UnknownToolchain, NotAllowed))
+"""Codes of errors in what the client sent or who it is (a typo, a frame, an environment
+no toolchain is registered for, a peer without the right); every other code is a failure
+of a well-formed request (the daemon's ``cached_errors_total`` counts only those)."""
+
+
 def error_from_wire(error: dict) -> CachedError:
     """The exception for an ``{"code", "message"}`` object received on the wire."""
     cls = ERROR_CODES.get(str(error.get("code")), InternalError)

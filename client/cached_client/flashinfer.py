@@ -59,16 +59,19 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from . import flashinfer_sources, identity
+from . import flashinfer_sources, identity, liveness, monitor
 from .client import Client
 from .errors import CachedError, UnknownToolchain
 from .flashinfer_names import (
+    BI_DENSE_MODULE,
     BI_MODULES,
     MM_FP4_MODULE,
+    WRITE_BACK_FAMILY,
     bi_request,
     mm_fp4_request,
     write_back_request,
 )
+from .jit_hook import unreachable
 from .keys import ARCHES, DEFAULT_SM_COUNT, KernelRequest
 from .loader import sha256_file
 from .protocol import Artifact
@@ -83,9 +86,10 @@ _BI_CALL: contextvars.ContextVar = contextvars.ContextVar("cached_bi_call", defa
 
 
 class _State:
-    def __init__(self, client: Client, ttl_s: float) -> None:
+    def __init__(self, client: Client, ttl_s: float, wait_s: float | None = None) -> None:
         self.client = client
         self.ttl_s = ttl_s
+        self.wait_s = wait_s
         self.counts: Counter[str] = Counter()
         self.replaced: list[tuple[Any, str, Any, Any]] = []  # (owner, attr, original, new)
         self.class_attrs: list[tuple[type, str, Any, bool]] = []  # (cls, attr, original, own)
@@ -102,9 +106,13 @@ _state: _State | None = None
 
 
 def install(socket_path: str | None = None, *, client: Client | None = None,
-            timeout: float = 600.0, lease_ttl_s: float = 120.0) -> None:
+            timeout: float = 600.0, lease_ttl_s: float = 120.0,
+            lease_wait_s: float | None = None) -> None:
     """Route FlashInfer's CuTe-DSL kernels through the daemon at ``socket_path``
-    ($CACHED_SOCKET or the default socket). Idempotent; FlashInfer is imported here."""
+    ($CACHED_SOCKET or the default socket). Idempotent; FlashInfer is imported here. A
+    written-back kernel another process holds the lease on is waited for at most
+    ``lease_wait_s`` seconds (None: ``writeback.WAIT_S``), then compiled here
+    (writeback.WaitedTooLong)."""
     global _state
     if _state is not None:
         return
@@ -120,7 +128,8 @@ def install(socket_path: str | None = None, *, client: Client | None = None,
         bi_api = bi_tuning = None
         logger.info("cached: FlashInfer %s has no batch-invariant GEMMs (%s); their hooks are "
                     "skipped", identity.versions().get("flashinfer-python"), exc)
-    state = _State(client or Client(socket_path, timeout=timeout, fallback=False), lease_ttl_s)
+    state = _State(client or Client(socket_path, timeout=timeout, fallback=False), lease_ttl_s,
+                   lease_wait_s)
     _patch_class(state, JitSpecCuteDsl, "build_and_load", _build_and_load)
     _patch_class(state, JitSpecCuteDsl, "compile_and_persist", _compile_and_persist)
     hasher = cute_dsl_core._hash_source_files
@@ -136,7 +145,7 @@ def install(socket_path: str | None = None, *, client: Client | None = None,
             _replace_everywhere(state, original,
                                 _wrap(original, functools.partial(_bi_call, op)))
     _state = state
-    logger.info("cached: FlashInfer CuTe-DSL kernels now come from the daemon at %s",
+    logger.info("cached: FlashInfer's CuTe-DSL kernels are now asked of the daemon at %s",
                 state.client.socket_path)
 
 
@@ -242,6 +251,30 @@ def _request_for(spec: Any, arch: str, sm_count: int) -> KernelRequest | None:
 # -- the hooks -----------------------------------------------------------------------------
 
 
+def _family_of(spec: Any) -> str:
+    """The daemon family a FlashInfer CuTe-DSL module's kernels are filed under."""
+    if spec.module_name == MM_FP4_MODULE:
+        return "flashinfer.mm_fp4"
+    if spec.module_name in BI_MODULES:
+        return ("flashinfer.bi.bmm_fp8" if spec.module_name == BI_DENSE_MODULE
+                else "flashinfer.bi.mm_fp4")
+    return WRITE_BACK_FAMILY
+
+
+def _compiled_here(state: _State, spec: Any, exc: BaseException | None) -> None:
+    """FlashInfer compiles ``spec`` in this process (``exc``: the daemon problem that sent
+    it there, None when the daemon was not asked): counted by the serving monitor; a daemon
+    found unusable is told to this process's prober (cached_client.liveness), and told of
+    this fallback once it answers."""
+    family = _family_of(spec)
+    monitor.outside(family, spec.kernel_name, "compiled")
+    live = liveness.watched(state.client.socket_path)
+    if live is not None and (exc is None or unreachable(exc)):
+        if exc is not None:
+            live.lost(exc)
+        live.fell_back(family)
+
+
 def _warn_once(state: _State, what: str, exc: BaseException) -> None:
     state.counts["fallback"] += 1
     if what not in state.warned:
@@ -339,9 +372,12 @@ def _write_back(state: _State, spec: Any, request: KernelRequest) -> Any:
         _export(spec, path)
         return spec._compiled_kernel
 
+    wait_s = writeback.WAIT_S if state.wait_s is None else state.wait_s
     artifact, compiled = writeback.obtain(state.client, request, compile_object, state.ttl_s,
-                                          kernel_name=spec.kernel_name)
+                                          wait_s, kernel_name=spec.kernel_name)
     state.counts["write_back_compiled" if compiled is not None else "write_back_hit"] += 1
+    if compiled is not None:
+        monitor.outside(request.family, spec.kernel_name, "compiled")
     try:
         return _load(spec, artifact)
     except Exception:
@@ -350,24 +386,43 @@ def _write_back(state: _State, spec: Any, request: KernelRequest) -> Any:
         raise
 
 
+def _down(state: _State) -> bool:
+    """Whether this process's prober (if one runs) says the daemon does not answer now."""
+    live = liveness.watched(state.client.socket_path)
+    return live is not None and not live.usable()
+
+
 def _build_and_load(original: Any, spec: Any) -> Any:
     state = _state
     cached = spec.try_load()  # FlashInfer's own disk cache first: nothing to ask for
     if cached is not None or state is None:
+        if cached is not None:
+            monitor.outside(_family_of(spec), spec.kernel_name, "loaded")
         return cached if cached is not None else original(spec)
+    if _down(state):  # not asked: the prober tells when it answers again
+        state.counts["fallback"] += 1
+        _compiled_here(state, spec, None)
+        return original(spec)
     try:
         return _from_daemon(state, spec)
     except Exception as exc:  # noqa: BLE001 -- a daemon problem costs speed, not correctness
         _warn_once(state, f"getting {spec.module_name} kernels from the daemon", exc)
+        _compiled_here(state, spec, exc)
         return original(spec)
 
 
 def _compile_and_persist(original: Any, spec: Any) -> None:
     state = _state
+    if _down(state):
+        state.counts["fallback"] += 1
+        _compiled_here(state, spec, None)
+        original(spec)
+        return
     try:
         spec._compiled_kernel = _from_daemon(state, spec)
     except Exception as exc:  # noqa: BLE001
         _warn_once(state, f"getting {spec.module_name} kernels from the daemon", exc)
+        _compiled_here(state, spec, exc)
         original(spec)
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 from . import identity, jit_keys, writeback
 from .client import Client
-from .jit_hook import Hook, daemon_arch, socket_client
+from .jit_hook import Hook, daemon_arch, socket_client, unreachable
 from .keys import KernelRequest
 from .protocol import Artifact
 
@@ -53,7 +53,7 @@ def install(socket_path: str | None = None, *, client: Client | None = None) -> 
         return
     from flashinfer.jit.core import JitSpecNvcc
 
-    hook = Hook("FlashInfer", socket_client(socket_path, client))
+    hook = Hook("FlashInfer", socket_client(socket_path, client), FAMILY)
     original = JitSpecNvcc.build_and_load
 
     def build_and_load(spec: Any) -> Any:
@@ -157,15 +157,21 @@ def _build_and_load(original: Any, spec: Any) -> Any:
         if hook is not None:
             hook.counts["aot"] += 1
         return prebuilt
-    if hook is None or os.environ.get("FLASHINFER_DISABLE_JIT") or not hook.usable():
+    if hook is None or os.environ.get("FLASHINFER_DISABLE_JIT"):
         return original(spec)
+    if not hook.usable():
+        hook.counts["local"] += 1
+        hook.local(spec.name, fell_back=True)
+        return original(spec)
+    fell_back = False
     try:
         request = request_for(spec)
         got = writeback.acquire(hook.client, request) if request is not None else None
     except Exception as exc:  # noqa: BLE001 -- a daemon problem costs a build, no more
         hook.failed(f"asking the daemon for {spec.name}", exc)
-        got = None
+        got, fell_back = None, unreachable(exc)
     if got is None:
+        hook.local(spec.name, fell_back)
         return original(spec)
     so_name = f"{spec.name}.so"
     if isinstance(got, Artifact):
@@ -176,9 +182,11 @@ def _build_and_load(original: Any, spec: Any) -> Any:
         except Exception as exc:  # noqa: BLE001 -- refused or unloadable: build it here
             hook.counts["refused"] += 1
             hook.failed(f"loading {spec.name} from the daemon", exc)
+            hook.local(spec.name, fell_back=False)
             return original(spec)
         hook.counts["hit"] += 1
         return module
+    hook.local(spec.name, fell_back=False)  # built here under this process's lease
     try:
         from filelock import FileLock
 

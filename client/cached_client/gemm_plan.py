@@ -36,6 +36,22 @@ FLASHINFER_BI_FAMILY = "flashinfer.bi.bmm_fp8"
 FLASHINFER_BI_ARCHES = policy.FLASHINFER_BI_ARCHES
 _OUT = {"bfloat16": "bf16", "float16": "f16"}
 _AB = ("e4m3", "e5m2")
+_SCALES = ("tensor", "token")
+_ACCUMULATION = ("fast", "exact")
+#: "fast" (the default) or "exact" (the wgmma accumulator promoted every K tile: the bf16
+#: floor, slower): what the vLLM kernel plans its layers with
+ACCUMULATION_ENV = "CACHED_FP8_ACCUMULATION"
+
+
+def accumulation_from_env() -> str:
+    """The accumulation ``$CACHED_FP8_ACCUMULATION`` asks for ("fast" when unset or empty);
+    ValueError naming the variable for any other value."""
+    import os
+
+    mode = os.environ.get(ACCUMULATION_ENV, "") or "fast"
+    if mode not in _ACCUMULATION:
+        raise ValueError(f"{ACCUMULATION_ENV}={mode!r}: must be one of {', '.join(_ACCUMULATION)}")
+    return mode
 
 
 class PlanUnavailable(RuntimeError):
@@ -97,6 +113,8 @@ class PlanKey:
     arch: str
     sm_count: int
     device: str | None  # device name for shared autotune winners, e.g. "NVIDIA H200"
+    scales: str = "tensor"  # "tensor" | "token" (per-token x per-channel)
+    accumulation: str = "fast"  # "fast" | "exact" (promoted every K tile)
 
 
 @dataclass
@@ -137,23 +155,34 @@ class GemmPlan:
 def plan_gemm(client: Any, n: int, k: int, *, arch: str, sm_count: int | None = None,
               device: str | None = None, out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
               batch_invariant: bool = True, max_m: int = DEFAULT_MAX_M,
-              op: str = "linear", prefetch: bool = True) -> GemmPlan:
+              op: str = "linear", prefetch: bool = True, scales: str = "tensor",
+              accumulation: str = "fast") -> GemmPlan:
     """The plan for (op, N, K, dtype, arch, device), asked of the daemon ``client``, its
-    kernels queued in one ``prefetch`` (unless ``prefetch=False``). Raises PlanUnavailable,
+    kernels queued in one ``prefetch`` (unless ``prefetch=False``). ``scales`` ("tensor",
+    "token") and ``accumulation`` ("fast", "exact") pick the scheme (cached.hopper_fp8
+    only; FlashInfer's class is per-tensor and fast). Raises PlanUnavailable,
     ValueError for bad arguments, MixedReductionClasses and the daemon's CachedErrors."""
     if out_dtype not in _OUT:
         raise ValueError(f"out_dtype must be one of {', '.join(_OUT)}, got {out_dtype!r}")
     if ab_dtype not in _AB:
         raise ValueError(f"ab_dtype must be one of {', '.join(_AB)}, got {ab_dtype!r}")
+    if scales not in _SCALES or accumulation not in _ACCUMULATION:
+        raise ValueError(f"scales must be one of {', '.join(_SCALES)} and accumulation one of "
+                         f"{', '.join(_ACCUMULATION)}, got {scales!r}, {accumulation!r}")
     family = family_for(arch)
+    if family != HOPPER_FAMILY and (scales, accumulation) != ("tensor", "fast"):
+        raise PlanUnavailable(f"{family} serves per-tensor scales with fast accumulation "
+                              f"only, not scales={scales!r} accumulation={accumulation!r}")
     sm = sm_count or DEFAULT_SM_COUNT[arch]
-    key = PlanKey(op, n, k, ab_dtype, out_dtype, arch, sm, device)
+    key = PlanKey(op, n, k, ab_dtype, out_dtype, arch, sm, device, scales, accumulation)
     ups = buckets_up_to(max_m)
     if family == HOPPER_FAMILY:
         choice = policy.choose_tactics(
             client, family, n, k, arch, buckets=ups, sm_count=sm, device=device,
             batch_invariant=batch_invariant, options={"out_dtype": out_dtype,
-                                                     "ab_dtype": ab_dtype},
+                                                     "ab_dtype": ab_dtype} | (
+                {} if (scales, accumulation) == ("tensor", "fast")
+                else {"scales": scales, "accumulation": accumulation}),
             op=op, dtype="fp8")
         plan = GemmPlan(key, family, choice, max_m)
     else:
@@ -188,9 +217,10 @@ class HopperFp8Gemm:
     """A loaded ``cached.hopper_fp8`` plan: ``gemm(a, b, a_scale, b_scale, out=None)``.
 
     a (M, K) and b (N, K) FP8 (the plan's ab_dtype), K-major; a_scale, b_scale 1-element
-    float32 CUDA tensors; returns C (M, N) in the plan's out_dtype. M picks the bucket
-    (the smallest upper bound >= M; the last bucket above). One workspace serves one launch
-    at a time: GEMMs on concurrent streams need their own loaded plan.
+    float32 CUDA tensors (per-token plans: M and N float32 values); returns C (M, N) in the
+    plan's out_dtype. M picks the bucket (the smallest upper bound >= M; the last bucket
+    above). One workspace serves one launch at a time: GEMMs on concurrent streams need
+    their own loaded plan.
     """
 
     def __init__(self, plan: GemmPlan, fns: list[Any], device: Any) -> None:

@@ -83,16 +83,26 @@ def _dtype_name(dt: Any) -> str:
     return str(dt).replace("torch.", "")
 
 
-def check_gemm_args(a, b, a_scale, b_scale, out_dtype, out=None) -> tuple[int, int, int]:
-    """Validate the operands; return (M, N, K). Raises ValueError / TypeError."""
+SCALE_SCHEMES = ("tensor", "token")
+
+
+def check_gemm_args(a, b, a_scale, b_scale, out_dtype, out=None,
+                    scales: str = "tensor") -> tuple[int, int, int]:
+    """Validate the operands; return (M, N, K). Raises ValueError / TypeError.
+
+    ``scales``: ``"tensor"`` (1-element a_scale and b_scale) or ``"token"`` (a_scale M
+    float32 values, one per row of a, and b_scale N values, one per row of b; contiguous,
+    any shape of that many elements, e.g. (M, 1))."""
     import torch
 
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise TypeError("a and b must be torch tensors")
+    if scales not in SCALE_SCHEMES:
+        raise ValueError(f"scales must be one of {SCALE_SCHEMES}, got {scales!r}")
     for name, sc in (("a_scale", a_scale), ("b_scale", b_scale)):
         if not isinstance(sc, torch.Tensor):
             raise TypeError(
-                f"{name} must be a 1-element float32 CUDA tensor (read on the device), "
+                f"{name} must be a float32 CUDA tensor (read on the device), "
                 f"got {type(sc).__name__}"
             )
     if a.dim() != 2 or b.dim() != 2:
@@ -115,6 +125,17 @@ def check_gemm_args(a, b, a_scale, b_scale, out_dtype, out=None) -> tuple[int, i
             f"N and K must be multiples of 16 (TMA needs 16-byte rows), got N={n}, K={k}; "
             f"pad the weight to the next multiple of 16"
         )
+    for name, s, want in (("a_scale", a_scale, m), ("b_scale", b_scale, n)):
+        if scales == "tensor" and (s.numel() != 1 or s.dtype != torch.float32):
+            raise ValueError(
+                f"{name} must be a 1-element float32 tensor, got shape {tuple(s.shape)} {s.dtype}"
+            )
+        if scales == "token" and (s.numel() != want or s.dtype != torch.float32
+                                  or not s.is_contiguous()):
+            raise ValueError(
+                f"per-token scales: {name} must be a contiguous float32 tensor of {want} "
+                f"elements (one per row of {name[0]}), got shape {tuple(s.shape)} {s.dtype}"
+            )
     for name, t in (("a", a), ("b", b)):
         if t.stride(1) != 1 or t.stride(0) != t.shape[1]:
             raise ValueError(
@@ -128,10 +149,6 @@ def check_gemm_args(a, b, a_scale, b_scale, out_dtype, out=None) -> tuple[int, i
         if t.device != a.device:
             raise ValueError("a, b, scales and output must be on one device")
     for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
-        if s.numel() != 1 or s.dtype != torch.float32:
-            raise ValueError(
-                f"{name} must be a 1-element float32 tensor, got shape {tuple(s.shape)} {s.dtype}"
-            )
         if s.device != a.device:
             raise ValueError(f"{name} must be on {a.device}, got {s.device}")
     if _dtype_name(out_dtype) not in _OUT_NAMES:
@@ -197,20 +214,22 @@ def gemm(
     """C = cvt((a @ b.T) * (a_scale * b_scale)) with the compiled kernel `fn`.
 
     a (M, K) and b (N, K): float8 CUDA tensors, K contiguous; a_scale, b_scale: 1-element
-    float32 CUDA tensors; out_dtype: torch.bfloat16 or torch.float16 (must match the dtype
-    the tactic was compiled for). ``params``: the tactic's params (from its request);
-    required with ``workspace``/``counters``, which a ``split_mode="cta"`` tactic needs
-    (module doc). Runs on the current torch stream; no host sync, no allocation when
-    ``out`` is given.
+    float32 CUDA tensors, or for a tactic with ``scales="token"`` (its ``params`` say so)
+    M and N float32 values (element (m, n) scaled by a_scale[m] * b_scale[n]); out_dtype:
+    torch.bfloat16 or torch.float16 (must match the dtype the tactic was compiled for).
+    ``params``: the tactic's params (from its request); required with
+    ``workspace``/``counters``, which a ``split_mode="cta"`` tactic needs (module doc).
+    Runs on the current torch stream; no host sync, no allocation when ``out`` is given.
     """
     import torch
 
-    m, n, _ = check_gemm_args(a, b, a_scale, b_scale, out_dtype, out)
+    scales = "tensor" if params is None else params.get("scales", "tensor")
+    m, n, _ = check_gemm_args(a, b, a_scale, b_scale, out_dtype, out, scales)
     check_workspace(params, m, n, a.device, workspace, counters)
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    sa = a_scale.reshape(1)
+    sa, sb = a_scale.reshape(-1), b_scale.reshape(-1)
     if workspace is None:  # placeholders: only split_mode="cta" kernels read them
         workspace, counters = sa, sa.view(torch.int32)
-    fn(a, b, out, sa, b_scale.reshape(1), workspace, counters)
+    fn(a, b, out, sa, sb, workspace, counters)
     return out

@@ -32,7 +32,7 @@ from typing import Any
 
 from . import identity, jit_keys, writeback
 from .client import Client
-from .jit_hook import Hook, daemon_arch, socket_client
+from .jit_hook import Hook, daemon_arch, socket_client, unreachable
 from .keys import KernelRequest
 from .protocol import Artifact
 
@@ -50,7 +50,7 @@ def install(socket_path: str | None = None, *, client: Client | None = None) -> 
         return
     from humming.jit import compiler as hc
 
-    hook = Hook("Humming", socket_client(socket_path, client))
+    hook = Hook("Humming", socket_client(socket_path, client), FAMILY)
     for cls in (hc.NVRTCCompiler, hc.NVCCCompiler):
         original = vars(cls)["_compile"].__func__
 
@@ -130,15 +130,22 @@ def _write_cubin(cache_dirname: Any, data: bytes) -> None:
 def _compile_via_daemon(original: Any, cls: Any, source_path: str, cache_dirname: Any,
                         sm_version: str, kernel_expr: str | None, flags: list[str]) -> Any:
     hook = _hook
-    if hook is None or not hook.usable():
+    if hook is None:
         return original(cls, source_path, cache_dirname, sm_version, kernel_expr, flags)
+    name = " ".join((kernel_expr or Path(source_path).parent.name).split())[:200]
+    if not hook.usable():
+        hook.counts["local"] += 1
+        hook.local(name, fell_back=True)
+        return original(cls, source_path, cache_dirname, sm_version, kernel_expr, flags)
+    fell_back = False
     try:
         request = request_for(cls, source_path, sm_version, kernel_expr, flags)
         got = (writeback.acquire(hook.client, request) if request is not None else None)
     except Exception as exc:  # noqa: BLE001 -- a daemon problem costs a compile, no more
         hook.failed("asking the daemon for a cubin", exc)
-        got = None
+        got, fell_back = None, unreachable(exc)
     if got is None:
+        hook.local(name, fell_back)
         return original(cls, source_path, cache_dirname, sm_version, kernel_expr, flags)
     if isinstance(got, Artifact):
         try:
@@ -146,10 +153,12 @@ def _compile_via_daemon(original: Any, cls: Any, source_path: str, cache_dirname
         except Exception as exc:  # noqa: BLE001 -- a file that does not match is refused
             hook.counts["refused"] += 1
             hook.failed("reading a cubin from the daemon", exc)
+            hook.local(name, fell_back=False)
             return original(cls, source_path, cache_dirname, sm_version, kernel_expr, flags)
         _write_cubin(cache_dirname, data)
         hook.counts["hit"] += 1
         return 0, "", ""
+    hook.local(name, fell_back=False)  # compiled here under this process's lease
     try:
         result = original(cls, source_path, cache_dirname, sm_version, kernel_expr, flags)
     except BaseException as exc:

@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from . import liveness, monitor
 from .client import Client
 from .errors import CachedError, DaemonUnavailable, DeadlineExceeded
 from .keys import ARCHES
@@ -40,8 +41,9 @@ def daemon_arch(arch: str) -> str | None:
 class Hook:
     """One library's hook in this process."""
 
-    def __init__(self, name: str, client: Client) -> None:
+    def __init__(self, name: str, client: Client, family: str) -> None:
         self.name = name
+        self.family = family
         self._base = client
         self._owner = threading.current_thread()
         self._local = threading.local()
@@ -82,16 +84,37 @@ class Hook:
                     delattr(owner, attr)
         self._replaced.clear()
 
+    def _live(self) -> liveness.Liveness | None:
+        return liveness.watched(self._base.socket_path)
+
     def usable(self) -> bool:
-        """False for :data:`COOL_OFF_S` after the daemon could not be reached."""
+        """Whether to ask the daemon: what this process's prober last found
+        (cached_client.liveness) where one runs, else False for :data:`COOL_OFF_S` after
+        the daemon could not be reached. No I/O."""
+        live = self._live()
+        if live is not None:
+            return live.usable()
         return time.monotonic() >= self._down_until
+
+    def local(self, name: str, fell_back: bool) -> None:
+        """The library builds kernel ``name`` in this process: counted by the serving
+        monitor (cached_client.monitor) and, when the daemon was unusable (``fell_back``),
+        told to it as a fallback once it answers (where a prober runs)."""
+        monitor.outside(self.family, name, "compiled")
+        live = self._live()
+        if fell_back and live is not None:
+            live.fell_back(self.family)
 
     def failed(self, what: str, exc: BaseException) -> None:
         """A daemon problem while ``what``: counted, logged once per ``what``; an
-        unreachable daemon is left alone for :data:`COOL_OFF_S`."""
+        unreachable daemon is left alone for :data:`COOL_OFF_S` (or until this process's
+        prober hears from it again)."""
         self.counts["local"] += 1
-        if isinstance(exc, (DaemonUnavailable, DeadlineExceeded, ConnectionError)):
+        if unreachable(exc):
             self._down_until = time.monotonic() + COOL_OFF_S
+            live = self._live()
+            if live is not None:
+                live.lost(exc)
         with self._lock:
             if what in self._warned:
                 return
@@ -99,6 +122,11 @@ class Hook:
         message = exc.message if isinstance(exc, CachedError) else str(exc)
         logger.warning("cached: %s: %s failed (%s: %s); %s compiles it in this process",
                        self.name, what, type(exc).__name__, message[:300], self.name)
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the daemon could not be used (not a refusal of one request)."""
+    return isinstance(exc, (DaemonUnavailable, DeadlineExceeded, ConnectionError))
 
 
 def socket_client(socket_path: str | None, client: Client | None) -> Client:

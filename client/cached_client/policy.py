@@ -245,7 +245,10 @@ def _select_tuned(op: str, quant: str, arch: str, backend: str | None, client: A
 
 
 def autotune_results(client: Any, op: str, n: int, k: int, dtype: str, arch: str,
-                     device: str) -> list[dict]:
+                     device: str, toolchain: str | None = None) -> list[dict]:
+    """The node's shared winners for (op, N, K, dtype, arch, device); with ``toolchain``,
+    only those timed with kernels of that toolchain or not saying which (``cached tune``
+    states it: a winner timed with another compiler's kernels is not this one's)."""
     if client is None:
         return []
     try:
@@ -253,7 +256,8 @@ def autotune_results(client: Any, op: str, n: int, k: int, dtype: str, arch: str
             op_name=op, n=n, k=k, dtype=dtype, arch=arch, device=device), timeout=5)
     except CachedError:
         return []
-    return [r for r in results if r.get("op") == op]
+    return [r for r in results if r.get("op") == op
+            and (toolchain is None or r.get("toolchain", "") in ("", toolchain))]
 
 
 def publish_autotune(client: Any, op: str, n: int, k: int, dtype: str, arch: str, device: str,
@@ -366,8 +370,11 @@ def choose_tactics(client: Any, family: str, n: int, k: int, arch: str, *,
         cls = one_class(class_of.items())
     winners: dict[int, Any] = {}
     if device is not None:
-        for r in autotune_results(client, op, n, k, dtype, arch, device):
-            if r.get("kernel") == family:
+        toolchain = client.hello(timeout=10).toolchain
+        for r in autotune_results(client, op, n, k, dtype, arch, device, toolchain):
+            # under batch invariance a winner filed under another class is not a candidate
+            if r.get("kernel") == family and not (
+                    batch_invariant and r.get("reduction_class") not in ("", None, cls)):
                 winners[int(r["bucket"])] = r["tactic"]
     by_params = {_params_key(r.params): r for r in class_of}
     chosen, warnings = [], []

@@ -466,12 +466,16 @@ class ListReply(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class ReportRequest(Message):
-    fallbacks: dict = wire(Obj(64), doc="{family: count} compiled in-process meanwhile")
+    fallbacks: dict = wire(Obj(64), {}, "{family: count} compiled in-process meanwhile")
+    outside: dict = wire(Obj(64), {}, "{family: count} of kernels built or loaded in the "
+                         "process outside the daemon while serving (cached_client.monitor)")
+    outside_kernels: list = wire(List(Str(300), 16), [], "some of those kernels' names")
 
     def __post_init__(self) -> None:
-        for family, count in self.fallbacks.items():
-            Str(200)(family, "fallbacks key")
-            Int(1, 1_000_000)(count, f"fallbacks[{family[:200]!r}]")
+        for name in ("fallbacks", "outside"):
+            for family, count in getattr(self, name).items():
+                Str(200)(family, f"{name} key")
+                Int(1, 1_000_000)(count, f"{name}[{family[:200]!r}]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -559,6 +563,7 @@ class PublishRequest(Message):
     compile_seconds: float = wire(Number(0, 1e6), 0.0)
     kernel_name: str | None = wire(Optional(Str(4096)), None,
                                    "the kernel's name, for a family the daemon could compile")
+    lease: str = wire(Str(64), "", "the token of the lease this process took on the kernel")
     identity: Identity | None = IdentityField()
 
 
@@ -583,6 +588,7 @@ class PublishBundleRequest(Message):
     offset: int = wire(Int(), 0)
     final: bool = wire(Bool(), True, "the last chunk of this file")
     compile_seconds: float = wire(Number(0, 1e6), 0.0)
+    lease: str = wire(Str(64), "", "the token of the lease this process took on the kernel")
     identity: Identity | None = IdentityField()
 
     def __post_init__(self) -> None:
@@ -617,6 +623,10 @@ class AutotunePutRequest(Message):
     tactic: Any = wire(Any_(), None)
     time_us: float = wire(Number(1e-6, 1e9))
     replace: bool = wire(Bool(), False)
+    toolchain: str = wire(Str(1 << 16), "", "the fingerprint of the stack that compiled the "
+                          "kernel timed (hello's toolchain); empty: not stated")
+    reduction_class: str = wire(Str(200), "", "the winner's reduction-order class; when "
+                                "stated, the daemon checks the tactic is of it")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -632,11 +642,24 @@ class AutotuneGetRequest(Message):
     dtype: str | None = wire(Optional(Str(200)), None)
     arch: str | None = wire(Optional(Str(200)), None)
     device: str | None = wire(Optional(Str(200)), None)
+    toolchain: str | None = wire(Optional(Str(1 << 16)), None)
+    reduction_class: str | None = wire(Optional(Str(200)), None)
 
 
 @dataclass(frozen=True, kw_only=True)
 class AutotuneGetReply(Message):
     results: list = wire(List(Obj()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedRequest(Message):
+    family: str | None = wire(Optional(Str()), None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedReply(Message):
+    shapes: list = wire(List(Obj()), [], "each (family, n, k, arch, sm_count, options) a "
+                        "client planned on this node, first seen first")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -698,7 +721,10 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("autotune_put", AutotunePutRequest, AutotunePutReply, True,
        "share a tuning winner with the node"),
     Op("autotune_get", AutotuneGetRequest, AutotuneGetReply, False,
-       "tuning winners recorded on this node"),
+       "tuning winners recorded on this node (and, with a fleet tier, on its peers)"),
+    Op("planned", PlannedRequest, PlannedReply, False,
+       "the weight shapes clients have planned on this node (what cached tune --planned "
+       "tunes)"),
     Op("certify_record", CertifyRecordRequest, CertifyRecordReply, True,
        "record a batch-invariance certification"),
     Op("certifications", FamilyFilter, CertificationsReply, False,

@@ -40,7 +40,7 @@ from triton.runtime.cache import RemoteCacheBackend
 
 from . import identity, writeback
 from .client import Client
-from .jit_hook import Hook, daemon_arch, socket_client
+from .jit_hook import Hook, daemon_arch, socket_client, unreachable
 from .keys import KernelRequest
 from .protocol import Artifact
 
@@ -57,7 +57,7 @@ def hook(client: Client | None = None) -> Hook:
     global _hook
     with _hook_lock:
         if _hook is None:
-            _hook = Hook("Triton", socket_client(None, client))
+            _hook = Hook("Triton", socket_client(None, client), FAMILY)
         return _hook
 
 
@@ -122,15 +122,20 @@ class DaemonBackend(RemoteCacheBackend):
     def _first(self, group_file: str) -> None:
         """The first ``get`` of a group: a hit, a lease, or pass-through."""
         h = hook()
+        name = group_file[len(GROUP_PREFIX):].removesuffix(".json")
         if not h.usable():
+            h.counts["local"] += 1
+            h.local(name, fell_back=True)
             return
         try:
             request = self._request(group_file[len(GROUP_PREFIX):])
             got = writeback.acquire(h.client, request) if request is not None else None
         except Exception as exc:  # noqa: BLE001 -- a daemon problem costs a compile, no more
             h.failed("asking the daemon for a kernel", exc)
+            h.local(name, unreachable(exc))
             return
         if got is None:
+            h.local(name, fell_back=False)
             return
         if isinstance(got, Artifact):
             try:
@@ -138,10 +143,12 @@ class DaemonBackend(RemoteCacheBackend):
             except Exception as exc:  # noqa: BLE001 -- refused: Triton compiles it
                 h.counts["refused"] += 1
                 h.failed("reading a kernel from the daemon", exc)
+                h.local(name, fell_back=False)
                 return
             self._state = "hit"
             h.counts["hit"] += 1
             return
+        h.local(name, fell_back=False)  # Triton compiles it here, under this lease
         self._lease = got
         self._state = "leased"
         weakref.finalize(self, got.release, "Triton's compile ended without a group")

@@ -45,6 +45,7 @@ logger = init_logger("vllm.cached")
 
 BACKEND = "cached"
 DEVICE_NAME_ENV = "CACHED_DEVICE_NAME"
+ACCUMULATION_ENV = gemm_plan.ACCUMULATION_ENV
 ARCH_OF_CAPABILITY = {90: "sm_90a", 100: "sm_100a", 103: "sm_103a", 107: "sm_107a"}
 QUANTIZATION = "fp8_w8a8"
 _lock = threading.Lock()
@@ -108,10 +109,36 @@ def _family(arch: str) -> tuple[str | None, str]:
         return None, str(exc)
 
 
+def scale_scheme(c: FP8ScaledMMLinearLayerConfig, arch: str | None
+                 ) -> tuple[str | None, str | None]:
+    """(the family's scale scheme for the layer, None) or (None, why not): per-tensor
+    weight and activation scales -> ``"tensor"`` (the activation's static, or dynamic
+    without batch invariance: a dynamic per-tensor scale is an amax over every row); a
+    per-token activation with a per-channel or per-tensor weight -> ``"token"`` (the
+    FP8-dynamic checkpoints; a per-tensor weight scale is expanded to N values at load),
+    on sm_90a only (cached.hopper_fp8)."""
+    w, a = c.weight_quant_key.scale, c.activation_quant_key.scale
+    if w.group_shape.is_per_tensor() and a.group_shape.is_per_tensor():
+        if envs.VLLM_BATCH_INVARIANT and not a.static:
+            return None, ("a dynamic per-tensor activation scale is an amax over every row "
+                          "(not batch invariant): needs static or per-token activation scales")
+        return "tensor", None
+    if a.group_shape.is_per_token() and (w.group_shape.is_per_channel()
+                                         or w.group_shape.is_per_tensor()):
+        if arch != "sm_90a":
+            return None, (f"per-token activation scales are served on sm_90a "
+                          f"({gemm_plan.HOPPER_FAMILY}), not on {arch}")
+        return "token", None
+    return None, ("serves per-tensor weight and activation scales, or per-token activation "
+                  "with per-channel (or per-tensor) weight scales; not weight "
+                  f"{tuple(w.group_shape)} x activation {tuple(a.group_shape)} groups")
+
+
 class CachedFP8ScaledMMLinearKernel(FP8ScaledMMLinearKernel):
-    """FP8 per-tensor W8A8 linear on the project's batch-invariant GEMMs, served by the
-    cached daemon: ``cached.hopper_fp8`` on sm_90a, FlashInfer's FP8 batch-invariant class
-    on SM100+ where this environment's FlashInfer has it."""
+    """FP8 W8A8 linear on the project's batch-invariant GEMMs, served by the cached daemon:
+    ``cached.hopper_fp8`` on sm_90a (per-tensor scales, and per-token activation x
+    per-channel weight scales: :func:`scale_scheme`), FlashInfer's FP8 batch-invariant
+    class (per-tensor) on SM100+ where this environment's FlashInfer has it."""
 
     @classmethod
     def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
@@ -155,12 +182,9 @@ class CachedFP8ScaledMMLinearKernel(FP8ScaledMMLinearKernel):
 
     @classmethod
     def can_implement(cls, c: FP8ScaledMMLinearLayerConfig) -> tuple[bool, str | None]:
-        w, a = c.weight_quant_key.scale, c.activation_quant_key.scale
-        if not (w.group_shape.is_per_tensor() and a.group_shape.is_per_tensor()):
-            return False, "requires per-tensor weight and activation scales"
-        if envs.VLLM_BATCH_INVARIANT and not a.static:
-            return False, ("a dynamic per-tensor activation scale is an amax over every row "
-                           "(not batch invariant): needs static activation scales")
+        scheme, why = scale_scheme(c, ARCH_OF_CAPABILITY.get(_capability()))
+        if scheme is None:
+            return False, why
         n, k = c.weight_shape
         if n % 16 or k % 16:
             return False, f"needs N and K multiples of 16, got N={n} K={k}"
@@ -178,13 +202,24 @@ class CachedFP8ScaledMMLinearKernel(FP8ScaledMMLinearKernel):
             replace_parameter(layer, "weight", weight.t().contiguous().t())
             weight = layer.weight
         k, n = weight.shape
+        scheme, why = scale_scheme(self.config, ARCH_OF_CAPABILITY.get(_capability()))
+        if scheme is None:
+            raise ValueError(f"cached: layer of N={n} K={k}: {why}")
+        if scheme == "token":  # one fp32 scale per weight row, contiguous
+            ws = layer.weight_scale
+            if ws.numel() not in (1, n):
+                raise ValueError(f"cached: per-channel weight scales of N={n} K={k} hold "
+                                 f"{ws.numel()} values, not 1 or {n}")
+            replace_parameter(layer, "weight_scale",
+                              ws.reshape(-1).to(torch.float32).expand(n).contiguous())
         self._gemm_index = load_plan(n, k, weight.dtype, self.config.out_dtype or torch.bfloat16,
-                                     weight.device)
+                                     weight.device, scales=scheme,
+                                     accumulation=gemm_plan.accumulation_from_env())
 
     def apply_scaled_mm(self, *, A: torch.Tensor, B: torch.Tensor, out_dtype: torch.dtype,
                         As: torch.Tensor, Bs: torch.Tensor, bias: torch.Tensor | None,
                         output_shape: list) -> torch.Tensor:
-        out = torch.ops.cached.fp8_gemm(A, B.t(), As.reshape(1), Bs.reshape(1),
+        out = torch.ops.cached.fp8_gemm(A, B.t(), As.reshape(-1), Bs.reshape(-1),
                                         self._gemm_index, out_dtype)
         if bias is not None:
             out.add_(bias)
@@ -192,14 +227,16 @@ class CachedFP8ScaledMMLinearKernel(FP8ScaledMMLinearKernel):
 
 
 def load_plan(n: int, k: int, ab_dtype: torch.dtype, out_dtype: torch.dtype,
-              device: torch.device) -> int:
-    """The custom op's index of the loaded plan for (N, K) on ``device``; planned, prefetched
-    and loaded on first use, with one log line per shape saying what was chosen and why."""
+              device: torch.device, scales: str = "tensor", accumulation: str = "fast") -> int:
+    """The custom op's index of the loaded plan for (N, K) and the scheme on ``device``;
+    planned, prefetched and loaded on first use, with one log line per shape and scheme
+    saying what was chosen and why."""
     props = torch.cuda.get_device_properties(device)
     arch = ARCH_OF_CAPABILITY[props.major * 10 + props.minor]
     key = gemm_plan.PlanKey("linear", n, k, {torch.float8_e4m3fn: "e4m3"}.get(ab_dtype, "e5m2"),
                             str(out_dtype).replace("torch.", ""), arch,
-                            props.multi_processor_count, device_name() or props.name)
+                            props.multi_processor_count, device_name() or props.name,
+                            scales, accumulation)
     with _lock:
         loaded = _plans.get(key)
         if loaded is not None:
@@ -214,7 +251,8 @@ def load_plan(n: int, k: int, ab_dtype: torch.dtype, out_dtype: torch.dtype,
     plan = gemm_plan.plan_gemm(daemon.client, n, k, arch=arch, sm_count=key.sm_count,
                                device=key.device, out_dtype=key.out_dtype,
                                ab_dtype=key.ab_dtype,
-                               batch_invariant=bool(envs.VLLM_BATCH_INVARIANT), max_m=max_m)
+                               batch_invariant=bool(envs.VLLM_BATCH_INVARIANT), max_m=max_m,
+                               scales=scales, accumulation=accumulation)
     loaded = plan.load(daemon.client, device)
     for warning in plan.choice.warnings:
         logger.warning_once("cached: %s", warning)
@@ -228,7 +266,8 @@ def load_plan(n: int, k: int, ab_dtype: torch.dtype, out_dtype: torch.dtype,
 @torch.library.custom_op("cached::fp8_gemm", mutates_args=())
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
              plan: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """C (M, N) = a (M, K) @ b (N, K)^T * a_scale * b_scale by the loaded plan ``plan``."""
+    """C (M, N) = a (M, K) @ b (N, K)^T * a_scale * b_scale by the loaded plan ``plan``
+    (scales of one element, or M and N values for a per-token plan)."""
     if a.shape[0] == 0:
         return torch.empty((0, b.shape[0]), dtype=out_dtype, device=a.device)
     return _gemms[plan](a, b, a_scale, b_scale)

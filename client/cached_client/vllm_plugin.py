@@ -1,28 +1,37 @@
 """vLLM general plugin (entry point group ``vllm.general_plugins``, name ``cached``).
 
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers).
-It asks the daemon at ``$CACHED_SOCKET`` who it is (one ``hello``), logs one line through
-vLLM's logger saying what it installed, and attaches the rest to imports, so that it costs
-nothing where unused (no FlashInfer import, no CUDA call):
+With ``$CACHED_SOCKET`` set it starts that socket's prober (cached_client.vllm_state: the
+daemon's first answer is waited for 0.25 s at most, then asked for in the background with
+backoff), logs one line through vLLM's logger saying what is true now, and attaches the
+rest to imports, so that it costs nothing where unused (no FlashInfer import, no CUDA call).
+The hooks are installed whether or not the daemon answered: they ask it only while the
+prober hears from it, so a daemon that is down or hung at start, or restarted later, is
+used again once it answers (and told how many kernels the process compiled meanwhile):
 
-* when FlashInfer is first imported (and a daemon is live): FlashInfer's CuTe-DSL kernels
-  come from the daemon (:func:`cached_client.flashinfer.install`), and its nvcc JIT modules
-  are compiled once per node (:func:`cached_client.flashinfer_nvcc.install`);
-* when Humming's compiler module is first imported (and a daemon is live): its cubins are
-  compiled once per node (:func:`cached_client.humming.install`);
-* Triton (a daemon live, Triton installed with its remote-cache interface, and neither
-  ``TRITON_CACHE_MANAGER`` nor ``TRITON_REMOTE_CACHE_BACKEND`` set by the user): both are set
-  so that Triton's kernels are compiled once per node (cached_client.triton); the
-  processes vLLM starts inherit them;
+* when FlashInfer is first imported: FlashInfer's CuTe-DSL kernels come from the daemon
+  (:func:`cached_client.flashinfer.install`), and its nvcc JIT modules are compiled once
+  per node (:func:`cached_client.flashinfer_nvcc.install`);
+* when Humming's compiler module is first imported: its cubins are compiled once per node
+  (:func:`cached_client.humming.install`);
+* Triton (installed with its remote-cache interface, and neither ``TRITON_CACHE_MANAGER``
+  nor ``TRITON_REMOTE_CACHE_BACKEND`` set by the user): both are set so that Triton's
+  kernels are compiled once per node (cached_client.triton); the processes vLLM starts
+  inherit them;
 * when vLLM's linear-kernel registry is imported: the daemon-backed FP8 kernel class and
-  the W4A16 pin (:func:`cached_client.vllm_kernel.attach_linear`);
+  the W4A16 pin (:func:`cached_client.vllm_kernel.attach_linear`); it is offered to a model
+  only if the daemon answers when the model's kernels are chosen;
 * when ``vllm.config.kernel`` is imported: ``--linear-backend cached`` is accepted;
 * when ``vllm.utils.flashinfer`` is imported, under ``VLLM_BATCH_INVARIANT=1`` on a vLLM that
-  lacks vLLM #62192's pin: FlashInfer's FP8 bmm on ``cutlass`` instead of ``auto``.
+  lacks vLLM #62192's pin: FlashInfer's FP8 bmm on ``cutlass`` instead of ``auto``;
+* when ``vllm.v1.worker.gpu_worker`` is imported: the serving monitor
+  (cached_client.monitor) starts as a worker's ``compile_or_warm_up_model`` returns.
 
-Every line goes through ``vllm.logger.init_logger("vllm.cached")`` (vLLM's handler sits on
-the ``vllm`` logger only). It never raises: a missing or broken daemon costs compile time
-and the batch-invariant FP8 path, never the worker.
+Every line goes through vLLM's logging: the plugin's own through
+``vllm.logger.init_logger("vllm.cached")``, the client's (``cached_client.*``: the hooks'
+warnings, the circuit breaker, the prober, the monitor) by :func:`route_client_logs`. It
+never raises: a missing or broken daemon costs compile time and the batch-invariant FP8
+path, never the worker.
 """
 
 from __future__ import annotations
@@ -49,10 +58,26 @@ def _logger() -> Any:
 logger: Any = logging.getLogger(LOGGER_NAME)
 
 
+def route_client_logs() -> bool:
+    """Put the ``cached_client`` logger under vLLM's ``vllm`` logger (its parent), so every
+    client line (the hooks' warnings, the circuit breaker's INFO line) takes vLLM's level,
+    handler and format, as a ``vllm.*`` line does. Left alone where the user configured
+    ``cached_client`` itself (a handler or a level of its own). Whether it was routed."""
+    client_logger = logging.getLogger("cached_client")
+    vllm_logger = logging.getLogger(LOGGER_NAME).parent
+    if (client_logger.handlers or client_logger.level != logging.NOTSET
+            or vllm_logger is None or vllm_logger.name != "vllm"):
+        return False
+    client_logger.parent = vllm_logger
+    return True
+
+
 def register() -> None:
     global logger
     try:
         logger = _logger()
+        if "vllm" in sys.modules:
+            route_client_logs()
         _register()
     except Exception as exc:  # noqa: BLE001 -- never fail the worker
         logger.warning("cached: plugin not installed (%s: %s); FlashInfer compiles in-process",
@@ -68,17 +93,83 @@ def _register() -> None:
     bi = os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0")
     mode = ("VLLM_BATCH_INVARIANT=1: default for FP8 linears where the family is certified "
             "on this device" if bi else "used with --linear-backend cached")
-    if d.hello is None:
-        logger.info("cached: pid %d: %s; FlashInfer compiles in-process and the FP8 linear "
-                    "kernel 'cached' is unavailable", os.getpid(), d.reason)
+    if d.socket is None:
+        logger.info("cached: pid %d: %s; nothing installed: FlashInfer, Triton and Humming "
+                    "compile in-process and the FP8 linear kernel 'cached' is unavailable",
+                    os.getpid(), d.reason)
         return
+    # installed whatever the daemon's state: the hooks ask it only while its prober hears
+    # from it (cached_client.liveness), so a daemon that comes back is used again
     when_imported("flashinfer", _attach_flashinfer)
     when_imported("humming.jit.compiler", _attach_humming)
+    when_imported("vllm.v1.worker.gpu_worker", attach_worker)
     triton = select_triton_backend()
+    if d.hello is None:
+        logger.warning("cached: pid %d: %s; hooks installed: until it answers (asked again in "
+                       "the background), FlashInfer, Triton and Humming compile in-process, "
+                       "and models loaded meanwhile keep vLLM's FP8 linear kernels; %s",
+                       os.getpid(), d.reason, triton)
+        return
     logger.info("cached: pid %d: daemon at %s (toolchain %s, %d families); FP8 linear kernel "
-                "'cached' registered (%s); FlashInfer kernels from the daemon once FlashInfer "
-                "is imported, Humming's once Humming is; %s", os.getpid(), d.socket,
-                d.toolchain(), len(d.hello.families), mode, triton)
+                "'cached' registered (%s); %s; %s", os.getpid(), d.socket, d.toolchain(),
+                len(d.hello.families), mode, environment_line(d.hello), triton)
+
+
+def own_toolchain(hello: Any) -> str | None:
+    """The daemon's toolchain with this environment's versions (``hello.toolchains``; the
+    exact identity is checked per request), or None: the daemon compiles none of its
+    FlashInfer kernels."""
+    from . import identity
+
+    mine = identity.versions()
+    keys = ("python", "nvidia-cutlass-dsl", "apache-tvm-ffi", "torch", "flashinfer-python")
+    for t in hello.toolchains:
+        theirs = t.get("versions") or {}
+        if all(theirs.get(k) == mine.get(k) for k in keys):
+            return str(t.get("name"))
+    return None
+
+
+def environment_line(hello: Any) -> str:
+    """What the daemon does for this environment's FlashInfer kernels (:func:`own_toolchain`),
+    for the plugin's first line."""
+    from . import identity
+
+    mine = identity.versions()
+    name = own_toolchain(hello)
+    if name is not None:
+        return (f"the daemon's toolchain {name} is this environment's: FlashInfer's "
+                "CuTe-DSL kernels come from the daemon once FlashInfer is imported; its JIT, "
+                "Triton and Humming kernels are compiled once per node")
+    dsl = "nvidia-cutlass-dsl"
+    there = "; ".join(f"{t.get('name')}: CuTe DSL {(t.get('versions') or {}).get(dsl)}"
+                      for t in hello.toolchains) or "none"
+    return (f"no toolchain of the daemon is this environment (CuTe DSL "
+            f"{mine.get('nvidia-cutlass-dsl')}, TVM-FFI {mine.get('apache-tvm-ffi')}, torch "
+            f"{mine.get('torch')}, FlashInfer {mine.get('flashinfer-python')}; the daemon has "
+            f"{there}): the daemon compiles none of its kernels; they are compiled in this "
+            "node's processes, once per node, and shared through the daemon (register it: "
+            f"cached serve --toolchain NAME={sys.executable})")
+
+
+def attach_worker(module: Any) -> None:
+    """The serving monitor (cached_client.monitor) starts when a GPU worker's
+    ``compile_or_warm_up_model`` returns: the model is loaded, compiled and captured."""
+    worker = getattr(module, "Worker", None)
+    original = getattr(worker, "compile_or_warm_up_model", None)
+    if original is None or getattr(original, "__wrapped__", None) is not None:
+        return
+    import functools
+
+    from . import monitor
+
+    @functools.wraps(original)
+    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        monitor.serving(daemon().live)
+        return out
+
+    worker.compile_or_warm_up_model = compile_or_warm_up_model
 
 
 TRITON_BACKEND = {"TRITON_CACHE_MANAGER": "triton.runtime.cache:RemoteCacheManager",
@@ -160,6 +251,17 @@ def _attach_flashinfer(module: Any) -> None:
                        "(%s: %s); it compiles in-process", _version("flashinfer-python"),
                        type(exc).__name__, exc)
         return
+    if d.hello is None:
+        logger.info("cached: FlashInfer %s: hooked; its CuTe-DSL kernels come from the daemon "
+                    "at %s once it answers (until then FlashInfer compiles them in-process); %s",
+                    _version("flashinfer-python"), d.socket, flashinfer_bi_available()[1])
+        return
+    if own_toolchain(d.hello) is None:
+        logger.info("cached: FlashInfer %s: hooked; the daemon at %s has no toolchain of this "
+                    "environment, so its CuTe-DSL kernels are compiled in this node's "
+                    "processes, once per node, and shared through the daemon; %s",
+                    _version("flashinfer-python"), d.socket, flashinfer_bi_available()[1])
+        return
     logger.info("cached: FlashInfer %s: CuTe-DSL kernels now come from the daemon at %s; %s",
                 _version("flashinfer-python"), d.socket, flashinfer_bi_available()[1])
 
@@ -189,9 +291,11 @@ def attach_kernel_config(kernel_cfg: Any) -> None:
     cls.__dataclass_fields__["linear_backend"].type = literal
     cls.__annotations__["linear_backend"] = literal
     rebuild_dataclass(cls, force=True)
-    arg_utils = sys.modules.get("vllm.engine.arg_utils")
-    if arg_utils is not None:
-        arg_utils._compute_kwargs.cache_clear()
+    # argparse's choices come from arg_utils' cached kwargs; while arg_utils is itself
+    # importing (it imports vllm.config), it has no cache yet: its own hook clears it then
+    compute_kwargs = getattr(sys.modules.get("vllm.engine.arg_utils"), "_compute_kwargs", None)
+    if compute_kwargs is not None:
+        compute_kwargs.cache_clear()
 
 
 def lacks_bmm_pin(flashinfer_scaled_fp8_mm: Any) -> bool:

@@ -1,28 +1,50 @@
-"""The daemon a vLLM process uses, asked once per process (shared by the plugin and the
-kernel class; imports nothing heavy)."""
+"""The daemon a vLLM process uses (shared by the plugin, its hooks and the kernel class;
+imports nothing heavy).
+
+:func:`daemon` is made once per process: with ``$CACHED_SOCKET`` set it starts that socket's
+prober (cached_client.liveness) and waits at most ``START_WAIT_S`` for its first answer, so a
+stopped or hung daemon costs a starting process that long, not a probe's timeout; the prober
+goes on asking in the background, and ``hello`` is whatever it last heard (None while the
+daemon does not answer).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 from .paths import SOCKET_ENV
 
-PROBE_TIMEOUT_S = 2.0
+START_WAIT_S = 0.25
+"""How long a starting process waits for the daemon's first answer (a live one answers in
+about a millisecond)."""
 CLIENT_TIMEOUT_S = 600.0
 
 
-@dataclass
 class Daemon:
-    """The daemon this process uses: ``hello`` None when there is none (``reason`` says why)."""
+    """The daemon this process uses: ``socket`` None when ``$CACHED_SOCKET`` is unset;
+    ``hello`` the daemon's last answer, None while it does not answer (``reason`` says why);
+    ``client`` the hooks' client (None without a socket)."""
 
-    socket: str | None
-    hello: Any
-    reason: str
-    client: Any
+    def __init__(self, socket: str | None, live: Any, client: Any, reason: str = "") -> None:
+        self.socket = socket
+        self.live = live
+        self.client = client
+        self._reason = reason
+
+    @property
+    def hello(self) -> Any:
+        return self.live.hello if self.live is not None else None
+
+    @property
+    def reason(self) -> str:
+        if self.live is None:
+            return self._reason
+        if self.live.probes == 0:
+            return f"no answer from the daemon at {self.socket} within {START_WAIT_S}s"
+        return f"no live daemon at {self.socket}: {self.live.reason}"
 
     def toolchain(self) -> str:
         if self.hello is None:
@@ -37,25 +59,21 @@ _lock = threading.Lock()
 
 
 def daemon() -> Daemon:
-    """The daemon at ``$CACHED_SOCKET``, asked once per process."""
+    """The daemon at ``$CACHED_SOCKET`` for this process (made on first call)."""
     global _daemon
     with _lock:
         if _daemon is None:
-            _daemon = _probe()
+            _daemon = _make()
         return _daemon
 
 
-def _probe() -> Daemon:
+def _make() -> Daemon:
     path = os.environ.get(SOCKET_ENV)
     if not path:
-        return Daemon(None, None, f"{SOCKET_ENV} is not set", None)
+        return Daemon(None, None, None, f"{SOCKET_ENV} is not set")
+    from . import liveness
     from .client import Client
-    from .errors import CachedError
 
-    client = Client(path, timeout=CLIENT_TIMEOUT_S, fallback=False)
-    try:
-        hello = client.hello(timeout=PROBE_TIMEOUT_S)
-    except CachedError as exc:
-        client.close()
-        return Daemon(path, None, f"no live daemon at {path}: {exc.message}", None)
-    return Daemon(path, hello, "", client)
+    live = liveness.watch(path)
+    live.wait(START_WAIT_S)
+    return Daemon(path, live, Client(path, timeout=CLIENT_TIMEOUT_S, fallback=False))

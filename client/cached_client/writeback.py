@@ -3,8 +3,16 @@
 ``obtain(client, request, compile_object)`` returns the stored artifact for a kernel the
 daemon has no recipe for: a hit, or after waiting for the process holding the lease, or
 after this process compiled it (``compile_object(path)`` writes the object) and published
-it. A lease holder renews its lease from a thread while it compiles; if this process dies,
-the daemon sees its pid gone and hands the lease to the next waiter.
+it. A lease holder renews its lease from a thread while its compile makes progress: only
+when this process or its children used CPU since the last renewal, and never for more
+than ``max_hold_s`` (MAX_HOLD_S); so a compile that is stuck (waiting on nothing, or
+spinning for ever) loses the lease within its time-to-live of stopping (or of the hard
+maximum), and the next waiter gets it. If this process dies, the daemon sees its pid gone
+and hands the lease on at once. A waiter waits at most ``timeout`` seconds (WAIT_S) for
+others, then gives up: :class:`WaitedTooLong` (a CompileLocally), and the caller
+compiles in its own process. Every publish chunk carries the lease's token: the daemon
+stores only what the process holding the lease sends, and serves it only to the
+publisher's trust group (docs/reliability.md).
 
 Bundles (the JIT libraries' own files: cached/families/jit.py): :func:`acquire` answers
 a hit or a :class:`HeldLease` for a compile that happens elsewhere in this process (a
@@ -19,6 +27,7 @@ import base64
 import hashlib
 import logging
 import os
+import resource
 import tempfile
 import threading
 import time
@@ -36,10 +45,21 @@ logger = logging.getLogger("cached_client.writeback")
 CHUNK_BYTES = 512 << 10  # base64 of this stays well under the 1 MiB request frame
 DEFAULT_TTL_S = 120.0
 WAIT_MS = 5_000
+MAX_HOLD_S = 1800.0
+"""The most seconds a holder renews its lease, progressing or not."""
+WAIT_S = 1800.0
+"""The most seconds a process waits for other processes' leases before compiling itself."""
+MIN_PROGRESS = 0.01
+"""CPU seconds per second of a renewal interval that count as progress (1%)."""
 
 
 class CompileLocally(Exception):
-    """The daemon will not coordinate this kernel (this peer may not publish)."""
+    """The daemon will not coordinate this kernel (this peer may not publish), or others
+    took too long: compile it in this process."""
+
+
+class WaitedTooLong(CompileLocally, TimeoutError):
+    """Other processes held the kernel's lease for longer than this one would wait."""
 
 
 def lease(client: Client, request: KernelRequest, ttl_s: float = DEFAULT_TTL_S,
@@ -49,9 +69,12 @@ def lease(client: Client, request: KernelRequest, ttl_s: float = DEFAULT_TTL_S,
 
 
 def publish(client: Client, request: KernelRequest, data: bytes,
-            compile_seconds: float = 0.0, kernel_name: str | None = None) -> p.PublishReply:
+            compile_seconds: float = 0.0, kernel_name: str | None = None,
+            lease: str = "") -> p.PublishReply:
     """Send an exported object in chunks; the last chunk commits it. ``kernel_name``: the
-    compiled kernel's name, for a family the daemon names itself (mm_fp4, batch-invariant)."""
+    compiled kernel's name, for a family the daemon names itself (mm_fp4, batch-invariant);
+    ``lease``: the token of the lease this process holds on ``request`` (the daemon stores
+    nothing without it: NotAllowed)."""
     sha = hashlib.sha256(data).hexdigest()
     offset = 0
     while True:
@@ -60,7 +83,7 @@ def publish(client: Client, request: KernelRequest, data: bytes,
         reply = client.publish(p.PublishRequest(
             request=request, object_sha256=sha, offset=offset, final=final,
             data=base64.b64encode(chunk).decode(), compile_seconds=compile_seconds,
-            kernel_name=kernel_name), timeout=120)
+            kernel_name=kernel_name, lease=lease), timeout=120)
         offset += len(chunk)
         if final or reply.state in ("exists", "stored"):
             return reply
@@ -75,9 +98,67 @@ def release(client: Client, request: KernelRequest, token: str, reason: str) -> 
         pass
 
 
+def cpu_seconds() -> float:
+    """CPU seconds used so far by this process (all its threads) and by its descendants,
+    running (read from /proc, where there is one) or reaped."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (time.process_time() + children.ru_utime + children.ru_stime
+            + _descendants_cpu_s(os.getpid()))
+
+
+def _descendants_cpu_s(pid: int, depth: int = 0) -> float:
+    """CPU seconds of ``pid``'s running descendants and of the children they reaped."""
+    total = 0.0
+    for child in _children(pid):
+        try:
+            with open(f"/proc/{child}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+        except OSError:  # gone meanwhile
+            continue
+        total += sum(int(x) for x in fields[11:15]) / _CLOCK_TICKS  # utime..cstime
+        if depth < 16:
+            total += _descendants_cpu_s(child, depth + 1)
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", "rb") as f:
+                out.extend(int(x) for x in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
 def _renewer(client: Client, request: KernelRequest, token: str, ttl_s: float,
-             stop: threading.Event) -> None:
-    while not stop.wait(max(0.5, ttl_s / 3)):
+             stop: threading.Event, max_hold_s: float = MAX_HOLD_S) -> None:
+    """Renew every ttl/3 while the process made progress (CPU used by anything but this
+    thread: MIN_PROGRESS of the interval), for at most ``max_hold_s``; a renewal refused
+    (the lease expired and went to another) ends it."""
+    interval = max(0.5, ttl_s / 3)
+    started = time.monotonic()
+    used = cpu_seconds() - time.thread_time()
+    while not stop.wait(interval):
+        now_used = cpu_seconds() - time.thread_time()
+        progressed, used = now_used - used >= interval * MIN_PROGRESS, now_used
+        if time.monotonic() - started >= max_hold_s:
+            logger.warning("cached: held the lease on %s for %.0fs, the most a compile may "
+                           "hold one; not renewing it (the next waiter takes over)",
+                           request.family, max_hold_s)
+            return
+        if not progressed:
+            logger.debug("cached: no CPU used for %.1fs; lease on %s not renewed",
+                         interval, request.family)
+            continue
         try:
             client.lease_renew(p.LeaseRenewRequest(request=request, lease=token, ttl_s=ttl_s),
                                timeout=10)
@@ -86,10 +167,12 @@ def _renewer(client: Client, request: KernelRequest, token: str, ttl_s: float,
 
 
 def obtain(client: Client, request: KernelRequest, compile_object: Callable[[str], Any],
-           ttl_s: float = DEFAULT_TTL_S, timeout: float = 3600.0,
-           kernel_name: str | None = None) -> tuple[Artifact, Any]:
+           ttl_s: float = DEFAULT_TTL_S, timeout: float = WAIT_S,
+           kernel_name: str | None = None,
+           max_hold_s: float = MAX_HOLD_S) -> tuple[Artifact, Any]:
     """The artifact for ``request`` and what ``compile_object`` returned (None unless this
-    process compiled it). Raises CompileLocally when this peer may not publish."""
+    process compiled it). Raises CompileLocally when this peer may not publish, and
+    WaitedTooLong after ``timeout`` seconds of waiting on other processes' leases."""
     deadline = time.monotonic() + timeout
     while True:
         wait_ms = int(max(0, min(WAIT_MS, (deadline - time.monotonic()) * 1000)))
@@ -100,19 +183,22 @@ def obtain(client: Client, request: KernelRequest, compile_object: Callable[[str
             raise CompileLocally(reply.reason or "")
         if reply.state == "granted" and reply.lease:
             return _compile_and_publish(client, request, reply.lease, ttl_s, compile_object,
-                                        kernel_name)
+                                        kernel_name, max_hold_s)
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"waited {timeout:.0f}s for another process to publish "
-                               f"{request.params.get('kernel')}")
+            raise WaitedTooLong(f"waited {timeout:.0f}s for another process (pid "
+                                f"{reply.holder_pid}) to publish "
+                                f"{request.params.get('kernel')}; compiling it here")
 
 
 def _compile_and_publish(client: Client, request: KernelRequest, token: str, ttl_s: float,
                          compile_object: Callable[[str], Any],
-                         kernel_name: str | None = None) -> tuple[Artifact, Any]:
+                         kernel_name: str | None = None,
+                         max_hold_s: float = MAX_HOLD_S) -> tuple[Artifact, Any]:
     """Compile under the lease and publish; any failure releases the lease at once, so
     the other processes waiting on it need not sit out its time-to-live."""
     stop = threading.Event()
-    renewer = threading.Thread(target=_renewer, args=(client, request, token, ttl_s, stop),
+    renewer = threading.Thread(target=_renewer,
+                               args=(client, request, token, ttl_s, stop, max_hold_s),
                                name="cached-lease-renew", daemon=True)
     renewer.start()
     tmpdir = tempfile.mkdtemp(prefix="cached-wb-")
@@ -124,7 +210,7 @@ def _compile_and_publish(client: Client, request: KernelRequest, token: str, ttl
             seconds = time.perf_counter() - started
             with open(path, "rb") as f:
                 data = f.read()
-            published = publish(client, request, data, seconds, kernel_name)
+            published = publish(client, request, data, seconds, kernel_name, token)
         except BaseException as exc:
             stop.set()
             release(client, request, token, f"{type(exc).__name__}: {exc}")
@@ -153,14 +239,14 @@ class HeldLease:
     published (:meth:`publish_bundle`) or released (:meth:`release`); idempotent."""
 
     def __init__(self, client: Client, request: KernelRequest, token: str,
-                 ttl_s: float = DEFAULT_TTL_S) -> None:
+                 ttl_s: float = DEFAULT_TTL_S, max_hold_s: float = MAX_HOLD_S) -> None:
         self.client = client
         self.request = request
         self.token = token
         self.started = time.perf_counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(
-            target=_renewer, args=(client, request, token, ttl_s, self._stop),
+            target=_renewer, args=(client, request, token, ttl_s, self._stop, max_hold_s),
             name="cached-lease-renew", daemon=True)
         self._thread.start()
 
@@ -175,7 +261,7 @@ class HeldLease:
         seconds = (time.perf_counter() - self.started if compile_seconds is None
                    else compile_seconds)
         try:
-            artifact = publish_bundle(self.client, self.request, files, seconds)
+            artifact = publish_bundle(self.client, self.request, files, seconds, self.token)
         except BaseException as exc:
             self.release(f"{type(exc).__name__}: {exc}")
             raise
@@ -191,10 +277,11 @@ class HeldLease:
 
 
 def acquire(client: Client, request: KernelRequest, ttl_s: float = DEFAULT_TTL_S,
-            timeout: float = 3600.0) -> Artifact | HeldLease:
+            timeout: float = WAIT_S, max_hold_s: float = MAX_HOLD_S) -> Artifact | HeldLease:
     """A hit (the artifact), after waiting on another process's lease if one holds it; or
-    the lease, when this process is to compile. CompileLocally when this peer may not
-    publish; TimeoutError after ``timeout`` seconds of waiting."""
+    the lease, when this process is to compile (renewed as :func:`obtain`'s is).
+    CompileLocally when this peer may not publish; WaitedTooLong (a CompileLocally and a
+    TimeoutError) after ``timeout`` seconds of waiting."""
     deadline = time.monotonic() + timeout
     while True:
         wait_ms = int(max(0, min(WAIT_MS, (deadline - time.monotonic()) * 1000)))
@@ -204,16 +291,18 @@ def acquire(client: Client, request: KernelRequest, ttl_s: float = DEFAULT_TTL_S
         if reply.state == "compile_locally":
             raise CompileLocally(reply.reason or "")
         if reply.state == "granted" and reply.lease:
-            return HeldLease(client, request, reply.lease, ttl_s)
+            return HeldLease(client, request, reply.lease, ttl_s, max_hold_s)
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"waited {timeout:.0f}s for another process to publish "
-                               f"{request.family} {request.params}"[:400])
+            raise WaitedTooLong(f"waited {timeout:.0f}s for another process (pid "
+                                f"{reply.holder_pid}) to publish {request.family} "
+                                f"{request.params}"[:400])
 
 
 def publish_bundle(client: Client, request: KernelRequest, files: dict[str, bytes],
-                   compile_seconds: float = 0.0) -> Artifact:
+                   compile_seconds: float = 0.0, lease: str = "") -> Artifact:
     """Upload ``files`` in chunks, file by file; the daemon stores the bundle when the last
-    chunk of the last file has arrived and every file matched the manifest."""
+    chunk of the last file has arrived and every file matched the manifest. ``lease``: the
+    token of the lease this process holds on ``request``."""
     manifest = {name: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
                 for name, data in files.items()}
     reply = None
@@ -224,8 +313,8 @@ def publish_bundle(client: Client, request: KernelRequest, files: dict[str, byte
             final = offset + len(chunk) >= len(data)
             reply = client.publish_bundle(p.PublishBundleRequest(
                 request=request, files=manifest, file=name, offset=offset, final=final,
-                data=base64.b64encode(chunk).decode(), compile_seconds=compile_seconds),
-                timeout=120)
+                data=base64.b64encode(chunk).decode(), compile_seconds=compile_seconds,
+                lease=lease), timeout=120)
             offset += len(chunk)
             if reply.state == "exists" and reply.artifact is not None:
                 return reply.artifact

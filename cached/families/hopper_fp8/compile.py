@@ -45,14 +45,15 @@ def compile_to_object(
       a        (M, K) float8_e4m3fn (float8_e5m2 for ab_dtype="e5m2"), row-major (K contiguous)
       b        (N, K) same dtype as a, row-major (K contiguous)
       c        (M, N) bfloat16 / float16 per tactic.out_dtype, row-major, written entirely
-      a_scale  (1,) float32 on the same device
-      b_scale  (1,) float32 on the same device
+      a_scale  (1,) float32 on the same device; (M,) for tactic.scales="token"
+      b_scale  (1,) float32 on the same device; (N,) for tactic.scales="token"
       workspace (W,) float32, W >= workspace_bytes(params, M, N) / 4 (split_mode "cta"
                only; any float32 tensor otherwise): fp32 partials, no initial value needed
       counters (C,) int32, C >= counter_elems(params, M, N) (split_mode "cta" only; any
                int32 tensor otherwise): zero-filled once when allocated, and left at zero
                by every launch (the last unit of a tile resets its counter)
-    computing c = cvt((a @ b.T) * (a_scale * b_scale)). workspace_bytes / counter_elems
+    computing c = cvt((a @ b.T) * (a_scale * b_scale)) (per-token: the element (m, n)
+    scaled by a_scale[m] * b_scale[n]). workspace_bytes / counter_elems
     are in cached_client.hopper_fp8. A "cta" kernel given smaller buffers writes nothing
     (no out-of-bounds access). One workspace serves one launch at a time (stream order).
     M, N, K are runtime values; a, b, c must be 16-byte aligned, N and K multiples of 16,
@@ -85,8 +86,11 @@ def compile_to_object(
     a = fake(ab_dtype, (m, k), stride_order=(1, 0), assumed_align=16)
     b = fake(ab_dtype, (n, k), stride_order=(1, 0), assumed_align=16)
     c = fake(c_dtype, (m, n), stride_order=(1, 0), assumed_align=16)
-    sa = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4)
-    sb = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4)
+    token = tactic.scales == "token"
+    sa = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (m if token else 1,),
+                                               assumed_align=4)
+    sb = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (n if token else 1,),
+                                               assumed_align=4)
     ws = fake(cutlass.Float32, (cute.sym_int(),), assumed_align=4)
     cnt = fake(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)

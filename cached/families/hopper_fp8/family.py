@@ -6,9 +6,13 @@ the result of a row does not depend on M, so a batch-invariant plan may mix the 
 of one class across M, never two classes. ``max_active_clusters`` comes from the
 request (an H200: 132 SMs), never from a GPU query in the daemon.
 
-Plan options: ``out_dtype``, ``ab_dtype``; ``batch_invariant: true`` (only the class
-``tactics.choose_split(N, K, sm_count)`` picks, the same for every M);
-``reduction_class: "<id>"`` (only that class; wins over ``batch_invariant``).
+Plan options: ``out_dtype``, ``ab_dtype``; ``scales`` (``"tensor"``, the default, or
+``"token"``: per-token activation x per-channel weight) and ``accumulation`` (``"fast"``,
+the default, or ``"exact"``: promoted every K tile, S = 1); ``batch_invariant: true``
+(only the class of that scheme with ``tactics.choose_split(N, K, sm_count)`` splits, S = 1
+for exact, the same for every M); ``reduction_class: "<id>"`` (only that class; wins over
+``batch_invariant``; a ``scales`` or ``accumulation`` option that disagrees with it is an
+error).
 """
 
 from __future__ import annotations
@@ -43,24 +47,33 @@ class HopperFp8(Family):
     def reduction_classes(self) -> tuple[str, ...]:
         return tactics.REDUCTION_CLASSES
 
-    def plan_splits(self, shape: tuple[int, int, int], sm_count: int,
-                    options: Mapping[str, Any]) -> int | None:
-        """S of the one class the options ask for, or None (every class)."""
+    def plan_scheme(self, shape: tuple[int, int, int], sm_count: int,
+                    options: Mapping[str, Any]) -> tuple[int | None, str, str]:
+        """(S or None for every S, scales, accum) of what the options ask for."""
         bi = options.get("batch_invariant", False)
         if not isinstance(bi, bool):
             raise InvalidTactic(f"option batch_invariant must be true or false, got {bi!r}")
+        scales = require(options, "scales", tactics.SCALE_SCHEMES, "tensor")
+        accum = require(options, "accumulation", tactics.ACCUM_MODES, "fast")
         rc = options.get("reduction_class")
         if rc is not None:
             if not isinstance(rc, str):
                 raise InvalidTactic(f"option reduction_class must be a string, got {rc!r}")
             try:
-                return tactics.splits_of_class(rc)
+                s, c_accum, c_scales = tactics.class_scheme(rc)
             except ValueError as exc:
                 raise InvalidTactic(str(exc)) from None
+            for opt, have, want in (("scales", scales, c_scales),
+                                    ("accumulation", accum, c_accum)):
+                if opt in options and have != want:
+                    raise InvalidTactic(f"option {opt}={have!r} contradicts reduction_class "
+                                        f"{rc!r} ({opt} {want!r})")
+            return s, c_scales, c_accum
         if bi:
             _, n, k = shape
-            return tactics.choose_split(n, k, sm_count)
-        return None
+            return (1 if accum == "exact" else tactics.choose_split(n, k, sm_count),
+                    scales, accum)
+        return None, scales, accum
 
     def canonical_params(self, params: Mapping[str, Any], arch: str) -> dict:
         try:
@@ -80,9 +93,9 @@ class HopperFp8(Family):
         ab_dtype = require(options, "ab_dtype", tactics.AB_DTYPES, "e4m3")
         m, n, k = shape
         try:
-            splits = self.plan_splits(shape, sm_count, options)
+            splits, scales, accum = self.plan_scheme(shape, sm_count, options)
             space = tactics.enumerate_tactics(m, n, k, out_dtype, ab_dtype, num_sms=sm_count,
-                                              splits=splits)
+                                              splits=splits, scales=scales, accum=accum)
         except ValueError as exc:
             raise InvalidTactic(str(exc)) from None
         return [KernelRequest(family=self.name, params=t.to_params(), arch=arch,

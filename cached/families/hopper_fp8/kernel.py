@@ -2,7 +2,15 @@
 
 A (M, K), B (N, K): float8 (e4m3fn or e5m2), K-major. C (M, N): bf16/fp16, row-major.
 a_scale, b_scale: fp32 tensors of one element, read on the device (no host sync, so
-CUDA-graph safe).
+CUDA-graph safe); with tactic.scales = "token", a_scale (M,) and b_scale (N,): before the
+epilogue each thread multiplies every element (m, n) of its fp32 sum by the fp32 product
+a_scale[m] * b_scale[n] (indices clamped into C: elements outside C are never stored),
+and the epilogue's per-tensor factor is 1.
+
+Exact accumulation (tactic.accum = "exact", S = 1): per K tile the four k32 wgmma start
+from zero in the wgmma accumulator (ACCUMULATE off for the first), the consumer waits for
+them to retire, releases the stage and adds the accumulator into a second fp32 register
+tensor (the promoted sum, from zero, in K-tile order), which the epilogue reads.
 
 Structure (one CTA = 1 producer warpgroup + 1 or 2 consumer warpgroups):
   * producer warp 0: walks the persistent tile schedule and, per K tile, TMA-loads the
@@ -153,6 +161,8 @@ class HopperFp8GemmKernel:
         # programmatic dependent launch: launched so that it may start while the previous
         # kernel on the stream runs; griddepcontrol.wait before any global read or write
         self.pdl = tactic.pdl
+        self.token = tactic.scales == "token"  # per-token x per-channel scales
+        self.exact = tactic.accum == "exact"  # promoted into fp32 registers every K tile
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self, a_dtype, b_dtype, c_dtype, a_layout, b_layout, c_layout):
@@ -446,12 +456,15 @@ class HopperFp8GemmKernel:
                 sched.advance_to_next_work(advance_count=wg_idx - 1)
                 work = sched.get_current_work()
             # scale, read once on the device; applied once per element after the K loop
-            scale = mAScale[0] * mBScale[0]
+            # (per-token scales: applied per element before the epilogue, which gets 1)
+            scale = cutlass.Float32(1.0)
+            if cutlass.const_expr(not self.token):
+                scale = mAScale[0] * mBScale[0]
 
             # split_mode "serial": the running sum over the splits lives in a second
-            # accumulator, which the epilogue reads
+            # accumulator, which the epilogue reads; exact: the promoted sum likewise
             acc_sum = acc
-            if cutlass.const_expr(self.split_serial):
+            if cutlass.const_expr(self.split_serial or self.exact):
                 acc_sum = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
             # epilogue partitions: registers -> smem (stmatrix) -> gmem (TMA); swap_ab and
             # wg_n = 2 store from registers (epilogue_direct) and need none of them
@@ -491,7 +504,7 @@ class HopperFp8GemmKernel:
             ctid = tidx - self.threads_per_wg  # 0 .. num_mma_threads-1
             # this thread's own slice of the tiled MMA (thr_mma is its warpgroup's: the
             # coordinates of the warpgroup's first thread), for the register epilogue
-            thr_c = tiled_mma.get_slice(ctid)
+            thr_c = tiled_mma.get_slice(ctid % self.tile_threads)
             tiles_m = cute.size(gC, mode=[2])
             tiles_n = cute.size(gC, mode=[3])
             cC = cute.make_identity_tensor(mC.shape)
@@ -536,7 +549,7 @@ class HopperFp8GemmKernel:
                         order_signal.arrive()
                     self.store_tile(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
                                     store_pipe, scale, sched.num_tiles_executed, warp_idx,
-                                    mC, gcC, crd, thr_c, acc_sum)
+                                    mC, gcC, crd, thr_c, acc_sum, mAScale, mBScale)
                 elif cutlass.const_expr(self.split_cta):
                     split = crd[2]
                     read_state, release_state = self.mainloop(
@@ -584,20 +597,25 @@ class HopperFp8GemmKernel:
                             self.store_tile(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC,
                                             tiled_r2s, store_pipe, scale,
                                             sched.num_tiles_executed, warp_idx,
-                                            mC, gcC, crd, thr_c, acc_sum)
+                                            mC, gcC, crd, thr_c, acc_sum, mAScale, mBScale)
                 else:
                     if cutlass.const_expr(self.pingpong):
                         if wg_idx == 2 or own_tiles > 0:
                             order_wait.arrive_and_wait()
-                    read_state, release_state = self.mainloop(
-                        ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
-                        0, k_tiles, False,
-                    )
+                    if cutlass.const_expr(self.exact):
+                        read_state, release_state = self.mainloop_promoted(
+                            ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
+                            release_state, k_tiles)
+                    else:
+                        read_state, release_state = self.mainloop(
+                            ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
+                            0, k_tiles, False,
+                        )
                     if cutlass.const_expr(self.pingpong):
                         order_signal.arrive()
                     self.store_tile(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
                                     store_pipe, scale, sched.num_tiles_executed, warp_idx,
-                                    mC, gcC, crd, thr_c, acc_sum)
+                                    mC, gcC, crd, thr_c, acc_sum, mAScale, mBScale)
 
                 own_tiles = own_tiles + 1
                 if cutlass.const_expr(self.pingpong):
@@ -641,6 +659,47 @@ class HopperFp8GemmKernel:
         return read_state, release_state
 
     @cute.jit
+    def mainloop_promoted(self, ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
+                          release_state, k_tiles):
+        """acc_sum = ((0 + t_0) + t_1) + ... over the K tiles, t_i = K tile i's four k32
+        wgmma from zero (ACCUMULATE off for the first); each tile's wgmma retires before
+        its stage is released and its sum added. Returns the pipeline states."""
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        acc_sum.fill(0.0)
+        for _kt in range(k_tiles):
+            ab_pipe.consumer_wait(read_state)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+                kc = (None, None, kb, read_state.index)
+                cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipe.consumer_release(release_state)
+            release_state.advance()
+            read_state.advance()
+            for v in cutlass.range_constexpr(cute.size(acc)):
+                acc_sum[v] = acc_sum[v] + acc[v]
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        return read_state, release_state
+
+    @cute.jit
+    def apply_token_scales(self, mC, gcC_t, thr_c, acc, mAScale, mBScale):
+        """acc[v] *= a_scale[m] * b_scale[n] for this thread's elements (m, n) (swap_ab: the
+        MMA's (row, col) is (n, m)). Indices are clamped into C, so every load is in bounds
+        and unconditional (loads of one row or column are shared); elements outside C get
+        the edge's scale and are never stored."""
+        tCcC_t = thr_c.partition_C(gcC_t)
+        last_r, last_c = mC.shape[0] - 1, mC.shape[1] - 1
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            crd = tCcC_t[v]
+            r, c = cutlass.min(crd[0], last_r), cutlass.min(crd[1], last_c)
+            if cutlass.const_expr(self.swap):
+                acc[v] = acc[v] * (mAScale[c] * mBScale[r])
+            else:
+                acc[v] = acc[v] * (mAScale[r] * mBScale[c])
+
+    @cute.jit
     def k_loop(self, ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
                k_begin, k_end, num_k_blocks: cutlass.Constexpr):
         # first K tile: nothing to release yet
@@ -670,9 +729,14 @@ class HopperFp8GemmKernel:
 
     @cute.jit
     def store_tile(self, tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
-                   store_pipe, scale, tiles_executed, warp_idx, mC, gcC, crd, thr_c, acc):
+                   store_pipe, scale, tiles_executed, warp_idx, mC, gcC, crd, thr_c, acc,
+                   mAScale, mBScale):
         """The epilogue of one output tile: through shared memory and TMA, or (swap_ab)
-        from registers (thr_c: this thread's slice of the tiled MMA)."""
+        from registers (thr_c: this thread's slice of the tiled MMA). acc is the sum the
+        epilogue reads (tRS_acc is a view of it); per-token scales are applied to it first."""
+        if cutlass.const_expr(self.token):
+            self.apply_token_scales(mC, gcC[(None, None, crd[0], crd[1])], thr_c, acc,
+                                    mAScale, mBScale)
         if cutlass.const_expr(self.direct_epi):
             self.epilogue_direct(mC, gC_t, gcC[(None, None, crd[0], crd[1])], thr_c, acc,
                                  scale)

@@ -67,6 +67,21 @@ only: same K walk, so a pdl tactic is in the class of its S (bitwise checked on 
 docs/benchmarks.md). tactic_space lists a twin of the decode-band tactics (pdl_twin); a
 recorded winner may name pdl on any tactic (recordable_tactics).
 
+Scale schemes (``scales``, issue 27): ``"tensor"`` (the default: a_scale and b_scale
+one element each, the product applied once after the K loop) or ``"token"`` (FP8-dynamic
+checkpoints: a_scale (M,) one fp32 per activation row, b_scale (N,) one per weight row;
+the element (m, n) of the fp32 sum is multiplied by the fp32 product a_scale[m] *
+b_scale[n], then rounded). A row's scale is its own, so either scheme is batch invariant.
+The scheme is part of the class id (``.token`` appended; per-tensor ids stay as they were).
+
+Accumulation (``accum``, issue 27): ``"fast"`` (the default, ``acc1``: the four k32 wgmma of
+every K tile accumulate into one wgmma accumulator for the whole K range, so the tensor
+core's reduced-precision accumulation runs over all of K) or ``"exact"`` (``prom128``: the
+wgmma accumulator starts from zero at every K tile and is added, after the tile's wgmma
+retired, into a second fp32 register accumulator in K-tile order, ((0 + t_0) + t_1) + ...;
+the promotion CUTLASS and DeepGEMM use, which reaches the bf16 floor). Exact takes S = 1
+only and tiles whose two accumulator copies fit the registers.
+
 Choosing S: ``choose_split(n, k, sm_count)`` depends on N, K and the device only, never
 on M, so a batch-invariant plan for one (N, K) uses one class for every M.
 """
@@ -74,7 +89,9 @@ on M, so a batch-invariant plan for one (N, K) uses one class for every M.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 FAMILY = "hopper_fp8_gemm"
@@ -87,6 +104,9 @@ REDUCTION_ORDER_M_INDEPENDENT = True  # within each reduction-order class
 ACC_MODE = "acc1"  # one fp32 wgmma accumulator per K range (no periodic promotion)
 
 SPLIT_CHOICES = (1, 2, 4, 8, 16)
+SCALE_SCHEMES = ("tensor", "token")  # per-tensor; per-token activation x per-channel weight
+ACCUM_MODES = ("fast", "exact")  # one wgmma accumulator; promoted every K tile
+ACC_IDS = {"fast": ACC_MODE, "exact": "prom128"}  # the class id's accumulation part
 SPLIT_MODES = ("serial", "cta")
 
 TILE_M_CHOICES = (64, 128, 256)
@@ -176,10 +196,12 @@ PARAM_KEYS = (
     "wg_n",
     "pingpong",
     "pdl",
+    "scales",
+    "accum",
 )
 # keys to_params() leaves out at their default, so that the canonical params (and so the
 # artifact keys) of every tactic from before the field existed stay what they were
-OMITTED_AT_DEFAULT = {"pdl": False}
+OMITTED_AT_DEFAULT = {"pdl": False, "scales": "tensor", "accum": "fast"}
 
 
 def num_consumer_warpgroups(tile_m: int) -> int:
@@ -223,28 +245,42 @@ def tile_epilogue(tile_n: int, wg_n: int, swap_ab: bool = False) -> bool:
     return not swap_ab and (wg_n == 2 or tile_n in NARROW_TILE_N)
 
 
-def acc_sets(splits: int, split_mode: str) -> int:
+def acc_sets(splits: int, split_mode: str, accum: str = "fast") -> int:
     """fp32 accumulator copies a consumer thread holds: 2 for a serial split (the
-    running sum beside the current range's partial), else 1."""
-    return 2 if splits > 1 and split_mode == "serial" else 1
+    running sum beside the current range's partial) and for exact accumulation (the
+    promoted sum beside the K tile's wgmma accumulator), else 1."""
+    return 2 if (splits > 1 and split_mode == "serial") or accum == "exact" else 1
 
 
-def reduction_class_id(splits: int) -> str:
-    """The stable id of the reduction-order class with S = ``splits`` (module doc)."""
-    return f"k{TILE_K}.{ACC_MODE}.s{splits}.fixed"
+def reduction_class_id(splits: int, accum: str = "fast", scales: str = "tensor") -> str:
+    """The stable id of the reduction-order class with S = ``splits``, accumulation mode
+    and scale scheme (module doc): ``k128.acc1.s4.fixed`` (per-tensor, fast),
+    ``k128.prom128.s1.fixed.token`` (per-token x per-channel, exact)."""
+    return (f"k{TILE_K}.{ACC_IDS[accum]}.s{splits}.fixed"
+            + ("" if scales == "tensor" else f".{scales}"))
 
 
-REDUCTION_CLASSES = tuple(reduction_class_id(s) for s in SPLIT_CHOICES)
+#: the per-tensor fast classes first (the ids published before the schemes existed)
+REDUCTION_CLASSES = (tuple(reduction_class_id(s) for s in SPLIT_CHOICES)
+                     + tuple(reduction_class_id(s, "fast", "token") for s in SPLIT_CHOICES)
+                     + tuple(reduction_class_id(1, "exact", sc) for sc in SCALE_SCHEMES))
 
 
-def splits_of_class(class_id: str) -> int:
-    """Inverse of reduction_class_id; ValueError for an id this family does not have."""
+def class_scheme(class_id: str) -> tuple[int, str, str]:
+    """(splits, accum, scales) of a class id; ValueError for an id this family lacks."""
     for s in SPLIT_CHOICES:
-        if reduction_class_id(s) == class_id:
-            return s
+        for acc in ACCUM_MODES:
+            for sc in SCALE_SCHEMES:
+                if reduction_class_id(s, acc, sc) == class_id and class_id in REDUCTION_CLASSES:
+                    return s, acc, sc
     raise ValueError(
         f"unknown {FAMILY} reduction class {class_id!r}; classes: {', '.join(REDUCTION_CLASSES)}"
     )
+
+
+def splits_of_class(class_id: str) -> int:
+    """S of a class id (class_scheme); ValueError for an id this family does not have."""
+    return class_scheme(class_id)[0]
 
 
 def _stage_bytes(tile_m: int, tile_n: int) -> int:
@@ -295,7 +331,8 @@ def tile_is_feasible(tile_m: int, tile_n: int, out_dtype: str = "bfloat16",
     regs = acc_regs_per_thread(tile_m, tile_n, swap_ab, wg_n, pingpong)
     wgs = 1 if pingpong else num_consumer_warpgroups(mma_tile(tile_m, tile_n, swap_ab)[0]) * wg_n
     if sets * regs > MAX_ACC_REGS_PER_THREAD:
-        what = "" if sets == 1 else f" x {sets} (a serial split keeps a running sum)"
+        what = "" if sets == 1 else (f" x {sets} (a serial split keeps a running sum, exact "
+                                     f"accumulation a promoted sum)")
         return False, (
             f"tile {tile_m}x{tile_n} needs {regs}{what} fp32 "
             f"accumulator registers per consumer thread "
@@ -343,6 +380,12 @@ class HopperFp8Tactic:
                        or write of global memory). Any tactic may take it; the K walk is
                        unchanged, so a pdl tactic is in the class of its S. Left out of
                        to_params() when False (OMITTED_AT_DEFAULT).
+      scales           "tensor" or "token" (per-token activation x per-channel weight,
+                       applied in the epilogue); part of the class (module doc). Left out
+                       of to_params() at "tensor".
+      accum            "fast" or "exact" (the wgmma accumulator promoted into fp32
+                       registers every K tile; S = 1 only); part of the class. Left out
+                       of to_params() at "fast".
     """
 
     tile_m: int = 128
@@ -360,6 +403,8 @@ class HopperFp8Tactic:
     wg_n: int = 1
     pingpong: bool = False
     pdl: bool = False
+    scales: str = "tensor"
+    accum: str = "fast"
 
     # -- derived facts -------------------------------------------------------------
     @property
@@ -383,14 +428,20 @@ class HopperFp8Tactic:
 
     @property
     def reduction_order(self) -> str:
+        scheme = ("" if self.scales == "tensor"
+                  else ",scale=per_token_a_x_per_channel_b")
+        if self.accum == "exact":
+            return (f"k_tile={TILE_K},wgmma_k={WGMMA_K},full_k_per_cta,"
+                    f"wgmma_acc_per_k_tile_promoted_to_fp32_in_k_order,scale_after{scheme}")
         if self.splits == 1:
-            return REDUCTION_ORDER
+            return REDUCTION_ORDER + scheme
         return (f"k_tile={TILE_K},wgmma_k={WGMMA_K},splits={self.splits}:balanced_k_tile_ranges,"
-                f"fp32_acc_single_per_range,fp32_sum_in_split_order_from_zero,scale_after")
+                f"fp32_acc_single_per_range,fp32_sum_in_split_order_from_zero,scale_after"
+                f"{scheme}")
 
     @property
     def reduction_class(self) -> str:
-        return reduction_class_id(self.splits)
+        return reduction_class_id(self.splits, self.accum, self.scales)
 
     @property
     def name(self) -> str:
@@ -400,6 +451,7 @@ class HopperFp8Tactic:
             f"_r{self.raster}_s{self.swizzle}_st{self.stages}_{self.ab_dtype}_{self.out_dtype}"
             f"{split}{'_sw' if self.swap_ab else ''}{'_wn2' if self.wg_n == 2 else ''}"
             f"{'_pp' if self.pingpong else ''}{'_pdl' if self.pdl else ''}"
+            f"{'_tok' if self.scales == 'token' else ''}{'_ex' if self.accum == 'exact' else ''}"
         )
 
     # -- validation / encoding -------------------------------------------------------
@@ -453,6 +505,12 @@ class HopperFp8Tactic:
             bad(f"pingpong must be true or false, got {type(self.pingpong).__name__}")
         if not isinstance(self.pdl, bool):
             bad(f"pdl must be true or false, got {type(self.pdl).__name__}")
+        if self.scales not in SCALE_SCHEMES:
+            bad(f"scales must be one of {SCALE_SCHEMES}, got {self.scales!r}")
+        if self.accum not in ACCUM_MODES:
+            bad(f"accum must be one of {ACCUM_MODES}, got {self.accum!r}")
+        if self.accum == "exact" and self.splits != 1:
+            bad("accum 'exact' (promotion every K tile) takes splits=1 only")
         if self.tile_n in NARROW_TILE_N and not self.swap_ab:
             if self.tile_m != 64 or self.pingpong:
                 bad(f"tile_n in {NARROW_TILE_N} (narrow decode tiles) needs tile_m=64 and "
@@ -486,7 +544,8 @@ class HopperFp8Tactic:
         if self.split_mode == "cta" and self.cluster_size != 1:
             bad("split_mode 'cta' needs cluster_m = cluster_n = 1")
         ok, why = tile_is_feasible(self.tile_m, self.tile_n, self.out_dtype,
-                                   acc_sets(self.splits, self.split_mode), self.swap_ab,
+                                   acc_sets(self.splits, self.split_mode, self.accum),
+                                   self.swap_ab,
                                    self.wg_n, self.pingpong)
         if not ok:
             bad(why)
@@ -534,99 +593,89 @@ def smem_bytes(t: HopperFp8Tactic) -> int:
 # Enumeration and the cost model
 # --------------------------------------------------------------------------------------
 
-# Microseconds one CTA spends per 128-deep K tile, by (tile_m, tile_n) and M regime
-# (M <= 64, M <= 1024, larger): the median over H200 runs (14 (N, K) shapes,
-# bench/gpu/hopper_fp8_check.py, 2026-11-30) of (time - 2.5 us) / waves / K tiles, for
-# S = 1, cluster 1x1, swizzle 1, raster m (bench/gpu/hopper_fp8_fit.py --per-k-tile over
-# docs/results/h200_hopper_fp8_swap_wide.csv then h200_hopper_fp8_mid.csv, whose cells
-# replace the first run's at M = 64..8192). 256x64 was never timed: scaled from 256x80.
-# The NARROW_TILE_N tiles (64 x 40/48/56): M <= 64 the same median over the H200 decode7
-# run (seventh pass, 14 (N, K) x M = 1..64; docs/results/h200_hopper_fp8_pass7_decode7.csv,
-# --per-k-tile), where 64x64 gave 0.290; M > 64 not timed: 64x64's figures.
-US_PER_K_TILE = {
-    (64, 40): (0.240, 0.189, 0.204),
-    (64, 48): (0.237, 0.189, 0.204),
-    (64, 56): (0.248, 0.189, 0.204),
-    (64, 64): (0.291, 0.189, 0.204),
-    (64, 80): (0.244, 0.217, 0.228),
-    (64, 96): (0.245, 0.242, 0.249),
-    (64, 112): (0.258, 0.259, 0.279),
-    (64, 128): (0.267, 0.291, 0.294),
-    (64, 160): (0.266, 0.346, 0.326),
-    (64, 192): (0.300, 0.382, 0.347),
-    (64, 256): (0.374, 0.434, 0.430),
-    (128, 64): (0.376, 0.258, 0.332),
-    (128, 80): (0.353, 0.293, 0.369),
-    (128, 96): (0.316, 0.317, 0.371),
-    (128, 112): (0.332, 0.351, 0.400),
-    (128, 128): (0.405, 0.391, 0.428),
-    (128, 160): (0.408, 0.460, 0.541),
-    (128, 192): (0.482, 0.522, 0.641),
-    (128, 256): (0.625, 0.671, 0.835),
-    (256, 64): (0.700, 0.460, 0.530),
-    (256, 80): (0.755, 0.490, 0.569),
-    (256, 96): (0.701, 0.557, 0.656),
-    (256, 112): (0.606, 0.639, 0.759),
-    (256, 128): (0.667, 0.686, 0.833),
-    (256, 160): (0.778, 0.830, 1.038),
-    (256, 192): (0.930, 0.977, 1.205),
-}
+# The cost model's fitted numbers are data (data/h200_cost.json, written by
+# bench/gpu/hopper_fp8_fit.py --write-cost from the H200 runs; docs/benchmarks.md): the
+# microseconds one CTA spends per 128-deep K tile, by tile kind (plain, swap_ab, wg_n = 2,
+# ping-pong), (tile_m, tile_n) and M regime (M <= 64, M <= 1024, larger), and the constants
+# of model_parts. Read once, on first use (not at import), by cost_model(); the module
+# attributes US_PER_K_TILE, SWAP_US_PER_K_TILE, WG_N_US_PER_K_TILE, PINGPONG_US_PER_K_TILE,
+# HBM_BYTES_PER_US, DRAIN_K_TILES, CTA_FIXED_US, CTA_REDUCE_US_PER_KB, LAUNCH_US and
+# RECORDED_WINNERS are the loaded values (module __getattr__).
+DATA_DIR = Path(__file__).parent / "data"
+COST_FILE = DATA_DIR / "h200_cost.json"
+WINNERS_FILE = DATA_DIR / "h200_winners.json"
+_COST_TABLES = {"plain": "US_PER_K_TILE", "swap_ab": "SWAP_US_PER_K_TILE",
+                "wg_n": "WG_N_US_PER_K_TILE", "pingpong": "PINGPONG_US_PER_K_TILE"}
+_COST_CONSTANTS = {"hbm_bytes_per_us": "HBM_BYTES_PER_US", "drain_k_tiles": "DRAIN_K_TILES",
+                   "cta_fixed_us": "CTA_FIXED_US",
+                   "cta_reduce_us_per_kb": "CTA_REDUCE_US_PER_KB", "launch_us": "LAUNCH_US"}
+_loaded: dict[str, Any] = {}
 
-# swap_ab tiles, (tile_m = tokens, tile_n = weight rows) -> the same three regimes: the
-# median of the same quantity over the H200 swap_ab wide run (14 (N, K) x M <= 256, and
-# the 64x128 tile at every M; docs/results/h200_hopper_fp8_swap_wide.csv, printed by
-# bench/gpu/hopper_fp8_fit.py --per-k-tile). The small tiles were not timed past M = 256:
-# 1.0 us ranks them behind every measured tile there.
-SWAP_US_PER_K_TILE = {
-    (8, 64): (0.142, 0.087, 1.0),
-    (8, 128): (0.207, 0.172, 1.0),
-    (16, 64): (0.156, 0.128, 1.0),
-    (16, 128): (0.194, 0.218, 1.0),
-    (32, 64): (0.188, 0.158, 1.0),
-    (32, 128): (0.214, 0.261, 1.0),
-    (64, 64): (0.265, 0.200, 0.220),
-    (64, 128): (0.270, 0.307, 0.317),
-}
 
-# wg_n = 2 tiles (64 x tile_n, two consumer warpgroups along N) -> the same three regimes:
-# the same median over the H200 pass4 run (14 (N, K) x M = 64..2048, the plan's class;
-# docs/results/h200_hopper_fp8_pass4.log, printed by bench/gpu/hopper_fp8_fit.py
-# --per-k-tile over that run's JSON); 64x48 (halves of 24, seventh pass): M <= 64 from the
-# decode7 run (as US_PER_K_TILE's narrow tiles), M > 64 64x64's figures
-WG_N_US_PER_K_TILE = {
-    (64, 48): (0.243, 0.198, 0.201),
-    (64, 64): (0.210, 0.198, 0.201),
-    (64, 80): (0.210, 0.221, 0.213),
-    (64, 96): (0.223, 0.243, 0.228),
-    (64, 128): (0.267, 0.306, 0.272),
-    (64, 160): (0.291, 0.351, 0.293),
-    (64, 192): (0.322, 0.377, 0.344),
-    (64, 256): (0.430, 0.463, 0.460),
-}
+def load_cost(path: str | Path) -> dict[str, Any]:
+    """{attribute name: value} of a cost file (the format of data/h200_cost.json): each
+    table as {(tile_m, tile_n): (M <= 64, M <= 1024, larger)} in us, each constant a float.
+    ValueError names the file and what is wrong."""
+    try:
+        raw = json.loads(Path(path).read_text())
+        out: dict[str, Any] = {}
+        for kind, name in _COST_TABLES.items():
+            out[name] = {(int(tm), int(tn)): tuple(float(x) for x in per)
+                         for tm, tn, per in raw["us_per_k_tile"][kind]}
+            if any(len(v) != 3 or min(v) <= 0 for v in out[name].values()):
+                raise ValueError(f"{kind}: every entry needs 3 positive times")
+        for key, name in _COST_CONSTANTS.items():
+            out[name] = float(raw["constants"][key])
+            if out[name] <= 0:
+                raise ValueError(f"constant {key} must be positive")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a {FAMILY} cost file: {type(exc).__name__}: {exc}"
+                         ) from None
+    return out
 
-# ping-pong tiles (tile_m x tile_n per consumer warpgroup) -> the same three regimes: the
-# same median over the H200 pingpong run for the 64-row tiles (14 (N, K) x M = 1024..8192,
-# the plan's class; docs/results/h200_hopper_fp8_pass4_pingpong.log) and over the pp128
-# run for the 128-row ones (M = 256..8192; docs/results/h200_hopper_fp8_pass5_pp128.csv),
-# hopper_fp8_fit.py --per-k-tile; not timed at M <= 64: 1.0 us ranks them behind every
-# measured tile there
-PINGPONG_US_PER_K_TILE = {
-    (64, 128): (1.0, 0.287, 0.273),
-    (64, 192): (1.0, 0.337, 0.344),
-    (64, 256): (1.0, 0.414, 0.421),
-    (128, 128): (1.0, 0.398, 0.421),
-    (128, 160): (1.0, 0.485, 0.531),
-    (128, 192): (1.0, 0.575, 0.634),
-}
 
-# Fitted on the same run (bench/gpu/hopper_fp8_fit.py): the constants that rank each
-# class's measured tactics best (geometric mean of first choice / best 1.035 over 588
-# (shape, M, class) points before the recorded winners below).
-HBM_BYTES_PER_US = 4.2e6  # unique bytes (A, B, C and 'cta' partials) per us, whole chip
-DRAIN_K_TILES = 0.5  # serial split: one range boundary (pipeline drain) in K-tile times
-CTA_FIXED_US = 4.0  # split_mode 'cta': partial stores, counter atomic, barriers, last sum
-CTA_REDUCE_US_PER_KB = 0.1  # last unit of a tile: reading the S partials (L2), per KB
-LAUNCH_US = 2.5  # fixed per launch (prologue, first loads, last store)
+def load_winners(path: str | Path) -> dict:
+    """(sm_count, N, K) -> {S: ((M, key, us), ...)} of a recorded-winners file (the format
+    of data/h200_winners.json), every key checked against the family (recordable_tactics).
+    ValueError names the file and what is wrong."""
+    try:
+        raw = json.loads(Path(path).read_text())
+        sms = int(raw["sm_count"])
+        out: dict = {}
+        for shape in raw["shapes"]:
+            per = {}
+            for s, rows in shape["classes"].items():
+                per[int(s)] = tuple((int(m), str(key), float(us)) for m, key, us in rows)
+                for _, key, _ in per[int(s)]:
+                    _from_key(key, int(s), "bfloat16", "e4m3")
+            out[(sms, int(shape["n"]), int(shape["k"]))] = per
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a {FAMILY} winners file: {type(exc).__name__}: {exc}"
+                         ) from None
+    return out
+
+
+def cost_model() -> dict[str, Any]:
+    """The loaded cost tables and constants (COST_FILE, read on the first call)."""
+    if "US_PER_K_TILE" not in _loaded:
+        _loaded.update(load_cost(COST_FILE))
+    return _loaded
+
+
+def recorded_winners() -> dict:
+    """RECORDED_WINNERS (WINNERS_FILE, read on the first call): the dict the plan ranks by,
+    the same object on every call (a caller may replace its contents)."""
+    if "RECORDED_WINNERS" not in _loaded:
+        _loaded["RECORDED_WINNERS"] = load_winners(WINNERS_FILE)
+    return _loaded["RECORDED_WINNERS"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RECORDED_WINNERS":
+        return recorded_winners()
+    if name in _COST_TABLES.values() or name in _COST_CONSTANTS.values():
+        return cost_model()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 CTA_PAST_ONE_WAVE_US = 1e9  # rank a 'cta' split that needs two waves or more last
 
 
@@ -636,8 +685,9 @@ def _regime(m: int) -> int:
 
 def _per_k_tile_us(tile_m: int, tile_n: int, m: int, swap_ab: bool = False,
                    wg_n: int = 1, pingpong: bool = False) -> float:
-    table = (SWAP_US_PER_K_TILE if swap_ab else WG_N_US_PER_K_TILE if wg_n == 2
-             else PINGPONG_US_PER_K_TILE if pingpong else US_PER_K_TILE)
+    c = cost_model()
+    table = c[("SWAP_US_PER_K_TILE" if swap_ab else "WG_N_US_PER_K_TILE" if wg_n == 2
+               else "PINGPONG_US_PER_K_TILE" if pingpong else "US_PER_K_TILE")]
     per = table.get((tile_m, tile_n))
     if per is None:  # a tile shape not measured: scale from operand bytes per K tile
         return 0.0032 * (tile_m + tile_n) * max(1.0, tile_m * tile_n / 16384)
@@ -655,7 +705,7 @@ def work_units(t: HopperFp8Tactic, m: int, n: int) -> int:
 
 def estimate_us(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int = H200_NUM_SMS) -> float:
     """Model time in microseconds: the larger of model_parts() plus the launch cost."""
-    return max(model_parts(t, m, n, k, num_sms)) + LAUNCH_US
+    return max(model_parts(t, m, n, k, num_sms)) + cost_model()["LAUNCH_US"]
 
 
 def model_parts(t: HopperFp8Tactic, m: int, n: int, k: int,
@@ -669,6 +719,7 @@ def model_parts(t: HopperFp8Tactic, m: int, n: int, k: int,
     units need more than one wave). Memory side: the unique bytes (A, B, C, partials)
     over the chip's bandwidth.
     """
+    c = cost_model()
     slots = (num_sms // t.cluster_size) * t.cluster_size
     units = work_units(t, m, n)
     waves = -(-units // slots)
@@ -679,13 +730,13 @@ def model_parts(t: HopperFp8Tactic, m: int, n: int, k: int,
         if waves > 1:  # 'cta' exists to fill one wave; past that 'serial' has the same
             return CTA_PAST_ONE_WAVE_US + waves, 0.0  # parallelism without the round trip
         rows = min(m, t.tile_m)
-        compute = (waves * -(-kt // t.splits) * per + CTA_FIXED_US
-                   + t.splits * rows * t.tile_n * 4 / 1024 * CTA_REDUCE_US_PER_KB)
+        compute = (waves * -(-kt // t.splits) * per + c["CTA_FIXED_US"]
+                   + t.splits * rows * t.tile_n * 4 / 1024 * c["CTA_REDUCE_US_PER_KB"])
         rows_moved = m if m <= t.tile_m else -(-m // t.tile_m) * t.tile_m
         partial_bytes = 2 * t.splits * rows_moved * n * 4
     else:
-        compute = waves * (kt + (t.splits - 1) * DRAIN_K_TILES) * per
-    memory = (n * k + m * k + 2 * m * n + partial_bytes) / HBM_BYTES_PER_US
+        compute = waves * (kt + (t.splits - 1) * c["DRAIN_K_TILES"]) * per
+    memory = (n * k + m * k + 2 * m * n + partial_bytes) / c["HBM_BYTES_PER_US"]
     return compute, memory
 
 
@@ -734,7 +785,8 @@ SWAP_TILES = tuple((tm, tn) for tn in SWAP_TILE_N_CHOICES for tm in SWAP_TILE_M_
 
 
 def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
-                 splits: int | None = None) -> list[HopperFp8Tactic]:
+                 splits: int | None = None, scales: str = "tensor",
+                 accum: str = "fast") -> list[HopperFp8Tactic]:
     """Every tactic the family plans, for one split count S or (None) for all of them.
 
     S = 1 (413): every feasible tile x cluster x raster x swizzle of the widths
@@ -750,7 +802,13 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
     Then a pdl twin (pdl=True) of each decode-band tactic (PDL_TWINS: swap_ab, wg_n = 2,
     the narrow widths): 41 in S = 1 and 24 per S > 1, so 454 in S = 1, 90 per S > 1,
     814 in all.
+
+    Other schemes (scheme_space): ``scales="token"`` lists the same tactics with that
+    scheme; ``accum="exact"`` the S = 1 tactics whose two accumulator copies fit, in the
+    scheme (none for splits > 1).
     """
+    if scales != "tensor" or accum != "fast":
+        return scheme_space(tactic_space(out_dtype, ab_dtype, splits), scales, accum)
     out: list[HopperFp8Tactic] = []
     for sp in SPLIT_CHOICES if splits is None else (splits,):
         if sp == 1:
@@ -800,6 +858,25 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
         out += _swap_tactics(sp, "cta", out_dtype, ab_dtype)
         out += _swap_tactics(sp, "serial", out_dtype, ab_dtype)
     return out + [dataclasses.replace(t, pdl=True) for t in out if pdl_twin(t)]
+
+
+def scheme_space(base: list[HopperFp8Tactic], scales: str, accum: str
+                 ) -> list[HopperFp8Tactic]:
+    """The tactics of ``base`` (per-tensor, fast) in scale scheme ``scales`` and
+    accumulation ``accum``: every one for fast; for exact the S = 1 ones whose promoted sum
+    fits beside the wgmma accumulator (tile_is_feasible with two copies). ValueError for
+    an unknown scheme or mode."""
+    if scales not in SCALE_SCHEMES:
+        raise ValueError(f"scales must be one of {SCALE_SCHEMES}, got {scales!r}")
+    if accum not in ACCUM_MODES:
+        raise ValueError(f"accum must be one of {ACCUM_MODES}, got {accum!r}")
+    out = []
+    for t in base:
+        if accum == "exact" and (t.splits != 1 or not tile_is_feasible(
+                t.tile_m, t.tile_n, t.out_dtype, 2, t.swap_ab, t.wg_n, t.pingpong)[0]):
+            continue
+        out.append(dataclasses.replace(t, scales=scales, accum=accum))
+    return out
 
 
 def pdl_twin(t: HopperFp8Tactic) -> bool:
@@ -874,21 +951,11 @@ def _from_key(key: str, splits: int, out_dtype: str, ab_dtype: str) -> HopperFp8
                            mode, swap, wg_n, pp, pdl).normalized()
 
 
-def _load_recorded() -> dict:
-    from . import h200_winners
-
-    return {(h200_winners.SM_COUNT, n, k): per for (n, k), per in h200_winners.WINNERS.items()}
-
-
-#: (sm_count, N, K) -> {S: ((M, key, us), ...)}: the best measured tactic per M and class
-#: on a device (h200_winners.py, from the H200 wide run). The plan ranks it first for
-#: that (N, K) on that device; every other (N, K) is ranked by the model alone.
-RECORDED_WINNERS: dict = _load_recorded()
-
-
 def _recorded_first(m: int, n: int, k: int, splits: int | None, num_sms: int, out_dtype: str,
                     ab_dtype: str) -> list[HopperFp8Tactic]:
-    per = RECORDED_WINNERS.get((num_sms, n, k))
+    # RECORDED_WINNERS: (sm_count, N, K) -> {S: ((M, key, us), ...)}, the best measured
+    # tactic per M and class on a device; ranked first for that (N, K) on that device
+    per = recorded_winners().get((num_sms, n, k))
     if not per:
         return []
     found = []
@@ -909,21 +976,28 @@ def enumerate_tactics(
     ab_dtype: str = "e4m3",
     num_sms: int = H200_NUM_SMS,
     splits: int | None = None,
+    scales: str = "tensor",
+    accum: str = "fast",
 ) -> list[HopperFp8Tactic]:
     """The tactics of tactic_space(splits) for (m, n, k), best-first: the recorded winner
     of each class for this device and (N, K), if any (RECORDED_WINNERS), then the cost
     model's order (estimate_us, then the tie-breaks of _cost).
 
-    The order is deterministic (total order on the cost tuple). With ``splits`` given,
+    ``scales`` / ``accum`` pick the scheme (tactic_space). The order is deterministic
+    (total order on the cost tuple). With ``splits`` given,
     every tactic is of one reduction-order class, so any subset is batch-invariant as a
     set; with splits=None the list mixes classes (not batch-invariant across M).
     """
     _check_problem(m, n, k, out_dtype, ab_dtype)
     if splits is not None and splits not in SPLIT_CHOICES:
         raise ValueError(f"splits must be one of {SPLIT_CHOICES}, got {splits!r}")
-    out = tactic_space(out_dtype, ab_dtype, splits)
+    out = tactic_space(out_dtype, ab_dtype, splits, scales, accum)
     out.sort(key=lambda t: (_cost(t, m, n, k, num_sms), t.name))
-    first = _recorded_first(m, n, k, splits, num_sms, out_dtype, ab_dtype)
+    # recorded winners were timed per-tensor and fast; the token scheme changes only the
+    # epilogue, so they rank first there too; exact tactics are ranked by the model alone
+    first = [] if accum != "fast" else [
+        dataclasses.replace(t, scales=scales)
+        for t in _recorded_first(m, n, k, splits, num_sms, out_dtype, ab_dtype)]
     if first:
         names = {t.name for t in first}
         out = first + [t for t in out if t.name not in names]

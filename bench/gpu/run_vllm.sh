@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# vLLM 0.33.0 on the H200 with the daemon's batch-invariant FP8 GEMMs (issue 26): a small
+# random-weight FP8 Llama (bench/gpu/vllm_fp8.py) served by vllm.LLM in three modes, a
+# serve-only daemon holding a store built here.
+#
+# What travels does not fit one call (64 MiB with the checkout), so three calls on one warm
+# machine (each within 30 s of the last; /tmp survives between them):
+#   here:  bench/gpu/run_vllm.sh build        -> .dev/vllm-h200/{A,B,C} (git-ignored)
+#   there: bash .dev/vllm-h200/A/run_vllm.sh A (carry [".dev/vllm-h200/A"]): vLLM's
+#          _C_stable_libtorch.abi3.so, first half (xz), and the DSL runtime (xz)
+#          bash .dev/vllm-h200/B/run_vllm.sh B (carry [".dev/vllm-h200/B"]): second half,
+#          cp312 wheels (vLLM's missing pure deps, TVM-FFI, the daemon's deps)
+#          bash .dev/vllm-h200/C/run_vllm.sh gpu (carry [".dev/vllm-h200/C"]): vLLM's
+#          Python sources, the store, this code; runs everything, prints the tables last.
+# Each folder holds a copy of this script.
+set -euo pipefail
+SHAPES=(6144,4096 4096,4096 28672,4096 4096,14336)  # Llama-3.1-8B's qkv, o, gate_up, down
+MAX_M=8192
+mode=${1:-build}
+
+if [[ $mode == build ]]; then
+  cd "$(dirname "$0")/../.."
+  main=$(git rev-parse --path-format=absolute --git-common-dir)/..
+  D=${BUNDLE:-$main/.dev/vllm-h200}
+  PY=${PYTHON:-.venv/bin/python}
+  SITE=${VLLM_SITE:-$main/.venv-vllm/lib/python3.11/site-packages}
+  exclude=$(git rev-parse --path-format=absolute --git-common-dir)/info/exclude
+  grep -qx '/.dev/' "$exclude" 2>/dev/null || echo '/.dev/' >> "$exclude"  # never committed
+  rm -rf "$D" && mkdir -p "$D/A" "$D/B/wheels" "$D/C/src/client"
+  # the store: every kernel the client's plans pick for the four shapes, M up to MAX_M
+  CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/gemm_plan_bundle.py "$D/C/store" "$MAX_M" \
+    "${SHAPES[@]}" | tee "$D/C/build.log"
+  rm -rf "$D/C/store/tmp" "$D/C/store/index.sqlite-wal" "$D/C/store/index.sqlite-shm"
+  # vLLM's compiled ops (stripped: 79 MB, 60 MiB as xz) in two halves, the DSL runtime
+  tmp=$(mktemp -d)
+  strip --strip-unneeded -o "$tmp/c.so" "$SITE/vllm/_C_stable_libtorch.abi3.so"
+  xz -T2 -6 -c "$tmp/c.so" > "$tmp/c.so.xz" && rm "$tmp/c.so"
+  split -b 33M "$tmp/c.so.xz" "$tmp/c.so.xz." && rm "$tmp/c.so.xz"
+  mv "$tmp/c.so.xz.aa" "$D/A/" && mv "$tmp/c.so.xz.ab" "$D/B/" && rmdir "$tmp"
+  xz -T2 -6 -c "$("$PY" -c 'from cached.toolchain import runtime_library_path as p; print(p())')" \
+    > "$D/A/dslrt.xz"
+  # vLLM's Python sources: no .so (flash-attn's: vllm_site_patch.py), no vendored
+  # third_party packages, no Rust
+  tar -C "$SITE" --exclude='__pycache__' --exclude='*.so' --exclude='vllm/third_party/*/' \
+    --exclude='vllm/vllm-rs' -cf - vllm vllm-0.33.0.dist-info | xz -T2 -6 > "$D/C/vllm.txz"
+  # cp312 wheels: what vLLM imports that the H200's image lacks, TVM-FFI, the daemon's deps
+  for spec in pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 \
+      typing_inspection==0.4.5 pyzmq==27.3.0 msgspec==0.23.0 cbor2==6.3.0 pybase64==1.5.1 \
+      cachetools==8.0.2 fastapi==0.136.3 starlette==1.10.0 sniffio==1.3.1 openai==3.57.0 \
+      oss_harmony==0.0.11 partial-json-parser==0.2.1.1.post7 xgrammar==0.2.8 jiter==0.19.0 \
+      httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 compressed-tensors==0.17.0 \
+      loguru==0.7.3 depyf==0.20.0 astor==0.8.1 dill==0.4.1 llguidance==1.7.6 \
+      "apache-tvm-ffi==$("$PY" -c "import importlib.metadata as m; print(m.version('apache-tvm-ffi'))")"; do
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      --platform manylinux1_x86_64 --platform manylinux_2_31_x86_64 -d "$D/B/wheels" "$spec"
+  done
+  for pkg in sqlite-utils click click-default-group python-dateutil tzdata pluggy tabulate \
+             sqlite-fts4; do
+    ver=$("$PY" -c "import importlib.metadata as m; print(m.version('$pkg'))")
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d "$D/B/wheels" "$pkg==$ver"
+  done
+  cp -r cached "$D/C/src/" && cp -r client/cached_client "$D/C/src/client/"
+  cp bench/gpu/vllm_fp8.py bench/gpu/vllm_site_patch.py "$D/C/"
+  for part in A B C; do cp bench/gpu/run_vllm.sh "$D/$part/"; done
+  find "$D/C/src" -name __pycache__ -prune -exec rm -rf {} +
+  du -sh "$D"/*
+  exit 0
+fi
+
+X=/tmp/vx  # what the three calls leave on the machine
+if [[ $mode == A ]]; then
+  D=$(cd "$(dirname "$0")/.." && pwd)
+  mkdir -p $X && cp "$D/A/c.so.xz.aa" $X/
+  xz -d -c "$D/A/dslrt.xz" > $X/libcute_dsl_runtime.so
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv || true
+  ls -la $X
+  exit 0
+fi
+if [[ $mode == B ]]; then
+  D=$(cd "$(dirname "$0")/.." && pwd)
+  [[ -f $X/c.so.xz.aa ]] || { echo "no $X/c.so.xz.aa: the machine was not kept warm"; exit 3; }
+  cat $X/c.so.xz.aa "$D/B/c.so.xz.ab" | xz -d > $X/_C_stable_libtorch.abi3.so
+  rm $X/c.so.xz.aa
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$D/B/wheels"/*.whl
+  ls -la $X && du -sh /tmp/site
+  exit 0
+fi
+
+if [[ $mode == gpu ]]; then
+  C=$(cd "$(dirname "$0")" && pwd)
+  OUT=${OUT:-/tmp/vllm_out}
+  L=/tmp/vllm_logs && rm -rf $L && mkdir -p "$OUT" $L
+  [[ -f $X/_C_stable_libtorch.abi3.so && -d /tmp/site/pydantic ]] \
+    || { echo "calls A and B did not leave their files: the machine was not kept warm"; exit 3; }
+  if [[ -d $C/wheels ]]; then  # wheels changed since call B (a machine kept warm)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site "$C/wheels"/*.whl
+  fi
+  tar -C /tmp/site -xJf "$C/vllm.txz" && python3 "$C/vllm_site_patch.py" /tmp/site
+  cp $X/_C_stable_libtorch.abi3.so /tmp/site/vllm/
+  # the client's vLLM plugin entry point, as its wheel would install it
+  mkdir -p /tmp/site/cached_client-0.1.0.dist-info
+  printf 'Metadata-Version: 2.1\nName: cached-client\nVersion: 0.1.0\n' \
+    > /tmp/site/cached_client-0.1.0.dist-info/METADATA
+  printf '[vllm.general_plugins]\ncached = cached_client.vllm_plugin:register\n' \
+    > /tmp/site/cached_client-0.1.0.dist-info/entry_points.txt
+  export PYTHONPATH=/tmp/site:$C/src/client:$C/src PYTHONUNBUFFERED=1
+  export CACHED_DSL_RUNTIME=$X/libcute_dsl_runtime.so
+  # the daemon refuses a socket in a world-writable directory without the sticky bit (/tmp
+  # there is 0777): a private one
+  S=/tmp/cachedd/cached.sock && mkdir -p -m 700 /tmp/cachedd
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw \
+    --format=csv | tee $L/nvidia-smi.txt || true
+  rm -rf /tmp/store && cp -r "$C/store" /tmp/store
+  cd /tmp  # `python3 -m` puts the working directory first on sys.path
+  python3 -m cached serve --serve-only --store /tmp/store --socket $S --no-http \
+    > $L/daemon.log 2>&1 &
+  for _ in $(seq 100); do
+    python3 -c "from cached_client import Client; Client('$S', timeout=2,
+      fallback=False).hello()" 2>/dev/null && break
+    sleep 0.2
+  done
+  export CACHED_SOCKET=$S
+  set +e
+  [[ -n ${PREFLIGHT:-} ]] && python3 "$C/vllm_fp8.py" preflight 2>&1 | grep -v "^W[0-9]" \
+    | tee $L/preflight.log | tail -3
+  python3 "$C/vllm_fp8.py" ckpt /tmp/ck --layers "${LAYERS:-4}" 2>&1 | tee $L/ckpt.log
+  python3 -c "import importlib.util as u; print('cutlass (CuTe DSL compiler) importable:',
+    u.find_spec('cutlass') is not None)" | tee $L/dsl.txt
+  # the modes' processes start together: imports overlap; loads, then measurements, take
+  # turns (vllm_fp8.py --turns), so each mode measures with the GPU to itself
+  T=/tmp/turns && rm -rf $T && mkdir -p $T
+  ORDER=${ORDER:-c,b,a}
+  for m in ${ORDER//,/ }; do
+    TRITON_CACHE_DIR=/tmp/triton_$m timeout "${MODE_TIMEOUT:-300}" python3 "$C/vllm_fp8.py" \
+      engine /tmp/ck --mode "$m" --out $OUT/engine_$m.json --turns $T --order $ORDER \
+      > $OUT/engine_$m.log 2>&1 &  # under $OUT: back even if the call's limit stops it
+  done
+  wait
+  for m in ${ORDER//,/ }; do
+    echo "mode $m triton files: $(find /tmp/triton_$m -type f 2>/dev/null | wc -l)" \
+      | tee -a $L/modes.txt
+    if grep -q '"stage": "done"' $OUT/engine_$m.json 2>/dev/null; then
+      grep -E "^(kernels|invariance|perf)" $OUT/engine_$m.log | tail -12
+    else
+      grep -v "^W[0-9]\|^\[rank0\]" $OUT/engine_$m.log | tail -25
+    fi
+  done
+  if ! grep -q '"stage": "done"' $OUT/engine_c.json 2>/dev/null && [[ -z ${NO_LAYERS:-} ]]; then
+    timeout 90 python3 "$C/vllm_fp8.py" layers /tmp/ck --out $L/layers.json > $L/layers.log 2>&1
+    tail -20 $L/layers.log
+  fi
+  python3 -m cached stats --socket $S --json > $L/stats.json 2>&1
+  python3 -c "import json; s=json.load(open('$L/stats.json')); print({k: s.get(k) for k in
+    ('serve_only', 'entries', 'hits', 'misses', 'compiles')})" 2>&1 | tee $L/stats.txt
+  tar -C /tmp -czf "$OUT/logs.tgz" vllm_logs
+  python3 "$C/vllm_fp8.py" summarize $OUT/engine_a.json $OUT/engine_b.json $OUT/engine_c.json \
+    | tee "$OUT/summary.md"
+  exit 0
+fi
+echo "usage: $0 build | A | B | gpu" >&2
+exit 2

@@ -1,0 +1,605 @@
+"""vLLM 0.33.0 serving a small random-weight FP8 Llama on the H200, with and without the
+daemon's batch-invariant GEMMs (issue 26). Run there by bench/gpu/run_vllm.sh.
+
+Subcommands:
+
+* ``ckpt DIR``: Llama-3.1-8B's architecture with ``--layers`` layers and a ``--vocab``-word
+  vocabulary, random weights (seeded), saved as an FP8 checkpoint vLLM loads
+  (``quant_method: fp8``, per-tensor weight scales, static per-tensor activation scales),
+  with a word-level tokenizer built by ``tokenizers`` covering every id.
+* ``engine DIR --mode a|b|c``: ``vllm.LLM`` offline generate (in-process engine core), mode
+  ``a`` vLLM's default FP8 path, ``b`` ``VLLM_BATCH_INVARIANT=1`` with vLLM's own FP8
+  choice, ``c`` ``VLLM_BATCH_INVARIANT=1`` with ``--linear-backend cached``. Records: model
+  load time; the FP8 kernel class of every linear layer; the real layers (after vLLM's
+  weight loader and ``process_weights_after_loading``) against float64; greedy outputs of 8
+  prompts alone and inside batches of 8/64/256 mixed-length prompts (token ids and logprobs,
+  compared bitwise); prompt logprobs of 16 prompts (for the cross-mode comparison); output
+  tokens/s and time per decode step at batch 1/8/64/256. Writes ``--out`` JSON.
+* ``layers``: level 3 alone (when the engine does not run): vLLM's Fp8LinearMethod layers
+  built, loaded through their weight loaders, processed and applied inside a CUDA graph.
+* ``summarize A.json B.json C.json``: the tables (markdown), last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
+BATCHES = (8, 64, 256)
+PERF_BATCHES = (1, 8, 64, 256)
+GEN_TOKENS = 24
+PERF_PROMPT, PERF_TOKENS = 128, 64
+TARGET_LENS = (5, 17, 33, 64, 100, 128, 200, 257)
+MAX_BATCHED = 8192
+
+
+# -- the checkpoint -------------------------------------------------------------------------
+
+
+def llama_config(layers: int, vocab: int) -> dict:
+    """Llama-3.1-8B's config.json with ``layers`` layers, ``vocab`` words and vLLM's FP8
+    format with static activation scales."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": HIDDEN, "intermediate_size": INTER, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "num_hidden_layers": layers,
+        "vocab_size": vocab, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16",
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+        "quantization_config": {"quant_method": "fp8", "activation_scheme": "static"},
+    }
+
+
+def write_tokenizer(d: Path, vocab: int) -> None:
+    """A word-level tokenizer whose words are every id of the model's vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "pad_token": "<unk>", "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False}))
+
+
+def write_checkpoint(d: Path, layers: int, vocab: int, seed: int) -> dict:
+    """Random weights (Gaussian, std 1/sqrt(K)), each linear's weight quantized to e4m3 with
+    its own per-tensor scale (so vLLM requantizes fused shards to their max), and a static
+    activation scale per linear."""
+    import torch
+    from safetensors.torch import save_file
+
+    d.mkdir(parents=True, exist_ok=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    t: dict[str, torch.Tensor] = {}
+
+    def rand(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=dev) * std
+
+    def fp8_linear(name: str, n: int, k: int, act_scale: float) -> None:
+        w = rand(n, k, std=k ** -0.5)
+        scale = w.abs().max() / 448.0
+        t[f"{name}.weight"] = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn).cpu()
+        t[f"{name}.weight_scale"] = scale.float().reshape(()).cpu()
+        t[f"{name}.input_scale"] = torch.tensor(act_scale, dtype=torch.float32)
+
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        for proj, n in (("q_proj", HEADS * HEAD_DIM), ("k_proj", KV_HEADS * HEAD_DIM),
+                        ("v_proj", KV_HEADS * HEAD_DIM)):
+            fp8_linear(f"{p}.self_attn.{proj}", n, HIDDEN, 0.012)
+        fp8_linear(f"{p}.self_attn.o_proj", HIDDEN, HEADS * HEAD_DIM, 0.006)
+        fp8_linear(f"{p}.mlp.gate_proj", INTER, HIDDEN, 0.012)
+        fp8_linear(f"{p}.mlp.up_proj", INTER, HIDDEN, 0.012)
+        fp8_linear(f"{p}.mlp.down_proj", HIDDEN, INTER, 0.004)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            t[f"{p}.{norm}.weight"] = (1 + rand(HIDDEN, std=0.05)).bfloat16().cpu()
+    t["model.embed_tokens.weight"] = rand(vocab, HIDDEN, std=1.0).bfloat16().cpu()
+    t["model.norm.weight"] = (1 + rand(HIDDEN, std=0.05)).bfloat16().cpu()
+    t["lm_head.weight"] = rand(vocab, HIDDEN, std=HIDDEN ** -0.5).bfloat16().cpu()
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    cfg = llama_config(layers, vocab)
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 1,
+                                                          "eos_token_id": 2}))
+    write_tokenizer(d, vocab)
+    return {"tensors": len(t), "bytes": sum(x.numel() * x.element_size() for x in t.values())}
+
+
+# -- prompts --------------------------------------------------------------------------------
+
+
+def prompts_for(seed: int, vocab: int, lens) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
+
+
+def fillers(seed: int, vocab: int, count: int) -> tuple[list[list[int]], list[int]]:
+    """``count`` prompts of mixed lengths (4..300 tokens) and mixed output lengths."""
+    rng = random.Random(seed)
+    lens = [rng.randrange(4, 300) for _ in range(count)]
+    return prompts_for(seed + 1, vocab, lens), [rng.randrange(1, 2 * GEN_TOKENS)
+                                                for _ in range(count)]
+
+
+# -- the engine -----------------------------------------------------------------------------
+
+
+def _kernels(model) -> dict:
+    """Per linear layer class: the FP8 kernel vLLM chose (counted), and the plan lines."""
+    out: dict = {}
+    for _name, mod in model.named_modules():
+        qm = getattr(mod, "quant_method", None)
+        kern = getattr(qm, "fp8_linear", None)
+        if kern is None:
+            continue
+        key = f"{type(mod).__name__}:{type(kern).__name__}"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _layer_check(model) -> dict:
+    """Layer 0's linears, as vLLM loaded and processed them, against float64 on fresh
+    Gaussian inputs (M ragged), eager and inside a CUDA graph (bitwise), and the rows of
+    M = 1..256 against M = 512 (bitwise)."""
+    import torch
+
+    layer = model.model.layers[0]
+    mods = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+            "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
+    res = {}
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for name, mod in mods.items():
+        w, ws, xs = mod.weight, mod.weight_scale, mod.input_scale
+        k = w.shape[0]
+        r = {"weight_shape_kn": list(w.shape), "weight_stride": list(w.stride()),
+             "weight_scale_numel": ws.numel(), "kernel": type(mod.quant_method.fp8_linear).__name__}
+        errs = {}
+        x_all = torch.randn(512, k, generator=g, device="cuda", dtype=torch.bfloat16) * 0.5
+        with torch.no_grad():
+            full = mod(x_all)
+            full = full[0] if isinstance(full, tuple) else full
+            for m in (1, 7, 77, 512):
+                x = x_all[:m]
+                y = mod(x)
+                y = y[0] if isinstance(y, tuple) else y
+                xq = (x.float() / xs.float()).clamp(-448, 448).to(torch.float8_e4m3fn)
+                ref = (xq.double() * xs.double()) @ (w.double() * ws.double().reshape(-1)[0])
+                errs[m] = float((y.double() - ref).norm() / ref.norm())
+            r["rel_err_vs_f64"] = errs
+            rows = {}
+            for m in (1, 2, 3, 8, 16, 64, 100, 256):
+                y = mod(x_all[:m])
+                y = y[0] if isinstance(y, tuple) else y
+                rows[m] = int((y != full[:m]).any(dim=1).sum())
+            r["rows_differing_vs_m512"] = rows
+            x = x_all[:64].clone()
+            eager = mod(x)
+            eager = eager[0] if isinstance(eager, tuple) else eager
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                mod(x)
+            torch.cuda.current_stream().wait_stream(s)
+            gph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gph):
+                out = mod(x)
+            out = out[0] if isinstance(out, tuple) else out
+            gph.replay()
+            torch.cuda.synchronize()
+            r["graph_vs_eager_rows_differing"] = int((out != eager).any(dim=1).sum())
+        res[name] = r
+    return res
+
+
+def _outputs(outs) -> list[dict]:
+    rec = []
+    for o in outs:
+        c = o.outputs[0]
+        lps = [float(d[t].logprob) for d, t in zip(c.logprobs, c.token_ids, strict=True)]
+        rec.append({"tokens": list(c.token_ids), "logprobs": lps})
+    return rec
+
+
+def _wait(path: Path | None, deadline_s: float = 400.0) -> None:
+    """Wait until ``path`` exists (another mode's process wrote it), at most deadline_s."""
+    t = time.monotonic()
+    while path is not None and not path.exists() and time.monotonic() - t < deadline_s:
+        time.sleep(0.2)
+
+
+def _turns(args: argparse.Namespace) -> tuple[Path | None, Path | None, Path | None, Path | None]:
+    """The files that order the modes' processes, started together: imports overlap, model
+    loads run one after the other, then each mode measures alone once every mode has
+    loaded (all stay resident, idle while another measures)."""
+    if not args.turns:
+        return None, None, None, None
+    d, order = Path(args.turns), args.order.split(",")
+    i = order.index(args.mode)
+    prev = order[i - 1] if i else None
+    return (d / f"loaded_{prev}" if prev else None, d / f"loaded_{args.mode}",
+            d / f"measured_{prev}" if prev else d / f"loaded_{order[-1]}",
+            d / f"measured_{args.mode}")
+
+
+def engine(args: argparse.Namespace) -> None:
+    wait_load, loaded, wait_measure, measured = _turns(args)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # FlashInfer is not on the H200: the V2 runner's sampler would import vLLM's FlashInfer
+    # backend to ask whether FlashInfer's top-k/top-p sampler applies (greedy here)
+    os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    os.environ["VLLM_BATCH_INVARIANT"] = "0" if args.mode == "a" else "1"
+    res: dict = {"mode": args.mode, "stage": "import", "errors": []}
+
+    def save() -> None:
+        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+
+    t0 = time.perf_counter()
+    try:
+        import torch
+        from vllm import LLM, SamplingParams
+
+        res["import_s"] = time.perf_counter() - t0
+        res["stage"] = "load"
+        save()
+        cfg = json.loads((Path(args.ckpt) / "config.json").read_text())
+        vocab = cfg["vocab_size"]
+        kw = dict(model=args.ckpt, dtype="bfloat16", max_model_len=1024, max_num_seqs=256,
+                  max_num_batched_tokens=MAX_BATCHED, gpu_memory_utilization=0.25, seed=0,
+                  enable_prefix_caching=False, attention_backend="TRITON_ATTN",
+                  compilation_config={"mode": args.compile_mode,
+                                      "cudagraph_mode": "FULL_DECODE_ONLY",
+                                      "cudagraph_capture_sizes": list(PERF_BATCHES)})
+        if args.mode == "c":
+            kw["linear_backend"] = "cached"
+        _wait(wait_load)
+        t1 = time.perf_counter()
+        try:
+            llm = LLM(**kw)
+        finally:
+            if loaded is not None:
+                loaded.touch()
+        res["load_s"] = time.perf_counter() - t1
+        res["kernels"] = llm.apply_model(_kernels)[0]
+        print("kernels", res["kernels"], flush=True)
+        _wait(wait_measure)
+        res["measure_start"] = time.time()
+        res["stage"] = "layers"
+        save()
+        try:
+            res["layer_check"] = llm.apply_model(_layer_check)[0]
+        except Exception as exc:  # noqa: BLE001 -- recorded, the engine part goes on
+            res["errors"].append(f"layer_check: {type(exc).__name__}: {exc}"[:2000])
+            traceback.print_exc()
+        res["stage"] = "invariance"
+        save()
+        greedy = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, logprobs=1,
+                                ignore_eos=True, detokenize=False)
+        targets = prompts_for(11, vocab, TARGET_LENS)
+        tp = [{"prompt_token_ids": p} for p in targets]
+        alone = [_outputs(llm.generate([p], greedy, use_tqdm=False))[0] for p in tp]
+        res["alone"] = alone
+        inv = {}
+        for b in BATCHES:
+            fill, ntoks = fillers(100 + b, vocab, b - len(targets))
+            batch = [({"prompt_token_ids": p}, SamplingParams(
+                temperature=0.0, max_tokens=n, logprobs=1, ignore_eos=True, detokenize=False))
+                for p, n in zip(fill, ntoks, strict=True)]
+            rng = random.Random(b)
+            slots = sorted(rng.sample(range(b), len(targets)))
+            for j, s in enumerate(slots):
+                batch.insert(s, (tp[j], greedy))
+            outs = _outputs(llm.generate([x[0] for x in batch], [x[1] for x in batch],
+                                         use_tqdm=False))
+            got = [outs[s] for s in slots]
+            inv[b] = {"tokens_changed": sum(g["tokens"] != a["tokens"]
+                                            for g, a in zip(got, alone, strict=True)),
+                      "logprobs_changed": sum(g["logprobs"] != a["logprobs"]
+                                              for g, a in zip(got, alone, strict=True)),
+                      "max_abs_logprob_diff": max(
+                          max(abs(x - y) for x, y in zip(g["logprobs"], a["logprobs"],
+                                                         strict=True))
+                          for g, a in zip(got, alone, strict=True))}
+            print("invariance", b, inv[b], flush=True)
+        res["invariance"] = inv
+        res["stage"] = "prompt_logprobs"
+        save()
+        plp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1,
+                             detokenize=False)
+        lp_prompts = prompts_for(21, vocab, [64] * 16)
+        outs = llm.generate([{"prompt_token_ids": p} for p in lp_prompts], plp, use_tqdm=False)
+        res["prompt_logprobs"] = [
+            [None if d is None else {"tok": p[i], "lp": float(d[p[i]].logprob),
+                                     "top": min(d, key=lambda t: d[t].rank)}
+             for i, d in enumerate(o.prompt_logprobs)]
+            for o, p in zip(outs, lp_prompts, strict=True)]
+        res["stage"] = "throughput"
+        save()
+        perf = {}
+        for b in PERF_BATCHES:
+            ps = [{"prompt_token_ids": p}
+                  for p in prompts_for(1000 + b, vocab, [PERF_PROMPT] * b)]
+            row = {}
+            for n in (1, PERF_TOKENS + 1):
+                sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                                    detokenize=False)
+                llm.generate(ps, sp, use_tqdm=False)  # warm-up: same shapes
+                times = []
+                for _ in range(2):
+                    torch.cuda.synchronize()
+                    ts = time.perf_counter()
+                    llm.generate(ps, sp, use_tqdm=False)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - ts)
+                row[n] = min(times)
+            step = (row[PERF_TOKENS + 1] - row[1]) / PERF_TOKENS
+            perf[b] = {"t_prefill_s": row[1], "t_total_s": row[PERF_TOKENS + 1],
+                       "decode_step_ms": step * 1e3,
+                       "out_tok_s": b * (PERF_TOKENS + 1) / row[PERF_TOKENS + 1],
+                       "decode_tok_s": b / step}
+            print("perf", b, perf[b], flush=True)
+        res["perf"] = perf
+        res["stage"] = "done"
+    except Exception as exc:  # noqa: BLE001 -- recorded: how far vLLM ran is the result
+        res["errors"].append(f"{res['stage']}: {type(exc).__name__}: {exc}"[:4000])
+        res["traceback"] = traceback.format_exc()[-6000:]
+        traceback.print_exc()
+    res["wall_s"] = time.perf_counter() - t0
+    save()
+    for f in (loaded, measured):  # never leave the next mode waiting
+        if f is not None:
+            f.touch()
+
+
+# -- what vLLM's serving path imports ---------------------------------------------------------
+
+PREFLIGHT = (
+    "vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor",
+    "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner",
+    "vllm.v1.worker.gpu.model_runner", "vllm.v1.structured_output",
+    "vllm.model_executor.model_loader.default_loader", "vllm.model_executor.models.llama",
+    "vllm.model_executor.layers.quantization.fp8", "vllm.v1.attention.backends.triton_attn",
+    "vllm.compilation.backends", "vllm.compilation.cuda_graph", "vllm.v1.sample.sampler",
+    "vllm.model_executor.determinism.batch_invariant", "vllm.model_executor.kernels.linear")
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """Import each module of vLLM's offline serving path, record the failures, and list the
+    top-level names asked for that nothing here provides (optional ones included)."""
+    import importlib
+    import importlib.util
+
+    asked: set[str] = set()
+
+    class Record:
+        def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201
+            asked.add(name.split(".")[0])
+
+    sys.meta_path.insert(0, Record())
+    fails = {}
+    for m in PREFLIGHT:
+        try:
+            importlib.import_module(m)
+        except Exception as exc:  # noqa: BLE001 -- recorded
+            fails[m] = f"{type(exc).__name__}: {exc}"[:300]
+    missing = []
+    for n in sorted(asked - set(sys.stdlib_module_names)):
+        try:
+            if n and importlib.util.find_spec(n) is None:
+                missing.append(n)
+        except (ImportError, ValueError):
+            missing.append(n)
+    import torch
+
+    out = {"fails": fails, "missing_top_level": missing, "torch": torch.__version__,
+           "vllm_C": "vllm._C_stable_libtorch" in sys.modules,
+           "cutlass_scaled_mm": hasattr(torch.ops._C, "cutlass_scaled_mm")}
+    print("PREFLIGHT " + json.dumps(out), flush=True)
+
+
+# -- level 3 alone --------------------------------------------------------------------------
+
+
+def layers(args: argparse.Namespace) -> None:
+    """vLLM's own FP8 linear layers (Fp8LinearMethod through QKV/Merged/RowParallelLinear),
+    built under a VllmConfig with ``--linear-backend`` cached and cutlass, loaded through
+    their weight loaders, processed, applied eagerly and in a CUDA graph, against float64."""
+    os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    res: dict = {"errors": []}
+    try:
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import (
+            init_distributed_environment,
+            initialize_model_parallel,
+        )
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.model_executor.layers.linear import (
+            MergedColumnParallelLinear,
+            QKVParallelLinear,
+            RowParallelLinear,
+        )
+        from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+        from vllm.plugins import load_general_plugins
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        load_general_plugins()
+        first = EngineArgs(model=args.ckpt, dtype="bfloat16", enforce_eager=True,
+                           attention_backend="TRITON_ATTN",
+                           max_model_len=1024).create_engine_config()
+        with set_current_vllm_config(first):
+            init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                         distributed_init_method="tcp://127.0.0.1:29533",
+                                         backend="nccl")
+            initialize_model_parallel(1, 1)
+        g = torch.Generator(device="cuda").manual_seed(3)
+        for backend in ("cached", "cutlass"):
+            qc = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="static")
+            vc = EngineArgs(model=args.ckpt, dtype="bfloat16", linear_backend=backend,
+                            attention_backend="TRITON_ATTN", enforce_eager=True,
+                            max_model_len=1024).create_engine_config()
+            with (set_current_vllm_config(vc), set_default_torch_dtype(torch.bfloat16),
+                  torch.device("cuda")):
+                mods = {
+                    "qkv_proj": QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS,
+                                                  bias=False, quant_config=qc,
+                                                  prefix="l.qkv_proj"),
+                    "o_proj": RowParallelLinear(HIDDEN, HIDDEN, bias=False, quant_config=qc,
+                                                prefix="l.o_proj"),
+                    "gate_up_proj": MergedColumnParallelLinear(HIDDEN, [INTER] * 2,
+                                                               bias=False, quant_config=qc,
+                                                               prefix="l.gate_up_proj"),
+                    "down_proj": RowParallelLinear(INTER, HIDDEN, bias=False,
+                                                   quant_config=qc, prefix="l.down_proj"),
+                }
+                shards = {"qkv_proj": [("q", HIDDEN), ("k", 1024), ("v", 1024)],
+                          "gate_up_proj": [(0, INTER), (1, INTER)]}
+                for name, mod in mods.items():
+                    k = mod.input_size
+                    for sid, n in shards.get(name, [(None, mod.output_size)]):
+                        w = torch.randn(n, k, generator=g, device="cuda") * k ** -0.5
+                        sc = w.abs().max() / 448
+                        wq = (w / sc).to(torch.float8_e4m3fn)
+                        extra = () if sid is None else (sid,)
+                        mod.weight.weight_loader(mod.weight, wq, *extra)
+                        mod.weight_scale.weight_loader(mod.weight_scale, sc.reshape(()),
+                                                       *extra)
+                        mod.input_scale.weight_loader(mod.input_scale,
+                                                      torch.tensor(0.01, device="cuda"),
+                                                      *extra)
+                    mod.quant_method.process_weights_after_loading(mod)
+                ns = SimpleNamespace
+                model = ns(model=ns(layers=[ns(
+                    self_attn=ns(qkv_proj=mods["qkv_proj"], o_proj=mods["o_proj"]),
+                    mlp=ns(gate_up_proj=mods["gate_up_proj"], down_proj=mods["down_proj"]))]))
+                res[backend] = _layer_check(model)
+                print(backend, json.dumps(res[backend])[:1500], flush=True)
+    except Exception as exc:  # noqa: BLE001 -- recorded
+        res["errors"].append(f"{type(exc).__name__}: {exc}"[:4000])
+        res["traceback"] = traceback.format_exc()[-6000:]
+        traceback.print_exc()
+    Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+
+
+# -- summary --------------------------------------------------------------------------------
+
+
+def _load(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def summarize(args: argparse.Namespace) -> None:
+    runs = {m: _load(p) for m, p in zip("abc", args.files, strict=False)}
+    names = {"a": "(a) vLLM default FP8", "b": "(b) vLLM batch-invariant",
+             "c": "(c) BI + cached kernels"}
+    print("\n| mode | reached | load s | FP8 kernels | errors |")
+    print("|---|---|---|---|---|")
+    for m, r in runs.items():
+        err = "; ".join(r.get("errors", []))[:300].replace("|", "/").replace("\n", " ")
+        print(f"| {names[m]} | {r.get('stage', '-')} | {r.get('load_s', float('nan')):.1f} | "
+              f"{r.get('kernels', '-')} | {err or '-'} |")
+    print("\n| mode | batch | prompts with changed tokens | with changed logprobs | "
+          "max abs logprob diff |")
+    print("|---|---|---|---|---|")
+    for m, r in runs.items():
+        for b, v in r.get("invariance", {}).items():
+            print(f"| {names[m]} | {b} | {v['tokens_changed']}/8 | {v['logprobs_changed']}/8 | "
+                  f"{v['max_abs_logprob_diff']:.3g} |")
+    print("\n| batch | " + " | ".join(f"{names[m]} tok/s (step ms)" for m in runs)
+          + " | a step / c step | b step / c step |")
+    print("|---|" + "---|" * (len(runs) + 2))
+    for b in map(str, PERF_BATCHES):
+        cells, steps = [], {}
+        for m, r in runs.items():
+            p = r.get("perf", {}).get(b)
+            if p:
+                steps[m] = p["decode_step_ms"]
+                cells.append(f"{p['out_tok_s']:.0f} ({p['decode_step_ms']:.2f})")
+            else:
+                cells.append("-")
+        ca = f"{steps['a'] / steps['c']:.2f}" if "a" in steps and "c" in steps else "-"
+        cb = f"{steps['b'] / steps['c']:.2f}" if "b" in steps and "c" in steps else "-"
+        print(f"| {b} | " + " | ".join(cells) + f" | {ca} | {cb} |")
+    c = runs.get("c", {}).get("prompt_logprobs")
+    for m in "ab":
+        other = runs.get(m, {}).get("prompt_logprobs")
+        if not (other and c):
+            continue
+        diffs, agree, same, total = [], 0, 0, 0
+        for po, pc in zip(other, c, strict=True):
+            for x, y in zip(po, pc, strict=True):
+                if x is None:
+                    continue
+                diffs.append(abs(x["lp"] - y["lp"]))
+                agree += x["top"] == y["top"]
+                same += x["lp"] == y["lp"]
+                total += 1
+        print(f"\nprompt logprobs, (c) vs ({m}) on {total} positions: max abs diff "
+              f"{max(diffs):.4g}, median {statistics.median(diffs):.3g}, bitwise equal "
+              f"{same}/{total}, top-1 agreement {agree}/{total}")
+    for m, r in runs.items():
+        for name, v in (r.get("layer_check") or {}).items():
+            print(f"layer {names[m]} {name}: {v.get('kernel')} rel err "
+                  f"{max(v['rel_err_vs_f64'].values()):.2e}, rows vs M=512 "
+                  f"{sum(v['rows_differing_vs_m512'].values())}, graph vs eager "
+                  f"{v['graph_vs_eager_rows_differing']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("ckpt")
+    p.add_argument("dir")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("engine")
+    p.add_argument("ckpt")
+    p.add_argument("--mode", choices="abc", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--compile-mode", type=int, default=0)
+    p.add_argument("--turns", help="directory of the files that order the modes' processes")
+    p.add_argument("--order", default="c,b,a", help="the modes, in their turns' order")
+    p = sub.add_parser("layers")
+    p.add_argument("ckpt")
+    p.add_argument("--out", required=True)
+    sub.add_parser("preflight")
+    p = sub.add_parser("summarize")
+    p.add_argument("files", nargs="+")
+    args = ap.parse_args()
+    if args.cmd == "ckpt":
+        t = time.perf_counter()
+        info = write_checkpoint(Path(args.dir), args.layers, args.vocab, args.seed)
+        print(json.dumps({**info, "s": time.perf_counter() - t}), flush=True)
+    elif args.cmd == "engine":
+        engine(args)
+    elif args.cmd == "layers":
+        layers(args)
+    elif args.cmd == "preflight":
+        preflight(args)
+    else:
+        summarize(args)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

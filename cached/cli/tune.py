@@ -1,0 +1,126 @@
+"""``cached tune``: on a GPU node, time each M bucket's candidates of the batch-invariant
+class for some weight shapes and share the winners through the daemon (cached.tune; the
+timing in cached.tune_cuda). Interrupt it at any time (Ctrl-C): what finished is
+published, and the next run goes on from there."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from cached_client import Client
+
+from .. import tune
+from . import argtypes
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        return tune.parse_shape(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    try:
+        ups = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"buckets are M bounds a,b,c, got {text!r}") from None
+    if not ups or min(ups) < 1 or list(ups) != sorted(set(ups)):
+        raise argparse.ArgumentTypeError(f"buckets must be increasing positive M, got {text!r}")
+    return ups
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    t = sub.add_parser("tune", parents=[common],
+                       help="time tactics per M bucket on this GPU and share the winners",
+                       description="For some weight shapes, time each M bucket's candidate "
+                       "tactics of the batch-invariant class on this node's GPU (kernels "
+                       "fetched from the daemon) and publish the winners through the daemon, "
+                       "for every process and, with a fleet tier, every node with this device "
+                       "and toolchain. Interruptible; a later run goes on where it stopped. "
+                       "Needs a GPU; never run it inside an inference process.")
+    t.add_argument("--weight", type=_shape, action="append", default=[], metavar="N,K",
+                   help="weight shape N,K (repeatable)")
+    t.add_argument("--manifest", metavar="NAME|PATH", help="the shapes of a manifest")
+    t.add_argument("--planned", action="store_true",
+                   help="the shapes clients have planned on this node")
+    t.add_argument("--buckets", type=_buckets, default=tune.DEFAULT_BUCKETS, metavar="M,M,..",
+                   help="M bucket bounds (default: 1,2,4,...,8192)")
+    t.add_argument("--top", type=argtypes.count(), default=tune.DEFAULT_TOP, metavar="N",
+                   help=f"the plan's first N tactics per bucket (default {tune.DEFAULT_TOP})")
+    t.add_argument("--near", type=int, default=tune.DEFAULT_NEAR, metavar="N",
+                   help="and the winners of the N nearest recorded shapes (default "
+                        f"{tune.DEFAULT_NEAR})")
+    t.add_argument("--rounds", type=argtypes.count(), default=tune.DEFAULT_ROUNDS,
+                   metavar="R", help=f"interleaved timing rounds (default {tune.DEFAULT_ROUNDS})")
+    t.add_argument("--margin", type=float, default=tune.DEFAULT_MARGIN, metavar="F",
+                   help="a tactic replaces the plan's first choice only when faster by more "
+                        f"than F in every round (default {tune.DEFAULT_MARGIN})")
+    t.add_argument("--budget-s", type=_positive_float, default=tune.DEFAULT_BUDGET_S,
+                   metavar="S", help="seconds per shape; buckets left over wait for the "
+                                     f"next run (default {tune.DEFAULT_BUDGET_S:g})")
+    t.add_argument("--force", action="store_true",
+                   help="time buckets whose winners are published already")
+    t.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    t.set_defaults(run=cmd_tune)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    client = Client(args.socket, timeout=600)
+    shapes = tune.shapes_to_tune(client, args.weight, args.manifest, args.planned)
+    if not shapes:
+        print("cached tune: no shapes: give --weight, --manifest or --planned",
+              file=sys.stderr)
+        return 2
+    import torch
+
+    from ..tune_cuda import CudaTimer
+
+    if not torch.cuda.is_available():
+        print("cached tune: no CUDA device here; run it on a GPU node", file=sys.stderr)
+        return 2
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    arch = f"sm_{props.major}{props.minor}a"
+    if arch != tune.ARCH:
+        print(f"cached tune: {tune.FAMILY} runs on {tune.ARCH}; this device is {arch}",
+              file=sys.stderr)
+        return 2
+    target = tune.Target(props.name, props.multi_processor_count, client.hello().toolchain)
+    timer = CudaTimer(client)
+    results: list = []
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        tune.tune(client, shapes, timer, target, buckets=args.buckets, top=args.top,
+                  near=args.near, rounds=args.rounds, margin=args.margin,
+                  budget_s=args.budget_s, force=args.force, progress=say, results=results)
+    except KeyboardInterrupt:
+        say("cached tune: interrupted; the winners of finished buckets are published, and "
+            "the next run starts where this one stopped")
+        return 130
+    finally:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": target.device, "sm_count": target.sm_count,
+                           "shapes": [r.__dict__ | {"buckets": [b.__dict__ for b in r.buckets]}
+                                      for r in results],
+                           "skipped": timer.skipped}, f, indent=1)
+    for r in results:
+        print(f"{r.n}x{r.k} {r.reduction_class}: {len(r.buckets)} tuned "
+              f"({sum(b.changed for b in r.buckets)} changed), {len(r.skipped)} published "
+              f"before, {len(r.unfinished)} left, {r.seconds:.1f} s")
+    return 1 if any(r.unfinished for r in results) else 0

@@ -1,0 +1,221 @@
+"""Scale schemes and exact accumulation of cached.hopper_fp8 (issue 27): the tactic fields,
+their classes, the plan options, the launcher's checks, and real sm_90a compiles through the
+daemon. Correctness and speed on an H200: bench/gpu/hopper_fp8_schemes.py."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from cached.families.hopper_fp8 import tactics as T
+from cached.families.hopper_fp8.tactics import HopperFp8Tactic, tactic_from_params
+
+#: the canonical params keys of every tactic before the schemes existed (pdl only when on)
+KEYS_BEFORE = ["tile_m", "tile_n", "cluster_m", "cluster_n", "raster", "swizzle", "stages",
+               "out_dtype", "ab_dtype", "splits", "split_mode", "swap_ab", "wg_n", "pingpong"]
+
+
+def test_per_tensor_fast_tactics_keep_their_params_names_and_classes():
+    """The default scheme adds no key, no name suffix and no class: old keys stay."""
+    for t in T.tactic_space():
+        p = t.to_params()
+        assert list(p) == KEYS_BEFORE + (["pdl"] if t.pdl else [])
+        assert not t.name.endswith(("_tok", "_ex"))
+        assert t.reduction_class == f"k128.acc1.s{t.splits}.fixed"
+        assert tactic_from_params({**p, "scales": "tensor", "accum": "fast"}).to_params() == p
+
+
+def test_scheme_tactics_round_trip_with_their_classes():
+    from cached.families.hopper_fp8.family import HopperFp8
+
+    fam = HopperFp8()
+    want = {("token", "fast"): "k128.acc1.s{s}.fixed.token",
+            ("tensor", "exact"): "k128.prom128.s{s}.fixed",
+            ("token", "exact"): "k128.prom128.s{s}.fixed.token"}
+    for (scales, accum), pattern in want.items():
+        space = T.tactic_space(scales=scales, accum=accum)
+        assert space and len({t.name for t in space}) == len(space)
+        for t in space:
+            p = json.loads(json.dumps(t.to_params()))
+            assert p["scales" if scales != "tensor" else "accum"] in ("token", "exact")
+            assert tactic_from_params(p) == t and fam.canonical_params(p, "sm_90a") == p
+            cid = fam.reduction_class(p)
+            assert cid == pattern.format(s=t.splits) == t.reduction_class
+            assert T.class_scheme(cid) == (t.splits, accum, scales)
+            assert cid in T.REDUCTION_CLASSES
+    # exact: S = 1 only, and only tiles with room for the promoted sum
+    exact = T.tactic_space(accum="exact")
+    assert {t.splits for t in exact} == {1}
+    assert all(2 * T.acc_regs_per_thread(t.tile_m, t.tile_n, t.swap_ab, t.wg_n, t.pingpong)
+               <= T.MAX_ACC_REGS_PER_THREAD for t in exact)
+    assert not [t for t in exact if (t.tile_m, t.tile_n) == (256, 192)]
+    assert T.tactic_space(splits=2, accum="exact") == []
+    # per-token fast: every tactic of the space, in its scheme
+    assert len(T.tactic_space(scales="token")) == len(T.tactic_space()) == 814
+
+
+@pytest.mark.parametrize("params, words", [
+    ({"scales": "channel"}, "scales must be one of"),
+    ({"accum": "promoted"}, "accum must be one of"),
+    ({"accum": "exact", "splits": 2}, "takes splits=1 only"),
+    ({"tile_m": 256, "tile_n": 128, "accum": "exact"}, "promoted sum"),
+    ({"scales": 1}, "scales must be one of"),
+])
+def test_bad_scheme_params_are_refused(params, words):
+    from cached_client.errors import InvalidTactic
+
+    from cached.families.hopper_fp8.family import HopperFp8
+
+    with pytest.raises(ValueError, match=words):
+        tactic_from_params(params)
+    with pytest.raises(InvalidTactic, match=words):
+        HopperFp8().canonical_params(params, "sm_90a")
+
+
+def test_plan_options_pick_one_class_of_the_scheme_for_every_m():
+    from cached.families.hopper_fp8.family import HopperFp8
+
+    fam = HopperFp8()
+    for n, k in ((2688, 4096), (2112, 7168), (1024, 16384)):
+        s = T.choose_split(n, k, 132)
+        for scales, accum, cid in (
+                ("token", "fast", T.reduction_class_id(s, "fast", "token")),
+                ("tensor", "exact", "k128.prom128.s1.fixed"),
+                ("token", "exact", "k128.prom128.s1.fixed.token")):
+            classes = set()
+            for m in (1, 64, 8192):
+                reqs = fam.plan((m, n, k), "sm_90a", 132, {"batch_invariant": True,
+                                                           "scales": scales,
+                                                           "accumulation": accum})
+                classes |= {tactic_from_params(r.params).reduction_class for r in reqs}
+            assert classes == {cid}, (n, k, scales, accum)
+    # an explicit class picks its scheme; the plan without options is per-tensor fast
+    reqs = fam.plan((16, 4096, 4096), "sm_90a", 132,
+                    {"reduction_class": "k128.prom128.s1.fixed.token"})
+    assert {r.params.get("scales") for r in reqs} == {"token"}
+    assert {r.params.get("accum") for r in reqs} == {"exact"}
+    assert all("scales" not in r.params and "accum" not in r.params
+               for r in fam.plan((16, 4096, 4096), "sm_90a", 132, {"batch_invariant": True}))
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"scales": "block"}, "scales='block' is not one of"),
+    ({"accumulation": True}, "accumulation=True is not one of"),
+    ({"reduction_class": "k128.prom128.s2.fixed"}, "unknown hopper_fp8_gemm reduction class"),
+    ({"reduction_class": "k128.acc1.s1.fixed.token", "scales": "tensor"},
+     "contradicts reduction_class"),
+    ({"reduction_class": "k128.acc1.s1.fixed", "accumulation": "exact"},
+     "contradicts reduction_class"),
+])
+def test_plan_rejects_bad_scheme_options(options, words):
+    from cached_client.errors import InvalidTactic
+
+    from cached.families.hopper_fp8.family import HopperFp8
+
+    with pytest.raises(InvalidTactic, match=words):
+        HopperFp8().plan((16, 4096, 4096), "sm_90a", 132, options)
+
+
+def test_scheme_options_through_the_daemon_and_the_client_plan(daemon):
+    """The daemon's hello publishes the new classes; gemm_plan asks for a scheme and gets
+    one class of it for every bucket; a bad scheme is refused before the daemon is asked,
+    and the daemon still answers afterwards."""
+    from cached_client import gemm_plan
+
+    client = daemon.client()
+    info = client.hello(timeout=10).reduction_classes["cached.hopper_fp8"]
+    assert info["classes"] == list(T.REDUCTION_CLASSES) and info["m_independent"] is True
+    plan = gemm_plan.plan_gemm(client, 4096, 4096, arch="sm_90a", sm_count=132,
+                               max_m=256, prefetch=False, scales="token",
+                               accumulation="exact")
+    assert plan.choice.reduction_class == "k128.prom128.s1.fixed.token"
+    assert plan.key.scales == "token" and plan.key.accumulation == "exact"
+    assert {b.request.params["accum"] for b in plan.choice.buckets} == {"exact"}
+    with pytest.raises(ValueError, match="scales must be one of"):
+        gemm_plan.plan_gemm(client, 4096, 4096, arch="sm_90a", scales="block",
+                            prefetch=False)
+    again = gemm_plan.plan_gemm(client, 4096, 4096, arch="sm_90a", sm_count=132, max_m=16,
+                                prefetch=False)
+    assert again.choice.reduction_class == "k128.acc1.s1.fixed"
+
+
+def test_accumulation_comes_from_the_environment(monkeypatch):
+    from cached_client import gemm_plan
+
+    monkeypatch.delenv(gemm_plan.ACCUMULATION_ENV, raising=False)
+    assert gemm_plan.accumulation_from_env() == "fast"
+    monkeypatch.setenv(gemm_plan.ACCUMULATION_ENV, "exact")
+    assert gemm_plan.accumulation_from_env() == "exact"
+    monkeypatch.setenv(gemm_plan.ACCUMULATION_ENV, "promoted")
+    with pytest.raises(ValueError, match="CACHED_FP8_ACCUMULATION='promoted'"):
+        gemm_plan.accumulation_from_env()
+
+
+def test_launcher_checks_per_token_scales_before_launch():
+    torch = pytest.importorskip("torch")
+    from cached_client.hopper_fp8 import gemm
+
+    calls = []
+
+    def fn(*args):
+        calls.append(args)
+
+    f8 = torch.float8_e4m3fn
+    a, b = torch.empty(4, 64, dtype=f8), torch.empty(32, 64, dtype=f8)
+    tok = {"tile_m": 128, "tile_n": 128, "scales": "token"}
+    cases = [
+        (torch.ones(1), torch.ones(32), tok, "a_scale must be a contiguous float32 tensor of 4"),
+        (torch.ones(4, 1), torch.ones(16), tok, "b_scale must be a contiguous float32 tensor"),
+        (torch.ones(4, dtype=torch.float64), torch.ones(32), tok, "of 4 elements"),
+        (torch.ones(8)[::2], torch.ones(32), tok, "contiguous"),
+        (torch.ones(4), torch.ones(32), {"tile_m": 128, "tile_n": 128}, "1-element"),
+        (torch.ones(4), torch.ones(32), {**tok, "scales": "row"}, "scales must be one of"),
+    ]
+    for sa, sb, params, words in cases:
+        with pytest.raises(ValueError) as e:
+            gemm(fn, a, b, sa, sb, torch.bfloat16, params=params)
+        assert words in str(e.value), (words, str(e.value))
+    # valid per-token scales pass the scale checks and stop at the CPU tensors
+    with pytest.raises(ValueError, match="CUDA"):
+        gemm(fn, a, b, torch.ones(4, 1), torch.ones(32, 1), torch.bfloat16, params=tok)
+    assert calls == []
+
+
+def _scheme_variants() -> list[HopperFp8Tactic]:
+    """One of each code path the schemes touch: the register epilogue (swap_ab) with both,
+    ping-pong with both (each warpgroup's own MMA slice), wg_n = 2 per-token, a 'cta' split
+    per-token (the last unit's sum scaled), the 128-row tile exact in e5m2 / fp16."""
+    H = HopperFp8Tactic
+    return [t.normalized() for t in (
+        H(8, 64, swap_ab=True, scales="token", accum="exact"),
+        H(64, 128, pingpong=True, scales="token", accum="exact"),
+        H(64, 128, wg_n=2, scales="token"),
+        H(64, 128, splits=4, split_mode="cta", scales="token"),
+        H(128, 128, out_dtype="float16", ab_dtype="e5m2", accum="exact"),
+    )]
+
+
+def test_scheme_tactics_compile_for_sm90a_through_the_daemon(daemon):
+    """The variants above, compiled by the daemon's workers: each served as a real artifact
+    whose metadata names its class."""
+    from cached_client.keys import KernelRequest
+
+    variants = _scheme_variants()
+    spaces = {t.name for sc in T.SCALE_SCHEMES for acc in T.ACCUM_MODES
+              for od, ab in (("bfloat16", "e4m3"), ("float16", "e5m2"))
+              for t in T.tactic_space(od, ab, scales=sc, accum=acc)}
+    assert all(t.name in spaces for t in variants)
+    client = daemon.client()
+    requests = [KernelRequest(family="cached.hopper_fp8", params=t.to_params(), arch="sm_90a",
+                              sm_count=132, max_active_clusters=132 // t.cluster_size)
+                for t in variants]
+    client.prefetch(requests)
+    for r in requests:
+        art = client.get(r, timeout=900)
+        path = art.library_path or art.object_path
+        assert path and os.path.getsize(path) > 1000
+    listed = {e["kernel_name"]: e for e in client.list()}
+    for t in variants:
+        assert f"{t.name}_mac{132 // t.cluster_size}" in listed
