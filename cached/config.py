@@ -359,6 +359,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_queued_per_uid", _count, lambda: 1024,
            "compilations a peer without publish rights may have queued or running (0: no "
            "limit)", True, metavar="N"),
+    Option("lease_max_hold", _positive_seconds, lambda: 3600.0,
+           "seconds a write-back lease may be held in all, renewals included: then it ends "
+           "and the next waiter gets it (clients renew for at most 1800 s of their own)",
+           metavar="SECONDS"),
     Option("upload_timeout", _positive_seconds, lambda: 300.0,
            "seconds an unfinished write-back upload is kept after its last chunk", True,
            metavar="SECONDS"),
@@ -400,6 +404,7 @@ class Settings:
     max_connections_per_uid: int
     idle_timeout: float
     max_queued_per_uid: int
+    lease_max_hold: float
     upload_timeout: float
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
     file: Path | None = field(default=None, compare=False)

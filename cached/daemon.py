@@ -115,7 +115,7 @@ class Daemon:
         self.store.evict()  # a budget lowered since the last start applies now, not later
         self.access = Access.from_settings(settings)
         self.quota = QueueQuota(self.scheduler, self.access, settings.max_queued_per_uid)
-        self.leases = Leases(self.scheduler, self.access, self.stats)
+        self.leases = Leases(self.scheduler, self.access, self.stats, settings.lease_max_hold)
         self.uploads = Uploads(self.leases, settings.upload_timeout)
         autotune = Autotune(self.store, self.remote)
         service = Service(self.scheduler, self.access, self.stats, self.snapshot, self.quota,

@@ -72,10 +72,16 @@ class Lease:
     ttl: float
     expires: float
     granted: float = field(default_factory=time.monotonic)
+    limit: float = float("inf")
+    """When it ends whatever its renewals (``granted`` + the daemon's lease_max_hold)."""
 
     def expired(self, now: float) -> str | None:
-        """Why this lease is over (TTL passed, holder gone), or None while it holds."""
+        """Why this lease is over (TTL passed, held to its limit, holder gone), or None while
+        it holds."""
         if now >= self.expires:
+            if self.expires >= self.limit:
+                return (f"held {self.limit - self.granted:.0f}s, the daemon's "
+                        "lease_max_hold")
             return f"not renewed within {self.ttl:.0f}s"
         if self.pidfd is not None:
             poll = select.poll()
@@ -94,7 +100,11 @@ class Lease:
 class Leases:
     """The leases in force, by store key, and the events their waiters sleep on."""
 
-    def __init__(self, scheduler: Scheduler, access: Access, stats: Stats) -> None:
+    def __init__(self, scheduler: Scheduler, access: Access, stats: Stats,
+                 max_hold_s: float = 3600.0) -> None:
+        self.max_hold_s = max_hold_s
+        """Seconds a lease may be held in all (``lease_max_hold``): no grant or renewal
+        runs past ``granted + max_hold_s``, whatever TTL a peer asks for."""
         self.scheduler = scheduler
         self.access = access
         self.stats = stats
@@ -162,8 +172,10 @@ class Leases:
             ev.set()
 
     def _grant(self, key: str, peer: Peer, ttl: float, reason: str = "") -> p.LeaseReply:
+        now = time.monotonic()
         lease = Lease(secrets.token_hex(16), peer.pid, peer.uid, watch(peer.pid), ttl,
-                      time.monotonic() + ttl)
+                      now + min(ttl, self.max_hold_s), granted=now,
+                      limit=now + self.max_hold_s)
         old = self.held.pop(key, None)
         if old is not None:
             old.close()
@@ -171,7 +183,8 @@ class Leases:
         self.stats.count("writeback.leases_granted")
         event(log, logging.INFO, "writeback.lease_granted", key=key[:16], pid=peer.pid,
               uid=peer.uid, after=reason or "free")
-        return p.LeaseReply(state="granted", lease=lease.token, ttl_s=ttl)
+        return p.LeaseReply(state="granted", lease=lease.token,
+                            ttl_s=round(lease.expires - now, 3))
 
     # -- ops -------------------------------------------------------------------------
 
@@ -227,9 +240,14 @@ class Leases:
         self.check_enabled()
         key = self.keys(self.resolve(m.request, m.identity)[2], peer)[0]
         lease = self.holder(key, m.lease, peer)
+        now, end = time.monotonic(), lease.limit
+        if now >= end - 0.001:
+            raise NotAllowed(f"lease_renew: this lease has been held {now - lease.granted:.0f}s,"
+                             f" the daemon's lease_max_hold ({self.max_hold_s:.0f}s); it ends "
+                             "at its expiry and the next waiter gets it")
         lease.ttl = m.ttl_s if m.ttl_s is not None else lease.ttl
-        lease.expires = time.monotonic() + lease.ttl
-        return p.LeaseRenewReply(state="renewed", ttl_s=lease.ttl)
+        lease.expires = min(now + lease.ttl, end)
+        return p.LeaseRenewReply(state="renewed", ttl_s=round(lease.expires - now, 3))
 
     async def lease_release(self, m: p.LeaseReleaseRequest, peer: Peer) -> p.StateReply:
         key = self.keys(self.resolve(m.request, m.identity)[2], peer)[0]

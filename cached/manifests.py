@@ -19,6 +19,7 @@ A manifest is a TOML file (docs/operations.md, "Writing a manifest")::
     targets = ["sm_100a", "sm_103a"]
     options = { quant = "nvfp4" }   # the family's plan options
     limit = 0                # tactics per shape (0: the whole tactic space)
+    all_tactics = false      # cached.hopper_fp8: the whole space, not the plan's choice
 
     [[pending]]              # families the model needs that this daemon does not have yet
     family = "grouped GEMM for the MoE experts"
@@ -26,7 +27,10 @@ A manifest is a TOML file (docs/operations.md, "Writing a manifest")::
 
 ``cached warm --manifest FILE`` plans every (layer, M) shape of every build on the
 daemon, de-duplicates the requests and asks for them at pre-warm priority. A build whose
-family this daemon does not know is an error unless ``--skip-missing`` is given.
+family this daemon does not know is an error unless ``--skip-missing`` is given. For the
+batch-invariant GEMM family (cached.hopper_fp8) a build plans, per (N, K), the tactic per M
+bucket up to the manifest's largest M that clients' ``plan_gemm`` picks (what a serving
+node is asked for); ``limit`` or ``all_tactics = true`` plan its tactic space instead.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from cached_client import gemm_plan
 
 from .families.base import DEFAULT_SM_COUNT
 
@@ -62,6 +68,7 @@ class Build:
     options: dict = field(default_factory=dict)
     limit: int = 0
     sm_count: int | None = None
+    all_tactics: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,7 +167,11 @@ def load(name: str | Path) -> Manifest:
         sm_count = build.get("sm_count")
         if sm_count is not None:
             _positive(sm_count, f"{what}: sm_count")
-        builds.append(Build(build["family"], tuple(targets), options, limit or 0, sm_count))
+        all_tactics = build.get("all_tactics", False)
+        if not isinstance(all_tactics, bool):
+            raise ManifestError(f"{what}: all_tactics must be true or false")
+        builds.append(Build(build["family"], tuple(targets), options, limit or 0, sm_count,
+                            all_tactics))
     if not builds:
         raise ManifestError(f"{where}: needs at least one [[build]]")
     return Manifest(path, model["name"], str(model.get("source", "")), tp, ms, tuple(layers),
@@ -184,9 +195,28 @@ def plan(client: Any, manifest: Manifest, targets: set[str] | None = None,
             if targets and target not in targets:
                 continue
             requests: list = []
+            if build.family == gemm_plan.HOPPER_FAMILY and not (build.limit
+                                                                 or build.all_tactics):
+                out[(build.family, target)] = _plans(client, manifest, build, target)
+                continue
             for _, shape in manifest.shapes():
                 planned = client.plan(build.family, shape, target, build.sm_count,
                                       dict(build.options), timeout=300)
                 requests += planned[: build.limit] if build.limit else planned
             out[(build.family, target)] = list(dict.fromkeys(requests))
     return out
+
+
+def _plans(client: Any, manifest: Manifest, build: Build, target: str) -> list:
+    """The requests of ``plan_gemm`` (the code clients run) for every (N, K) of the
+    manifest, M buckets up to its largest M: one tactic per bucket, de-duplicated."""
+    weights = list(dict.fromkeys((n, k) for _, (_, n, k) in manifest.shapes()))
+    options = dict(build.options)
+    requests: list = []
+    for n, k in weights:
+        plan = gemm_plan.plan_gemm(
+            client, n, k, arch=target, sm_count=build.sm_count, max_m=max(manifest.m),
+            out_dtype=str(options.get("out_dtype", "bfloat16")),
+            ab_dtype=str(options.get("ab_dtype", "e4m3")), prefetch=False)
+        requests += plan.requests
+    return list(dict.fromkeys(requests))

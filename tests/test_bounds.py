@@ -477,3 +477,54 @@ def test_a_flashinfer_process_waiting_on_a_stuck_holder_compiles_it_itself(tmp_p
             holder.kill()
             holder.wait()
         d.stop()
+
+
+HAND_RENEWER = """
+import json, sys, time
+from cached_client import Client, KernelRequest, protocol as p
+from cached_client.errors import NotAllowed
+client = Client(sys.argv[1], timeout=30, fallback=False)
+request = KernelRequest.from_wire(json.loads(sys.argv[2]))
+reply = client.lease(p.LeaseRequest(request=request, ttl_s=60, wait_ms=0))
+assert reply.state == "granted", reply
+held = time.monotonic()
+print("HELD", reply.ttl_s, flush=True)
+while True:  # renews by hand, for ever, whatever its compile does
+    time.sleep(0.3)
+    try:
+        client.lease_renew(p.LeaseRenewRequest(request=request, lease=reply.lease, ttl_s=60))
+    except NotAllowed as exc:
+        print("REFUSED", round(time.monotonic() - held, 1), exc.message, flush=True)
+        break
+time.sleep(60)
+"""
+
+
+def test_a_peer_renewing_by_hand_loses_its_lease_at_the_daemons_max_hold(tmp_path):
+    """A peer with publish rights that renews its lease itself, for ever, with a long TTL
+    (the client's renewer stops at its own max_hold_s; this one does not): every other
+    process waited on it as long as it lived. The daemon's ``lease_max_hold`` (3 s here)
+    ends it: no grant or renewal runs past it, a renewal after it is refused (not_allowed,
+    naming the setting), and the next waiter gets the lease while the peer still lives."""
+    from cached_client.writeback import lease
+
+    d = DaemonProcess(tmp_path, workers=1, ready_workers=0,
+                      extra_args=["--lease-max-hold", "3"])
+    proc = subprocess.Popen([sys.executable, "-c", HAND_RENEWER, d.socket,
+                             json.dumps(_jit("by_hand").to_wire())], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        first = proc.stdout.readline().split()
+        held_at = time.monotonic()
+        assert first[0] == "HELD" and float(first[1]) <= 3, first  # the grant is capped too
+        reply = lease(d.client(timeout=30), _jit("by_hand"), ttl_s=30, wait_ms=15_000)
+        assert reply.state == "granted", reply
+        assert time.monotonic() - held_at < 3 + 2
+        refused = proc.stdout.readline().split(maxsplit=2)
+        assert refused[0] == "REFUSED" and 2.5 <= float(refused[1]) < 5, refused
+        assert "lease_max_hold" in refused[2], refused
+        assert proc.poll() is None  # the peer lives on: only its lease ended
+    finally:
+        proc.kill()
+        proc.wait()
+        d.stop()

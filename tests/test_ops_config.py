@@ -117,6 +117,50 @@ def test_manifest_errors_say_where(tmp_path: Path):
         manifests.load(bad)
 
 
+HOPPER_MANIFEST = """
+[model]
+name = "hopper-two-ways"
+m = [1, 64, 4096]
+[[layer]]
+name = "qkv"
+n = 6144
+k = 4096
+[[build]]
+family = "cached.hopper_fp8"
+targets = ["sm_90a"]
+{extra}
+"""
+
+
+def test_a_manifests_hopper_build_warms_the_plans_choice_unless_it_asks_for_all(tmp_path):
+    """A serving node is asked for plan_gemm's tactic per M bucket (the code clients run),
+    not the family's whole space (over 800 kernels per shape, about 17 minutes on 2 cores):
+    a manifest's cached.hopper_fp8 build plans exactly those requests; `all_tactics = true`
+    plans the space; a value that is not a boolean is refused, saying where."""
+    from cached_client import gemm_plan
+
+    plain, every, bad = (tmp_path / f"{n}.toml" for n in ("plain", "every", "bad"))
+    plain.write_text(HOPPER_MANIFEST.format(extra=""))
+    every.write_text(HOPPER_MANIFEST.format(extra="all_tactics = true"))
+    bad.write_text(HOPPER_MANIFEST.format(extra='all_tactics = "yes"'))
+    with pytest.raises(manifests.ManifestError, match="build 0: all_tactics must be true or"):
+        manifests.load(bad)
+    d = DaemonProcess(tmp_path, workers=1)
+    try:
+        def planned(path: Path) -> list[dict]:
+            out = json.loads(run_cli("warm", "--socket", d.socket, "--manifest", str(path),
+                                     "--plan-only", "--json").stdout)
+            return out["requests"]["cached.hopper_fp8@sm_90a"]
+
+        expected = gemm_plan.plan_gemm(d.client(timeout=120), 6144, 4096, arch="sm_90a",
+                                       max_m=4096, prefetch=False).requests
+        assert planned(plain) == [r.to_wire() for r in dict.fromkeys(expected)]
+        assert len(expected) <= len(gemm_plan.buckets_up_to(4096))
+        assert len(planned(every)) > 300
+    finally:
+        d.stop()
+
+
 def test_config_shows_the_running_daemons_settings_and_what_differs(tmp_path: Path):
     """cached config: what a new serve would use, then what the daemon on the socket runs
     with (its flags here), and the names that differ; none answering says so."""

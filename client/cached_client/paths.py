@@ -59,9 +59,9 @@ def check_dir_stat(st: os.stat_result, directory: str, uids: frozenset[int]) -> 
         return (f"{directory} is not a directory (a link?); set {SOCKET_ENV} to the "
                 "daemon's socket")
     if st.st_uid not in uids or st.st_mode & 0o022:
+        owners = " or ".join(["root", *(f"uid {u}" for u in sorted(uids - {0}))])
         return (f"{directory} belongs to uid {st.st_uid} (mode {oct(st.st_mode & 0o777)}); "
-                f"a socket directory must belong to root or uid "
-                f"{', '.join(str(u) for u in sorted(uids - {0}))} and be writable by its owner "
+                f"a socket directory must belong to {owners} and be writable by its owner "
                 f"alone: remove it, or set {SOCKET_ENV} (and {DAEMON_UID_ENV} to the daemon's "
                 "uid) to the daemon's socket")
     return None

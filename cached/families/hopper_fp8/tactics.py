@@ -36,7 +36,7 @@ its two operands exchanged inside the MMA. tile_m / tile_n keep their meaning (t
 along the output's M and N), so workspace sizes are the same formulas. Whether the MMA's
 accumulation is symmetric in its operands is a hardware fact, checked on an H200 by
 bench/gpu/hopper_fp8_check.py (every swapped kernel against the unswapped kernels of its
-class, fresh data, every M; docs/benchmarks.md): it is, so a swapped tactic is in the
+class, fresh data, every M; docs/hopper-passes.md): it is, so a swapped tactic is in the
 class of its S. The split mode is how the
 S partials are run: ``serial`` (one CTA walks all S ranges of a tile and keeps the
 running sum in a second register accumulator: no workspace, a pipeline drain per range
@@ -57,14 +57,14 @@ and TMA-stores it.
 Narrow decode tiles (tile_m = 64, tile_n in NARROW_TILE_N = 40, 48, 56; seventh pass): the
 tokens on the wgmma M side and 40-56 weight rows on its N side, so that more CTAs stream
 the weights at M <= 64 than the 64-row tiles give. Same K walk, so in the class of its S
-(bitwise checked on an H200, docs/benchmarks.md); the epilogue stages the whole tile as
+(bitwise checked on an H200, docs/hopper-passes.md); the epilogue stages the whole tile as
 wg_n = 2 does (tile_epilogue).
 
 Programmatic dependent launch (``pdl=True``, eighth pass): the kernel is launched so that
 the next kernel on the stream may start its prologue while it runs; every thread waits for
 the previous grid (griddepcontrol.wait) before any global read or write. Launch order
 only: same K walk, so a pdl tactic is in the class of its S (bitwise checked on an H200,
-docs/benchmarks.md). tactic_space lists a twin of the decode-band tactics (pdl_twin); a
+docs/hopper-passes.md). tactic_space lists a twin of the decode-band tactics (pdl_twin); a
 recorded winner may name pdl on any tactic (recordable_tactics).
 
 Scale schemes (``scales``, issue 27): ``"tensor"`` (the default: a_scale and b_scale
@@ -594,7 +594,7 @@ def smem_bytes(t: HopperFp8Tactic) -> int:
 # --------------------------------------------------------------------------------------
 
 # The cost model's fitted numbers are data (data/h200_cost.json, written by
-# bench/gpu/hopper_fp8_fit.py --write-cost from the H200 runs; docs/benchmarks.md): the
+# bench/gpu/hopper_fp8_fit.py --write-cost from the H200 runs; docs/hopper-passes.md): the
 # microseconds one CTA spends per 128-deep K tile, by tile kind (plain, swap_ab, wg_n = 2,
 # ping-pong), (tile_m, tile_n) and M regime (M <= 64, M <= 1024, larger), and the constants
 # of model_parts. Read once, on first use (not at import), by cost_model(); the module
