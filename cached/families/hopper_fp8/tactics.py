@@ -1032,19 +1032,3 @@ def choose_split(n: int, k: int, sm_count: int = H200_NUM_SMS) -> int:
         s *= 2
     return s
 
-
-def default_tactic(m: int, n: int, k: int, out_dtype: str = "bfloat16") -> HopperFp8Tactic:
-    return enumerate_tactics(m, n, k, out_dtype)[0]
-
-
-def reference_tactics(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3") -> list[HopperFp8Tactic]:
-    """A small fixed set used by the GPU check: every tile shape, every cluster shape."""
-    spec = [
-        (64, 64, 1, 1, "m", 1), (64, 128, 1, 1, "m", 1), (64, 256, 1, 1, "m", 1),
-        (128, 64, 1, 1, "m", 1), (128, 128, 1, 1, "m", 1), (128, 128, 2, 1, "n", 4),
-        (128, 192, 1, 1, "m", 1), (128, 256, 1, 1, "m", 1), (128, 256, 2, 1, "m", 8),
-        (128, 256, 1, 2, "n", 8), (256, 64, 1, 1, "m", 1), (256, 128, 1, 1, "m", 1),
-        (256, 128, 2, 1, "n", 4), (64, 192, 1, 2, "n", 2),
-    ]
-    return [HopperFp8Tactic(tm, tn, cm, cn, r, s, 0, out_dtype, ab_dtype).normalized()
-            for tm, tn, cm, cn, r, s in spec]
