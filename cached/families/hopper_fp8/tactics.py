@@ -1031,4 +1031,3 @@ def choose_split(n: int, k: int, sm_count: int = H200_NUM_SMS) -> int:
            and tiles * 2 * s * SPLIT_SM_SHARE <= sm_count):
         s *= 2
     return s
-
