@@ -1,7 +1,9 @@
 """Default locations shared by the daemon and its clients, and whom a client trusts.
 
 A client trusts a daemon process running as root, as its own uid (which can already do
-anything to it), or as the configured daemon uid ($CACHED_DAEMON_UID); every connect checks
+anything to it), or as the configured daemon uid ($CACHED_DAEMON_UID; unset: the system user
+``cached`` that deploy/ and the image create, when this machine has one: only root makes
+users); every connect checks
 the server's uid (SO_PEERCRED) against them, and the default socket's directory too
 (cached_client.transport).
 """
@@ -15,6 +17,8 @@ import stat
 
 SOCKET_ENV = "CACHED_SOCKET"
 DAEMON_UID_ENV = "CACHED_DAEMON_UID"
+DAEMON_USER = "cached"
+"""The daemon's system user as deploy/cached.sysusers.conf and the Dockerfile name it."""
 
 
 def runtime_dir() -> str:
@@ -32,14 +36,20 @@ def default_socket_path() -> str:
 
 def trusted_uids() -> frozenset[int]:
     """The uids a daemon may run as: root, this process's uid and $CACHED_DAEMON_UID (a
-    number or a user name). ValueError names a value that is neither."""
+    number or a user name; unset: the user ``cached`` if it exists). ValueError names a
+    value that is neither."""
     return _trusted(os.environ.get(DAEMON_UID_ENV, "").strip(), os.getuid())
 
 
 @functools.lru_cache(maxsize=8)
 def _trusted(configured: str, own: int) -> frozenset[int]:
     uids = {0, own}
-    if configured:
+    if not configured:
+        try:
+            uids.add(pwd.getpwnam(DAEMON_USER).pw_uid)
+        except KeyError:
+            pass
+    else:
         if configured.isdigit():
             uids.add(int(configured))
         else:
