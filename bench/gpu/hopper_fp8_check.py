@@ -420,7 +420,8 @@ def _codegen_constants() -> dict:
 
 
 def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
-          reuse_code: bool = False, alt_winners: str | None = None) -> None:
+          reuse_code: bool = False, alt_winners: str | None = None,
+          kernels: list[str] | None = None) -> None:
     _repo_on_path()
     os.makedirs(os.path.join(out, "obj"), exist_ok=True)
     os.makedirs(os.path.join(out, "kernels"), exist_ok=True)
@@ -432,7 +433,12 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
                "pp128": functools.partial(_pingpong_tactics, (128, 192)), "split5": _split5_tactics,
                "decode6": _decode6_tactics, "decode7": _decode7_tactics,
                "pdl8": lambda: _pdl8_tactics(plan)}.get(
-        which, lambda: _final_tactics(plan))()
+        which, lambda: _final_tactics(plan))() if not kernels else None
+    if kernels:  # exactly these tactics (e.g. for ncu on a tune's winners), nothing else
+        from cached.families.hopper_fp8.tactics import recordable_tactics
+
+        by_name = recordable_tactics()
+        tactics, which = [by_name[nm] for nm in kernels], "kernels"
     plan_alt = pdl_plan(plan, True) if which == "pdl8" else None
     if alt_winners:  # final: the other plan's first choices too, timed beside the plan's
         from cached.families.hopper_fp8.tactics import recordable_tactics
@@ -1290,6 +1296,8 @@ def main():
     b.add_argument("--alt-winners", default=None,
                    help="final: another winners JSON whose plan's first choices are "
                         "timed beside the plan's (summarize compares the two)")
+    b.add_argument("--kernels", default="",
+                   help="comma-separated tactic names: build exactly these (replaces --set)")
     b.add_argument("--dry", action="store_true", help="manifest only, no compile")
     b.add_argument("--reuse-code", action="store_true",
                    help="reuse the bundle's kernels across a tactics.py change that leaves "
@@ -1325,7 +1333,8 @@ def main():
                    help="--markdown: tables of the alternative plan (--alt-winners) instead")
     a = ap.parse_args()
     if a.cmd == "build":
-        build(a.out, a.set, a.jobs, a.top, a.dry, a.reuse_code, a.alt_winners)
+        build(a.out, a.set, a.jobs, a.top, a.dry, a.reuse_code, a.alt_winners,
+              [x for x in a.kernels.split(",") if x] or None)
     elif a.cmd == "_compile":
         _compile_worker(a.jobs_json)
     elif a.cmd == "profile":
