@@ -606,6 +606,8 @@ class Runner:
 
             import tvm_ffi
 
+            # a bench run on a throwaway GPU machine: these files are the run's own bundle, built
+            # here and carried by the device tool, not served by any daemon (no identity check)
             ctypes.CDLL(os.path.join(bundle, "libcute_dsl_runtime.so"), mode=ctypes.RTLD_GLOBAL)
             for e in self.manifest["kernels"]:
                 self.fns[e["name"]] = tvm_ffi.load_module(os.path.join(bundle, e["so"]))[

@@ -545,6 +545,13 @@ class Client:
         return fn
 
     def _load_artifact(self, artifact: Artifact) -> Any:
+        """Load a library this process has already checked: the daemon's uid and socket
+        directory at connect (transport), the artifact's stated identity against this
+        process's own in ``get``/``lease`` (trust.check: ArtifactMismatch, never a load), and
+        its sha256 again as it is read (loader); the runtime it links is this process's own.
+        A forged one is refused in tests/test_client_trust.py
+        (``test_an_artifact_built_for_another_environment_is_a_miss_never_a_load``,
+        ``test_the_runtime_library_a_daemon_names_is_never_loaded``)."""
         if artifact.library_bytes is not None:
             return load_bytes(artifact.library_bytes, artifact.symbol, artifact.library_sha256,
                               self._scratch)
