@@ -2,14 +2,19 @@
 (cached_client.gemm_plan) pick for the given (N, K) on an H200 (sm_90a, 132 SMs), M up to
 MAX_M: the daemon plans each bucket, the plan's one prefetch queues the kernels, and a
 pre-warm ``get`` of each waits for them. The GPU half, bench/gpu/gemm_plan_check.py, asks a
-serve-only daemon on this store for the same plans.
+serve-only daemon on this store for the same plans. ``$ACCUMULATIONS`` (comma-separated,
+default ``fast``) names the accumulation classes planned (``fast``, ``exact``). The last line
+is JSON: the warm's counts and ``seconds``, the wall time from an empty queue to every kernel
+in the store (what a cold daemon with these workers spends compiling them).
 Usage: python bench/gpu/gemm_plan_bundle.py STORE_DIR MAX_M N,K [N,K ...]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -23,19 +28,25 @@ from cached.cli.warm import warm  # noqa: E402
 
 def main() -> None:
     store, max_m, shapes = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    accumulations = (os.environ.get("ACCUMULATIONS") or "fast").split(",")
     store.mkdir(parents=True, exist_ok=True)
     d = Daemon(store.parent, workers=2, store=store)
     try:
         client = Client(d.socket, timeout=600)
+        started = time.monotonic()
         requests = []
-        for shape in shapes:
-            n, k = (int(v) for v in shape.split(","))
-            plan = plan_gemm(client, n, k, arch="sm_90a", sm_count=132, device="NVIDIA H200",
-                             max_m=max_m)
-            print(plan.describe(), flush=True)
-            requests += plan.requests
+        for accumulation in accumulations:
+            for shape in shapes:
+                n, k = (int(v) for v in shape.split(","))
+                plan = plan_gemm(client, n, k, arch="sm_90a", sm_count=132,
+                                 device="NVIDIA H200", max_m=max_m, accumulation=accumulation)
+                print(plan.describe(), flush=True)
+                requests += plan.requests
         requests = list(dict.fromkeys(requests))
-        print(json.dumps(warm(d.socket, requests, 3600)), flush=True)
+        counts = warm(d.socket, requests, 3600)
+        counts["seconds"] = round(time.monotonic() - started, 1)
+        counts["accumulations"] = accumulations
+        print(json.dumps(counts), flush=True)
     finally:
         d.stop()
 

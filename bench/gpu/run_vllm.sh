@@ -135,18 +135,19 @@ if [[ $mode == gpu ]]; then
   # the modes' processes start together: imports overlap; loads, then measurements, take
   # turns (vllm_fp8.py --turns), so each mode measures with the GPU to itself
   T=/tmp/turns && rm -rf $T && mkdir -p $T
-  ORDER=${ORDER:-c,b,a}
+  ORDER=${ORDER:-c,b,a} && pids=()
   for m in ${ORDER//,/ }; do
     TRITON_CACHE_DIR=/tmp/triton_$m timeout "${MODE_TIMEOUT:-300}" python3 "$C/vllm_fp8.py" \
       engine /tmp/ck --mode "$m" --out $OUT/engine_$m.json --turns $T --order $ORDER \
       > $OUT/engine_$m.log 2>&1 &  # under $OUT: back even if the call's limit stops it
+    pids+=($!)
   done
-  wait
+  wait "${pids[@]}"  # the modes only: a bare `wait` also waits for the daemon, forever
   for m in ${ORDER//,/ }; do
     echo "mode $m triton files: $(find /tmp/triton_$m -type f 2>/dev/null | wc -l)" \
       | tee -a $L/modes.txt
     if grep -q '"stage": "done"' $OUT/engine_$m.json 2>/dev/null; then
-      grep -E "^(kernels|invariance|perf)" $OUT/engine_$m.log | tail -12
+      grep -E "^(kernels|invariance|perf|monitor)" $OUT/engine_$m.log | tail -13
     else
       grep -v "^W[0-9]\|^\[rank0\]" $OUT/engine_$m.log | tail -25
     fi
@@ -157,7 +158,8 @@ if [[ $mode == gpu ]]; then
   fi
   python3 -m cached stats --socket $S --json > $L/stats.json 2>&1
   python3 -c "import json; s=json.load(open('$L/stats.json')); print({k: s.get(k) for k in
-    ('serve_only', 'entries', 'hits', 'misses', 'compiles')})" 2>&1 | tee $L/stats.txt
+    ('serve_only', 'entries', 'hits', 'misses', 'compiles',
+    'client_outside_kernels', 'outside_kernels', 'client_fallbacks')})" 2>&1 | tee $L/stats.txt
   tar -C /tmp -czf "$OUT/logs.tgz" vllm_logs
   python3 "$C/vllm_fp8.py" summarize $OUT/engine_a.json $OUT/engine_b.json $OUT/engine_c.json \
     | tee "$OUT/summary.md"

@@ -360,6 +360,13 @@ def engine(args: argparse.Namespace) -> None:
         res["errors"].append(f"{res['stage']}: {type(exc).__name__}: {exc}"[:4000])
         res["traceback"] = traceback.format_exc()[-6000:]
         traceback.print_exc()
+    try:  # the serving monitor of this process (the engine core runs in it)
+        from cached_client import monitor
+
+        res["monitor"] = {"serving": monitor.is_serving(), "outside": monitor.counts()}
+        print("monitor", res["monitor"], flush=True)
+    except Exception as exc:  # noqa: BLE001 -- recorded
+        res["errors"].append(f"monitor: {type(exc).__name__}: {exc}"[:500])
     res["wall_s"] = time.perf_counter() - t0
     save()
     for f in (loaded, measured):  # never leave the next mode waiting
