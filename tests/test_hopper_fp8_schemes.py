@@ -172,6 +172,16 @@ def test_scheme_options_through_the_daemon_and_the_client_plan(daemon):
     again = gemm_plan.plan_gemm(client, 4096, 4096, arch="sm_90a", sm_count=132, max_m=16,
                                 prefetch=False)
     assert again.choice.reduction_class == "k128.acc1.s1.fixed"
+    blk = gemm_plan.plan_gemm(client, 4096, 7168, arch="sm_90a", sm_count=132, max_m=8192,
+                              prefetch=False, scales="block128")
+    assert blk.choice.reduction_class == "k128.prom128.s1.fixed.block128"
+    assert blk.key.accumulation == "exact" and len(blk.choice.buckets) > 1
+    assert {b.request.params["scales"] for b in blk.choice.buckets} == {"block128"}
+    for bad, words in (({"accumulation": "fast"}, "accumulation 'fast'"),
+                       ({"k": 4160}, "K = 4160")):
+        with pytest.raises(ValueError, match=words):
+            gemm_plan.plan_gemm(client, 4096, bad.pop("k", 7168), arch="sm_90a",
+                                prefetch=False, scales="block128", **bad)
 
 
 def test_accumulation_comes_from_the_environment(monkeypatch):
