@@ -4,6 +4,7 @@ daemon. Correctness and speed on an H200: bench/gpu/hopper_fp8_schemes.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -33,13 +34,16 @@ def test_scheme_tactics_round_trip_with_their_classes():
     fam = HopperFp8()
     want = {("token", "fast"): "k128.acc1.s{s}.fixed.token",
             ("tensor", "exact"): "k128.prom128.s{s}.fixed",
-            ("token", "exact"): "k128.prom128.s{s}.fixed.token"}
+            ("token", "exact"): "k128.prom128.s{s}.fixed.token",
+            ("block128", "exact"): "k128.prom128.s{s}.fixed.block128"}
+    assert set(want) == set(T.SCHEMES) - {("tensor", "fast")}
     for (scales, accum), pattern in want.items():
         space = T.tactic_space(scales=scales, accum=accum)
         assert space and len({t.name for t in space}) == len(space)
         for t in space:
             p = json.loads(json.dumps(t.to_params()))
-            assert p["scales" if scales != "tensor" else "accum"] in ("token", "exact")
+            assert p["scales" if scales != "tensor" else "accum"] in ("token", "block128",
+                                                                      "exact")
             assert tactic_from_params(p) == t and fam.canonical_params(p, "sm_90a") == p
             cid = fam.reduction_class(p)
             assert cid == pattern.format(s=t.splits) == t.reduction_class
@@ -52,6 +56,14 @@ def test_scheme_tactics_round_trip_with_their_classes():
                <= T.MAX_ACC_REGS_PER_THREAD for t in exact)
     assert not [t for t in exact if (t.tile_m, t.tile_n) == (256, 192)]
     assert T.tactic_space(splits=2, accum="exact") == []
+    # block128: the exact space in its scheme, one class
+    assert ([dataclasses.replace(t, scales="tensor") for t in T.tactic_space(scales="block128",
+             accum="exact")] == exact)
+    assert T.class_scheme("k128.prom128.s1.fixed.block128") == (1, "exact", "block128")
+    with pytest.raises(ValueError, match="unknown hopper_fp8_gemm reduction class"):
+        T.class_scheme("k128.acc1.s1.fixed.block128")
+    with pytest.raises(ValueError, match="needs accum='exact'"):
+        T.tactic_space(scales="block128")
     # per-token fast: every tactic of the space, in its scheme
     assert len(T.tactic_space(scales="token")) == len(T.tactic_space()) == 814
 
@@ -62,6 +74,7 @@ def test_scheme_tactics_round_trip_with_their_classes():
     ({"accum": "exact", "splits": 2}, "takes splits=1 only"),
     ({"tile_m": 256, "tile_n": 128, "accum": "exact"}, "promoted sum"),
     ({"scales": 1}, "scales must be one of"),
+    ({"scales": "block128"}, "needs accum='exact'"),
 ])
 def test_bad_scheme_params_are_refused(params, words):
     from cached_client.errors import InvalidTactic
@@ -102,6 +115,8 @@ def test_plan_options_pick_one_class_of_the_scheme_for_every_m():
 
 @pytest.mark.parametrize("options, words", [
     ({"scales": "block"}, "scales='block' is not one of"),
+    ({"scales": "block128", "accumulation": "fast"}, "needs accum='exact'"),
+    ({"reduction_class": "k128.acc1.s1.fixed.block128"}, "unknown hopper_fp8_gemm reduction"),
     ({"accumulation": True}, "accumulation=True is not one of"),
     ({"reduction_class": "k128.prom128.s2.fixed"}, "unknown hopper_fp8_gemm reduction class"),
     ({"reduction_class": "k128.acc1.s1.fixed.token", "scales": "tensor"},
@@ -116,6 +131,24 @@ def test_plan_rejects_bad_scheme_options(options, words):
 
     with pytest.raises(InvalidTactic, match=words):
         HopperFp8().plan((16, 4096, 4096), "sm_90a", 132, options)
+
+
+def test_block128_plans_take_the_exact_block_class_for_every_m():
+    """scales=block128 defaults to exact and plans one class for every M; a K that is not
+    a multiple of 128 is refused with the reason."""
+    from cached_client.errors import InvalidTactic
+
+    from cached.families.hopper_fp8.family import HopperFp8
+
+    fam = HopperFp8()
+    for m in (1, 64, 4096):
+        for opts in ({"scales": "block128", "batch_invariant": True},
+                     {"reduction_class": "k128.prom128.s1.fixed.block128"}):
+            reqs = fam.plan((m, 4096, 7168), "sm_90a", 132, opts)
+            assert reqs and {fam.reduction_class(r.params) for r in reqs} == {
+                "k128.prom128.s1.fixed.block128"}
+    with pytest.raises(InvalidTactic, match="K % 128 == 0.*K = 4160"):
+        fam.plan((16, 4096, 4160), "sm_90a", 132, {"scales": "block128"})
 
 
 def test_scheme_options_through_the_daemon_and_the_client_plan(daemon):
@@ -139,6 +172,16 @@ def test_scheme_options_through_the_daemon_and_the_client_plan(daemon):
     again = gemm_plan.plan_gemm(client, 4096, 4096, arch="sm_90a", sm_count=132, max_m=16,
                                 prefetch=False)
     assert again.choice.reduction_class == "k128.acc1.s1.fixed"
+    blk = gemm_plan.plan_gemm(client, 4096, 7168, arch="sm_90a", sm_count=132, max_m=8192,
+                              prefetch=False, scales="block128")
+    assert blk.choice.reduction_class == "k128.prom128.s1.fixed.block128"
+    assert blk.key.accumulation == "exact" and len(blk.choice.buckets) > 1
+    assert {b.request.params["scales"] for b in blk.choice.buckets} == {"block128"}
+    for bad, words in (({"accumulation": "fast"}, "accumulation 'fast'"),
+                       ({"k": 4160}, "K = 4160")):
+        with pytest.raises(ValueError, match=words):
+            gemm_plan.plan_gemm(client, 4096, bad.pop("k", 7168), arch="sm_90a",
+                                prefetch=False, scales="block128", **bad)
 
 
 def test_accumulation_comes_from_the_environment(monkeypatch):
@@ -183,10 +226,44 @@ def test_launcher_checks_per_token_scales_before_launch():
     assert calls == []
 
 
+def test_launcher_checks_block_scales_before_launch():
+    torch = pytest.importorskip("torch")
+    from cached_client.hopper_fp8 import gemm
+
+    calls = []
+
+    def fn(*args):
+        calls.append(args)
+
+    f8 = torch.float8_e4m3fn
+    a, b = torch.empty(4, 256, dtype=f8), torch.empty(160, 256, dtype=f8)
+    blk = {"tile_m": 128, "tile_n": 128, "scales": "block128", "accum": "exact"}
+    col = torch.ones(2, 4).t()  # (4, 2) column-major, as vLLM's CUTLASS path passes it
+    cases = [
+        (torch.ones(4, 2), torch.ones(2, 2), "a_scale must have strides (1, 4)"),
+        (col, torch.ones(2, 2).t().contiguous().t(), "b_scale must have strides (2, 1)"),
+        (col, torch.ones(1, 2), "b_scale must be a float32 (2, 2) tensor"),
+        (torch.ones(4), torch.ones(2, 2), "a_scale must be a float32 (4, 2) tensor"),
+        (col.double(), torch.ones(2, 2), "float32"),
+    ]
+    for sa, sb, words in cases:
+        with pytest.raises(ValueError) as e:
+            gemm(fn, a, b, sa, sb, torch.bfloat16, params=blk)
+        assert words in str(e.value), (words, str(e.value))
+    a2, b2 = torch.empty(4, 208, dtype=f8), torch.empty(160, 208, dtype=f8)
+    with pytest.raises(ValueError, match="K % 128 == 0.*K = 208"):
+        gemm(fn, a2, b2, torch.ones(4, 2), torch.ones(2, 2), torch.bfloat16, params=blk)
+    # valid block scales (N = 160: a partial last weight block) stop at the CPU tensors
+    with pytest.raises(ValueError, match="CUDA"):
+        gemm(fn, a, b, col, torch.ones(2, 2), torch.bfloat16, params=blk)
+    assert calls == []
+
+
 def _scheme_variants() -> list[HopperFp8Tactic]:
     """One of each code path the schemes touch: the register epilogue (swap_ab) with both,
     ping-pong with both (each warpgroup's own MMA slice), wg_n = 2 per-token, a 'cta' split
-    per-token (the last unit's sum scaled), the 128-row tile exact in e5m2 / fp16."""
+    per-token (the last unit's sum scaled), the 128-row tile exact in e5m2 / fp16, and
+    block128 on the TMA epilogue, swap_ab and ping-pong (the scale indices per path)."""
     H = HopperFp8Tactic
     return [t.normalized() for t in (
         H(8, 64, swap_ab=True, scales="token", accum="exact"),
@@ -194,6 +271,9 @@ def _scheme_variants() -> list[HopperFp8Tactic]:
         H(64, 128, wg_n=2, scales="token"),
         H(64, 128, splits=4, split_mode="cta", scales="token"),
         H(128, 128, out_dtype="float16", ab_dtype="e5m2", accum="exact"),
+        H(128, 128, scales="block128", accum="exact"),
+        H(8, 64, swap_ab=True, scales="block128", accum="exact"),
+        H(64, 128, pingpong=True, scales="block128", accum="exact"),
     )]
 
 
@@ -203,7 +283,7 @@ def test_scheme_tactics_compile_for_sm90a_through_the_daemon(daemon):
     from cached_client.keys import KernelRequest
 
     variants = _scheme_variants()
-    spaces = {t.name for sc in T.SCALE_SCHEMES for acc in T.ACCUM_MODES
+    spaces = {t.name for sc, acc in T.SCHEMES
               for od, ab in (("bfloat16", "e4m3"), ("float16", "e5m2"))
               for t in T.tactic_space(od, ab, scales=sc, accum=acc)}
     assert all(t.name in spaces for t in variants)

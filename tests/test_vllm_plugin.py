@@ -85,6 +85,7 @@ def test_with_a_live_daemon_flashinfer_is_hooked_when_first_imported(tmp_path):
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 HARNESS = ROOT / "tests" / "vllm_harness.py"
 H200, H100, B200 = "NVIDIA H200", "NVIDIA H100", "NVIDIA B200"
+CACHED_BLOCK = "CachedFp8BlockScaledMMKernel"
 CACHED, CUTLASS, FLASHINFER = ("CachedFP8ScaledMMLinearKernel", "CutlassFP8ScaledMMLinearKernel",
                                "FlashInferFP8ScaledMMLinearKernel")
 needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(),
@@ -200,7 +201,8 @@ def test_fp8_linear_selection_at_capability_90_and_100(vllm_runs, run, base, ind
             assert "linear_backend" in vllm_choice["config_error"]
         else:
             assert vllm_choice["static_tensor"][0] in (CUTLASS, FLASHINFER)
-    others = ("dynamic_token", "dynamic_token_channel", "dynamic_tensor", "block")
+    others = ("dynamic_token", "dynamic_token_channel", "dynamic_tensor", "block",
+              "block_k4112")
     if run == "90" and want == CACHED:
         # per-token activation x per-channel (FP8-dynamic) or per-tensor weight: the
         # family's per-token scheme, batch invariant
@@ -209,10 +211,14 @@ def test_fp8_linear_selection_at_capability_90_and_100(vllm_runs, run, base, ind
             assert got["dynamic_tensor"][0] != CACHED
         else:  # asked for without batch invariance: served, and not called invariant
             assert got["dynamic_tensor"] == [CACHED, False]
-        assert got["block"][0] != CACHED  # block FP8: not served (yet)
+        # block FP8 (1x128 x 128x128): the block kernel, batch invariant; K % 128 != 0:
+        # vLLM's choice
+        assert got["block"] == [CACHED_BLOCK, True]
+        assert got["block_k4112"][0] != CACHED_BLOCK
         if "config_error" not in vllm_choice:
             assert got["dynamic_tensor"] == vllm_choice["dynamic_tensor"]
-            assert got["block"] == vllm_choice["block"]
+            assert vllm_choice["block"][0] != CACHED_BLOCK
+            assert got["block_k4112"] == vllm_choice["block_k4112"]
     else:  # not this kernel's (or not on this arch): vLLM's choice stands
         for name in others:
             assert got[name] == vllm_choice[name], name
@@ -230,6 +236,12 @@ def test_the_kernel_says_why_it_refuses_a_layer(vllm_runs):
     assert not ok and "amax over every row" in why and "per-token" in why
     ok, why = got["can_implement block"]
     assert not ok and "(128, 128)" in why and "(1, 128)" in why
+    # the block kernel: block FP8 with K % 128 == 0 only, each refusal with its reason
+    assert got["can_implement_block block"] == [True, None]
+    ok, why = got["can_implement_block block_k4112"]
+    assert not ok and "K % 128 == 0" in why and "K=4112" in why
+    ok, why = got["can_implement_block static_tensor"]
+    assert not ok and "(128, 128) weight blocks" in why and "static activation (-1, -1)" in why
     # without batch invariance a dynamic per-tensor scale is served (--linear-backend cached)
     assert vllm_runs["90"][0]["selected"][3]["can_implement dynamic_tensor"] == [True, None]
     # capability 100 (FlashInfer's per-tensor class): per-token scales are sm_90a's

@@ -76,7 +76,9 @@ LAYERS = (("static_tensor", kFp8StaticTensorSym, kFp8StaticTensorSym),
           ("dynamic_token", kFp8DynamicTokenSym, kFp8StaticTensorSym),
           ("dynamic_token_channel", kFp8DynamicTokenSym, kFp8StaticChannelSym),
           ("dynamic_tensor", kFp8DynamicTensorSym, kFp8StaticTensorSym))
-BLOCK = (("block", kFp8Dynamic128Sym, kFp8Static128BlockSym),)
+# (a layer may name its (N, K); else 4096 x 4096)
+BLOCK = (("block", kFp8Dynamic128Sym, kFp8Static128BlockSym),
+         ("block_k4112", kFp8Dynamic128Sym, kFp8Static128BlockSym, (4096, 4112)))
 
 
 def select(sc: dict, layers: tuple, got: dict) -> None:
@@ -91,24 +93,28 @@ def select(sc: dict, layers: tuple, got: dict) -> None:
         got["config_error"] = f"{type(exc).__name__}: {exc}"[:600]
         return
     with set_current_vllm_config(VllmConfig(kernel_config=config)):
-        for name, act, wkey in layers:
+        for name, act, wkey, *shape in layers:
+            wshape = shape[0] if shape else (4096, 4096)
             try:
                 k = L.init_fp8_linear_kernel(
                     activation_quant_key=act, weight_quant_key=wkey,
                     input_dtype=torch.bfloat16, out_dtype=torch.bfloat16,
-                    weight_shape=(4096, 4096), module_name="Fp8LinearMethod")
+                    weight_shape=wshape, module_name="Fp8LinearMethod")
                 got[name] = [type(k).__name__, fp8_method.fp8_scaled_mm_is_batch_invariant(k)]
             except Exception as exc:  # noqa: BLE001 -- reported
                 got[name] = f"{type(exc).__name__}: {exc}"[:600]
             if "cached_client.vllm_kernel" in sys.modules:  # the kernel's own answer
+                from cached_client.vllm_kernel import CachedFp8BlockScaledMMKernel as KB
                 from cached_client.vllm_kernel import CachedFP8ScaledMMLinearKernel as K
                 from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
                     FP8ScaledMMLinearLayerConfig,
                 )
 
-                got[f"can_implement {name}"] = list(K.can_implement(FP8ScaledMMLinearLayerConfig(
-                    weight_quant_key=wkey, activation_quant_key=act, weight_shape=(4096, 4096),
-                    input_dtype=torch.bfloat16, out_dtype=torch.bfloat16)))
+                lc = FP8ScaledMMLinearLayerConfig(
+                    weight_quant_key=wkey, activation_quant_key=act, weight_shape=wshape,
+                    input_dtype=torch.bfloat16, out_dtype=torch.bfloat16)
+                got[f"can_implement {name}"] = list(K.can_implement(lc))
+                got[f"can_implement_block {name}"] = list(KB.can_implement(lc))
 
 
 for sc in scenarios:

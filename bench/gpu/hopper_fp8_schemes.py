@@ -21,6 +21,12 @@
       first choice per scheme against torch._scaled_mm of the same scheme (per-tensor or
       rowwise, fast accumulation on and off) and vLLM's cutlass_scaled_mm (--vllm-so,
       vLLM 0.33.0's _C_stable_libtorch.abi3.so; per-tensor and per-token scales).
+    block phases (bcorrect, bbi, bperf; --phases): the block128 scheme (1x128 activation x
+      128x128 weight scales, exact) on BLOCK_SHAPES x BLOCK_MS: float64 reference (<= 1.05x
+      the bf16 floor), the seeds' method and eager vs graph, and throughput against vLLM
+      0.33.0's Triton w8a8_block_fp8_matmul (its kernel's source and its H200 configs,
+      copied from the installed vLLM into the bundle at build; the configs vLLM picks
+      without batch invariance) and vLLM's cutlass_scaled_mm with block scales (--vllm-so).
     Tables are printed last; everything goes to $OUT/schemes.json.
 """
 
@@ -43,8 +49,14 @@ MS = [1, 16, 128, 512, 2048, 8192]
 # (scales, accum): the schemes issue 27 adds (per-tensor fast is timed by hopper_fp8_check.py)
 SCHEMES = [("token", "fast"), ("tensor", "exact"), ("token", "exact")]
 NUM_SMS = 132
+# block128: the shapes above (K % 128 == 0 all) and DeepSeek-V3's (small N / large K, very
+# large N); M trimmed to six powers of two for device time
+BLOCK_SHAPES = SHAPES + [(2112, 7168), (576, 7168), (24576, 1536), (7168, 18432),
+                         (36864, 7168), (4608, 7168), (7168, 2048)]
+BLOCK_MS = [1, 16, 128, 512, 2048, 8192]
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+VLLM_SITE = os.path.join(REPO, ".venv-vllm", "lib", "python3.11", "site-packages", "vllm")
 
 
 def scheme_name(scales: str, accum: str) -> str:
@@ -83,23 +95,78 @@ def plan() -> dict:
     return out
 
 
-def build(out: str, jobs: int) -> None:
+def block_plan() -> dict:
+    """{"NxK": {"class": id, "by_m": {M: tactic name}}} of the block128 batch-invariant plan
+    (PLANNED gets their params)."""
+    sys.path[:0] = [REPO, os.path.join(REPO, "client")]
+    from cached.families.hopper_fp8.family import HopperFp8
+    from cached.families.hopper_fp8.tactics import tactic_from_params
+
+    fam = HopperFp8()
+    per = {}
+    for n, k in BLOCK_SHAPES:
+        by_m = {}
+        for m in BLOCK_MS:
+            req = fam.plan((m, n, k), "sm_90a", NUM_SMS,
+                           {"batch_invariant": True, "scales": "block128"})[0]
+            by_m[str(m)] = tactic_from_params(req.params).name
+            PLANNED[by_m[str(m)]] = dict(req.params)
+        per[f"{n}x{k}"] = {"class": tactic_from_params(req.params).reduction_class,
+                           "by_m": by_m}
+    return per
+
+
+def copy_vllm_triton(out: str) -> None:
+    """vLLM 0.33.0's Triton block-FP8 kernel (its source, unchanged, cut from the installed
+    fp8_utils.py) and its H200 block configs, for the rival (bundle only, not the repo)."""
+    import ast
+
+    src_path = os.path.join(VLLM_SITE, "model_executor", "layers", "quantization", "utils",
+                            "fp8_utils.py")
+    src = open(src_path).read()
+    fn = next(x for x in ast.parse(src).body if isinstance(x, ast.FunctionDef)
+              and x.name == "_w8a8_triton_block_scaled_mm")
+    lines = src.splitlines()[fn.decorator_list[0].lineno - 1:fn.end_lineno]
+    with open(os.path.join(out, "vllm_triton_block.py"), "w") as f:
+        f.write("# cut from vLLM 0.33.0 model_executor/layers/quantization/utils/fp8_utils.py\n"
+                "import triton\nimport triton.language as tl\n\n\n" + "\n".join(lines) + "\n")
+    cdir = os.path.join(out, "triton_configs")
+    os.makedirs(cdir, exist_ok=True)
+    src_cfg = os.path.join(os.path.dirname(src_path), "configs")
+    for n, k in BLOCK_SHAPES:
+        nm = (f"N={n},K={k},device_name=NVIDIA_H200,dtype=fp8_w8a8,"
+              f"block_shape=[128,128].json")
+        if os.path.exists(os.path.join(src_cfg, nm)):
+            shutil.copy2(os.path.join(src_cfg, nm), os.path.join(cdir, f"{n}x{k}.json"))
+
+
+def build(out: str, jobs: int, block_only: bool = False) -> None:
     sys.path[:0] = [REPO, os.path.join(REPO, "client")]
     from cached.families.hopper_fp8.family import HopperFp8
     from cached.families.hopper_fp8.tactics import HopperFp8Tactic, tactic_from_params
 
-    p = plan()
+    p = {} if block_only else plan()
+    bp = block_plan()
     by_name = {nm: tactic_from_params(params) for nm, params in PLANNED.items()}
-    names = list(dict.fromkeys(nm for per in p.values() for sh in per.values()
-                               for nm in sh["by_m"].values()))
+    names = list(dict.fromkeys([nm for per in p.values() for sh in per.values()
+                                for nm in sh["by_m"].values()]
+                               + [nm for sh in bp.values() for nm in sh["by_m"].values()]))
     # a few more on the correctness data: code paths the plan's first choices lack (exact
     # ping-pong and wg_n = 2, an exact narrow tile, e5m2 / fp16)
-    extra = [HopperFp8Tactic(**kw).normalized() for kw in (
+    extra = [] if block_only else [HopperFp8Tactic(**kw).normalized() for kw in (
         {"tile_m": 64, "tile_n": 128, "pingpong": True, "scales": "token", "accum": "exact"},
         {"tile_m": 64, "tile_n": 128, "wg_n": 2, "accum": "exact"},
         {"tile_m": 64, "tile_n": 48, "scales": "token", "accum": "exact"},
         {"tile_m": 128, "tile_n": 128, "out_dtype": "float16", "ab_dtype": "e5m2",
          "scales": "token", "accum": "exact"})]
+    # block128's code paths beyond the plan's picks: ping-pong, swap_ab, wg_n = 2, a narrow
+    # tile (tile_n 48: weight blocks split across tiles), e5m2 / fp16
+    extra += [HopperFp8Tactic(scales="block128", accum="exact", **kw).normalized() for kw in (
+        {"tile_m": 64, "tile_n": 128, "pingpong": True},
+        {"tile_m": 16, "tile_n": 64, "swap_ab": True},
+        {"tile_m": 64, "tile_n": 128, "wg_n": 2},
+        {"tile_m": 64, "tile_n": 48},
+        {"tile_m": 128, "tile_n": 128, "out_dtype": "float16", "ab_dtype": "e5m2"})]
     for t in extra:
         by_name.setdefault(t.name, t)
         if t.name not in names:
@@ -150,12 +217,14 @@ def build(out: str, jobs: int) -> None:
         subprocess.check_call(f"xz -6 -T2 -c {rt}/libcute_dsl_runtime.so > "
                               f"{out}/libcute_dsl_runtime.so.xz", shell=True)
     shutil.copy2(__file__, os.path.join(out, "hopper_fp8_schemes.py"))
+    copy_vllm_triton(out)
     cdst = os.path.join(out, "client", "cached_client")
     shutil.rmtree(cdst, ignore_errors=True)
     shutil.copytree(os.path.join(REPO, "client", "cached_client"), cdst,
                     ignore=shutil.ignore_patterns("__pycache__"))
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump({"kernels": entries, "plan": p, "shapes": SHAPES, "ms": MS,
+                   "block_plan": bp, "block_shapes": BLOCK_SHAPES, "block_ms": BLOCK_MS,
                    "source_sha256": HopperFp8().source_sha256(),
                    "compiled_now": len(todo),
                    "compile_wall_seconds": round(time.perf_counter() - t0, 1)}, f, indent=1)
@@ -482,6 +551,237 @@ class Runner:
         self.res["perf"] = rows
 
 
+class BlockRunner:
+    """The block128 phases on a Runner's kernels (module doc)."""
+
+    def __init__(self, r: Runner, bundle: str):
+        self.r, self.t = r, r.t
+        self.tri = None
+        self.cfgs = {}
+        try:
+            sys.path.insert(0, bundle)
+            import vllm_triton_block
+
+            self.tri = vllm_triton_block._w8a8_triton_block_scaled_mm
+            cdir = os.path.join(bundle, "triton_configs")
+            for f in os.listdir(cdir):
+                with open(os.path.join(cdir, f)) as fh:
+                    self.cfgs[f[:-5]] = {int(m): c for m, c in json.load(fh).items()}
+        except Exception as ex:  # noqa: BLE001 -- reported, the run goes on without it
+            r.p(f"Triton rival unavailable: {ex}")
+        r.res["triton_configs"] = sorted(self.cfgs)
+        self.names = [e["name"] for e in r.man["kernels"]
+                      if e["params"].get("scales") == "block128"]
+
+    def data(self, m, n, k, ab=None, seed=0):
+        """a (m, k), b (n, k) FP8; a_scale (m, k/128) column-major, b_scale (ceil(n/128),
+        k/128) row-major, fp32 in [0.5, 2)."""
+        t = self.t
+        dev = self.r.dev
+        g = t.Generator(device=dev).manual_seed(seed)
+        ab = ab or t.float8_e4m3fn
+        a = t.randn(m, k, device=dev, generator=g).to(ab)
+        b = t.randn(n, k, device=dev, generator=g).to(ab)
+        kb, nb = k // 128, -(-n // 128)
+        sa = (t.rand(kb, m, device=dev, generator=g) * 1.5 + 0.5).t()
+        sb = t.rand(nb, kb, device=dev, generator=g) * 1.5 + 0.5
+        return a, b, sa, sb
+
+    def ref(self, a, b, sa, sb):
+        n, k = b.shape
+        fa = a.double() * sa.double().repeat_interleave(128, dim=1)[:, :k]
+        fb = b.double() * sb.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)
+        return fa @ fb.t()
+
+    @staticmethod
+    def rows(sa, mm):
+        """The first mm rows' activation scales as a client passes them: column-major."""
+        return sa[:mm].t().contiguous().t()
+
+    def triton(self, a, b, sa, sb, c):
+        m, k = a.shape
+        n = b.shape[0]
+        cfg = self.cfgs.get(f"{n}x{k}")
+        cfg = (cfg[min(cfg, key=lambda x: abs(x - m))] if cfg else
+               {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128,
+                "GROUP_SIZE_M": 32, "num_warps": 4, "num_stages": 2})
+        grid = (-(-m // cfg["BLOCK_SIZE_M"]) * -(-n // cfg["BLOCK_SIZE_N"]),)
+        self.tri[grid](a, b, c, sa, sb, m, n, k, 128, 128, a.stride(0), a.stride(1),
+                       b.stride(1), b.stride(0), c.stride(0), c.stride(1), sa.stride(0),
+                       sa.stride(1), sb.stride(1), sb.stride(0), **cfg)
+        return c
+
+    def cutlass(self, a, b, sa, sb, c):
+        self.t.ops._C.cutlass_scaled_mm(c, a, b.t(), sa, sb.t(), None)
+        return c
+
+    def correct(self):
+        t, r = self.t, self.r
+        problems = [(1, 256, 128), (77, 2688, 4096), (300, 1040, 4224), (129, 4624, 2688),
+                    (1000, 4096, 4096), (5, 3584, 18944), (64, 1024, 16384),
+                    (333, 2112, 7168), (200, 7168, 18432), (17, 576, 7168)]
+        rows = []
+        for m, n, k in problems:
+            per = {}
+            for name in self.names:
+                ab, od = r.dtypes(name)
+                if (ab, od) not in per:
+                    a, b, sa, sb = self.data(m, n, k, ab, seed=m + n + k)
+                    ref = self.ref(a, b, sa, sb)
+                    bf16 = ((ref.to(t.bfloat16).double() - ref).norm() / ref.norm()).item()
+                    floor = ((ref.to(od).double() - ref).norm() / ref.norm()).item()
+                    per[(ab, od)] = (a, b, sa, sb, ref, bf16, floor, {})
+                    if ab == t.float8_e4m3fn and od == t.bfloat16:
+                        rivals = {"triton": self.triton} if self.tri else {}
+                        if r.vllm:
+                            rivals["vllm_cutlass"] = self.cutlass
+                        for rn, fn in rivals.items():
+                            try:
+                                c = fn(a, b, sa, sb, t.empty(m, n, dtype=od, device=r.dev))
+                                rows.append(dict(m=m, n=n, k=k, impl=rn, floor=bf16, rel=(
+                                    (c.double() - ref).norm() / ref.norm()).item()))
+                            except Exception as ex:  # noqa: BLE001 -- reported
+                                rows.append(dict(m=m, n=n, k=k, impl=rn, error=str(ex)[:200]))
+                a, b, sa, sb, ref, bf16, floor, first = per[(ab, od)]
+                out = r.call(name, a, b, sa, sb)
+                t.cuda.synchronize()
+                rel = ((out.double() - ref).norm() / ref.norm()).item()
+                f = first.setdefault(r.cls[name], (name, out))
+                same = bool(t.equal(out, f[1]))
+                ok = bool(t.isfinite(out).all().item()) and same and rel <= 1.05 * bf16
+                rows.append(dict(m=m, n=n, k=k, impl=name, cls=r.cls[name], ab=str(ab),
+                                 rel=rel, floor=floor, ratio_floor=rel / floor,
+                                 ratio_bf16_floor=rel / bf16, same_as_class_first=same, ok=ok))
+                if not ok:
+                    r.p(f"  FAIL {name} {m}x{n}x{k}: rel={rel:.3g} bf16 floor={bf16:.3g} "
+                        f"same={same}")
+            r.p(f"bcorrect {m}x{n}x{k}: done")
+        r.res["bcorrect"] = rows
+
+    def bi(self):
+        t, r = self.t, self.r
+        ms = r.man["block_ms"]
+        full_m = max(ms)
+        rows = []
+        for n, k in [tuple(x) for x in r.man["block_shapes"]]:
+            x, w, sa, sb = self.data(full_m, n, k, seed=n * 7 + k)
+            pick = r.man["block_plan"][f"{n}x{k}"]["by_m"]
+
+            def run(name, mm, x=x, w=w, sa=sa, sb=sb):
+                return r.call(name, x[:mm].clone(), w, self.rows(sa, mm), sb)
+            for name in sorted(set(pick.values())):
+                full = run(name, full_m)
+                diff = {mm: r.rows_differ(full, run(name, mm)) for mm in ms}
+                xs, sas = x[:ms[1]].clone(), self.rows(sa, ms[1])
+                eager = r.call(name, xs, w, sas, sb)
+                gout = t.full_like(eager, float("nan"))
+                st = t.cuda.Stream()
+                st.wait_stream(t.cuda.current_stream())
+                with t.cuda.stream(st):
+                    r.call(name, xs, w, sas, sb, out=gout)
+                t.cuda.current_stream().wait_stream(st)
+                gout.fill_(float("nan"))
+                g = t.cuda.CUDAGraph()
+                with t.cuda.graph(g):
+                    r.call(name, xs, w, sas, sb, out=gout)
+                g.replay()
+                t.cuda.synchronize()
+                rows.append(dict(n=n, k=k, impl=name, cls=r.cls[name], diff_rows=diff,
+                                 total=sum(diff.values()), graph_equal=bool(t.equal(eager, gout))))
+            full = run(pick[str(full_m)], full_m)
+            diff = {mm: r.rows_differ(full, run(pick[str(mm)], mm)) for mm in ms}
+            rows.append(dict(n=n, k=k, impl="plan_mix block128", diff_rows=diff,
+                             total=sum(diff.values())))
+            r.p(f"bbi {n}x{k}: done")
+        r.res["bbi"] = rows
+
+    def perf(self, deadline):
+        t, r = self.t, self.r
+        rows = []
+        r.res["bperf"] = rows
+        for m in r.man["block_ms"]:
+            for n, k in [tuple(x) for x in r.man["block_shapes"]]:
+                if time.time() > deadline:
+                    r.p(f"bperf: deadline at M={m} {n}x{k}")
+                    r.res["bperf_truncated"] = True
+                    return
+                per = m * k + n * k + 2 * m * n
+                nsets = max(1, min(16, -(-(200 << 20) // per)))
+                D = [self.data(m, n, k, seed=1000 + i) for i in range(nsets)]
+                C = [t.empty(m, n, dtype=t.bfloat16, device=r.dev) for _ in range(nsets)]
+                iters = 20 if m * n * k < (1 << 36) else 6
+                name = r.man["block_plan"][f"{n}x{k}"]["by_m"][str(m)]
+                fn = r.fns[name]
+                impls = {"ours": lambda i, fn=fn, D=D, C=C: fn(
+                    D[i][0], D[i][1], C[i], D[i][2], D[i][3], D[i][3].reshape(-1),
+                    D[i][3].reshape(-1).view(t.int32))}
+                if self.tri:
+                    impls["triton"] = lambda i, D=D, C=C: self.triton(*D[i], C[i])
+                if r.vllm:
+                    impls["vllm_cutlass"] = lambda i, D=D, C=C: self.cutlass(*D[i], C[i])
+                graphs = {}
+                for key, f in impls.items():
+                    try:
+                        graphs[key] = r._graph(f, nsets, iters)
+                    except Exception as ex:  # noqa: BLE001 -- reported
+                        r.res.setdefault("bperf_skipped", {})[f"{key} {m} {n}x{k}"] = str(ex)[:200]
+                        t.cuda.synchronize()
+                keys = list(graphs)
+                samples = {key: [] for key in keys}
+                for rnd in range(5):
+                    for j in range(len(keys)):
+                        key = keys[(j + rnd) % len(keys)]
+                        samples[key].append(r._us(graphs[key], iters, 5))
+                res = {key: statistics.median(v) for key, v in samples.items()}
+                del graphs, D, C
+                rows.append(dict(m=m, n=n, k=k, us=res, first=name))
+                r.p(f"bperf M={m} {n}x{k}: " + " ".join(f"{a}={b:.1f}" for a, b in res.items()))
+
+
+def block_tables(res) -> None:
+    """block128: correctness per class, bi totals, and the ratio table per rival."""
+    if "bcorrect" in res:
+        ours = [x for x in res["bcorrect"] if "cls" in x]
+        print(f"\n## block128 correctness: {len(ours)} runs, all ok: "
+              f"{all(x['ok'] for x in ours)}, max rel/bf16 floor "
+              f"{max(x['ratio_bf16_floor'] for x in ours):.3f}")
+        for impl in ("triton", "vllm_cutlass"):
+            v = [x["rel"] / x["floor"] for x in res["bcorrect"] if x["impl"] == impl
+                 and "rel" in x]
+            if v:
+                print(f"  {impl}: max rel/bf16 floor {max(v):.3f}")
+    if "bbi" in res:
+        print(f"\n## block128 batch invariance: {len(res['bbi'])} rows, "
+              f"{sum(x['total'] for x in res['bbi'])} differing rows; eager vs graph unequal: "
+              f"{sum(not x.get('graph_equal', True) for x in res['bbi'])}")
+    if "bperf" not in res:
+        return
+    perf = res["bperf"]
+    ms = sorted({x["m"] for x in perf})
+    shapes = list(dict.fromkeys((x["n"], x["k"]) for x in perf))
+    for rival in ("triton", "vllm_cutlass", "best"):
+        print(f"\nblock128: {rival} us / ours us (>1: ours faster; ours in us)\n")
+        print("| N x K | " + " | ".join(f"M={m}" for m in ms) + " |")
+        print("|---|" + "---|" * len(ms))
+        allr = []
+        for n, k in shapes:
+            cells = []
+            for m in ms:
+                x = next((y for y in perf if (y["m"], y["n"], y["k"]) == (m, n, k)), None)
+                us = x["us"] if x else {}
+                have = ([us[y] for y in ("triton", "vllm_cutlass") if y in us]
+                        if rival == "best" else [us[rival]] if rival in us else [])
+                if "ours" not in us or not have:
+                    cells.append("-")
+                    continue
+                allr.append(min(have) / us["ours"])
+                cells.append(f"{allr[-1]:.2f} ({us['ours']:.1f})")
+            print(f"| {n}x{k} | " + " | ".join(cells) + " |")
+        if allr:
+            print(f"\ngeomean {_gm(allr):.3f}, min {min(allr):.2f}, max {max(allr):.2f}, "
+                  f">= 1.0: {sum(x >= 1.0 for x in allr)}/{len(allr)}")
+
+
 def _gm(xs):
     import math
 
@@ -584,8 +884,11 @@ def run(bundle, out, phases, vllm_so, budget):
     path = os.path.join(out, "schemes.json")
     import traceback
 
+    br = BlockRunner(r, bundle) if any(x.startswith("b") for x in phases) else None
     for phase, fn in (("correct", r.correct), ("bi", r.bi),
-                      ("perf", lambda: r.perf(t0 + budget))):
+                      ("perf", lambda: r.perf(t0 + budget)),
+                      ("bcorrect", lambda: br.correct()), ("bbi", lambda: br.bi()),
+                      ("bperf", lambda: br.perf(t0 + budget))):
         if phase not in phases:
             continue
         try:
@@ -597,6 +900,7 @@ def run(bundle, out, phases, vllm_so, budget):
         with open(path, "w") as f:
             json.dump(r.res, f, indent=1, default=str)
     tables(r.res)
+    block_tables(r.res)
 
 
 def main():
@@ -605,6 +909,7 @@ def main():
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
     b.add_argument("--jobs", type=int, default=2)
+    b.add_argument("--block-only", action="store_true", help="only the block128 kernels")
     sub.add_parser("plan")
     r = sub.add_parser("run")
     r.add_argument("--bundle", default=HERE)
@@ -617,7 +922,7 @@ def main():
     s.add_argument("--markdown", action="store_true", help="the ratio tables as markdown")
     a = ap.parse_args()
     if a.cmd == "build":
-        build(a.out, a.jobs)
+        build(a.out, a.jobs, a.block_only)
     elif a.cmd == "plan":
         print(json.dumps(plan(), indent=1))
     elif a.cmd == "run":
@@ -625,7 +930,11 @@ def main():
     else:
         with open(a.json) as f:
             res = json.load(f)
-        markdown(res) if a.markdown else tables(res)
+        if a.markdown and "perf" in res:
+            markdown(res)
+        else:
+            tables(res)
+        block_tables(res)
 
 
 if __name__ == "__main__":

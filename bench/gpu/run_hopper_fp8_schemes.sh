@@ -7,13 +7,15 @@
 #          -> DIR/v1/vllmC.part00, DIR/b/ (kernels, manifest, vllmC.part01, wheel, runtime.xz)
 #   there: call 1, carry [DIR/v1]:  bash DIR/b/../run_hopper_fp8_schemes.sh part1 DIR
 #          call 2, carry [DIR/b]:   bash DIR/b/run_hopper_fp8_schemes.sh gpu DIR/b [budget_s]
+# BLOCK_ONLY=1 (build): only the block128 kernels; PHASES=bcorrect,bbi,bperf (gpu): the
+# block128 phases only (hopper_fp8_schemes.py --phases)
 set -euo pipefail
 mode=$1
 if [[ $mode == build ]]; then
   D=$2
   cd "$(dirname "$0")/../.."
   CUTE_DSL_ARCH=sm_90a ${PYTHON:-.venv/bin/python} bench/gpu/hopper_fp8_schemes.py build \
-    --out "$D/b" --jobs "${JOBS:-2}"
+    --out "$D/b" --jobs "${JOBS:-2}" ${BLOCK_ONLY:+--block-only}
   so=.venv-vllm/lib/python3.11/site-packages/vllm/_C_stable_libtorch.abi3.so
   if [[ ! -f $D/b/vllmC.part01 ]]; then
     mkdir -p "$D/v1"
@@ -47,7 +49,8 @@ if [[ $mode == gpu ]]; then
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
     | tee "$OUT/nvidia-smi.txt" || true
   python3 "$B/hopper_fp8_schemes.py" run --bundle "$B" --out "$OUT" \
-    ${vso:+--vllm-so $vso} --budget "$budget" 2>&1 | tee "$OUT/run.log"
+    ${vso:+--vllm-so $vso} --budget "$budget" ${PHASES:+--phases $PHASES} 2>&1 \
+    | tee "$OUT/run.log"
   exit 0
 fi
 echo "usage: $0 build DIR | part1 DIR | gpu BUNDLE [budget_s]" >&2

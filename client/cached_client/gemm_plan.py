@@ -36,7 +36,7 @@ FLASHINFER_BI_FAMILY = "flashinfer.bi.bmm_fp8"
 FLASHINFER_BI_ARCHES = policy.FLASHINFER_BI_ARCHES
 _OUT = {"bfloat16": "bf16", "float16": "f16"}
 _AB = ("e4m3", "e5m2")
-_SCALES = ("tensor", "token")
+_SCALES = ("tensor", "token", "block128")
 _ACCUMULATION = ("fast", "exact")
 #: "fast" (the default) or "exact" (the wgmma accumulator promoted every K tile: the bf16
 #: floor, slower): what the vLLM kernel plans its layers with
@@ -156,19 +156,26 @@ def plan_gemm(client: Any, n: int, k: int, *, arch: str, sm_count: int | None = 
               device: str | None = None, out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
               batch_invariant: bool = True, max_m: int = DEFAULT_MAX_M,
               op: str = "linear", prefetch: bool = True, scales: str = "tensor",
-              accumulation: str = "fast") -> GemmPlan:
+              accumulation: str | None = None) -> GemmPlan:
     """The plan for (op, N, K, dtype, arch, device), asked of the daemon ``client``, its
     kernels queued in one ``prefetch`` (unless ``prefetch=False``). ``scales`` ("tensor",
-    "token") and ``accumulation`` ("fast", "exact") pick the scheme (cached.hopper_fp8
-    only; FlashInfer's class is per-tensor and fast). Raises PlanUnavailable,
+    "token", "block128") and ``accumulation`` ("fast", "exact"; None: "exact" for block128,
+    its only mode, else "fast") pick the scheme (cached.hopper_fp8 only; FlashInfer's class
+    is per-tensor and fast). Raises PlanUnavailable,
     ValueError for bad arguments, MixedReductionClasses and the daemon's CachedErrors."""
     if out_dtype not in _OUT:
         raise ValueError(f"out_dtype must be one of {', '.join(_OUT)}, got {out_dtype!r}")
     if ab_dtype not in _AB:
         raise ValueError(f"ab_dtype must be one of {', '.join(_AB)}, got {ab_dtype!r}")
+    if accumulation is None:
+        accumulation = "exact" if scales == "block128" else "fast"
     if scales not in _SCALES or accumulation not in _ACCUMULATION:
         raise ValueError(f"scales must be one of {', '.join(_SCALES)} and accumulation one of "
                          f"{', '.join(_ACCUMULATION)}, got {scales!r}, {accumulation!r}")
+    if scales == "block128" and (accumulation != "exact" or k % 128):
+        raise ValueError(f"scales 'block128' need accumulation 'exact' and K % 128 == 0 (the "
+                         f"block scales go in at the promotion of every 128 of K), got "
+                         f"accumulation {accumulation!r}, K = {k}")
     family = family_for(arch)
     if family != HOPPER_FAMILY and (scales, accumulation) != ("tensor", "fast"):
         raise PlanUnavailable(f"{family} serves per-tensor scales with fast accumulation "
@@ -217,7 +224,9 @@ class HopperFp8Gemm:
     """A loaded ``cached.hopper_fp8`` plan: ``gemm(a, b, a_scale, b_scale, out=None)``.
 
     a (M, K) and b (N, K) FP8 (the plan's ab_dtype), K-major; a_scale, b_scale 1-element
-    float32 CUDA tensors (per-token plans: M and N float32 values); returns C (M, N) in the
+    float32 CUDA tensors (per-token plans: M and N float32 values; block128 plans: a_scale
+    (M, K/128) column-major and b_scale (ceil(N/128), K/128) row-major, cached_client.
+    hopper_fp8.check_gemm_args); returns C (M, N) in the
     plan's out_dtype. M picks the bucket (the smallest upper bound >= M; the last bucket
     above). One workspace serves one launch at a time: GEMMs on concurrent streams need
     their own loaded plan.

@@ -83,7 +83,28 @@ def _dtype_name(dt: Any) -> str:
     return str(dt).replace("torch.", "")
 
 
-SCALE_SCHEMES = ("tensor", "token")
+SCALE_SCHEMES = ("tensor", "token", "block128")
+BLOCK = 128  # block128: activation groups 1 x BLOCK, weight blocks BLOCK x BLOCK
+
+
+def _check_block_scales(a_scale, b_scale, m: int, n: int, k: int) -> None:
+    """The block128 scale layouts (check_gemm_args); ValueError naming the one expected."""
+    import torch
+
+    if k % BLOCK:
+        raise ValueError(f"block128 scales need K % {BLOCK} == 0 (one scale group per K "
+                         f"tile), got K = {k}")
+    kb, nb = k // BLOCK, -(-n // BLOCK)
+    want = {"a_scale": ((m, kb), (1, m), "column-major: a_scale = s.t().contiguous().t()"),
+            "b_scale": ((nb, kb), (kb, 1), "row-major: call .contiguous()")}
+    for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
+        shape, strides, how = want[name]
+        if s.dtype != torch.float32 or tuple(s.shape) != shape:
+            raise ValueError(f"block128 scales: {name} must be a float32 {shape} tensor, got "
+                             f"shape {tuple(s.shape)} {s.dtype}")
+        if shape[0] > 1 and shape[1] > 1 and s.stride() != strides:
+            raise ValueError(f"block128 scales: {name} must have strides {strides} ({how}), "
+                             f"got {s.stride()}")
 
 
 def check_gemm_args(a, b, a_scale, b_scale, out_dtype, out=None,
@@ -92,7 +113,10 @@ def check_gemm_args(a, b, a_scale, b_scale, out_dtype, out=None,
 
     ``scales``: ``"tensor"`` (1-element a_scale and b_scale) or ``"token"`` (a_scale M
     float32 values, one per row of a, and b_scale N values, one per row of b; contiguous,
-    any shape of that many elements, e.g. (M, 1))."""
+    any shape of that many elements, e.g. (M, 1)) or ``"block128"`` (K % 128 == 0; a_scale
+    (M, K/128) float32 column-major, strides (1, M), as vLLM's per_token_group_quant_fp8
+    with column_major_scales=True writes it; b_scale (ceil(N/128), K/128) float32
+    row-major)."""
     import torch
 
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
@@ -136,6 +160,8 @@ def check_gemm_args(a, b, a_scale, b_scale, out_dtype, out=None,
                 f"per-token scales: {name} must be a contiguous float32 tensor of {want} "
                 f"elements (one per row of {name[0]}), got shape {tuple(s.shape)} {s.dtype}"
             )
+    if scales == "block128":
+        _check_block_scales(a_scale, b_scale, m, n, k)
     for name, t in (("a", a), ("b", b)):
         if t.stride(1) != 1 or t.stride(0) != t.shape[1]:
             raise ValueError(
@@ -215,7 +241,8 @@ def gemm(
 
     a (M, K) and b (N, K): float8 CUDA tensors, K contiguous; a_scale, b_scale: 1-element
     float32 CUDA tensors, or for a tactic with ``scales="token"`` (its ``params`` say so)
-    M and N float32 values (element (m, n) scaled by a_scale[m] * b_scale[n]); out_dtype:
+    M and N float32 values (element (m, n) scaled by a_scale[m] * b_scale[n]), or for
+    ``scales="block128"`` the block scales (check_gemm_args); out_dtype:
     torch.bfloat16 or torch.float16 (must match the dtype the tactic was compiled for).
     ``params``: the tactic's params (from its request); required with
     ``workspace``/``counters``, which a ``split_mode="cta"`` tactic needs (module doc).
@@ -228,8 +255,16 @@ def gemm(
     check_workspace(params, m, n, a.device, workspace, counters)
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    sa, sb = a_scale.reshape(-1), b_scale.reshape(-1)
+    if scales == "block128":
+        # the strides the kernel was compiled for; exact views (a size-1 dim's stride is
+        # never used), so no copy
+        kb, nb = a_scale.shape[1], b_scale.shape[0]
+        sa, sb = a_scale.as_strided((m, kb), (1, m)), b_scale.as_strided((nb, kb), (kb, 1))
+        flat = sb.reshape(-1)
+    else:
+        sa, sb = a_scale.reshape(-1), b_scale.reshape(-1)
+        flat = sa
     if workspace is None:  # placeholders: only split_mode="cta" kernels read them
-        workspace, counters = sa, sa.view(torch.int32)
+        workspace, counters = flat, flat.view(torch.int32)
     fn(a, b, out, sa, sb, workspace, counters)
     return out

@@ -6,7 +6,8 @@ registry (``vllm.model_executor.kernels.linear``) has been imported, so it may i
 and torch. What :func:`attach_linear` changes in vLLM:
 
 1. ``CachedFP8ScaledMMLinearKernel`` goes first in the CUDA FP8 list
-   (``_POSSIBLE_FP8_KERNELS``) and is the ``--linear-backend`` value ``cached``
+   (``_POSSIBLE_FP8_KERNELS``) and ``CachedFp8BlockScaledMMKernel`` first in the CUDA block
+   FP8 list (``_POSSIBLE_FP8_BLOCK_KERNELS``); both are the ``--linear-backend`` value ``cached``
    (``_LINEAR_BACKEND_KERNEL_MAP``; the plugin adds the name to
    ``KernelConfig.linear_backend``). Its ``is_supported`` says yes only when asked for
    (``--linear-backend cached``), or under ``VLLM_BATCH_INVARIANT=1`` where the daemon holds
@@ -32,10 +33,14 @@ from typing import Any
 import torch
 from vllm import envs
 from vllm.logger import init_logger
+from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
+    Fp8BlockScaledMMLinearKernel,
+)
 from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
     FP8ScaledMMLinearKernel,
     FP8ScaledMMLinearLayerConfig,
 )
+from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
 from vllm.platforms import current_platform
 
 from . import gemm_plan, policy
@@ -48,6 +53,7 @@ DEVICE_NAME_ENV = "CACHED_DEVICE_NAME"
 ACCUMULATION_ENV = gemm_plan.ACCUMULATION_ENV
 ARCH_OF_CAPABILITY = {90: "sm_90a", 100: "sm_100a", 103: "sm_103a", 107: "sm_107a"}
 QUANTIZATION = "fp8_w8a8"
+BLOCK = 128  # block FP8: activation groups (1, BLOCK), weight blocks (BLOCK, BLOCK)
 _lock = threading.Lock()
 _certified: dict[tuple[str, str, str | None], dict | None] = {}
 _plans: dict[gemm_plan.PlanKey, Any] = {}  # loaded plans, shared by layers of one shape
@@ -226,6 +232,73 @@ class CachedFP8ScaledMMLinearKernel(FP8ScaledMMLinearKernel):
         return out.view(*output_shape)
 
 
+class CachedFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
+    """Block FP8 W8A8 linear (DeepSeek-V3 / Qwen3-FP8: 128x128 weight blocks, dynamic 1x128
+    activation groups) on ``cached.hopper_fp8``'s block128 class
+    (``k128.prom128.s1.fixed.block128``), sm_90a only. Offered when
+    :class:`CachedFP8ScaledMMLinearKernel` is (its ``is_supported``). The activation scales
+    are quantized column-major (M, K/128), as vLLM's CUTLASS block kernel asks for; the
+    weight's block scales are (ceil(N/128), K/128) fp32 row-major."""
+
+    def __init__(self, config: FP8ScaledMMLinearLayerConfig) -> None:
+        super().__init__(config)
+        act = config.activation_quant_key.scale
+        self.quant_fp8 = QuantFP8(static=act.static, group_shape=act.group_shape,
+                                  num_token_padding=self.get_output_padding(),
+                                  use_ue8m0=False, column_major_scales=True)
+
+    @classmethod
+    def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
+        return CachedFP8ScaledMMLinearKernel.is_supported(compute_capability)
+
+    @classmethod
+    def can_implement(cls, c: FP8ScaledMMLinearLayerConfig) -> tuple[bool, str | None]:
+        w, a = c.weight_quant_key.scale, c.activation_quant_key.scale
+        if a.static or tuple(a.group_shape) != (1, BLOCK) or tuple(w.group_shape) != (
+                BLOCK, BLOCK):
+            return False, (f"serves dynamic (1, {BLOCK}) activation groups x ({BLOCK}, {BLOCK}) "
+                           f"weight blocks; not weight {tuple(w.group_shape)} x "
+                           f"{'static' if a.static else 'dynamic'} activation "
+                           f"{tuple(a.group_shape)} groups")
+        arch = ARCH_OF_CAPABILITY.get(_capability())
+        if arch != "sm_90a":
+            return False, (f"block FP8 is served on sm_90a ({gemm_plan.HOPPER_FAMILY}), "
+                           f"not on {arch}")
+        n, k = c.weight_shape
+        if k % BLOCK or n % 16:
+            return False, (f"needs K % {BLOCK} == 0 (one scale group per K tile) and N % 16 "
+                           f"== 0, got N={n} K={k}")
+        if c.out_dtype not in (torch.bfloat16, torch.float16, None):
+            return False, f"outputs bfloat16 or float16, not {c.out_dtype}"
+        return True, None
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """vLLM's block processing, then the layouts the kernel reads (weight (N, K)
+        row-major, block scales fp32 row-major) and this shape's plan, loaded now."""
+        from vllm.model_executor.utils import replace_parameter
+
+        super().process_weights_after_loading(layer)
+        params = self._get_layer_params(layer)
+        n, k = params.weight.shape
+        if not params.weight.is_contiguous():
+            replace_parameter(layer, params.WEIGHT, params.weight.contiguous())
+        bs = params.block_scale
+        want = (-(-n // BLOCK), k // BLOCK)
+        if tuple(bs.shape) != want:
+            raise ValueError(f"cached: block FP8 layer of N={n} K={k}: weight block scales "
+                             f"are {tuple(bs.shape)}, not {want}")
+        replace_parameter(layer, params.block_scale_attr, bs.to(torch.float32).contiguous())
+        self._gemm_index = load_plan(n, k, params.weight.dtype,
+                                     self.config.out_dtype or torch.bfloat16,
+                                     params.weight.device, scales="block128",
+                                     accumulation="exact")
+
+    def apply_block_scaled_mm(self, A: torch.Tensor, B: torch.Tensor, As: torch.Tensor,
+                              Bs: torch.Tensor) -> torch.Tensor:
+        return torch.ops.cached.fp8_gemm(A, B, As, Bs, self._gemm_index,
+                                         self.config.out_dtype or torch.bfloat16)
+
+
 def load_plan(n: int, k: int, ab_dtype: torch.dtype, out_dtype: torch.dtype,
               device: torch.device, scales: str = "tensor", accumulation: str = "fast") -> int:
     """The custom op's index of the loaded plan for (N, K) and the scheme on ``device``;
@@ -267,7 +340,8 @@ def load_plan(n: int, k: int, ab_dtype: torch.dtype, out_dtype: torch.dtype,
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
              plan: int, out_dtype: torch.dtype) -> torch.Tensor:
     """C (M, N) = a (M, K) @ b (N, K)^T * a_scale * b_scale by the loaded plan ``plan``
-    (scales of one element, or M and N values for a per-token plan)."""
+    (scales of one element, M and N values for a per-token plan, or the block scales of a
+    block128 plan: cached_client.hopper_fp8.check_gemm_args)."""
     if a.shape[0] == 0:
         return torch.empty((0, b.shape[0]), dtype=out_dtype, device=a.device)
     return _gemms[plan](a, b, a_scale, b_scale)
@@ -287,6 +361,8 @@ def recognises(original: Any) -> Any:
     own rule for the activation scale: static, or not per-tensor)."""
 
     def fp8_scaled_mm_is_batch_invariant(kernel: Any) -> bool:
+        if isinstance(kernel, CachedFp8BlockScaledMMKernel):
+            return True  # dynamic 1x128 groups: each row's scales are its own
         if isinstance(kernel, CachedFP8ScaledMMLinearKernel):
             scale = kernel.config.activation_quant_key.scale
             return bool(scale.static or not scale.group_shape.is_per_tensor())
@@ -323,12 +399,16 @@ def attach_linear(L: Any) -> list[str]:
     kernels = L._POSSIBLE_FP8_KERNELS.setdefault(PlatformEnum.CUDA, [])
     if CachedFP8ScaledMMLinearKernel not in kernels:
         kernels.insert(0, CachedFP8ScaledMMLinearKernel)
-    L._LINEAR_BACKEND_KERNEL_MAP[BACKEND] = {CachedFP8ScaledMMLinearKernel}
+    blocks = L._POSSIBLE_FP8_BLOCK_KERNELS.setdefault(PlatformEnum.CUDA, [])
+    if CachedFp8BlockScaledMMKernel not in blocks:
+        blocks.insert(0, CachedFp8BlockScaledMMKernel)
+    L._LINEAR_BACKEND_KERNEL_MAP[BACKEND] = {CachedFP8ScaledMMLinearKernel,
+                                             CachedFp8BlockScaledMMKernel}
     if getattr(L.fp8_scaled_mm_is_batch_invariant, "__wrapped__", None) is None:
         _replace_everywhere(L, "fp8_scaled_mm_is_batch_invariant",
                             recognises(L.fp8_scaled_mm_is_batch_invariant))
-    done.append(f"FP8 linear kernel {CachedFP8ScaledMMLinearKernel.__name__} "
-                f"(--linear-backend {BACKEND})")
+    done.append(f"FP8 linear kernels {CachedFP8ScaledMMLinearKernel.__name__} and "
+                f"{CachedFp8BlockScaledMMKernel.__name__} (--linear-backend {BACKEND})")
     if envs.VLLM_BATCH_INVARIANT and lacks_w4a16_pin(L.init_nvfp4_linear_kernel):
         _replace_everywhere(L, "init_nvfp4_linear_kernel",
                             _humming_w4a16(L, L.init_nvfp4_linear_kernel))

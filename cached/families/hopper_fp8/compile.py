@@ -47,6 +47,8 @@ def compile_to_object(
       c        (M, N) bfloat16 / float16 per tactic.out_dtype, row-major, written entirely
       a_scale  (1,) float32 on the same device; (M,) for tactic.scales="token"
       b_scale  (1,) float32 on the same device; (N,) for tactic.scales="token"
+      block128 a_scale (M, K/128) float32 column-major (strides (1, M)), b_scale
+               (ceil(N/128), K/128) float32 row-major; K % 128 == 0
       workspace (W,) float32, W >= workspace_bytes(params, M, N) / 4 (split_mode "cta"
                only; any float32 tensor otherwise): fp32 partials, no initial value needed
       counters (C,) int32, C >= counter_elems(params, M, N) (split_mode "cta" only; any
@@ -87,10 +89,14 @@ def compile_to_object(
     b = fake(ab_dtype, (n, k), stride_order=(1, 0), assumed_align=16)
     c = fake(c_dtype, (m, n), stride_order=(1, 0), assumed_align=16)
     token = tactic.scales == "token"
-    sa = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (m if token else 1,),
-                                               assumed_align=4)
-    sb = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (n if token else 1,),
-                                               assumed_align=4)
+    if tactic.scales == "block128":
+        # a_scale (M, K/128) column-major, b_scale (N/128 rounded up, K/128) row-major
+        kb = cute.sym_int()
+        sa = fake(cutlass.Float32, (m, kb), stride_order=(0, 1), assumed_align=4)
+        sb = fake(cutlass.Float32, (cute.sym_int(), kb), stride_order=(1, 0), assumed_align=4)
+    else:
+        sa = fake(cutlass.Float32, (m if token else 1,), assumed_align=4)
+        sb = fake(cutlass.Float32, (n if token else 1,), assumed_align=4)
     ws = fake(cutlass.Float32, (cute.sym_int(),), assumed_align=4)
     cnt = fake(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)

@@ -7,8 +7,10 @@ of one class across M, never two classes. ``max_active_clusters`` comes from the
 request (an H200: 132 SMs), never from a GPU query in the daemon.
 
 Plan options: ``out_dtype``, ``ab_dtype``; ``scales`` (``"tensor"``, the default, or
-``"token"``: per-token activation x per-channel weight) and ``accumulation`` (``"fast"``,
-the default, or ``"exact"``: promoted every K tile, S = 1); ``batch_invariant: true``
+``"token"``: per-token activation x per-channel weight, or ``"block128"``: 1x128 activation
+x 128x128 weight scales in the K loop, K % 128 == 0) and ``accumulation`` (``"fast"``,
+the default, or ``"exact"``: promoted every K tile, S = 1; the default and the only mode
+for block128); ``batch_invariant: true``
 (only the class of that scheme with ``tactics.choose_split(N, K, sm_count)`` splits, S = 1
 for exact, the same for every M); ``reduction_class: "<id>"`` (only that class; wins over
 ``batch_invariant``; a ``scales`` or ``accumulation`` option that disagrees with it is an
@@ -54,7 +56,11 @@ class HopperFp8(Family):
         if not isinstance(bi, bool):
             raise InvalidTactic(f"option batch_invariant must be true or false, got {bi!r}")
         scales = require(options, "scales", tactics.SCALE_SCHEMES, "tensor")
-        accum = require(options, "accumulation", tactics.ACCUM_MODES, "fast")
+        accum = require(options, "accumulation", tactics.ACCUM_MODES,
+                        "exact" if scales == "block128" else "fast")
+        if scales == "block128" and shape[2] % tactics.BLOCK:
+            raise InvalidTactic(f"scales 'block128' need K % {tactics.BLOCK} == 0 (one scale "
+                                f"group per K tile), got K = {shape[2]}")
         rc = options.get("reduction_class")
         if rc is not None:
             if not isinstance(rc, str):

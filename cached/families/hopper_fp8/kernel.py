@@ -5,7 +5,12 @@ a_scale, b_scale: fp32 tensors of one element, read on the device (no host sync,
 CUDA-graph safe); with tactic.scales = "token", a_scale (M,) and b_scale (N,): before the
 epilogue each thread multiplies every element (m, n) of its fp32 sum by the fp32 product
 a_scale[m] * b_scale[n] (indices clamped into C: elements outside C are never stored),
-and the epilogue's per-tensor factor is 1.
+and the epilogue's per-tensor factor is 1. With tactic.scales = "block128" (accum "exact"
+only), a_scale (M, K/128) column-major (element (m, j) at j*M + m) and b_scale
+(ceil(N/128), K/128) row-major: at the promotion of K tile j each element (m, n) adds
+acc * (a_scale[m, j] * b_scale[n // 128, j]) (row and column clamped into C, as for
+"token"; the block index is per element, so any tile_n and a partial last weight block
+are served), and the epilogue's factor is 1. K % 128 == 0 (one scale group per K tile).
 
 Exact accumulation (tactic.accum = "exact", S = 1): per K tile the four k32 wgmma start
 from zero in the wgmma accumulator (ACCUMULATE off for the first), the consumer waits for
@@ -162,6 +167,7 @@ class HopperFp8GemmKernel:
         # kernel on the stream runs; griddepcontrol.wait before any global read or write
         self.pdl = tactic.pdl
         self.token = tactic.scales == "token"  # per-token x per-channel scales
+        self.block = tactic.scales == "block128"  # 1x128 x 128x128 scales at the promotion
         self.exact = tactic.accum == "exact"  # promoted into fp32 registers every K tile
 
     # ---------------------------------------------------------------- host-side setup
@@ -458,7 +464,7 @@ class HopperFp8GemmKernel:
             # scale, read once on the device; applied once per element after the K loop
             # (per-token scales: applied per element before the epilogue, which gets 1)
             scale = cutlass.Float32(1.0)
-            if cutlass.const_expr(not self.token):
+            if cutlass.const_expr(not self.token and not self.block):
                 scale = mAScale[0] * mBScale[0]
 
             # split_mode "serial": the running sum over the splits lives in a second
@@ -605,7 +611,8 @@ class HopperFp8GemmKernel:
                     if cutlass.const_expr(self.exact):
                         read_state, release_state = self.mainloop_promoted(
                             ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
-                            release_state, k_tiles)
+                            release_state, k_tiles, mC, gcC[(None, None, crd[0], crd[1])],
+                            thr_c, mAScale, mBScale)
                     else:
                         read_state, release_state = self.mainloop(
                             ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
@@ -660,13 +667,16 @@ class HopperFp8GemmKernel:
 
     @cute.jit
     def mainloop_promoted(self, ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
-                          release_state, k_tiles):
+                          release_state, k_tiles, mC, gcC_t, thr_c, mAScale, mBScale):
         """acc_sum = ((0 + t_0) + t_1) + ... over the K tiles, t_i = K tile i's four k32
         wgmma from zero (ACCUMULATE off for the first); each tile's wgmma retires before
-        its stage is released and its sum added. Returns the pipeline states."""
+        its stage is released and its sum added (block128: t_i times the element's block
+        scale product, module doc). Returns the pipeline states."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         acc_sum.fill(0.0)
-        for _kt in range(k_tiles):
+        tCcC_t = thr_c.partition_C(gcC_t)
+        last_r, last_c = mC.shape[0] - 1, mC.shape[1] - 1
+        for kt in range(k_tiles):
             ab_pipe.consumer_wait(read_state)
             cute.nvgpu.warpgroup.fence()
             for kb in cutlass.range_constexpr(num_k_blocks):
@@ -678,8 +688,18 @@ class HopperFp8GemmKernel:
             ab_pipe.consumer_release(release_state)
             release_state.advance()
             read_state.advance()
-            for v in cutlass.range_constexpr(cute.size(acc)):
-                acc_sum[v] = acc_sum[v] + acc[v]
+            if cutlass.const_expr(self.block):
+                for v in cutlass.range_constexpr(cute.size(acc)):
+                    crd = tCcC_t[v]
+                    r, c = cutlass.min(crd[0], last_r), cutlass.min(crd[1], last_c)
+                    if cutlass.const_expr(self.swap):  # the MMA's (row, col) is (n, m)
+                        s_v = mAScale[c, kt] * mBScale[r // 128, kt]
+                    else:
+                        s_v = mAScale[r, kt] * mBScale[c // 128, kt]
+                    acc_sum[v] = acc_sum[v] + acc[v] * s_v
+            else:
+                for v in cutlass.range_constexpr(cute.size(acc)):
+                    acc_sum[v] = acc_sum[v] + acc[v]
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         return read_state, release_state
 

@@ -72,7 +72,17 @@ one element each, the product applied once after the K loop) or ``"token"`` (FP8
 checkpoints: a_scale (M,) one fp32 per activation row, b_scale (N,) one per weight row;
 the element (m, n) of the fp32 sum is multiplied by the fp32 product a_scale[m] *
 b_scale[n], then rounded). A row's scale is its own, so either scheme is batch invariant.
-The scheme is part of the class id (``.token`` appended; per-tensor ids stay as they were).
+``"block128"`` (DeepSeek-V3 / Qwen3-FP8 block checkpoints, the layout vLLM 0.33.0's CUTLASS
+block path passes): a_scale (M, ceil(K/128)) fp32, one per token per 128 of K, column-major
+(element (m, j) at j*M + m); b_scale (ceil(N/128), ceil(K/128)) fp32 row-major, one per
+128x128 weight block. Applied inside the K loop at the promotion: after K tile j's wgmma
+retired, promoted += t_j * (a_scale[m, j] * b_scale[n // 128, j]) per element (m, n), the
+product of the two scales formed first. The block index is taken per element, so any tile_n
+serves and N need not be a multiple of 128 (the last weight block is partial). Requires
+``accum="exact"`` (the promotion is where the scale goes) and K % 128 == 0 (every K tile is
+one scale group; the launcher refuses other K).
+The scheme is part of the class id (``.token`` / ``.block128`` appended; per-tensor ids stay
+as they were).
 
 Accumulation (``accum``, issue 27): ``"fast"`` (the default, ``acc1``: the four k32 wgmma of
 every K tile accumulate into one wgmma accumulator for the whole K range, so the tensor
@@ -104,8 +114,13 @@ REDUCTION_ORDER_M_INDEPENDENT = True  # within each reduction-order class
 ACC_MODE = "acc1"  # one fp32 wgmma accumulator per K range (no periodic promotion)
 
 SPLIT_CHOICES = (1, 2, 4, 8, 16)
-SCALE_SCHEMES = ("tensor", "token")  # per-tensor; per-token activation x per-channel weight
+# per-tensor; per-token activation x per-channel weight; 128-block (in the K loop, exact only)
+SCALE_SCHEMES = ("tensor", "token", "block128")
+BLOCK = 128  # the block128 scheme's group size along K and the weight's block size along N
 ACCUM_MODES = ("fast", "exact")  # one wgmma accumulator; promoted every K tile
+#: the (scales, accum) pairs that exist: block128 is exact only
+SCHEMES = tuple((sc, acc) for sc in SCALE_SCHEMES for acc in ACCUM_MODES
+                if (sc, acc) != ("block128", "fast"))
 ACC_IDS = {"fast": ACC_MODE, "exact": "prom128"}  # the class id's accumulation part
 SPLIT_MODES = ("serial", "cta")
 
@@ -263,6 +278,7 @@ def reduction_class_id(splits: int, accum: str = "fast", scales: str = "tensor")
 #: the per-tensor fast classes first (the ids published before the schemes existed)
 REDUCTION_CLASSES = (tuple(reduction_class_id(s) for s in SPLIT_CHOICES)
                      + tuple(reduction_class_id(s, "fast", "token") for s in SPLIT_CHOICES)
+                     # block128 has exact accumulation only (its scales go in at the promotion)
                      + tuple(reduction_class_id(1, "exact", sc) for sc in SCALE_SCHEMES))
 
 
@@ -380,8 +396,9 @@ class HopperFp8Tactic:
                        or write of global memory). Any tactic may take it; the K walk is
                        unchanged, so a pdl tactic is in the class of its S. Left out of
                        to_params() when False (OMITTED_AT_DEFAULT).
-      scales           "tensor" or "token" (per-token activation x per-channel weight,
-                       applied in the epilogue); part of the class (module doc). Left out
+      scales           "tensor", "token" (per-token activation x per-channel weight,
+                       applied in the epilogue) or "block128" (1x128 x 128x128 scales at
+                       the promotion, accum "exact" only); part of the class (module doc). Left out
                        of to_params() at "tensor".
       accum            "fast" or "exact" (the wgmma accumulator promoted into fp32
                        registers every K tile; S = 1 only); part of the class. Left out
@@ -428,11 +445,12 @@ class HopperFp8Tactic:
 
     @property
     def reduction_order(self) -> str:
-        scheme = ("" if self.scales == "tensor"
-                  else ",scale=per_token_a_x_per_channel_b")
+        scheme = {"tensor": "", "token": ",scale=per_token_a_x_per_channel_b",
+                  "block128": ",scale=block128_a_1x128_x_b_128x128_at_promotion"}[self.scales]
         if self.accum == "exact":
             return (f"k_tile={TILE_K},wgmma_k={WGMMA_K},full_k_per_cta,"
-                    f"wgmma_acc_per_k_tile_promoted_to_fp32_in_k_order,scale_after{scheme}")
+                    f"wgmma_acc_per_k_tile_promoted_to_fp32_in_k_order"
+                    f"{'' if self.scales == 'block128' else ',scale_after'}{scheme}")
         if self.splits == 1:
             return REDUCTION_ORDER + scheme
         return (f"k_tile={TILE_K},wgmma_k={WGMMA_K},splits={self.splits}:balanced_k_tile_ranges,"
@@ -451,7 +469,8 @@ class HopperFp8Tactic:
             f"_r{self.raster}_s{self.swizzle}_st{self.stages}_{self.ab_dtype}_{self.out_dtype}"
             f"{split}{'_sw' if self.swap_ab else ''}{'_wn2' if self.wg_n == 2 else ''}"
             f"{'_pp' if self.pingpong else ''}{'_pdl' if self.pdl else ''}"
-            f"{'_tok' if self.scales == 'token' else ''}{'_ex' if self.accum == 'exact' else ''}"
+            f"{ {'tensor': '', 'token': '_tok', 'block128': '_b128'}[self.scales]}"
+            f"{'_ex' if self.accum == 'exact' else ''}"
         )
 
     # -- validation / encoding -------------------------------------------------------
@@ -511,6 +530,8 @@ class HopperFp8Tactic:
             bad(f"accum must be one of {ACCUM_MODES}, got {self.accum!r}")
         if self.accum == "exact" and self.splits != 1:
             bad("accum 'exact' (promotion every K tile) takes splits=1 only")
+        if self.scales == "block128" and self.accum != "exact":
+            bad("scales 'block128' are applied at the promotion: it needs accum='exact'")
         if self.tile_n in NARROW_TILE_N and not self.swap_ab:
             if self.tile_m != 64 or self.pingpong:
                 bad(f"tile_n in {NARROW_TILE_N} (narrow decode tiles) needs tile_m=64 and "
@@ -870,6 +891,8 @@ def scheme_space(base: list[HopperFp8Tactic], scales: str, accum: str
         raise ValueError(f"scales must be one of {SCALE_SCHEMES}, got {scales!r}")
     if accum not in ACCUM_MODES:
         raise ValueError(f"accum must be one of {ACCUM_MODES}, got {accum!r}")
+    if scales == "block128" and accum != "exact":
+        raise ValueError("scales 'block128' are applied at the promotion: it needs accum='exact'")
     out = []
     for t in base:
         if accum == "exact" and (t.splits != 1 or not tile_is_feasible(
