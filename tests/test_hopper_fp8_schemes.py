@@ -299,3 +299,23 @@ def test_scheme_tactics_compile_for_sm90a_through_the_daemon(daemon):
     listed = {e["kernel_name"]: e for e in client.list()}
     for t in variants:
         assert f"{t.name}_mac{132 // t.cluster_size}" in listed
+
+
+def test_block_scale_sharing_keys_follow_the_wgmma_fragment_and_refuse_other_shapes():
+    """The block128 promotion loads one scale per row key and per group key
+    (kernel.fragment_keys); the H200 bench checks them against float64 on ragged shapes."""
+    from cached.families.hopper_fp8.kernel import fragment_keys
+
+    keys = fragment_keys(((2, 2, 16), 1, 1))  # a 64 x 128 wgmma: 64 values a thread
+    assert len(keys) == 64
+    assert len({k[0] for k in keys}) == 2  # rows r and r + 8
+    assert len({k[1] for k in keys}) == 16  # 8-column groups
+    assert len({k[2] for k in keys}) == 32  # columns
+    # colexicographic: v = pair + 2 * half + 4 * group
+    assert keys[1] == ((0, 0), (0, 0), (1, 0, 0)) and keys[2][0] == (1, 0)
+    assert keys[4][1] == (1, 0)
+    assert len(fragment_keys(((2, 2), 1, 1))) == 4  # N = 8 (swap_ab decode tiles)
+    assert len({k[0] for k in fragment_keys(((2, 2, 8), 2, 1))}) == 4  # MMA_M = 2
+    for bad in (((4, 2, 8), 1, 1), ((2, 2, 8), 1), (2, 2, 8, 1, 1)):
+        with pytest.raises(ValueError, match="unexpected wgmma accumulator fragment"):
+            fragment_keys(bad)

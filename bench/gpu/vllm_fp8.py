@@ -38,6 +38,7 @@ BATCHES = (8, 64, 256)
 PERF_BATCHES = (1, 8, 64, 256)
 GEN_TOKENS = 24
 PERF_PROMPT, PERF_TOKENS = 128, 64
+PERF_REPEATS = 3  # timed generate calls per (batch, length); the minimum is kept
 TARGET_LENS = (5, 17, 33, 64, 100, 128, 200, 257)
 MAX_BATCHED = 8192
 
@@ -341,7 +342,7 @@ def engine(args: argparse.Namespace) -> None:
                                     detokenize=False)
                 llm.generate(ps, sp, use_tqdm=False)  # warm-up: same shapes
                 times = []
-                for _ in range(2):
+                for _ in range(PERF_REPEATS):
                     torch.cuda.synchronize()
                     ts = time.perf_counter()
                     llm.generate(ps, sp, use_tqdm=False)

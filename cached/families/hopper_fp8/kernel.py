@@ -105,6 +105,29 @@ _OUT_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 PRODUCER_REGS = 40
 
 
+def fragment_keys(shape) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """Per element v of a wgmma accumulator fragment of static shape ((2, 2, N/8), MMA_M,
+    MMA_N) (the N/8 mode absent when N = 8; colexicographic, as fragment[v] indexes it):
+    (row key, 8-column-group key, column key). Elements with one row key share their row,
+    with one group key their 8 aligned columns (so their 128-column weight block), with
+    one column key their column. Raises ValueError for any other shape."""
+    ok = (isinstance(shape, tuple) and len(shape) == 3 and isinstance(shape[0], tuple)
+          and tuple(shape[0][:2]) == (2, 2) and len(shape[0]) in (2, 3)
+          and all(isinstance(d, int) for d in (*shape[0], shape[1], shape[2])))
+    if not ok:
+        raise ValueError(f"unexpected wgmma accumulator fragment shape {shape}")
+    dims = [2, 2, shape[0][2] if len(shape[0]) == 3 else 1, shape[1], shape[2]]
+    keys = []
+    for v in range(dims[0] * dims[1] * dims[2] * dims[3] * dims[4]):
+        i, crd = v, []
+        for d in dims:
+            crd.append(i % d)
+            i //= d
+        pair, half, group, mma_m, mma_n = crd
+        keys.append(((half, mma_m), (group, mma_n), (pair, group, mma_n)))
+    return keys
+
+
 def cutlass_dtypes(t: HopperFp8Tactic):
     return _AB_DTYPES[t.ab_dtype], _OUT_DTYPES[t.out_dtype]
 
@@ -676,6 +699,7 @@ class HopperFp8GemmKernel:
         acc_sum.fill(0.0)
         tCcC_t = thr_c.partition_C(gcC_t)
         last_r, last_c = mC.shape[0] - 1, mC.shape[1] - 1
+        keys = fragment_keys(acc.shape) if cutlass.const_expr(self.block) else None
         for kt in range(k_tiles):
             ab_pipe.consumer_wait(read_state)
             cute.nvgpu.warpgroup.fence()
@@ -689,14 +713,31 @@ class HopperFp8GemmKernel:
             release_state.advance()
             read_state.advance()
             if cutlass.const_expr(self.block):
+                # one scale load per distinct row, per distinct 8-column group (weight
+                # blocks) or column (activation rows, swap_ab), one product per pair
+                row_s, col_s, pair_s = {}, {}, {}
                 for v in cutlass.range_constexpr(cute.size(acc)):
-                    crd = tCcC_t[v]
-                    r, c = cutlass.min(crd[0], last_r), cutlass.min(crd[1], last_c)
-                    if cutlass.const_expr(self.swap):  # the MMA's (row, col) is (n, m)
-                        s_v = mAScale[c, kt] * mBScale[r // 128, kt]
-                    else:
-                        s_v = mAScale[r, kt] * mBScale[c // 128, kt]
-                    acc_sum[v] = acc_sum[v] + acc[v] * s_v
+                    rk, gk, ck = keys[v]  # swap_ab: the MMA's (row, col) is (n, m)
+                    if cutlass.const_expr(not self.swap):
+                        ck = gk
+                    if cutlass.const_expr(rk not in row_s):
+                        r = cutlass.min(tCcC_t[v][0], last_r)
+                        if cutlass.const_expr(self.swap):
+                            row_s[rk] = mBScale[r // 128, kt]
+                        else:
+                            row_s[rk] = mAScale[r, kt]
+                    if cutlass.const_expr(ck not in col_s):
+                        c = cutlass.min(tCcC_t[v][1], last_c)
+                        if cutlass.const_expr(self.swap):
+                            col_s[ck] = mAScale[c, kt]
+                        else:
+                            col_s[ck] = mBScale[c // 128, kt]
+                    if cutlass.const_expr((rk, ck) not in pair_s):
+                        if cutlass.const_expr(self.swap):
+                            pair_s[(rk, ck)] = col_s[ck] * row_s[rk]
+                        else:
+                            pair_s[(rk, ck)] = row_s[rk] * col_s[ck]
+                    acc_sum[v] = acc_sum[v] + acc[v] * pair_s[(rk, ck)]
             else:
                 for v in cutlass.range_constexpr(cute.size(acc)):
                     acc_sum[v] = acc_sum[v] + acc[v]
