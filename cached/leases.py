@@ -31,6 +31,7 @@ import os
 import secrets
 import select
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from cached_client import protocol as p
@@ -48,6 +49,8 @@ from .toolchains import Route
 log = logging.getLogger("cached.leases")
 
 POLL_S = 0.25
+ENDED_KEPT = 256
+"""Replaced leases whose end reason is kept for their late holders."""
 
 
 def watch(pid: int) -> int | None:
@@ -109,6 +112,9 @@ class Leases:
         self.access = access
         self.stats = stats
         self.held: dict[str, Lease] = {}
+        self.ended: OrderedDict[str, str] = OrderedDict()
+        """Why the last ``ENDED_KEPT`` replaced leases ended, by token: a renewal or publish
+        that arrives after its lease was granted again is told why, not only that."""
         self._changed: dict[str, asyncio.Event] = {}
 
     def resolve(self, wire_request: KernelRequest, identity: p.Identity | None
@@ -149,6 +155,10 @@ class Leases:
             raise NotAllowed("no lease is held on this kernel: take one with lease first (and "
                              "publish before it expires); nothing was stored")
         if not hmac.compare_digest(lease.token.encode(), token.encode()):
+            ended = self.ended.get(token)
+            if ended is not None:
+                raise NotAllowed(f"this lease has ended ({ended}) and was granted to pid "
+                                 f"{lease.pid}; take a new one; nothing was stored")
             raise NotAllowed("this lease token is not the one in force on this kernel (the "
                              "lease ended and was granted again, or it was never this "
                              "process's); nothing was stored")
@@ -179,6 +189,9 @@ class Leases:
         old = self.held.pop(key, None)
         if old is not None:
             old.close()
+            self.ended[old.token] = reason or "expired"
+            while len(self.ended) > ENDED_KEPT:
+                self.ended.popitem(last=False)
         self.held[key] = lease
         self.stats.count("writeback.leases_granted")
         event(log, logging.INFO, "writeback.lease_granted", key=key[:16], pid=peer.pid,

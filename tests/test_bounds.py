@@ -528,3 +528,48 @@ def test_a_peer_renewing_by_hand_loses_its_lease_at_the_daemons_max_hold(tmp_pat
         proc.kill()
         proc.wait()
         d.stop()
+
+
+LATE_RENEWER = """
+import json, sys
+from cached_client import Client, KernelRequest, protocol as p
+from cached_client.errors import NotAllowed
+client = Client(sys.argv[1], timeout=30, fallback=False)
+request = KernelRequest.from_wire(json.loads(sys.argv[2]))
+reply = client.lease(p.LeaseRequest(request=request, ttl_s=60, wait_ms=0))
+print("HELD", reply.state, flush=True)
+sys.stdin.readline()  # renews only once the test says another process holds the kernel
+try:
+    client.lease_renew(p.LeaseRenewRequest(request=request, lease=reply.lease, ttl_s=60))
+    print("RENEWED", flush=True)
+except NotAllowed as exc:
+    print("REFUSED", exc.message, flush=True)
+"""
+
+
+def test_a_renewal_after_the_lease_went_to_another_process_says_why_it_ended(tmp_path):
+    """A holder that renews after its lease ran to ``lease_max_hold`` and was granted to the
+    next waiter is refused with the reason its lease ended and the new holder's pid, not only
+    "not the token in force"; the new holder keeps the lease."""
+    from cached_client.writeback import lease
+
+    d = DaemonProcess(tmp_path, workers=1, ready_workers=0,
+                      extra_args=["--lease-max-hold", "2"])
+    proc = subprocess.Popen([sys.executable, "-c", LATE_RENEWER, d.socket,
+                             json.dumps(_jit("late").to_wire())], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().split() == ["HELD", "granted"]
+        reply = lease(d.client(timeout=30), _jit("late"), ttl_s=30, wait_ms=15_000)
+        assert reply.state == "granted", reply
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        refused = proc.stdout.readline()
+        assert refused.startswith("REFUSED"), refused
+        assert "lease_max_hold" in refused and f"pid {os.getpid()}" in refused, refused
+        again = lease(d.client(timeout=30), _jit("late"), ttl_s=30, wait_ms=0)
+        assert again.state == "wait" and again.holder_pid == os.getpid(), again
+    finally:
+        proc.kill()
+        proc.wait()
+        d.stop()

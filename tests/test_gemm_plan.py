@@ -43,8 +43,9 @@ def test_classes_round_trip_through_hello_and_plan(daemon):
     c = daemon.client(timeout=60)
     info = c.hello().reduction_classes
     assert info[HOPPER] == {"classes": list(T.REDUCTION_CLASSES), "m_independent": True}
-    # 5 per-tensor fast classes, 5 per-token fast ones, the two exact ones (issue 27)
-    assert len(info[HOPPER]["classes"]) == 12
+    # 5 per-tensor fast classes, 5 per-token fast ones, the two exact ones and the block
+    # one (issue 27)
+    assert len(info[HOPPER]["classes"]) == 13
     assert "e4m3.c1" in info["flashinfer.bi.bmm_fp8"]["classes"]
     assert info["flashinfer.mm_fp4"] == {"classes": [], "m_independent": False}
     reply = c.plan_reply(HOPPER, (16, 4096, 14336), "sm_90a", 132)
@@ -65,7 +66,7 @@ def test_policy_reads_classes_from_hello_not_a_table(daemon):
     c = daemon.client(timeout=60)
     with_daemon = policy.select("bmm", "fp8", "sm_90a", True, client=c)
     assert (with_daemon.kernel, with_daemon.tactics) == (HOPPER, "set")
-    assert "12 reduction-order classes" in with_daemon.reason
+    assert "13 reduction-order classes" in with_daemon.reason
     without = policy.select("bmm", "fp8", "sm_100a", True)
     assert without.tactics == "one" and "no daemon to ask" in without.reason
 
