@@ -701,21 +701,13 @@ class HopperFp8GemmKernel:
         last_r, last_c = mC.shape[0] - 1, mC.shape[1] - 1
         keys = fragment_keys(acc.shape) if cutlass.const_expr(self.block) else None
         for kt in range(k_tiles):
-            ab_pipe.consumer_wait(read_state)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
-                kc = (None, None, kb, read_state.index)
-                cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipe.consumer_release(release_state)
-            release_state.advance()
-            read_state.advance()
+            pair_s = {}
             if cutlass.const_expr(self.block):
-                # one scale load per distinct row, per distinct 8-column group (weight
-                # blocks) or column (activation rows, swap_ab), one product per pair
-                row_s, col_s, pair_s = {}, {}, {}
+                # loaded before the stage's wait and the wgmma, used after them (their
+                # latency hides behind both): one load per distinct row, per distinct
+                # 8-column group (weight blocks) or column (activation rows, swap_ab), one
+                # product per pair
+                row_s, col_s = {}, {}
                 for v in cutlass.range_constexpr(cute.size(acc)):
                     rk, gk, ck = keys[v]  # swap_ab: the MMA's (row, col) is (n, m)
                     if cutlass.const_expr(not self.swap):
@@ -737,9 +729,24 @@ class HopperFp8GemmKernel:
                             pair_s[(rk, ck)] = col_s[ck] * row_s[rk]
                         else:
                             pair_s[(rk, ck)] = row_s[rk] * col_s[ck]
+            ab_pipe.consumer_wait(read_state)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+                kc = (None, None, kb, read_state.index)
+                cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipe.consumer_release(release_state)
+            release_state.advance()
+            read_state.advance()
+            for v in cutlass.range_constexpr(cute.size(acc)):
+                if cutlass.const_expr(self.block):
+                    rk, gk, ck = keys[v]
+                    if cutlass.const_expr(not self.swap):
+                        ck = gk
                     acc_sum[v] = acc_sum[v] + acc[v] * pair_s[(rk, ck)]
-            else:
-                for v in cutlass.range_constexpr(cute.size(acc)):
+                else:
                     acc_sum[v] = acc_sum[v] + acc[v]
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         return read_state, release_state
