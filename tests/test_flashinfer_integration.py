@@ -193,7 +193,9 @@ def test_publish_needs_the_allowlist_and_a_stalled_lease_expires(tmp_path):
         other = Client(d.socket)  # same pid, but the lease is stalled: no renewal in 1 s
         again = lease(other, request, ttl_s=1.0, wait_ms=3000)
         assert again.state == "granted" and again.lease != first.lease
-        with pytest.raises(NotAllowed, match="not the one in force"):  # granted again
+        # granted again: the refusal says why the first lease ended and who holds the kernel
+        with pytest.raises(NotAllowed, match=r"has ended \(not renewed within 1s\) and was "
+                                             rf"granted to pid {os.getpid()}"):
             publish(client, request, b"\x7fELF", lease=first.lease)
         with pytest.raises(Exception, match="ELF"):
             publish(client, request, b"not an object", lease=again.lease)
