@@ -79,6 +79,61 @@ def test_no_import_cycles_and_the_client_never_imports_the_daemon():
                 stack.extend(graph[node])
 
 
+# The client's integrations (FlashInfer, vLLM, the JIT hooks): modules that know a framework.
+# The core (the rest of cached_client, the GEMM plan and kernels among it) and the daemon
+# never import them; they import the core. flashinfer_names and flashinfer_sources are
+# framework-free data the core's identity reads, so they are not in this list.
+INTEGRATIONS = {f"cached_client.{m}" for m in (
+    "flashinfer", "flashinfer_nvcc", "humming", "triton", "jit_hook", "jit_keys",
+    "vllm_plugin", "vllm_kernel", "vllm_state")}
+
+
+def _is_integration(name: str) -> bool:
+    return (name.split(".")[:2] == ["cached_client", "integrations"]
+            or any(name == m or name.startswith(m + ".") for m in INTEGRATIONS))
+
+
+def _named(name: str, path: Path) -> set[str]:
+    """Every absolute name ``name``'s imports spell (``from a import b``: a and a.b), at its
+    top or inside a function, whether or not such a module exists."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[: len(base) - node.level + 1]
+                prefix = ".".join(base + [node.module] if node.module else base)
+            else:
+                prefix = node.module or ""
+            found.add(prefix)
+            found.update(f"{prefix}.{a.name}" for a in node.names)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    return {name: _named(name, path) for name, path in _modules().items()}
+
+
+def test_the_client_core_never_imports_an_integration():
+    graph = _graph()
+    assert INTEGRATIONS <= graph.keys(), "every listed integration exists"
+    assert "cached_client.keys" in graph["cached_client.gemm_plan"], "the walk read imports"
+    core = [m for m in graph if m.split(".")[0] == "cached_client" and not _is_integration(m)]
+    assert "cached_client.gemm_plan" in core and "cached_client.client" in core
+    leaks = sorted(f"{m} -> {t}" for m in core for t in graph[m] if _is_integration(t))
+    assert not leaks, f"the core imports an integration: {leaks}"
+
+
+def test_the_daemon_never_imports_a_client_integration():
+    graph = _graph()
+    leaks = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.split(".")[0] == "cached"
+                   for t in targets if _is_integration(t))
+    assert not leaks, f"the daemon imports a client integration: {leaks}"
+
+
 def _doc_table(text: str, header: str) -> list[list[str]]:
     lines = text[text.index(header):].splitlines()[2:]
     rows = []

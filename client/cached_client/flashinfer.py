@@ -59,7 +59,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from . import flashinfer_sources, identity, liveness, monitor
+from . import flashinfer_sources, gemm_plan, identity, liveness, monitor
 from .client import Client
 from .errors import CachedError, UnknownToolchain
 from .flashinfer_names import (
@@ -539,3 +539,6 @@ def _bi_precompile_tactics(original: Any, runner: Any, inputs: Any, tactics: Any
         return original(runner, inputs, tactics, profile, **kwargs)
     finally:
         _BI_CALL.reset(token)
+
+
+gemm_plan.register_installer(gemm_plan.FLASHINFER_BI_FAMILY, install)

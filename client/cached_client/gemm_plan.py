@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import importlib.metadata
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,17 @@ def accumulation_from_env() -> str:
 
 class PlanUnavailable(RuntimeError):
     """No family serves this (arch, dtype) in this environment; the message says why."""
+
+
+# The hook installer of each family whose kernels an integration serves, by family:
+# cached_client.flashinfer registers FLASHINFER_BI_FAMILY's (its ``install``) when it is
+# imported, so that this module, core, never imports an integration.
+_INSTALLERS: dict[str, Callable[..., Any]] = {}
+
+
+def register_installer(family: str, install: Callable[..., Any]) -> None:
+    """Record ``install(client=...)`` as what loading a ``family`` plan calls first."""
+    _INSTALLERS[family] = install
 
 
 def buckets_up_to(max_m: int) -> tuple[int, ...]:
@@ -275,16 +287,19 @@ class FlashInferBiGemm:
     """A loaded FlashInfer batch-invariant FP8 plan (SM100+): FlashInfer's
     ``bmm_fp8_batch_invariant`` (its dispatcher picks the configuration per M, all of one
     class), its kernels from the daemon through :func:`cached_client.flashinfer.install`
-    (which this installs), the split class's workspace allocated once for max_m, and one
-    run at each power-of-two M up to max_m at load, so that those kernels are loaded before
-    any CUDA-graph capture. Not run on hardware here (the project's GPU is an H200)."""
+    (which this installs, as registered with :func:`register_installer`), the split
+    class's workspace allocated once for max_m, and one run at each power-of-two M up to
+    max_m at load, so that those kernels are loaded before any CUDA-graph capture. Not run
+    on hardware here (the project's GPU is an H200)."""
 
     def __init__(self, plan: GemmPlan, client: Any, device: Any) -> None:
         import torch
 
-        from . import flashinfer as fi_hooks
-
-        fi_hooks.install(client=client)
+        install = _INSTALLERS.get(FLASHINFER_BI_FAMILY)
+        if install is None:
+            raise PlanUnavailable(f"{FLASHINFER_BI_FAMILY}: no hook installer registered "
+                                  "(import cached_client.flashinfer first)")
+        install(client=client)
         from flashinfer.gemm.batch_invariant.api import bmm_fp8_batch_invariant
         from flashinfer.gemm.batch_invariant.schedule import chunks_for
 

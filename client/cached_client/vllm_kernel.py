@@ -326,6 +326,8 @@ def load_plan(n: int, k: int, ab_dtype: torch.dtype, out_dtype: torch.dtype,
                                ab_dtype=key.ab_dtype,
                                batch_invariant=bool(envs.VLLM_BATCH_INVARIANT), max_m=max_m,
                                scales=scales, accumulation=accumulation)
+    from . import flashinfer  # noqa: F401  registers FlashInfer's installer with gemm_plan
+
     loaded = plan.load(daemon.client, device)
     for warning in plan.choice.warnings:
         logger.warning_once("cached: %s", warning)
