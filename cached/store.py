@@ -49,6 +49,7 @@ from cached_client.protocol import BUNDLE_NAME, KINDS, MAX_BUNDLE_FILES, check_m
 
 from .config import ConfigError
 from .log import event
+from .lru import LRU
 
 log = logging.getLogger("cached.store")
 
@@ -276,7 +277,13 @@ class Store:
         self._blob_paths: dict[tuple[str, str], Path] = {}
         self.index_created = not self.index_path.exists()
         self._open_index()
-        self._rows: dict[str, dict] = self._load_rows()
+        self._rows: dict[str, dict] = {}
+        self._lru = LRU()
+        """Each row's size, blob count and last use, for :meth:`evict` (kept with _rows)."""
+        self._blob_refs: dict[str, int] = {}
+        """Blob name -> how many rows reference it (kept with _rows)."""
+        for row in self._load_rows().values():
+            self._set_row(row)
         self._opened = time.time()
         self.readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="store-read")
         """Threads for blob hashing (lookups, library reads): they never touch the index,
@@ -559,8 +566,39 @@ class Store:
                 return False
             row["hits"] += 1
             row["last_used"] = time.time()
+            self._lru.touch(key, row["last_used"])
             self._touched.add(key)
         return True
+
+    def _set_row(self, row: dict) -> None:
+        """Under the lock: hold ``row`` in memory (replacing the key's row, if any), with
+        its recency and blob references. A key held already keeps its place (in
+        :meth:`rows` and among rows used at the same time), as a dict's key does."""
+        old = self._rows.get(row["key"])
+        if old is not None:
+            self._unref(old)
+        blobs = row_blobs(row)
+        self._rows[row["key"]] = row
+        self._lru.put(row["key"], row["size"], len(blobs), row["last_used"])
+        for blob in blobs:
+            self._blob_refs[blob.name] = self._blob_refs.get(blob.name, 0) + 1
+
+    def _pop_row(self, key: str) -> dict | None:
+        """Under the lock: forget ``key``'s row in memory; returns it (None: not held)."""
+        row = self._rows.pop(key, None)
+        if row is None:
+            return None
+        self._lru.remove(key)
+        self._unref(row)
+        return row
+
+    def _unref(self, row: Mapping[str, Any]) -> None:
+        for blob in row_blobs(row):
+            left = self._blob_refs[blob.name] - 1
+            if left:
+                self._blob_refs[blob.name] = left
+            else:
+                del self._blob_refs[blob.name]
 
     def blob_problem(self, row: Mapping[str, Any]) -> str | None:
         """Why the row's blobs cannot be served (removing what is certainly not a blob at
@@ -600,7 +638,7 @@ class Store:
 
     def totals(self) -> tuple[int, int]:
         with self._lock:
-            return len(self._rows), sum(r["size"] for r in self._rows.values())
+            return len(self._rows), self._lru.bytes
 
     # -- writing -----------------------------------------------------------------------
 
@@ -667,7 +705,7 @@ class Store:
                 self.evict(incoming=row)  # room first, under the same lock
                 deleted = self._write_deletes()
                 self.entries.insert(row, pk="key", replace=True)
-                self._rows[row["key"]] = row
+                self._set_row(row)
                 self._deleted.discard(row["key"])
             self._deleted.difference_update(deleted)
         except (OSError, sqlite3.Error) as exc:
@@ -793,7 +831,7 @@ class Store:
         """Forget ``key`` now (memory); its index row goes at the next :meth:`flush`, so a
         drop never waits on the index."""
         with self._lock:
-            if self._rows.pop(key, None) is None:
+            if self._pop_row(key) is None:
                 return
             self._touched.discard(key)
             self._deleted.add(key)
@@ -859,7 +897,7 @@ class Store:
 
     def _referenced(self) -> set[str]:
         with self._lock:
-            return {b.name for r in self._rows.values() for b in row_blobs(r)}
+            return set(self._blob_refs)
 
     def scan(self) -> dict[str, Any]:
         """Drop rows whose blobs are missing or wrong (each logged; a bad blob never stops
@@ -931,47 +969,22 @@ class Store:
         protected = set(self._in_use()) | {keep}
         now = time.time()
         with self._lock:
-            size = sum(r["size"] for r in self._rows.values() if r["key"] != keep)
-            files = sum(len(row_blobs(r)) for r in self._rows.values() if r["key"] != keep)
-
-            def over() -> bool:
-                return bool((max_bytes and size + incoming_bytes > max_bytes)
-                            or (max_files and files + incoming_files > max_files))
-
-            victims: list[dict] = []
-            recent: list[dict] = []
-            for row in sorted(self._rows.values(), key=lambda r: r["last_used"]):
-                if not over():
-                    break
-                if row["key"] in protected:
-                    report["blocked"] += 1
-                elif now - row["last_used"] < grace:
-                    recent.append(row)
-                else:
-                    victims.append(row)
-                    size -= row["size"]
-                    files -= len(row_blobs(row))
-            for row in recent:  # oldest first; only as many as the hard limit needs
-                if not over():
-                    break
-                if hard:
-                    victims.append(row)
-                    size -= row["size"]
-                    files -= len(row_blobs(row))
-                else:
-                    report["blocked"] += 1
+            chosen = self._lru.select(max_bytes=max_bytes, max_files=max_files,
+                                      extra_bytes=incoming_bytes, extra_files=incoming_files,
+                                      exclude=keep, protected=protected, now=now,
+                                      grace=grace, hard=hard)
+            report["blocked"] = chosen.blocked
+            victims = [self._pop_row(key) for key in chosen.victims]
             for row in victims:
-                self._rows.pop(row["key"], None)
                 self._touched.discard(row["key"])
                 self._deleted.add(row["key"])
             if victims:
-                referenced = self._referenced() | (
-                    {b.name for b in row_blobs(incoming)} if incoming else set())
+                incoming_blobs = {b.name for b in row_blobs(incoming)} if incoming else set()
                 for row in victims:
                     for blob in row_blobs(row):
-                        if blob.name not in referenced:
+                        if blob.name not in self._blob_refs and blob.name not in incoming_blobs:
                             self.remove_blob(blob.sha256, blob.suffix)
-            still_over = over()
+            size, files, still_over = chosen.bytes, chosen.files, chosen.over
             if configured:
                 self.over_budget = still_over
         report["evicted"] = len(victims)
