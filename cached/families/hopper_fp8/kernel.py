@@ -699,7 +699,10 @@ class HopperFp8GemmKernel:
         acc_sum.fill(0.0)
         tCcC_t = thr_c.partition_C(gcC_t)
         last_r, last_c = mC.shape[0] - 1, mC.shape[1] - 1
-        keys = fragment_keys(acc.shape) if cutlass.const_expr(self.block) else None
+        # per element: (row key, column key) of its scale product; the column key is the
+        # 8-column group (a weight block) or, swap_ab (MMA rows are weight rows), the column
+        pair_keys = ([(rk, ck if self.swap else gk) for rk, gk, ck in fragment_keys(acc.shape)]
+                     if cutlass.const_expr(self.block) else None)
         for kt in range(k_tiles):
             pair_s = {}
             if cutlass.const_expr(self.block):
@@ -709,9 +712,7 @@ class HopperFp8GemmKernel:
                 # product per pair
                 row_s, col_s = {}, {}
                 for v in cutlass.range_constexpr(cute.size(acc)):
-                    rk, gk, ck = keys[v]  # swap_ab: the MMA's (row, col) is (n, m)
-                    if cutlass.const_expr(not self.swap):
-                        ck = gk
+                    rk, ck = pair_keys[v]  # swap_ab: the MMA's (row, col) is (n, m)
                     if cutlass.const_expr(rk not in row_s):
                         r = cutlass.min(tCcC_t[v][0], last_r)
                         if cutlass.const_expr(self.swap):
@@ -742,10 +743,7 @@ class HopperFp8GemmKernel:
             read_state.advance()
             for v in cutlass.range_constexpr(cute.size(acc)):
                 if cutlass.const_expr(self.block):
-                    rk, gk, ck = keys[v]
-                    if cutlass.const_expr(not self.swap):
-                        ck = gk
-                    acc_sum[v] = acc_sum[v] + acc[v] * pair_s[(rk, ck)]
+                    acc_sum[v] = acc_sum[v] + acc[v] * pair_s[pair_keys[v]]
                 else:
                     acc_sum[v] = acc_sum[v] + acc[v]
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
