@@ -39,6 +39,9 @@ PERF_BATCHES = (1, 8, 64, 256)
 GEN_TOKENS = 24
 PERF_PROMPT, PERF_TOKENS = 128, 64
 PERF_REPEATS = 3  # timed generate calls per (batch, length); the minimum is kept
+PROFILE_STEPS = 16  # decode steps of a profiled generate (after its prefill step)
+TIMELINE_PROMPT, TIMELINE_STEPS = 16, 32  # short prompts: the decode steps dominate
+GEMM_MARKS = ("cutlass", "gemm", "Gemm", "matmul", "nvjet", "cublas", "sm90_xmma", "wgmma")
 TARGET_LENS = (5, 17, 33, 64, 100, 128, 200, 257)
 MAX_BATCHED = 8192
 
@@ -208,6 +211,111 @@ def _layer_check(model) -> dict:
     return res
 
 
+def _device_us(prof) -> dict[str, list[float]]:
+    """Kernel name -> [device time in us, launches] over a profiled region."""
+    out: dict[str, list[float]] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        t = getattr(e, "self_cuda_time_total", 0) if t is None else t
+        if t > 0:
+            out[e.key] = [float(t), float(e.count)]
+    return out
+
+
+def _gpu_profile(llm, vocab: int, SamplingParams) -> dict:  # noqa: N803 -- vLLM's class
+    """Per decode step, at each batch of PERF_BATCHES: the GPU time of every kernel (us) and
+    its launches, as the difference of two profiled generates (1 token, then
+    1 + PROFILE_STEPS tokens: the same prefill) divided by PROFILE_STEPS. GEMM kernels are
+    those whose name holds one of GEMM_MARKS; CuTe-DSL kernels are named by their class."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    res: dict = {}
+    for b in PERF_BATCHES:
+        ps = [{"prompt_token_ids": p} for p in prompts_for(2000 + b, vocab, [PERF_PROMPT] * b)]
+        sums, walls = {}, {}
+        for n in (1, PROFILE_STEPS + 1):
+            sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                                detokenize=False)
+            llm.generate(ps, sp, use_tqdm=False)  # warm-up: same shapes
+            torch.cuda.synchronize()
+            ts = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                llm.generate(ps, sp, use_tqdm=False)
+                torch.cuda.synchronize()
+            walls[n] = time.perf_counter() - ts
+            sums[n] = _device_us(prof)
+        one, many = sums[1], sums[PROFILE_STEPS + 1]
+        kernels = {}
+        for name, (t, c) in many.items():
+            t0, c0 = one.get(name, [0.0, 0.0])
+            if (t - t0) > 0:
+                kernels[name] = [(t - t0) / PROFILE_STEPS, (c - c0) / PROFILE_STEPS]
+        gemm = {k: v for k, v in kernels.items() if any(m in k for m in GEMM_MARKS)}
+        res[b] = {"step_wall_us": (walls[PROFILE_STEPS + 1] - walls[1]) / PROFILE_STEPS * 1e6,
+                  "step_gpu_us": sum(v[0] for v in kernels.values()),
+                  "step_gemm_us": sum(v[0] for v in gemm.values()),
+                  "step_launches": sum(v[1] for v in kernels.values()),
+                  "top": sorted(([k[:200], round(v[0], 2), v[1]] for k, v in kernels.items()),
+                                key=lambda r: -r[1])[:14]}
+        print("profile", b, {k: v for k, v in res[b].items() if k != "top"}, flush=True)
+    return res
+
+
+def _timeline(llm, vocab: int, SamplingParams, trace_dir: str | None) -> dict:  # noqa: N803
+    """Where a decode step's wall time goes, at batch 64 and 256: one generate of
+    1 + TIMELINE_STEPS tokens from TIMELINE_PROMPT-token prompts (one short prefill step),
+    profiled with CPU and CUDA activity: the host ops' self CPU time per step (top ones), the
+    GPU's busy time (the union of kernel intervals) and its idle time (gaps between kernels
+    of more than 20 us). With ``trace_dir``, the Chrome trace too (gzipped)."""
+    import gzip
+    import shutil
+
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    res: dict = {}
+    for b in (64, 256):
+        ps = [{"prompt_token_ids": p}
+              for p in prompts_for(3000 + b, vocab, [TIMELINE_PROMPT] * b)]
+        sp = SamplingParams(temperature=0.0, max_tokens=TIMELINE_STEPS + 1, ignore_eos=True,
+                            detokenize=False)
+        llm.generate(ps, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        ts = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(ps, sp, use_tqdm=False)
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - ts
+        kern = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                      if e.device_type == DeviceType.CUDA)
+        busy, gaps, big = 0.0, [], []
+        end = kern[0][0] if kern else 0.0
+        for s0, e0 in kern:
+            if s0 > end:
+                gaps.append(s0 - end)
+            busy += max(0.0, e0 - max(s0, end))
+            end = max(end, e0)
+        big = sorted((g for g in gaps if g > 20), reverse=True)
+        cpu = sorted(((e.key, e.self_cpu_time_total / TIMELINE_STEPS, e.count / TIMELINE_STEPS)
+                      for e in prof.key_averages() if e.self_cpu_time_total > 0),
+                     key=lambda r: -r[1])[:25]
+        res[b] = {"wall_us": wall * 1e6, "gpu_span_us": (end - kern[0][0]) if kern else 0,
+                  "gpu_busy_us": busy, "gaps_over_20us": len(big),
+                  "gap_us_total": sum(big), "largest_gaps_us": [round(g) for g in big[:12]],
+                  "cpu_top_per_step": [[k[:120], round(t, 1), round(c, 2)] for k, t, c in cpu]}
+        print("timeline", b, {k: v for k, v in res[b].items() if k != "cpu_top_per_step"},
+              flush=True)
+        if trace_dir:
+            path = Path(trace_dir) / f"trace_{os.environ.get('CACHED_BENCH_MODE', 'x')}_{b}.json"
+            prof.export_chrome_trace(str(path))
+            with open(path, "rb") as f, gzip.open(f"{path}.gz", "wb") as g:
+                shutil.copyfileobj(f, g)
+            path.unlink()
+    return res
+
+
 def _outputs(outs) -> list[dict]:
     rec = []
     for o in outs:
@@ -238,6 +346,81 @@ def _turns(args: argparse.Namespace) -> tuple[Path | None, Path | None, Path | N
             d / f"measured_{args.mode}")
 
 
+def _invariance(llm, vocab: int, SamplingParams) -> tuple[list, dict]:  # noqa: N803
+    """Greedy outputs of the target prompts alone, and per batch of BATCHES how many of them
+    change (tokens, logprobs bitwise) inside that batch of mixed-length fillers."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, logprobs=1,
+                            ignore_eos=True, detokenize=False)
+    targets = prompts_for(11, vocab, TARGET_LENS)
+    tp = [{"prompt_token_ids": p} for p in targets]
+    alone = [_outputs(llm.generate([p], greedy, use_tqdm=False))[0] for p in tp]
+    inv = {}
+    for b in BATCHES:
+        fill, ntoks = fillers(100 + b, vocab, b - len(targets))
+        batch = [({"prompt_token_ids": p}, SamplingParams(
+            temperature=0.0, max_tokens=n, logprobs=1, ignore_eos=True, detokenize=False))
+            for p, n in zip(fill, ntoks, strict=True)]
+        rng = random.Random(b)
+        slots = sorted(rng.sample(range(b), len(targets)))
+        for j, s in enumerate(slots):
+            batch.insert(s, (tp[j], greedy))
+        outs = _outputs(llm.generate([x[0] for x in batch], [x[1] for x in batch],
+                                     use_tqdm=False))
+        got = [outs[s] for s in slots]
+        inv[b] = {"tokens_changed": sum(g["tokens"] != a["tokens"]
+                                        for g, a in zip(got, alone, strict=True)),
+                  "logprobs_changed": sum(g["logprobs"] != a["logprobs"]
+                                          for g, a in zip(got, alone, strict=True)),
+                  "max_abs_logprob_diff": max(
+                      max(abs(x - y) for x, y in zip(g["logprobs"], a["logprobs"],
+                                                     strict=True))
+                      for g, a in zip(got, alone, strict=True))}
+        print("invariance", b, inv[b], flush=True)
+    return alone, inv
+
+
+def _prompt_logprobs(llm, vocab: int, SamplingParams) -> list:  # noqa: N803
+    """Prompt logprobs of 16 prompts (the cross-mode comparison)."""
+    plp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
+    lp_prompts = prompts_for(21, vocab, [64] * 16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in lp_prompts], plp, use_tqdm=False)
+    return [[None if d is None else {"tok": p[i], "lp": float(d[p[i]].logprob),
+                                     "top": min(d, key=lambda t: d[t].rank)}
+             for i, d in enumerate(o.prompt_logprobs)]
+            for o, p in zip(outs, lp_prompts, strict=True)]
+
+
+def _throughput(llm, vocab: int, SamplingParams, batches) -> dict:  # noqa: N803
+    """Per batch: wall time of a 1-token and a (1 + PERF_TOKENS)-token generate (the
+    minimum of PERF_REPEATS, after a warm-up), the decode step as their difference."""
+    import torch
+
+    perf = {}
+    for b in batches:
+        ps = [{"prompt_token_ids": p}
+              for p in prompts_for(1000 + b, vocab, [PERF_PROMPT] * b)]
+        row = {}
+        for n in (1, PERF_TOKENS + 1):
+            sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                                detokenize=False)
+            llm.generate(ps, sp, use_tqdm=False)  # warm-up: same shapes
+            times = []
+            for _ in range(PERF_REPEATS):
+                torch.cuda.synchronize()
+                ts = time.perf_counter()
+                llm.generate(ps, sp, use_tqdm=False)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - ts)
+            row[n] = min(times)
+        step = (row[PERF_TOKENS + 1] - row[1]) / PERF_TOKENS
+        perf[b] = {"t_prefill_s": row[1], "t_total_s": row[PERF_TOKENS + 1],
+                   "decode_step_ms": step * 1e3,
+                   "out_tok_s": b * (PERF_TOKENS + 1) / row[PERF_TOKENS + 1],
+                   "decode_tok_s": b / step}
+        print("perf", b, perf[b], flush=True)
+    return perf
+
+
 def engine(args: argparse.Namespace) -> None:
     wait_load, loaded, wait_measure, measured = _turns(args)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -253,7 +436,6 @@ def engine(args: argparse.Namespace) -> None:
 
     t0 = time.perf_counter()
     try:
-        import torch
         from vllm import LLM, SamplingParams
 
         res["import_s"] = time.perf_counter() - t0
@@ -281,81 +463,31 @@ def engine(args: argparse.Namespace) -> None:
         print("kernels", res["kernels"], flush=True)
         _wait(wait_measure)
         res["measure_start"] = time.time()
-        res["stage"] = "layers"
-        save()
-        try:
-            res["layer_check"] = llm.apply_model(_layer_check)[0]
-        except Exception as exc:  # noqa: BLE001 -- recorded, the engine part goes on
-            res["errors"].append(f"layer_check: {type(exc).__name__}: {exc}"[:2000])
-            traceback.print_exc()
-        res["stage"] = "invariance"
-        save()
-        greedy = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, logprobs=1,
-                                ignore_eos=True, detokenize=False)
-        targets = prompts_for(11, vocab, TARGET_LENS)
-        tp = [{"prompt_token_ids": p} for p in targets]
-        alone = [_outputs(llm.generate([p], greedy, use_tqdm=False))[0] for p in tp]
-        res["alone"] = alone
-        inv = {}
-        for b in BATCHES:
-            fill, ntoks = fillers(100 + b, vocab, b - len(targets))
-            batch = [({"prompt_token_ids": p}, SamplingParams(
-                temperature=0.0, max_tokens=n, logprobs=1, ignore_eos=True, detokenize=False))
-                for p, n in zip(fill, ntoks, strict=True)]
-            rng = random.Random(b)
-            slots = sorted(rng.sample(range(b), len(targets)))
-            for j, s in enumerate(slots):
-                batch.insert(s, (tp[j], greedy))
-            outs = _outputs(llm.generate([x[0] for x in batch], [x[1] for x in batch],
-                                         use_tqdm=False))
-            got = [outs[s] for s in slots]
-            inv[b] = {"tokens_changed": sum(g["tokens"] != a["tokens"]
-                                            for g, a in zip(got, alone, strict=True)),
-                      "logprobs_changed": sum(g["logprobs"] != a["logprobs"]
-                                              for g, a in zip(got, alone, strict=True)),
-                      "max_abs_logprob_diff": max(
-                          max(abs(x - y) for x, y in zip(g["logprobs"], a["logprobs"],
-                                                         strict=True))
-                          for g, a in zip(got, alone, strict=True))}
-            print("invariance", b, inv[b], flush=True)
-        res["invariance"] = inv
-        res["stage"] = "prompt_logprobs"
-        save()
-        plp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1,
-                             detokenize=False)
-        lp_prompts = prompts_for(21, vocab, [64] * 16)
-        outs = llm.generate([{"prompt_token_ids": p} for p in lp_prompts], plp, use_tqdm=False)
-        res["prompt_logprobs"] = [
-            [None if d is None else {"tok": p[i], "lp": float(d[p[i]].logprob),
-                                     "top": min(d, key=lambda t: d[t].rank)}
-             for i, d in enumerate(o.prompt_logprobs)]
-            for o, p in zip(outs, lp_prompts, strict=True)]
+        if not args.quick:
+            res["stage"] = "layers"
+            save()
+            try:
+                res["layer_check"] = llm.apply_model(_layer_check)[0]
+            except Exception as exc:  # noqa: BLE001 -- recorded, the engine part goes on
+                res["errors"].append(f"layer_check: {type(exc).__name__}: {exc}"[:2000])
+                traceback.print_exc()
+            res["stage"] = "invariance"
+            save()
+            res["alone"], res["invariance"] = _invariance(llm, vocab, SamplingParams)
+            res["stage"] = "prompt_logprobs"
+            save()
+            res["prompt_logprobs"] = _prompt_logprobs(llm, vocab, SamplingParams)
         res["stage"] = "throughput"
         save()
-        perf = {}
-        for b in PERF_BATCHES:
-            ps = [{"prompt_token_ids": p}
-                  for p in prompts_for(1000 + b, vocab, [PERF_PROMPT] * b)]
-            row = {}
-            for n in (1, PERF_TOKENS + 1):
-                sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
-                                    detokenize=False)
-                llm.generate(ps, sp, use_tqdm=False)  # warm-up: same shapes
-                times = []
-                for _ in range(PERF_REPEATS):
-                    torch.cuda.synchronize()
-                    ts = time.perf_counter()
-                    llm.generate(ps, sp, use_tqdm=False)
-                    torch.cuda.synchronize()
-                    times.append(time.perf_counter() - ts)
-                row[n] = min(times)
-            step = (row[PERF_TOKENS + 1] - row[1]) / PERF_TOKENS
-            perf[b] = {"t_prefill_s": row[1], "t_total_s": row[PERF_TOKENS + 1],
-                       "decode_step_ms": step * 1e3,
-                       "out_tok_s": b * (PERF_TOKENS + 1) / row[PERF_TOKENS + 1],
-                       "decode_tok_s": b / step}
-            print("perf", b, perf[b], flush=True)
-        res["perf"] = perf
+        res["perf"] = _throughput(llm, vocab, SamplingParams, PERF_BATCHES)
+        res["stage"] = "profile"
+        save()
+        res["gpu_profile"] = _gpu_profile(llm, vocab, SamplingParams)
+        res["stage"] = "timeline"
+        save()
+        os.environ["CACHED_BENCH_MODE"] = args.mode
+        res["timeline"] = _timeline(llm, vocab, SamplingParams, os.environ.get("TRACE_DIR"))
+        res["perf_after"] = _throughput(llm, vocab, SamplingParams, (64, 256))
         res["stage"] = "done"
     except Exception as exc:  # noqa: BLE001 -- recorded: how far vLLM ran is the result
         res["errors"].append(f"{res['stage']}: {type(exc).__name__}: {exc}"[:4000])
@@ -547,6 +679,44 @@ def summarize(args: argparse.Namespace) -> None:
         ca = f"{steps['a'] / steps['c']:.2f}" if "a" in steps and "c" in steps else "-"
         cb = f"{steps['b'] / steps['c']:.2f}" if "b" in steps and "c" in steps else "-"
         print(f"| {b} | " + " | ".join(cells) + f" | {ca} | {cb} |")
+    print("\n| batch | " + " | ".join(f"{names[m]} GPU us/step (GEMM us, launches)" for m in runs)
+          + " | a GEMM / c GEMM | b GEMM / c GEMM |")
+    print("|---|" + "---|" * (len(runs) + 2))
+    for b in map(str, PERF_BATCHES):
+        cells, gemm = [], {}
+        for m, r in runs.items():
+            p = (r.get("gpu_profile") or {}).get(b)
+            if p:
+                gemm[m] = p["step_gemm_us"]
+                cells.append(f"{p['step_gpu_us']:.0f} ({p['step_gemm_us']:.0f}, "
+                             f"{p['step_launches']:.0f})")
+            else:
+                cells.append("-")
+        ca = f"{gemm['a'] / gemm['c']:.2f}" if gemm.get("c") and "a" in gemm else "-"
+        cb = f"{gemm['b'] / gemm['c']:.2f}" if gemm.get("c") and "b" in gemm else "-"
+        print(f"| {b} | " + " | ".join(cells) + f" | {ca} | {cb} |")
+    print("\n| mode | batch | wall us/token (generate) | GPU busy us/step | GPU idle gaps > 20 us "
+          "per step (us) | step ms, measured again after |")
+    print("|---|---|---|---|---|---|")
+    for m, r in runs.items():
+        for b, t in (r.get("timeline") or {}).items():
+            again = (r.get("perf_after") or {}).get(b, {}).get("decode_step_ms", float("nan"))
+            print(f"| {names[m]} | {b} | {t['wall_us'] / (TIMELINE_STEPS + 1):.0f} | "
+                  f"{t['gpu_busy_us'] / (TIMELINE_STEPS + 1):.0f} | "
+                  f"{t['gap_us_total'] / (TIMELINE_STEPS + 1):.0f} | {again:.2f} |")
+    for m, r in runs.items():
+        for b, t in (r.get("timeline") or {}).items():
+            print(f"\n{names[m]} batch {b}: host ops per step (self CPU us, calls); largest GPU "
+                  f"gaps {t['largest_gaps_us']}")
+            for name, us, c in t["cpu_top_per_step"][:18]:
+                print(f"  {us:9.1f} {c:6.2f}  {name}")
+    for m, r in runs.items():
+        for b in ("1", "64", "256"):
+            p = (r.get("gpu_profile") or {}).get(b)
+            if p:
+                print(f"\n{names[m]} batch {b}, kernels per decode step (us, launches):")
+                for name, t, c in p["top"]:
+                    print(f"  {t:9.2f} {c:5.1f}  {name[:150]}")
     c = runs.get("c", {}).get("prompt_logprobs")
     for m in "ab":
         other = runs.get(m, {}).get("prompt_logprobs")
@@ -587,6 +757,9 @@ def main() -> None:
     p.add_argument("--compile-mode", type=int, default=0)
     p.add_argument("--turns", help="directory of the files that order the modes' processes")
     p.add_argument("--order", default="c,b,a", help="the modes, in their turns' order")
+    p.add_argument("--quick", action="store_true",
+                   help="load, throughput, profile and timeline only (no layer check, "
+                        "invariance or prompt logprobs)")
     p = sub.add_parser("layers")
     p.add_argument("ckpt")
     p.add_argument("--out", required=True)
