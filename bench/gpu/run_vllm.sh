@@ -137,9 +137,9 @@ if [[ $mode == gpu ]]; then
   T=/tmp/turns && rm -rf $T && mkdir -p $T
   ORDER=${ORDER:-c,b,a} && pids=()
   for m in ${ORDER//,/ }; do
-    TRACE_DIR=$L TRITON_CACHE_DIR=/tmp/triton_$m timeout "${MODE_TIMEOUT:-300}" python3 "$C/vllm_fp8.py" \
+    TRITON_CACHE_DIR=/tmp/triton_$m timeout "${MODE_TIMEOUT:-300}" python3 "$C/vllm_fp8.py" \
       engine /tmp/ck --mode "$m" --out $OUT/engine_$m.json --turns $T --order $ORDER \
-      --compile-mode "${COMPILE_MODE:-0}" ${QUICK:+--quick} \
+      --compile-mode "${COMPILE_MODE:-0}" --trace-dir $L ${QUICK:+--quick} \
       > $OUT/engine_$m.log 2>&1 &  # under $OUT: back even if the call's limit stops it
     pids+=($!)
   done

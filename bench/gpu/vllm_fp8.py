@@ -42,6 +42,7 @@ PERF_REPEATS = 3  # timed generate calls per (batch, length); the minimum is kep
 PROFILE_STEPS = 16  # decode steps of a profiled generate (after its prefill step)
 TIMELINE_PROMPT, TIMELINE_STEPS = 16, 32  # short prompts: the decode steps dominate
 GEMM_MARKS = ("cutlass", "gemm", "Gemm", "matmul", "nvjet", "cublas", "sm90_xmma", "wgmma")
+FP8_GEMM_MARKS = ("cutlass_3x_gemm_sm90_fp8", "HopperFp8GemmKernel")  # vLLM's CUTLASS, ours
 TARGET_LENS = (5, 17, 33, 64, 100, 128, 200, 257)
 MAX_BATCHED = 8192
 
@@ -222,11 +223,17 @@ def _device_us(prof) -> dict[str, list[float]]:
     return out
 
 
+def _fp8_gemm_us(kernels) -> float:
+    """The FP8 linears' share of (kernel name, us) pairs."""
+    return sum(t for name, t in kernels if any(m in name for m in FP8_GEMM_MARKS))
+
+
 def _gpu_profile(llm, vocab: int, SamplingParams) -> dict:  # noqa: N803 -- vLLM's class
     """Per decode step, at each batch of PERF_BATCHES: the GPU time of every kernel (us) and
     its launches, as the difference of two profiled generates (1 token, then
     1 + PROFILE_STEPS tokens: the same prefill) divided by PROFILE_STEPS. GEMM kernels are
-    those whose name holds one of GEMM_MARKS; CuTe-DSL kernels are named by their class."""
+    those whose name holds one of GEMM_MARKS (the lm_head's among them), the FP8 linears'
+    those holding one of FP8_GEMM_MARKS; CuTe-DSL kernels are named by their class."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -255,6 +262,7 @@ def _gpu_profile(llm, vocab: int, SamplingParams) -> dict:  # noqa: N803 -- vLLM
         res[b] = {"step_wall_us": (walls[PROFILE_STEPS + 1] - walls[1]) / PROFILE_STEPS * 1e6,
                   "step_gpu_us": sum(v[0] for v in kernels.values()),
                   "step_gemm_us": sum(v[0] for v in gemm.values()),
+                  "step_fp8_gemm_us": _fp8_gemm_us((k, v[0]) for k, v in kernels.items()),
                   "step_launches": sum(v[1] for v in kernels.values()),
                   "top": sorted(([k[:200], round(v[0], 2), v[1]] for k, v in kernels.items()),
                                 key=lambda r: -r[1])[:14]}
@@ -262,7 +270,8 @@ def _gpu_profile(llm, vocab: int, SamplingParams) -> dict:  # noqa: N803 -- vLLM
     return res
 
 
-def _timeline(llm, vocab: int, SamplingParams, trace_dir: str | None) -> dict:  # noqa: N803
+def _timeline(llm, vocab: int, SamplingParams, mode: str,  # noqa: N803
+              trace_dir: str | None) -> dict:
     """Where a decode step's wall time goes, at batch 64 and 256: one generate of
     1 + TIMELINE_STEPS tokens from TIMELINE_PROMPT-token prompts (one short prefill step),
     profiled with CPU and CUDA activity: the host ops' self CPU time per step (top ones), the
@@ -290,7 +299,7 @@ def _timeline(llm, vocab: int, SamplingParams, trace_dir: str | None) -> dict:  
         wall = time.perf_counter() - ts
         kern = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                       if e.device_type == DeviceType.CUDA)
-        busy, gaps, big = 0.0, [], []
+        busy, gaps = 0.0, []
         end = kern[0][0] if kern else 0.0
         for s0, e0 in kern:
             if s0 > end:
@@ -308,7 +317,7 @@ def _timeline(llm, vocab: int, SamplingParams, trace_dir: str | None) -> dict:  
         print("timeline", b, {k: v for k, v in res[b].items() if k != "cpu_top_per_step"},
               flush=True)
         if trace_dir:
-            path = Path(trace_dir) / f"trace_{os.environ.get('CACHED_BENCH_MODE', 'x')}_{b}.json"
+            path = Path(trace_dir) / f"trace_{mode}_{b}.json"
             prof.export_chrome_trace(str(path))
             with open(path, "rb") as f, gzip.open(f"{path}.gz", "wb") as g:
                 shutil.copyfileobj(f, g)
@@ -485,8 +494,7 @@ def engine(args: argparse.Namespace) -> None:
         res["gpu_profile"] = _gpu_profile(llm, vocab, SamplingParams)
         res["stage"] = "timeline"
         save()
-        os.environ["CACHED_BENCH_MODE"] = args.mode
-        res["timeline"] = _timeline(llm, vocab, SamplingParams, os.environ.get("TRACE_DIR"))
+        res["timeline"] = _timeline(llm, vocab, SamplingParams, args.mode, args.trace_dir)
         res["perf_after"] = _throughput(llm, vocab, SamplingParams, (64, 256))
         res["stage"] = "done"
     except Exception as exc:  # noqa: BLE001 -- recorded: how far vLLM ran is the result
@@ -647,6 +655,26 @@ def _load(path: str) -> dict:
         return {}
 
 
+def _ratio_table(runs: dict, names: dict, field: str, what: str, ratio: str, cell) -> None:
+    """One row per batch: each mode's ``cell(r[field][batch])`` (a time, its text) and the
+    time of (a) and (b) over (c)'s (> 1: (c) faster)."""
+    print("\n| batch | " + " | ".join(f"{names[m]} {what}" for m in runs)
+          + f" | a {ratio} / c {ratio} | b {ratio} / c {ratio} |")
+    print("|---|" + "---|" * (len(runs) + 2))
+    for b in map(str, PERF_BATCHES):
+        cells, times = [], {}
+        for m, r in runs.items():
+            p = (r.get(field) or {}).get(b)
+            if p:
+                times[m], text = cell(p)
+                cells.append(text)
+            else:
+                cells.append("-")
+        ratios = [f"{times[o] / times['c']:.2f}" if times.get("c") and o in times else "-"
+                  for o in "ab"]
+        print(f"| {b} | " + " | ".join(cells) + f" | {ratios[0]} | {ratios[1]} |")
+
+
 def summarize(args: argparse.Namespace) -> None:
     runs = {m: _load(p) for m, p in zip("abc", args.files, strict=False)}
     names = {"a": "(a) vLLM default FP8", "b": "(b) vLLM batch-invariant",
@@ -664,37 +692,21 @@ def summarize(args: argparse.Namespace) -> None:
         for b, v in r.get("invariance", {}).items():
             print(f"| {names[m]} | {b} | {v['tokens_changed']}/8 | {v['logprobs_changed']}/8 | "
                   f"{v['max_abs_logprob_diff']:.3g} |")
-    print("\n| batch | " + " | ".join(f"{names[m]} tok/s (step ms)" for m in runs)
-          + " | a step / c step | b step / c step |")
-    print("|---|" + "---|" * (len(runs) + 2))
-    for b in map(str, PERF_BATCHES):
-        cells, steps = [], {}
-        for m, r in runs.items():
-            p = r.get("perf", {}).get(b)
-            if p:
-                steps[m] = p["decode_step_ms"]
-                cells.append(f"{p['out_tok_s']:.0f} ({p['decode_step_ms']:.2f})")
-            else:
-                cells.append("-")
-        ca = f"{steps['a'] / steps['c']:.2f}" if "a" in steps and "c" in steps else "-"
-        cb = f"{steps['b'] / steps['c']:.2f}" if "b" in steps and "c" in steps else "-"
-        print(f"| {b} | " + " | ".join(cells) + f" | {ca} | {cb} |")
-    print("\n| batch | " + " | ".join(f"{names[m]} GPU us/step (GEMM us, launches)" for m in runs)
-          + " | a GEMM / c GEMM | b GEMM / c GEMM |")
-    print("|---|" + "---|" * (len(runs) + 2))
-    for b in map(str, PERF_BATCHES):
-        cells, gemm = [], {}
-        for m, r in runs.items():
-            p = (r.get("gpu_profile") or {}).get(b)
-            if p:
-                gemm[m] = p["step_gemm_us"]
-                cells.append(f"{p['step_gpu_us']:.0f} ({p['step_gemm_us']:.0f}, "
-                             f"{p['step_launches']:.0f})")
-            else:
-                cells.append("-")
-        ca = f"{gemm['a'] / gemm['c']:.2f}" if gemm.get("c") and "a" in gemm else "-"
-        cb = f"{gemm['b'] / gemm['c']:.2f}" if gemm.get("c") and "b" in gemm else "-"
-        print(f"| {b} | " + " | ".join(cells) + f" | {ca} | {cb} |")
+    def perf_cell(p: dict) -> tuple[float, str]:
+        return p["decode_step_ms"], f"{p['out_tok_s']:.0f} ({p['decode_step_ms']:.2f})"
+
+    def gpu_cell(p: dict) -> tuple[float, str]:
+        return p["step_gpu_us"], (f"{p['step_gpu_us']:.0f} ({p['step_gemm_us']:.0f}, "
+                                  f"{p['step_launches']:.0f})")
+
+    def fp8_cell(p: dict) -> tuple[float, str]:
+        us = p.get("step_fp8_gemm_us", _fp8_gemm_us((n, t) for n, t, _ in p["top"]))
+        return us, f"{us:.0f}"
+
+    _ratio_table(runs, names, "perf", "tok/s (step ms)", "step", perf_cell)
+    _ratio_table(runs, names, "gpu_profile", "GPU us/step (all GEMMs us, launches)",
+                 "GPU step", gpu_cell)
+    _ratio_table(runs, names, "gpu_profile", "FP8 linears' GPU us/step", "FP8 GEMM", fp8_cell)
     print("\n| mode | batch | wall us/token (generate) | GPU busy us/step | GPU idle gaps > 20 us "
           "per step (us) | step ms, measured again after |")
     print("|---|---|---|---|---|---|")
@@ -757,6 +769,7 @@ def main() -> None:
     p.add_argument("--compile-mode", type=int, default=0)
     p.add_argument("--turns", help="directory of the files that order the modes' processes")
     p.add_argument("--order", default="c,b,a", help="the modes, in their turns' order")
+    p.add_argument("--trace-dir", help="where the timeline's Chrome traces go (gzipped)")
     p.add_argument("--quick", action="store_true",
                    help="load, throughput, profile and timeline only (no layer check, "
                         "invariance or prompt logprobs)")
