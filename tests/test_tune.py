@@ -16,8 +16,9 @@ import subprocess
 import sys
 
 import pytest
-from cached_client import Client, gemm_plan
+from cached_client import Client
 from cached_client.errors import InvalidArgument
+from cached_client.gemm import plan as gemm_plan
 from cached_client.protocol import AutotuneGetRequest, AutotunePutRequest
 from conftest import ROOT, DaemonProcess, run_cli
 
