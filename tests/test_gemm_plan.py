@@ -186,7 +186,7 @@ def test_sm100_is_not_offered_with_vllms_flashinfer_pin():
     python = ROOT / ".venv-vllm" / "bin" / "python"
     if not python.exists():
         pytest.skip("make setup-vllm builds .venv-vllm")
-    code = ("from cached_client import gemm_plan as g\n"
+    code = ("from cached_client.gemm import plan as g\n"
             "print(g.flashinfer_bi_available())\n"
             "try:\n    g.family_for('sm_100a')\nexcept g.PlanUnavailable as e:\n"
             "    print('UNAVAILABLE', e)\n")

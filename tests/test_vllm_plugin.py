@@ -168,7 +168,7 @@ def test_vllms_loader_loads_the_plugin_and_its_lines_show_under_vllms_logging(vl
     line = next(x for x in out.splitlines() if "cached: pid" in x)
     # vLLM's default format: "(MainProcess pid=N) INFO MM-DD hh:mm:ss [file:line] message"
     assert line.startswith("(MainProcess pid=") and " INFO " in line
-    assert "[vllm_plugin.py:" in line and "daemon at " in line and "(toolchain " in line
+    assert "[plugin.py:" in line and "daemon at " in line and "(toolchain " in line
     chosen = [x for x in out.splitlines() if "FP8 linears run cached.hopper_fp8" in x]
     assert len(chosen) == 2  # once per reason, however many layers ask
     assert "VLLM_BATCH_INVARIANT=1" in chosen[0] and "certified on NVIDIA H200" in chosen[0]
@@ -423,7 +423,7 @@ def test_inside_vllm_every_client_line_goes_through_vllms_logging(tmp_path):
     first = through_vllm(" families); FP8 linear kernel 'cached' registered", "INFO")
     assert "no toolchain of the daemon is this environment (CuTe DSL 4.8.0" in first
     assert "come from the daemon" not in first and "--toolchain NAME=" in first
-    assert "[flashinfer.py:" in through_vllm("no toolchain of this daemon compiles "
+    assert "[cute_dsl.py:" in through_vllm("no toolchain of this daemon compiles "
                                              "flashinfer.mm_fp4", "WARNING")
     assert "[client.py:" in through_vllm("unusable (the daemon at", "INFO")  # the breaker
     silent = through_vllm("DaemonSilent: the daemon at", "WARNING")

@@ -35,10 +35,11 @@ import logging
 import sys
 import weakref
 
+from triton.runtime.cache import RemoteCacheBackend
+
 from cached_client import identity, writeback
 from cached_client.keys import KernelRequest
 from cached_client.protocol import Artifact
-from triton.runtime.cache import RemoteCacheBackend
 
 from .hook import Hook, daemon_arch
 

@@ -31,8 +31,6 @@ import threading
 from typing import Any
 
 import torch
-from cached_client.gemm import plan as gemm_plan
-from cached_client.gemm import policy
 from vllm import envs
 from vllm.logger import init_logger
 from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
@@ -44,6 +42,9 @@ from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
 )
 from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
 from vllm.platforms import current_platform
+
+from cached_client.gemm import plan as gemm_plan
+from cached_client.gemm import policy
 
 from .state import daemon
 
