@@ -63,6 +63,7 @@ uninstall = TritonHook.uninstall
 stats = TritonHook.stats
 """What the backend did in this process (``passthrough``: backends Triton made outside a
 kernel compile; the other counts: cached_client.integrations.jit.hook)."""
+installed = TritonHook.installed
 
 
 def _compile_target() -> str | None:
