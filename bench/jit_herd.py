@@ -9,8 +9,9 @@ point. Three ways:
   containers or users: nothing shared);
 - ``shared``: each library's own cache alone, one directory for all (one user's processes
   on one node: FlashInfer and Humming take a file lock per kernel, Triton takes none);
-- ``daemon``: one cache per process, the daemon's hooks installed (cached_client.triton,
-  .humming, .flashinfer_nvcc), a fresh daemon with an empty store.
+- ``daemon``: one cache per process, the daemon's hooks installed
+  (cached_client.integrations.jit: triton, humming, nvcc), a fresh daemon with an empty
+  store.
 
 Measured per way: compilations the processes ran (counted in the processes: Triton's
 compilation listener, Humming's ``_compile`` calls, FlashInfer's ninja runs that built the
@@ -108,7 +109,7 @@ for cls in (hc.NVRTCCompiler, hc.NVCCCompiler):      # count the compiler's runs
         return _o(c, *a, **k)
     cls._compile = classmethod(counted)
 if HOOK:
-    from cached_client import humming as ch
+    from cached_client.integrations.jit import humming as ch
     ch.install(os.environ["CACHED_SOCKET"])
 start = ready_then_wait()
 for bits in (4, 8):
@@ -131,7 +132,7 @@ def counted(build_dir, ninja_path, verbose, *a, **k):   # ninja built the module
 core.run_ninja = counted
 specs = [gen_act_and_mul_module(act) for act in ("silu", "gelu")]
 if HOOK:
-    from cached_client import flashinfer_nvcc as cn
+    from cached_client.integrations.jit import nvcc as cn
     cn.install(os.environ["CACHED_SOCKET"])
 start = ready_then_wait()
 for spec in specs:
@@ -152,7 +153,7 @@ def environment(lib: str, workdir: Path, sock: str | None) -> dict:
         env["TRITON_CACHE_DIR"] = str(workdir / "triton")
         if sock:
             env.update(TRITON_CACHE_MANAGER="triton.runtime.cache:RemoteCacheManager",
-                       TRITON_REMOTE_CACHE_BACKEND="cached_client.triton:DaemonBackend")
+                       TRITON_REMOTE_CACHE_BACKEND="cached_client.integrations.jit.triton:DaemonBackend")
     elif lib == "humming":
         env.update(HUMMING_CACHE_DIR=str(workdir / "humming"), HUMMING_TMP_DIR=str(workdir / "tmp"),
                    HUMMING_COMPILER="nvrtc", PROFILE=json.dumps(PROFILE))

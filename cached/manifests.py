@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cached_client import gemm_plan
+from cached_client.gemm import plan as gemm_plan
 
 from .families.base import DEFAULT_SM_COUNT
 

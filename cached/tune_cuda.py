@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from cached_client.errors import CachedError
-from cached_client.hopper_fp8 import alloc_workspace, gemm
+from cached_client.gemm.hopper_fp8 import alloc_workspace, gemm
 from cached_client.keys import KernelRequest
 
 from .log import event

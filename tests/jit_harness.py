@@ -78,7 +78,7 @@ ready_then_wait()
 src = ASTSource(fn=add_kernel, signature={"x_ptr": "*fp32", "y_ptr": "*fp32",
                 "out_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, constexprs={"BLOCK": 1024})
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
-from cached_client import triton as ct
+from cached_client.integrations.jit import triton as ct
 result(stats=ct.stats(), triton_cache_hit=seen, name=kernel.name,
        cubin=len(kernel.asm["cubin"]), hash=kernel.hash)
 """
@@ -91,7 +91,7 @@ import humming.device
 humming.device.current_device._value = types.SimpleNamespace(**json.loads(os.environ["PROFILE"]))
 from humming.kernel.pack_weight import PackWeightKernel
 from humming.utils.cubin import get_cubin_kernel_names
-from cached_client import humming as ch
+from cached_client.integrations.jit import humming as ch
 ch.install(os.environ["CACHED_SOCKET"])
 ready_then_wait()
 kernel = PackWeightKernel(num_bits=4)             # Humming's own runtime: prepare -> compile
@@ -103,7 +103,7 @@ result(stats=ch.stats(), cubin=kernel.kernel_filename,
 
 FLASHINFER = PRELUDE + """
 from flashinfer.jit.activation import gen_act_and_mul_module
-from cached_client import flashinfer_nvcc as cn
+from cached_client.integrations.jit import nvcc as cn
 cn.install(os.environ["CACHED_SOCKET"])
 if os.environ.get("AOT_DIR"):   # FlashInfer's data/aot directory, pointed at the test's
     from flashinfer.jit import env as jit_env
@@ -135,7 +135,7 @@ def environment(family: str, sock: str, workdir: Path, python: str = MAIN,
     if family == "triton":
         env.update(TRITON_CACHE_DIR=str(workdir / "triton"),
                    TRITON_CACHE_MANAGER="triton.runtime.cache:RemoteCacheManager",
-                   TRITON_REMOTE_CACHE_BACKEND="cached_client.triton:DaemonBackend")
+                   TRITON_REMOTE_CACHE_BACKEND="cached_client.integrations.jit.triton:DaemonBackend")
     elif family == "humming":
         env.update(HUMMING_CACHE_DIR=str(workdir / "humming"), HUMMING_TMP_DIR=str(workdir / "tmp"),
                    HUMMING_COMPILER="nvrtc", PROFILE=json.dumps(HUMMING_DEVICE_PROFILE))

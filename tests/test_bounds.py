@@ -430,7 +430,7 @@ def test_a_holder_that_never_finishes_keeps_its_lease_at_most_max_hold_and_waite
 
 NORM_WAITER = """
 import importlib, json, os, sys, time
-from cached_client import flashinfer as cf
+from cached_client.integrations.flashinfer import cute_dsl as cf
 cf.install(os.environ["CACHED_SOCKET"], lease_wait_s=float(os.environ["WAIT"]))
 r = importlib.import_module("flashinfer.norm.kernels.rmsnorm_sigmoid_gate")
 from flashinfer.jit import cute_dsl_core

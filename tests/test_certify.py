@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from cached_client import InvalidArgument, NotAllowed
-from cached_client import certify as c
+from cached_client.gemm import certify as c
 
 torch = pytest.importorskip("torch")
 

@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from cached_client import gemm_plan
+from cached_client.gemm import plan as gemm_plan
 from conftest import ROOT, DaemonProcess, run_cli
 
 from cached import families, toolchain

@@ -200,7 +200,7 @@ from flashinfer.gemm.gemm_mm_fp4_cute_dsl import (
 from flashinfer.gemm.kernels.dense_blockscaled_gemm_sm100 import (
     Sm100BlockScaledPersistentDenseGemmKernel)
 from flashinfer.jit.cute_dsl_core import build_and_load_cute_dsl_kernel
-from cached_client import flashinfer as cf
+from cached_client.integrations.flashinfer import cute_dsl as cf
 cf.install(os.environ["CACHED_SOCKET"])
 out = {}
 for i, tile in enumerate(((128, 64), (128, 128))):

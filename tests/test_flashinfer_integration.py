@@ -36,7 +36,7 @@ from flashinfer.jit.cute_dsl_core import _hash_source_files
 import torch
 MODE = sys.argv[1]
 if MODE == "client":
-    from cached_client import flashinfer as cf
+    from cached_client.integrations.flashinfer import cute_dsl as cf
     cf.install(os.environ["CACHED_SOCKET"])
 tactic = ((128, 64), (1, 1), False, False, "sm100", None)
 key = _mm_fp4_cache_key(16, tactic, True, torch.bfloat16, None, "b_ef")
@@ -71,7 +71,7 @@ print("RESULT " + json.dumps(out))
 # the CUDA driver while compiling, so the CPU test takes its RMSNorm-gate kernel).
 NORM = """
 import importlib, json, os, sys, time
-from cached_client import flashinfer as cf
+from cached_client.integrations.flashinfer import cute_dsl as cf
 cf.install(os.environ["CACHED_SOCKET"], lease_ttl_s=float(os.environ.get("TTL", "120")))
 r = importlib.import_module("flashinfer.norm.kernels.rmsnorm_sigmoid_gate")
 from flashinfer.jit import cute_dsl_core
@@ -237,7 +237,7 @@ def test_precompile_becomes_one_prefetch_and_uninstall_restores(fi_daemon, tmp_p
             return out
 
         before = snapshot()
-        from cached_client import flashinfer as cf
+        from cached_client.integrations.flashinfer import cute_dsl as cf
         cf.install(os.environ["CACHED_SOCKET"])
         assert gb.precompile_mm_fp4_tactics is not m.precompile_mm_fp4_tactics.__wrapped__
         saved = (cu.get_max_active_clusters, sys.modules["flashinfer.utils"].get_device_index)

@@ -1,5 +1,5 @@
 """Reduction-order classes through the daemon (``hello``, ``plan``), the policy's one class
-per batch-invariant plan, and the framework-free plan core (cached_client.gemm_plan), against
+per batch-invariant plan, and the framework-free plan core (cached_client.gemm.plan), against
 a real ``cached serve`` on a real socket. The GPU half (eager vs CUDA graph, the seeds'
 method, float64 reference, timings) is bench/gpu/gemm_plan_check.py on the H200."""
 
@@ -8,8 +8,10 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from cached_client import Client, gemm_plan, policy
+from cached_client import Client
 from cached_client.errors import InvalidArgument
+from cached_client.gemm import plan as gemm_plan
+from cached_client.gemm import policy
 from cached_client.protocol import AutotunePutRequest, PlanReply
 from conftest import ROOT, DaemonProcess
 
@@ -135,7 +137,7 @@ def test_plan_gemm_asks_plans_then_one_prefetch_and_nothing_else(daemon):
 
 def test_loaded_hopper_plan_buckets_and_workspace_for_the_largest_m(daemon):
     torch = pytest.importorskip("torch")
-    from cached_client.hopper_fp8 import counter_elems, workspace_bytes
+    from cached_client.gemm.hopper_fp8 import counter_elems, workspace_bytes
 
     c = daemon.client(timeout=60)
     n, k = 4096, 14336
@@ -184,7 +186,7 @@ def test_sm100_is_not_offered_with_vllms_flashinfer_pin():
     python = ROOT / ".venv-vllm" / "bin" / "python"
     if not python.exists():
         pytest.skip("make setup-vllm builds .venv-vllm")
-    code = ("from cached_client import gemm_plan as g\n"
+    code = ("from cached_client.gemm import plan as g\n"
             "print(g.flashinfer_bi_available())\n"
             "try:\n    g.family_for('sm_100a')\nexcept g.PlanUnavailable as e:\n"
             "    print('UNAVAILABLE', e)\n")

@@ -155,7 +155,7 @@ def test_scheme_options_through_the_daemon_and_the_client_plan(daemon):
     """The daemon's hello publishes the new classes; gemm_plan asks for a scheme and gets
     one class of it for every bucket; a bad scheme is refused before the daemon is asked,
     and the daemon still answers afterwards."""
-    from cached_client import gemm_plan
+    from cached_client.gemm import plan as gemm_plan
 
     client = daemon.client()
     info = client.hello(timeout=10).reduction_classes["cached.hopper_fp8"]
@@ -185,7 +185,7 @@ def test_scheme_options_through_the_daemon_and_the_client_plan(daemon):
 
 
 def test_accumulation_comes_from_the_environment(monkeypatch):
-    from cached_client import gemm_plan
+    from cached_client.gemm import plan as gemm_plan
 
     monkeypatch.delenv(gemm_plan.ACCUMULATION_ENV, raising=False)
     assert gemm_plan.accumulation_from_env() == "fast"
@@ -198,7 +198,7 @@ def test_accumulation_comes_from_the_environment(monkeypatch):
 
 def test_launcher_checks_per_token_scales_before_launch():
     torch = pytest.importorskip("torch")
-    from cached_client.hopper_fp8 import gemm
+    from cached_client.gemm.hopper_fp8 import gemm
 
     calls = []
 
@@ -228,7 +228,7 @@ def test_launcher_checks_per_token_scales_before_launch():
 
 def test_launcher_checks_block_scales_before_launch():
     torch = pytest.importorskip("torch")
-    from cached_client.hopper_fp8 import gemm
+    from cached_client.gemm.hopper_fp8 import gemm
 
     calls = []
 

@@ -562,7 +562,7 @@ def test_plan_options_through_the_daemon(daemon):
 # ---------------------------------------------------------------------- launcher
 
 def test_workspace_sizes():
-    from cached_client.hopper_fp8 import counter_elems, workspace_bytes
+    from cached_client.gemm.hopper_fp8 import counter_elems, workspace_bytes
 
     cta = T.HopperFp8Tactic(64, 128, splits=4, split_mode="cta").normalized().to_params()
     serial = T.HopperFp8Tactic(128, 128, splits=4).normalized().to_params()
@@ -586,7 +586,7 @@ def test_workspace_sizes():
 
 def test_launcher_refuses_missing_or_small_workspace():
     torch = pytest.importorskip("torch")
-    from cached_client.hopper_fp8 import check_workspace, counter_elems, workspace_bytes
+    from cached_client.gemm.hopper_fp8 import check_workspace, counter_elems, workspace_bytes
 
     cta = T.HopperFp8Tactic(64, 128, splits=4, split_mode="cta").normalized().to_params()
     dev = torch.device("cpu")
@@ -608,7 +608,7 @@ def test_launcher_refuses_missing_or_small_workspace():
 
 def test_launcher_rejects_before_launch():
     torch = pytest.importorskip("torch")
-    from cached_client.hopper_fp8 import gemm
+    from cached_client.gemm.hopper_fp8 import gemm
 
     calls = []
 

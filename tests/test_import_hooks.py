@@ -1,4 +1,4 @@
-"""cached_client.import_hooks: a callback right after a module's first import, in fresh
+"""cached_client.integrations.import_hooks: a callback right after a module's first import, in fresh
 processes (the hooks live in sys.meta_path)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from conftest import ROOT
 PROBE = """
 import importlib.machinery, json, sys
 sys.path.insert(0, sys.argv[1])
-from cached_client.import_hooks import pending, when_imported
+from cached_client.integrations.import_hooks import pending, when_imported
 seen = []
 when_imported("hooked_mod", lambda m: seen.append(("hooked", m.VALUE, "hooked_mod" in sys.modules)))
 when_imported("bad_mod", lambda m: 1 / 0)

@@ -175,8 +175,8 @@ from importlib.metadata import entry_points
 plugins = {ep.name: ep for ep in entry_points(group="vllm.general_plugins")}
 plugins["cached"].load()()          # what vllm.plugins.load_general_plugins() does
 out = {k: os.environ.get(k) for k in ("TRITON_CACHE_MANAGER", "TRITON_REMOTE_CACHE_BACKEND")}
-from cached_client import humming as ch
-out["humming_before"] = ch._hook is not None
+from cached_client.integrations.jit import humming as ch
+out["humming_before"] = ch.HummingHook.current() is not None
 if sys.argv[1:] == ["compile"]:     # a worker's first Triton kernel, and Humming imported
     import triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -190,10 +190,10 @@ if sys.argv[1:] == ["compile"]:     # a worker's first Triton kernel, and Hummin
     triton.compile(ASTSource(fn=scale, signature={"x_ptr": "*fp32", "n": "i32",
                              "BLOCK": "constexpr"}, constexprs={"BLOCK": 256}),
                    target=GPUTarget("cuda", 90, 32))
-    from cached_client import triton as ct
+    from cached_client.integrations.jit import triton as ct
     out["triton"] = ct.stats()
     import humming.jit.compiler     # the hook attaches now
-    out["humming_after"] = ch._hook is not None
+    out["humming_after"] = ch.HummingHook.current() is not None
 print("RESULT " + json.dumps(out))
 """
 
@@ -202,7 +202,7 @@ def test_the_vllm_plugin_routes_triton_and_humming_when_a_daemon_is_live(tmp_pat
     script = tmp_path / "plugin.py"
     script.write_text(PLUGIN)
     ours = {"TRITON_CACHE_MANAGER": "triton.runtime.cache:RemoteCacheManager",
-            "TRITON_REMOTE_CACHE_BACKEND": "cached_client.triton:DaemonBackend"}
+            "TRITON_REMOTE_CACHE_BACKEND": "cached_client.integrations.jit.triton:DaemonBackend"}
 
     def run(sock: str, *args: str, **extra: str) -> dict:
         from jit_harness import environment

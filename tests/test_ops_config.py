@@ -137,7 +137,7 @@ def test_a_manifests_hopper_build_warms_the_plans_choice_unless_it_asks_for_all(
     not the family's whole space (over 800 kernels per shape, about 17 minutes on 2 cores):
     a manifest's cached.hopper_fp8 build plans exactly those requests; `all_tactics = true`
     plans the space; a value that is not a boolean is refused, saying where."""
-    from cached_client import gemm_plan
+    from cached_client.gemm import plan as gemm_plan
 
     plain, every, bad = (tmp_path / f"{n}.toml" for n in ("plain", "every", "bad"))
     plain.write_text(HOPPER_MANIFEST.format(extra=""))

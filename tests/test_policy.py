@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from cached_client import policy
+from cached_client.gemm import policy
 from conftest import DaemonProcess
 
 BI = True
@@ -79,7 +79,7 @@ def test_cli_json_equals_select_and_import_is_light():
     assert json.loads(out) == policy.select("linear", "nvfp4-w4a16", "sm_100a", True,
                                             "cutlass").to_dict()
     assert set(json.loads(out)) == {"kernel", "reason", "warnings"}
-    code = ("import sys, cached_client.policy; print([m for m in ('fastapi', 'cutlass', "
+    code = ("import sys, cached_client.gemm.policy; print([m for m in ('fastapi', 'cutlass', "
             "'flashinfer', 'torch', 'cached') if m in sys.modules])")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "[]"

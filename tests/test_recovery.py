@@ -38,7 +38,8 @@ register_s = time.monotonic() - t0
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cached_client import triton as ct, vllm_state
+from cached_client.integrations.jit import triton as ct
+from cached_client.integrations.vllm import state as vllm_state
 
 def kernel(n):                      # a new kernel each time (another constant)
     src = f'''

@@ -69,7 +69,7 @@ from flashinfer.jit.cute_dsl_core import (JitSpecCuteDsl, _hash_source_files,
                                           build_and_load_cute_dsl_kernel)
 MODE = sys.argv[1]
 if MODE == "client":
-    from cached_client import flashinfer as cf
+    from cached_client.integrations.flashinfer import cute_dsl as cf
     cf.install(os.environ["CACHED_SOCKET"])
 tactic = ((128, 64), (1, 1), False, False, "sm100", None)
 name = _blockscaled_kernel_disk_name(
@@ -103,7 +103,7 @@ print("RESULT " + json.dumps(out))
 # a FlashInfer kernel the daemon has no recipe for (written back), in either version
 NORM = """
 import importlib, json, os
-from cached_client import flashinfer as cf
+from cached_client.integrations.flashinfer import cute_dsl as cf
 cf.install(os.environ["CACHED_SOCKET"])
 r = importlib.import_module("flashinfer.norm.kernels.rmsnorm_sigmoid_gate")
 fn = r._get_compiled(8, 8 * r.HEAD_DIM, 8 * r.HEAD_DIM, 32, 4, 1)
@@ -341,7 +341,7 @@ import json, logging
 logging.basicConfig(level=logging.INFO)
 from vllm.plugins import load_general_plugins
 load_general_plugins()
-from cached_client import flashinfer as cf
+from cached_client.integrations.flashinfer import cute_dsl as cf
 before = cf.installed()
 import flashinfer  # noqa: F401 -- the plugin's hooks attach at FlashInfer's first import
 print("RESULT " + json.dumps({"before": before, "installed": cf.installed()}))

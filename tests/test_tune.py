@@ -16,8 +16,9 @@ import subprocess
 import sys
 
 import pytest
-from cached_client import Client, gemm_plan
+from cached_client import Client
 from cached_client.errors import InvalidArgument
+from cached_client.gemm import plan as gemm_plan
 from cached_client.protocol import AutotuneGetRequest, AutotunePutRequest
 from conftest import ROOT, DaemonProcess, run_cli
 
@@ -95,7 +96,8 @@ def test_tune_publishes_winners_a_second_process_plans_from_them(node):
     # the daemon's journal: one line per stored winner
     assert node.log().count('"autotune.stored"') >= 3
     # a second process plans from them, with no timing of its own
-    code = ("import json, sys; from cached_client import Client, gemm_plan; "
+    code = ("import json, sys; from cached_client import Client; "
+            "from cached_client.gemm import plan as gemm_plan; "
             "p = gemm_plan.plan_gemm(Client(sys.argv[1], timeout=60), 4608, 3584, "
             "arch='sm_90a', sm_count=132, device='NVIDIA H200', max_m=2048, prefetch=False); "
             "print(json.dumps([[b.upper, b.source, b.request.params] "

@@ -27,14 +27,14 @@ logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(me
 plugins = {ep.name: ep for ep in entry_points(group="vllm.general_plugins")}
 assert "cached" in plugins, plugins
 plugins["cached"].load()()          # what vllm.plugins.load_general_plugins() does
-from cached_client import flashinfer
+from cached_client.integrations.flashinfer import cute_dsl as flashinfer
 result = {"installed_before": flashinfer.installed(),
           "flashinfer_imported": "flashinfer" in sys.modules}
 if len(sys.argv) > 1:
     import flashinfer as fi         # the plugin's hooks attach now
-    from cached_client import flashinfer_nvcc
+    from cached_client.integrations.jit import nvcc as flashinfer_nvcc
     result["installed_after_import"] = flashinfer.installed()
-    result["nvcc_after_import"] = flashinfer_nvcc._hook is not None
+    result["nvcc_after_import"] = flashinfer_nvcc.NvccHook.current() is not None
 print("RESULT " + json.dumps(result))
 """
 
@@ -164,17 +164,17 @@ def vllm_runs(tmp_path_factory):
 @needs_vllm
 def test_vllms_loader_loads_the_plugin_and_its_lines_show_under_vllms_logging(vllm_runs):
     result, out = vllm_runs["90"]
-    assert "cached_client.vllm_plugin" in result["plugins"]
+    assert "cached_client.integrations.vllm.plugin" in result["plugins"]
     line = next(x for x in out.splitlines() if "cached: pid" in x)
     # vLLM's default format: "(MainProcess pid=N) INFO MM-DD hh:mm:ss [file:line] message"
     assert line.startswith("(MainProcess pid=") and " INFO " in line
-    assert "[vllm_plugin.py:" in line and "daemon at " in line and "(toolchain " in line
+    assert "[plugin.py:" in line and "daemon at " in line and "(toolchain " in line
     chosen = [x for x in out.splitlines() if "FP8 linears run cached.hopper_fp8" in x]
     assert len(chosen) == 2  # once per reason, however many layers ask
     assert "VLLM_BATCH_INVARIANT=1" in chosen[0] and "certified on NVIDIA H200" in chosen[0]
     assert "(--linear-backend cached)" in chosen[1]
     # the plugin is not loaded where vLLM is told to load none
-    assert "cached_client.vllm_plugin" not in vllm_runs["90-vllm"][0]["plugins"]
+    assert "cached_client.integrations.vllm.plugin" not in vllm_runs["90-vllm"][0]["plugins"]
 
 
 @needs_vllm
@@ -318,7 +318,7 @@ from vllm.plugins import load_general_plugins
 load_general_plugins()
 before = {"flashinfer": "flashinfer" in sys.modules, "cuda_calls": sorted(set(calls)),
           "cuda_initialized": torch.cuda.is_initialized(),
-          "plugin": "cached_client.vllm_plugin" in sys.modules}
+          "plugin": "cached_client.integrations.vllm.plugin" in sys.modules}
 import flashinfer
 print("RESULT " + json.dumps(before), flush=True)
 """
@@ -339,7 +339,8 @@ def test_the_plugin_costs_nothing_until_flashinfer_is_imported(tmp_path):
     assert json.loads(line[7:]) == {"flashinfer": False, "cuda_calls": [],
                                     "cuda_initialized": False, "plugin": True}
     # the hook attached when FlashInfer was imported: vLLM's pin 0.7.2.post1 lacks what the
-    # integration hooks (cached_client.flashinfer, issue 11), and the line says so
+    # integration hooks (cached_client.integrations.flashinfer.cute_dsl, issue 11), and the
+    # line says so
     assert any("cached: FlashInfer 0.7.2.post1" in x for x in out.splitlines()), out[-3000:]
 
 
@@ -422,7 +423,7 @@ def test_inside_vllm_every_client_line_goes_through_vllms_logging(tmp_path):
     first = through_vllm(" families); FP8 linear kernel 'cached' registered", "INFO")
     assert "no toolchain of the daemon is this environment (CuTe DSL 4.8.0" in first
     assert "come from the daemon" not in first and "--toolchain NAME=" in first
-    assert "[flashinfer.py:" in through_vllm("no toolchain of this daemon compiles "
+    assert "[cute_dsl.py:" in through_vllm("no toolchain of this daemon compiles "
                                              "flashinfer.mm_fp4", "WARNING")
     assert "[client.py:" in through_vllm("unusable (the daemon at", "INFO")  # the breaker
     silent = through_vllm("DaemonSilent: the daemon at", "WARNING")

@@ -103,9 +103,13 @@ def select(sc: dict, layers: tuple, got: dict) -> None:
                 got[name] = [type(k).__name__, fp8_method.fp8_scaled_mm_is_batch_invariant(k)]
             except Exception as exc:  # noqa: BLE001 -- reported
                 got[name] = f"{type(exc).__name__}: {exc}"[:600]
-            if "cached_client.vllm_kernel" in sys.modules:  # the kernel's own answer
-                from cached_client.vllm_kernel import CachedFp8BlockScaledMMKernel as KB
-                from cached_client.vllm_kernel import CachedFP8ScaledMMLinearKernel as K
+            if "cached_client.integrations.vllm.kernel" in sys.modules:  # the kernel's own answer
+                from cached_client.integrations.vllm.kernel import (
+                    CachedFp8BlockScaledMMKernel as KB,
+                )
+                from cached_client.integrations.vllm.kernel import (
+                    CachedFP8ScaledMMLinearKernel as K,
+                )
                 from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
                     FP8ScaledMMLinearLayerConfig,
                 )
@@ -169,7 +173,7 @@ if hasattr(fu, "bmm_fp8"):
         out["bmm_backend"] = f"{type(exc).__name__}: {exc}"[:400]
 
 # the kernel's custom op, as torch.compile traces it (fake tensors: shape and dtype only)
-if "cached_client.vllm_kernel" in sys.modules:
+if "cached_client.integrations.vllm.kernel" in sys.modules:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -191,8 +195,9 @@ if os.environ.get("CACHED_HARNESS_SPEAK"):
     import time
 
     import cutlass
-    from cached_client import flashinfer as cf
-    from cached_client import monitor, vllm_state
+    from cached_client import monitor
+    from cached_client.integrations.flashinfer import cute_dsl as cf
+    from cached_client.integrations.vllm import state as vllm_state
     from flashinfer.gemm.gemm_mm_fp4_cute_dsl import (
         _blockscaled_gemm_cache_key_files,
         _blockscaled_kernel_disk_name,

@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cached_client import Client  # noqa: E402
-from cached_client.certify import FULL_M, PLAN_OPTIONS, SEED_MS  # noqa: E402
+from cached_client.gemm.certify import FULL_M, PLAN_OPTIONS, SEED_MS  # noqa: E402
 from common import Daemon  # noqa: E402
 
 from cached.cli.warm import warm  # noqa: E402

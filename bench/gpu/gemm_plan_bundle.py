@@ -1,5 +1,5 @@
 """Fill a store, here on the CPU, with every kernel the client's batch-invariant plans
-(cached_client.gemm_plan) pick for the given (N, K) on an H200 (sm_90a, 132 SMs), M up to
+(cached_client.gemm.plan) pick for the given (N, K) on an H200 (sm_90a, 132 SMs), M up to
 MAX_M: the daemon plans each bucket, the plan's one prefetch queues the kernels, and a
 pre-warm ``get`` of each waits for them. The GPU half, bench/gpu/gemm_plan_check.py, asks a
 serve-only daemon on this store for the same plans. ``$ACCUMULATIONS`` (comma-separated,
@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cached_client import Client  # noqa: E402
-from cached_client.gemm_plan import plan_gemm  # noqa: E402
+from cached_client.gemm.plan import plan_gemm  # noqa: E402
 from common import Daemon  # noqa: E402
 
 from cached.cli.warm import warm  # noqa: E402

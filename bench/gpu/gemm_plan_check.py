@@ -25,8 +25,8 @@ import time
 
 import torch
 from cached_client import Client
-from cached_client.certify import SEED_MS, differing_rows
-from cached_client.gemm_plan import buckets_up_to, plan_gemm
+from cached_client.gemm.certify import SEED_MS, differing_rows
+from cached_client.gemm.plan import buckets_up_to, plan_gemm
 
 MAX_M = 8192
 PERF_MS = (1, 8, 32, 128, 512, 2048, 8192)

@@ -589,7 +589,7 @@ class Runner:
         self.torch = torch
         self.fake = fake
         sys.path.insert(0, os.path.join(bundle, "client"))
-        from cached_client import hopper_fp8 as launcher
+        from cached_client.gemm import hopper_fp8 as launcher
 
         self.launcher = launcher
         with open(os.path.join(bundle, "manifest.json")) as f:

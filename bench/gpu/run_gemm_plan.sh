@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The client's batch-invariant GEMM plans (cached_client.gemm_plan) on the H200, through a
+# The client's batch-invariant GEMM plans (cached_client.gemm.plan) on the H200, through a
 # serve-only daemon holding a store built here.
 #
 #   here:  BUNDLE=DIR bench/gpu/run_gemm_plan.sh build   -> DIR (git-ignored): store/, the

@@ -107,7 +107,7 @@ if [[ $mode == gpu ]]; then
   mkdir -p /tmp/site/cached_client-0.1.0.dist-info
   printf 'Metadata-Version: 2.1\nName: cached-client\nVersion: 0.1.0\n' \
     > /tmp/site/cached_client-0.1.0.dist-info/METADATA
-  printf '[vllm.general_plugins]\ncached = cached_client.vllm_plugin:register\n' \
+  printf '[vllm.general_plugins]\ncached = cached_client.integrations.vllm.plugin:register\n' \
     > /tmp/site/cached_client-0.1.0.dist-info/entry_points.txt
   export PYTHONPATH=/tmp/site:$C/src/client:$C/src PYTHONUNBUFFERED=1
   export CACHED_DSL_RUNTIME=$X/libcute_dsl_runtime.so

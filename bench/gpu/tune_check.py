@@ -1,6 +1,6 @@
 """Before and after one ``cached tune`` on the H200, as a second process sees it.
 
-For each (N, K): the client's batch-invariant plan (cached_client.gemm_plan.plan_gemm)
+For each (N, K): the client's batch-invariant plan (cached_client.gemm.plan.plan_gemm)
 twice from a (serve-only) daemon: ``before`` without a device name (the family's model
 alone: the plan order's first choice per M bucket) and ``after`` with it (the node's
 winners, published by ``cached tune`` in another process: this one times nothing to
@@ -25,8 +25,8 @@ import time
 
 import torch
 from cached_client import Client
-from cached_client.certify import SEED_MS, differing_rows
-from cached_client.gemm_plan import buckets_up_to, plan_gemm
+from cached_client.gemm.certify import SEED_MS, differing_rows
+from cached_client.gemm.plan import buckets_up_to, plan_gemm
 
 from cached.families.hopper_fp8 import tactics as T
 from cached.tune_cuda import ROTATE_BYTES, _graph, _iters

@@ -1,5 +1,5 @@
 """``cached certify``: measure batch invariance of a family on this node's GPU and record
-it in the daemon (cached_client.certify does the measuring)."""
+it in the daemon (cached_client.gemm.certify does the measuring)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
 
 
 def cmd_certify(args: argparse.Namespace) -> int:
-    from cached_client.certify import certify
+    from cached_client.gemm.certify import certify
 
     records = certify(Client(args.socket, timeout=600), args.family, args.weight, args.limit,
                       record=not args.no_record)

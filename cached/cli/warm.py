@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cached_client import Client, KernelRequest, gemm_plan
+from cached_client import Client, KernelRequest
 from cached_client import protocol as p
 from cached_client.errors import CachedError, InvalidArgument
+from cached_client.gemm import plan as gemm_plan
 from cached_client.transport import Connection
 
 from .. import families, manifests
@@ -176,7 +177,7 @@ def planned(client: Client, args: argparse.Namespace, shape: tuple[int, int, int
             arch: str) -> list[KernelRequest]:
     """What ``warm --family`` compiles for one shape (M, N, K): for the batch-invariant
     GEMM family (cached.hopper_fp8), unless ``--all-tactics`` or ``--limit``, the tactic
-    per M bucket up to M that :func:`cached_client.gemm_plan.plan_gemm` (the code clients
+    per M bucket up to M that :func:`cached_client.gemm.plan.plan_gemm` (the code clients
     run) picks, with its split fixups; otherwise the family's tactic space, in plan order."""
     options = dict(args.option)
     if (args.family == gemm_plan.HOPPER_FAMILY and not args.all_tactics

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from . import policy
+from .gemm import policy
 
 
 def main(argv: list[str] | None = None) -> int:

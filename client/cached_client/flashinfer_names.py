@@ -1,10 +1,10 @@
 """FlashInfer's CuTe-DSL kernel names: one grammar for the client's hooks and the daemon.
 
 FlashInfer names every compiled CuTe-DSL kernel by module and kernel name, and exports it
-as the function ``<module>_<kernel>`` (:func:`symbol`). The hooks (cached_client.flashinfer)
-read a kernel name back into the daemon family's request that builds it; the daemon's
-families build with FlashInfer's own naming functions and export under :func:`symbol`.
-Pure: stdlib only, nothing of FlashInfer imported.
+as the function ``<module>_<kernel>`` (:func:`symbol`). The hooks
+(cached_client.integrations.flashinfer.cute_dsl) read a kernel name back into the daemon family's
+request that builds it; the daemon's families build with FlashInfer's own naming functions and
+export under :func:`symbol`. Pure: stdlib only, nothing of FlashInfer imported.
 """
 
 from __future__ import annotations

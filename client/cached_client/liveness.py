@@ -1,10 +1,10 @@
 """Whether the daemon at a socket answers, kept current by one prober thread per process.
 
-:func:`watch` starts the prober for a socket (the vLLM plugin does, cached_client.vllm_state);
-:func:`watched` returns it, or None where nobody started one (the hooks then behave as
-without it). The hooks ask :meth:`Liveness.usable` before each kernel they would get from
-the daemon and tell :meth:`Liveness.lost` when the daemon failed them; the kernels a process
-compiled itself because the daemon was unusable are :meth:`Liveness.fell_back` and told to
+:func:`watch` starts the prober for a socket (the vLLM plugin does,
+cached_client.integrations.vllm.state); :func:`watched` returns it, or None where nobody started one
+(the hooks then behave as without it). The hooks ask :meth:`Liveness.usable` before each kernel they
+would get from the daemon and tell :meth:`Liveness.lost` when the daemon failed them; the kernels a
+process compiled itself because the daemon was unusable are :meth:`Liveness.fell_back` and told to
 the daemon with ``report`` once it answers again (``client_fallbacks`` in its stats).
 
 Invariants: :meth:`Liveness.usable` reads state only (no I/O, no lock); at most one probe (a

@@ -2,12 +2,12 @@
 
 :func:`serving` marks the start of serving (the vLLM plugin calls it when a worker's
 ``compile_or_warm_up_model`` returns: the model loaded, compiled and captured). From then
-on, every kernel a hook (cached_client.flashinfer, flashinfer_nvcc, humming, triton) gets
-without the daemon serving it is :func:`outside`: counted by family, warned about once per
-process (the first kernel, by name, in this process's log: vLLM's, inside vLLM) and reported
-to the daemon by the prober (cached_client.liveness), whose ``stats``, ``/metrics``
-(``cached_client_outside_kernels_total``) and page show it. Before :func:`serving` nothing
-is counted: a cold daemon's kernels are compiled during model load on purpose.
+on, every kernel a hook (cached_client.integrations: flashinfer.cute_dsl, jit.nvcc,
+jit.humming, jit.triton) gets without the daemon serving it is :func:`outside`: counted by family,
+warned about once per process (the first kernel, by name, in this process's log: vLLM's, inside
+vLLM) and reported to the daemon by the prober (cached_client.liveness), whose ``stats``,
+``/metrics`` (``cached_client_outside_kernels_total``) and page show it. Before :func:`serving`
+nothing is counted: a cold daemon's kernels are compiled during model load on purpose.
 
 What counts (``how``): ``compiled``, built in this process (a write-back compile under this
 process's lease, a fallback while the daemon was unusable, the library's own build where

@@ -1,9 +1,9 @@
 """vLLM's side of the plugin: a daemon-backed FP8 scaled-mm linear kernel, and vLLM #62192's
 batch-invariance pins on versions that lack them.
 
-Imported only by :mod:`cached_client.vllm_plugin`'s import hooks, once vLLM's linear-kernel
-registry (``vllm.model_executor.kernels.linear``) has been imported, so it may import vLLM
-and torch. What :func:`attach_linear` changes in vLLM:
+Imported only by :mod:`cached_client.integrations.vllm.plugin`'s import hooks, once
+vLLM's linear-kernel registry (``vllm.model_executor.kernels.linear``) has been imported, so it may
+import vLLM and torch. What :func:`attach_linear` changes in vLLM:
 
 1. ``CachedFP8ScaledMMLinearKernel`` goes first in the CUDA FP8 list
    (``_POSSIBLE_FP8_KERNELS``) and ``CachedFp8BlockScaledMMKernel`` first in the CUDA block
@@ -19,7 +19,7 @@ and torch. What :func:`attach_linear` changes in vLLM:
 3. Under ``VLLM_BATCH_INVARIANT=1``, on a vLLM whose source lacks vLLM #62192's pins: W4A16
    NVFP4 linears on ``HummingNvFp4LinearKernel`` (:func:`attach_linear`) and FlashInfer's FP8
    bmm on the ``cutlass`` backend instead of ``auto``
-   (:func:`cached_client.vllm_plugin.attach_flashinfer_utils`).
+   (:func:`cached_client.integrations.vllm.plugin.attach_flashinfer_utils`).
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
 from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
 from vllm.platforms import current_platform
 
-from . import gemm_plan, policy
-from .vllm_state import daemon
+from cached_client.gemm import plan as gemm_plan
+from cached_client.gemm import policy
+
+from .state import daemon
 
 logger = init_logger("vllm.cached")
 
@@ -326,7 +328,8 @@ def load_plan(n: int, k: int, ab_dtype: torch.dtype, out_dtype: torch.dtype,
                                ab_dtype=key.ab_dtype,
                                batch_invariant=bool(envs.VLLM_BATCH_INVARIANT), max_m=max_m,
                                scales=scales, accumulation=accumulation)
-    from . import flashinfer  # noqa: F401  registers FlashInfer's installer with gemm_plan
+    # registers FlashInfer's installer with gemm_plan
+    from ..flashinfer import cute_dsl  # noqa: F401
 
     loaded = plan.load(daemon.client, device)
     for warning in plan.choice.warnings:
@@ -343,7 +346,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
              plan: int, out_dtype: torch.dtype) -> torch.Tensor:
     """C (M, N) = a (M, K) @ b (N, K)^T * a_scale * b_scale by the loaded plan ``plan``
     (scales of one element, M and N values for a per-token plan, or the block scales of a
-    block128 plan: cached_client.hopper_fp8.check_gemm_args)."""
+    block128 plan: cached_client.gemm.hopper_fp8.check_gemm_args)."""
     if a.shape[0] == 0:
         return torch.empty((0, b.shape[0]), dtype=out_dtype, device=a.device)
     return _gemms[plan](a, b, a_scale, b_scale)

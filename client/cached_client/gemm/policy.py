@@ -38,9 +38,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CachedError
-from .keys import KernelRequest
-from .protocol import AutotuneGetRequest, AutotunePutRequest
+from ..errors import CachedError
+from ..keys import KernelRequest
+from ..protocol import AutotuneGetRequest, AutotunePutRequest
 
 logger = logging.getLogger("cached_client.policy")
 

@@ -15,7 +15,7 @@ import os
 import threading
 from typing import Any
 
-from .paths import SOCKET_ENV
+from cached_client.paths import SOCKET_ENV
 
 START_WAIT_S = 0.25
 """How long a starting process waits for the daemon's first answer (a live one answers in
@@ -71,8 +71,8 @@ def _make() -> Daemon:
     path = os.environ.get(SOCKET_ENV)
     if not path:
         return Daemon(None, None, None, f"{SOCKET_ENV} is not set")
-    from . import liveness
-    from .client import Client
+    from cached_client import liveness
+    from cached_client.client import Client
 
     live = liveness.watch(path)
     live.wait(START_WAIT_S)

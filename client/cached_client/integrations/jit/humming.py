@@ -15,9 +15,9 @@ on a miss of its own cache, inside its own file lock, after writing ``kernel.cu`
 
 Identity (docs/keys.md): what Humming's signature holds, by content: the compiler class
 and its signature (``nvrtc+13.0``), the flags with every ``-I`` directory replaced by a
-token (the content of each: cached_client.jit_keys), the kernel expression, the code, the
-content of Humming's headers (Humming itself uses their absolute paths and modification
-times), the compiler library or binary and the Humming distribution; plus the target
+token (the content of each: cached_client.integrations.jit.content), the kernel
+expression, the code, the content of Humming's headers (Humming itself uses their absolute paths and
+modification times), the compiler library or binary and the Humming distribution; plus the target
 (``sm_90a``) and, as for every request, this environment's toolchain. Targets the daemon
 does not key (cached_client.keys.ARCHES) are compiled by Humming alone.
 """
@@ -30,47 +30,42 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import identity, jit_keys, writeback
-from .client import Client
-from .jit_hook import Hook, daemon_arch, socket_client, unreachable
-from .keys import KernelRequest
-from .protocol import Artifact
+from cached_client import identity, writeback
+from cached_client.keys import KernelRequest
+from cached_client.protocol import Artifact
+
+from . import content
+from .hook import Hook, daemon_arch
 
 FAMILY = "humming"
 CUBIN = "kernel_tmp.cubin"
 DIST = "humming-kernels"
-_hook: Hook | None = None
 
 
-def install(socket_path: str | None = None, *, client: Client | None = None) -> None:
-    """Route Humming's compiles through the daemon; imports ``humming.jit.compiler``.
-    Idempotent."""
-    global _hook
-    if _hook is not None:
-        return
-    from humming.jit import compiler as hc
+class HummingHook(Hook):
+    """Humming's two compilers' ``_compile`` routed through the daemon (the module doc)."""
 
-    hook = Hook("Humming", socket_client(socket_path, client), FAMILY)
-    for cls in (hc.NVRTCCompiler, hc.NVCCCompiler):
-        original = vars(cls)["_compile"].__func__
+    name = "Humming"
+    family = FAMILY
 
-        def _compile(cls: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            return _compile_via_daemon(_original, cls, *args, **kwargs)
+    def attach(self) -> None:
+        from humming.jit import compiler as hc
 
-        hook.replace(cls, "_compile", classmethod(_compile))
-    _hook = hook
+        for cls in (hc.NVRTCCompiler, hc.NVCCCompiler):
+            original = vars(cls)["_compile"].__func__
 
+            def _compile(cls: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                return _compile_via_daemon(_original, cls, *args, **kwargs)
 
-def uninstall() -> None:
-    global _hook
-    hook, _hook = _hook, None
-    if hook is not None:
-        hook.restore()
+            self.replace(cls, "_compile", classmethod(_compile))
 
 
-def stats() -> dict:
-    """What the hook did in this process (cached_client.jit_hook)."""
-    return dict(_hook.counts) if _hook is not None else {}
+install = HummingHook.install
+"""Route Humming's compiles through the daemon (``install(socket_path=None, *,
+client=None)``); imports ``humming.jit.compiler``. Idempotent."""
+uninstall = HummingHook.uninstall
+stats = HummingHook.stats
+installed = HummingHook.installed
 
 
 def _toolkit(cls: Any, include_dirs: list[str]) -> str:
@@ -80,14 +75,14 @@ def _toolkit(cls: Any, include_dirs: list[str]) -> str:
     if cls.__name__ == "NVRTCCompiler":
         from humming.utils.nvrtc import get_nvrtc_library_path
 
-        parts.append(jit_keys.content_id(get_nvrtc_library_path()))
+        parts.append(content.content_id(get_nvrtc_library_path()))
     else:
         nvcc = cls._get_env()["binaries"]["nvcc"]
-        parts += [jit_keys.content_id(nvcc), jit_keys.command_output((nvcc, "--version"))]
-    parts += jit_keys.contents(include_dirs)
+        parts += [content.content_id(nvcc), content.command_output((nvcc, "--version"))]
+    parts += content.contents(include_dirs)
     dist = identity.distributions().get(DIST)
     parts.append(identity.dist_component(dist) if dist is not None else f"{DIST}==unknown")
-    return jit_keys.sha256_text(*parts)
+    return content.sha256_text(*parts)
 
 
 def request_for(cls: Any, source_path: str, sm_version: str, kernel_expr: str | None,
@@ -101,15 +96,15 @@ def request_for(cls: Any, source_path: str, sm_version: str, kernel_expr: str | 
     others = [f[2:] for f in flags if f.startswith("-I") and f[2:] != headers]
     roots = [(headers, "$HUMMING_INCLUDE"),
              *((d, f"$INCLUDE{i}") for i, d in enumerate(others))]
-    tokenised = jit_keys.tokenise(json.dumps(list(flags)), roots)
+    tokenised = content.tokenise(json.dumps(list(flags)), roots)
     dist = identity.distributions().get(DIST)
     params = {
         "compiler": cls.__name__, "signature": cls.signature(),
         "kernel_expr": " ".join((kernel_expr or "").split()),
         "humming": dist.version if dist is not None else "unknown",
-        "code_sha256": jit_keys.file_sha256(source_path),
-        "flags_sha256": jit_keys.sha256_text(tokenised),
-        "headers_sha256": jit_keys.tree_sha256(str(Path(headers).resolve())),
+        "code_sha256": content.file_sha256(source_path),
+        "flags_sha256": content.sha256_text(tokenised),
+        "headers_sha256": content.tree_sha256(str(Path(headers).resolve())),
         "toolkit_sha256": _toolkit(cls, others),
     }
     return KernelRequest(FAMILY, params, arch, 1, 1)
@@ -129,37 +124,24 @@ def _write_cubin(cache_dirname: Any, data: bytes) -> None:
 
 def _compile_via_daemon(original: Any, cls: Any, source_path: str, cache_dirname: Any,
                         sm_version: str, kernel_expr: str | None, flags: list[str]) -> Any:
-    hook = _hook
+    hook = HummingHook.current()
     if hook is None:
         return original(cls, source_path, cache_dirname, sm_version, kernel_expr, flags)
     name = " ".join((kernel_expr or Path(source_path).parent.name).split())[:200]
-    if not hook.usable():
-        hook.counts["local"] += 1
-        hook.local(name, fell_back=True)
-        return original(cls, source_path, cache_dirname, sm_version, kernel_expr, flags)
-    fell_back = False
-    try:
-        request = request_for(cls, source_path, sm_version, kernel_expr, flags)
-        got = (writeback.acquire(hook.client, request) if request is not None else None)
-    except Exception as exc:  # noqa: BLE001 -- a daemon problem costs a compile, no more
-        hook.failed("asking the daemon for a cubin", exc)
-        got, fell_back = None, unreachable(exc)
+    got = hook.ask(name, "asking the daemon for a cubin",
+                   lambda: request_for(cls, source_path, sm_version, kernel_expr, flags))
     if got is None:
-        hook.local(name, fell_back)
         return original(cls, source_path, cache_dirname, sm_version, kernel_expr, flags)
     if isinstance(got, Artifact):
         try:
             data = writeback.read_bundle(got)[CUBIN]
         except Exception as exc:  # noqa: BLE001 -- a file that does not match is refused
-            hook.counts["refused"] += 1
-            hook.failed("reading a cubin from the daemon", exc)
-            hook.local(name, fell_back=False)
+            hook.refused(name, "reading a cubin from the daemon", exc)
             return original(cls, source_path, cache_dirname, sm_version, kernel_expr, flags)
         _write_cubin(cache_dirname, data)
         hook.counts["hit"] += 1
         return 0, "", ""
-    hook.local(name, fell_back=False)  # compiled here under this process's lease
-    try:
+    try:  # compiled here under this process's lease
         result = original(cls, source_path, cache_dirname, sm_version, kernel_expr, flags)
     except BaseException as exc:
         got.release(f"{type(exc).__name__}: {exc}")

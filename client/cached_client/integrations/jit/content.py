@@ -26,7 +26,7 @@ import subprocess
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from . import identity
+from cached_client import identity
 
 _CHUNK = 1 << 20
 

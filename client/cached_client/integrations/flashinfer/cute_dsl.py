@@ -59,10 +59,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from . import flashinfer_sources, gemm_plan, identity, liveness, monitor
-from .client import Client
-from .errors import CachedError, UnknownToolchain
-from .flashinfer_names import (
+from cached_client import flashinfer_sources, identity, liveness, monitor
+from cached_client.client import Client
+from cached_client.errors import CachedError, UnknownToolchain
+from cached_client.flashinfer_names import (
     BI_DENSE_MODULE,
     BI_MODULES,
     MM_FP4_MODULE,
@@ -71,10 +71,12 @@ from .flashinfer_names import (
     mm_fp4_request,
     write_back_request,
 )
-from .jit_hook import unreachable
-from .keys import ARCHES, DEFAULT_SM_COUNT, KernelRequest
-from .loader import sha256_file
-from .protocol import Artifact
+from cached_client.gemm import plan as gemm_plan
+from cached_client.keys import ARCHES, DEFAULT_SM_COUNT, KernelRequest
+from cached_client.loader import sha256_file
+from cached_client.protocol import Artifact
+
+from ..jit.hook import unreachable
 
 logger = logging.getLogger("cached_client.flashinfer")
 
@@ -365,7 +367,7 @@ def _from_daemon(state: _State, spec: Any) -> Any:
 def _write_back(state: _State, spec: Any, request: KernelRequest) -> Any:
     """Compile ``spec`` here under a lease on ``request`` (keyed under this environment's
     identity) and publish it, or load what another process of the node published."""
-    from . import writeback
+    from cached_client import writeback
 
     def compile_object(path: str) -> Any:
         spec._compiled_kernel = spec.compile_fn()

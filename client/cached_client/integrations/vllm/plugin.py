@@ -1,26 +1,26 @@
 """vLLM general plugin (entry point group ``vllm.general_plugins``, name ``cached``).
 
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers).
-With ``$CACHED_SOCKET`` set it starts that socket's prober (cached_client.vllm_state: the
-daemon's first answer is waited for 0.25 s at most, then asked for in the background with
-backoff), logs one line through vLLM's logger saying what is true now, and attaches the
-rest to imports, so that it costs nothing where unused (no FlashInfer import, no CUDA call).
-The hooks are installed whether or not the daemon answered: they ask it only while the
-prober hears from it, so a daemon that is down or hung at start, or restarted later, is
+With ``$CACHED_SOCKET`` set it starts that socket's prober
+(cached_client.integrations.vllm.state: the daemon's first answer is waited for 0.25 s at most, then
+asked for in the background with backoff), logs one line through vLLM's logger saying what is true
+now, and attaches the rest to imports, so that it costs nothing where unused (no FlashInfer import,
+no CUDA call). The hooks are installed whether or not the daemon answered: they ask it only while
+the prober hears from it, so a daemon that is down or hung at start, or restarted later, is
 used again once it answers (and told how many kernels the process compiled meanwhile):
 
 * when FlashInfer is first imported: FlashInfer's CuTe-DSL kernels come from the daemon
-  (:func:`cached_client.flashinfer.install`), and its nvcc JIT modules are compiled once
-  per node (:func:`cached_client.flashinfer_nvcc.install`);
+  (:func:`cached_client.integrations.flashinfer.cute_dsl.install`), and its nvcc JIT
+  modules are compiled once per node (:func:`cached_client.integrations.jit.nvcc.install`);
 * when Humming's compiler module is first imported: its cubins are compiled once per node
-  (:func:`cached_client.humming.install`);
+  (:func:`cached_client.integrations.jit.humming.install`);
 * Triton (installed with its remote-cache interface, and neither ``TRITON_CACHE_MANAGER``
   nor ``TRITON_REMOTE_CACHE_BACKEND`` set by the user): both are set so that Triton's
-  kernels are compiled once per node (cached_client.triton); the processes vLLM starts
-  inherit them;
+  kernels are compiled once per node (cached_client.integrations.jit.triton); the
+  processes vLLM starts inherit them;
 * when vLLM's linear-kernel registry is imported: the daemon-backed FP8 kernel class and
-  the W4A16 pin (:func:`cached_client.vllm_kernel.attach_linear`); it is offered to a model
-  only if the daemon answers when the model's kernels are chosen;
+  the W4A16 pin (:func:`cached_client.integrations.vllm.kernel.attach_linear`); it is
+  offered to a model only if the daemon answers when the model's kernels are chosen;
 * when ``vllm.config.kernel`` is imported: ``--linear-backend cached`` is accepted;
 * when ``vllm.utils.flashinfer`` is imported, under ``VLLM_BATCH_INVARIANT=1`` on a vLLM that
   lacks vLLM #62192's pin: FlashInfer's FP8 bmm on ``cutlass`` instead of ``auto``;
@@ -41,8 +41,8 @@ import os
 import sys
 from typing import Any
 
-from .import_hooks import when_imported
-from .vllm_state import daemon
+from ..import_hooks import when_imported
+from .state import daemon
 
 LOGGER_NAME = "vllm.cached"
 
@@ -119,7 +119,7 @@ def own_toolchain(hello: Any) -> str | None:
     """The daemon's toolchain with this environment's versions (``hello.toolchains``; the
     exact identity is checked per request), or None: the daemon compiles none of its
     FlashInfer kernels."""
-    from . import identity
+    from cached_client import identity
 
     mine = identity.versions()
     keys = ("python", "nvidia-cutlass-dsl", "apache-tvm-ffi", "torch", "flashinfer-python")
@@ -133,7 +133,7 @@ def own_toolchain(hello: Any) -> str | None:
 def environment_line(hello: Any) -> str:
     """What the daemon does for this environment's FlashInfer kernels (:func:`own_toolchain`),
     for the plugin's first line."""
-    from . import identity
+    from cached_client import identity
 
     mine = identity.versions()
     name = own_toolchain(hello)
@@ -161,7 +161,7 @@ def attach_worker(module: Any) -> None:
         return
     import functools
 
-    from . import monitor
+    from cached_client import monitor
 
     @functools.wraps(original)
     def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -172,9 +172,10 @@ def attach_worker(module: Any) -> None:
     worker.compile_or_warm_up_model = compile_or_warm_up_model
 
 
-TRITON_BACKEND = {"TRITON_CACHE_MANAGER": "triton.runtime.cache:RemoteCacheManager",
-                  "TRITON_REMOTE_CACHE_BACKEND": "cached_client.triton:DaemonBackend"}
-"""Triton's own variables that select cached_client.triton's backend."""
+TRITON_BACKEND = {
+    "TRITON_CACHE_MANAGER": "triton.runtime.cache:RemoteCacheManager",
+    "TRITON_REMOTE_CACHE_BACKEND": "cached_client.integrations.jit.triton:DaemonBackend"}
+"""Triton's own variables that select cached_client.integrations.jit.triton's backend."""
 
 
 def _triton_has_remote_cache() -> bool:
@@ -213,7 +214,7 @@ def select_triton_backend() -> str:
 
 
 def _attach_humming(module: Any) -> None:
-    from . import humming
+    from ..jit import humming
 
     d = daemon()
     try:
@@ -227,15 +228,17 @@ def _attach_humming(module: Any) -> None:
 
 
 def _attach_linear(module: Any) -> None:
-    from .vllm_kernel import attach_linear
+    from .kernel import attach_linear
 
     done = attach_linear(module)
     logger.debug("cached: attached to vLLM's linear kernels: %s", "; ".join(done))
 
 
 def _attach_flashinfer(module: Any) -> None:
-    from . import flashinfer, flashinfer_nvcc
-    from .gemm_plan import flashinfer_bi_available
+    from cached_client.gemm.plan import flashinfer_bi_available
+
+    from ..flashinfer import cute_dsl as flashinfer
+    from ..jit import nvcc as flashinfer_nvcc
 
     d = daemon()
     try:

@@ -4,7 +4,7 @@ Select it with Triton's own two variables (the vLLM plugin sets them when a daem
 live and neither is set)::
 
     TRITON_CACHE_MANAGER=triton.runtime.cache:RemoteCacheManager
-    TRITON_REMOTE_CACHE_BACKEND=cached_client.triton:DaemonBackend
+    TRITON_REMOTE_CACHE_BACKEND=cached_client.integrations.jit.triton:DaemonBackend
 
 Triton makes one backend per ``triton.compile`` call, with the kernel's cache key, and asks
 it ``get(["__grp__<name>.json"])`` before compiling (then the group's files), or, after
@@ -33,38 +33,37 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import weakref
 
 from triton.runtime.cache import RemoteCacheBackend
 
-from . import identity, writeback
-from .client import Client
-from .jit_hook import Hook, daemon_arch, socket_client, unreachable
-from .keys import KernelRequest
-from .protocol import Artifact
+from cached_client import identity, writeback
+from cached_client.keys import KernelRequest
+from cached_client.protocol import Artifact
+
+from .hook import Hook, daemon_arch
 
 logger = logging.getLogger("cached_client.triton")
 
 FAMILY = "triton"
 GROUP_PREFIX = "__grp__"
-_hook: Hook | None = None
-_hook_lock = threading.Lock()
 
 
-def hook(client: Client | None = None) -> Hook:
-    """This process's Triton hook (its client: $CACHED_SOCKET unless one is given first)."""
-    global _hook
-    with _hook_lock:
-        if _hook is None:
-            _hook = Hook("Triton", socket_client(None, client), FAMILY)
-        return _hook
+class TritonHook(Hook):
+    """Triton's hook: what :class:`DaemonBackend` did. Triton selects the backend by its own
+    variables (the module doc), so the hook replaces nothing; the first backend installs it
+    (its client: $CACHED_SOCKET, unless :meth:`install` gave one first)."""
+
+    name = "Triton"
+    family = FAMILY
 
 
-def stats() -> dict:
-    """What the backend did in this process (cached_client.jit_hook; ``passthrough``:
-    backends Triton made outside a kernel compile)."""
-    return dict(_hook.counts) if _hook is not None else {}
+install = TritonHook.install
+uninstall = TritonHook.uninstall
+stats = TritonHook.stats
+"""What the backend did in this process (``passthrough``: backends Triton made outside a
+kernel compile; the other counts: cached_client.integrations.jit.hook)."""
+installed = TritonHook.installed
 
 
 def _compile_target() -> str | None:
@@ -112,7 +111,7 @@ class DaemonBackend(RemoteCacheBackend):
         if self._state == "new":
             self._state = "passthrough"
             if self._target is None or len(names) != 1 or not names[0].startswith(GROUP_PREFIX):
-                hook().counts["passthrough"] += 1
+                TritonHook.install().counts["passthrough"] += 1
                 return {}
             self._first(names[0])
         if self._state == "hit" and all(n in self._files for n in names):
@@ -121,35 +120,22 @@ class DaemonBackend(RemoteCacheBackend):
 
     def _first(self, group_file: str) -> None:
         """The first ``get`` of a group: a hit, a lease, or pass-through."""
-        h = hook()
+        h = TritonHook.install()
         name = group_file[len(GROUP_PREFIX):].removesuffix(".json")
-        if not h.usable():
-            h.counts["local"] += 1
-            h.local(name, fell_back=True)
-            return
-        try:
-            request = self._request(group_file[len(GROUP_PREFIX):])
-            got = writeback.acquire(h.client, request) if request is not None else None
-        except Exception as exc:  # noqa: BLE001 -- a daemon problem costs a compile, no more
-            h.failed("asking the daemon for a kernel", exc)
-            h.local(name, unreachable(exc))
-            return
+        got = h.ask(name, "asking the daemon for a kernel",
+                    lambda: self._request(group_file[len(GROUP_PREFIX):]))
         if got is None:
-            h.local(name, fell_back=False)
             return
         if isinstance(got, Artifact):
             try:
                 self._files = writeback.read_bundle(got)
             except Exception as exc:  # noqa: BLE001 -- refused: Triton compiles it
-                h.counts["refused"] += 1
-                h.failed("reading a kernel from the daemon", exc)
-                h.local(name, fell_back=False)
+                h.refused(name, "reading a kernel from the daemon", exc)
                 return
             self._state = "hit"
             h.counts["hit"] += 1
             return
-        h.local(name, fell_back=False)  # Triton compiles it here, under this lease
-        self._lease = got
+        self._lease = got  # Triton compiles it here, under this lease
         self._state = "leased"
         weakref.finalize(self, got.release, "Triton's compile ended without a group")
 
@@ -160,7 +146,7 @@ class DaemonBackend(RemoteCacheBackend):
         if not filename.startswith(GROUP_PREFIX):
             return
         self._state = "done"
-        h = hook()
+        h = TritonHook.install()
         try:
             self._lease.publish_bundle(self._puts)
             h.counts["compiled"] += 1

@@ -21,7 +21,7 @@ own ``write_ninja``: every flag, the arch list, ``FLASHINFER_EXTRA_*``) with eac
 root replaced by a token (the JIT and workspace directories, the FlashInfer package, the
 CUDA home, the Python and TVM-FFI include directories, the interpreter); the content of
 every source file and of the generated-source directories it names; what each token
-stands for (cached_client.jit_keys.content_id: distributions by their RECORDs, other
+stands for (cached_client.integrations.jit.content.content_id: distributions by their RECORDs, other
 directories by their files); ``nvcc --version`` and ``c++ --version``; plus, as for every
 request, this environment's toolchain. A path that is not under a known root stays in the
 configuration as it is (so only environments at that same path share such a module).
@@ -35,45 +35,41 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-from . import identity, jit_keys, writeback
-from .client import Client
-from .jit_hook import Hook, daemon_arch, socket_client, unreachable
-from .keys import KernelRequest
-from .protocol import Artifact
+from cached_client import identity, writeback
+from cached_client.keys import KernelRequest
+from cached_client.protocol import Artifact
+
+from . import content
+from .hook import Hook, daemon_arch
 
 FAMILY = "flashinfer.nvcc"
-_hook: Hook | None = None
 
 
-def install(socket_path: str | None = None, *, client: Client | None = None) -> None:
-    """Route FlashInfer's nvcc JIT modules through the daemon; imports FlashInfer's JIT core.
-    Idempotent."""
-    global _hook
-    if _hook is not None:
-        return
-    from flashinfer.jit.core import JitSpecNvcc
+class NvccHook(Hook):
+    """FlashInfer's ``JitSpecNvcc.build_and_load`` routed through the daemon (the module
+    doc)."""
 
-    hook = Hook("FlashInfer", socket_client(socket_path, client), FAMILY)
-    original = JitSpecNvcc.build_and_load
+    name = "FlashInfer"
+    family = FAMILY
 
-    def build_and_load(spec: Any) -> Any:
-        return _build_and_load(original, spec)
+    def attach(self) -> None:
+        from flashinfer.jit.core import JitSpecNvcc
 
-    build_and_load.__wrapped__ = original  # type: ignore[attr-defined]
-    hook.replace(JitSpecNvcc, "build_and_load", build_and_load)
-    _hook = hook
+        original = JitSpecNvcc.build_and_load
 
+        def build_and_load(spec: Any) -> Any:
+            return _build_and_load(original, spec)
 
-def uninstall() -> None:
-    global _hook
-    hook, _hook = _hook, None
-    if hook is not None:
-        hook.restore()
+        build_and_load.__wrapped__ = original  # type: ignore[attr-defined]
+        self.replace(JitSpecNvcc, "build_and_load", build_and_load)
 
 
-def stats() -> dict:
-    """What the hook did in this process (cached_client.jit_hook)."""
-    return dict(_hook.counts) if _hook is not None else {}
+install = NvccHook.install
+"""Route FlashInfer's nvcc JIT modules through the daemon (``install(socket_path=None, *,
+client=None)``); imports FlashInfer's JIT core. Idempotent."""
+uninstall = NvccHook.uninstall
+stats = NvccHook.stats
+installed = NvccHook.installed
 
 
 def _roots() -> list[tuple[Any, str]]:
@@ -100,7 +96,7 @@ def _generated(paths: list[Path]) -> list[str]:
 
     workspace = str(jit_env.FLASHINFER_WORKSPACE_DIR.resolve()) + os.sep
     dirs = sorted({str(p.resolve()) for p in paths if str(p.resolve()).startswith(workspace)})
-    return [jit_keys.tree_sha256(d) for d in dirs if os.path.isdir(d)]
+    return [content.tree_sha256(d) for d in dirs if os.path.isdir(d)]
 
 
 def request_for(spec: Any) -> KernelRequest | None:
@@ -120,38 +116,38 @@ def request_for(spec: Any) -> KernelRequest | None:
         spec.write_ninja()
         raw = spec.ninja_path.read_text()
     roots = _roots()
-    config = jit_keys.tokenise(raw, roots)
+    config = content.tokenise(raw, roots)
     sources = [Path(s) for s in spec.sources]
     cubins = [line.split("=", 1)[1].strip() for line in raw.splitlines()
               if line.strip().startswith("cubin =")]  # embedded cubins FlashInfer wrote
-    source_parts = [f"{jit_keys.tokenise(str(s.resolve()), roots)}={jit_keys.file_sha256(s)}"
+    source_parts = [f"{content.tokenise(str(s.resolve()), roots)}={content.file_sha256(s)}"
                     for s in sources]
     source_parts += _generated([s.parent for s in sources]
                                + [Path(d) for d in spec.extra_include_dirs or []])
-    source_parts += [jit_keys.content_id(c) for c in cubins]
+    source_parts += [content.content_id(c) for c in cubins]
     cuda_home = cpp_ext.get_cuda_path()
     nvcc = os.environ.get("FLASHINFER_NVCC") or os.path.join(cuda_home, "bin", "nvcc")
     cxx = os.environ.get("CXX", "c++")
     stands_for = {"$CUDA_HOME": os.path.join(cuda_home, "include")}  # (the binaries: below)
-    toolkit = [f"{token}={jit_keys.content_id(stands_for.get(token, root))}"
+    toolkit = [f"{token}={content.content_id(stands_for.get(token, root))}"
                for root, token in roots if token not in ("$JIT", "$GEN", "$WORKSPACE", "$PYTHON")]
-    toolkit += [jit_keys.command_output((nvcc, "--version")), jit_keys.content_id(nvcc),
+    toolkit += [content.command_output((nvcc, "--version")), content.content_id(nvcc),
                 f"python {sys.version.split()[0]}"]
     dist = identity.distributions().get(identity.FLASHINFER_DIST)
     params = {
         "module": spec.name,
         "flashinfer": dist.version if dist is not None else "unknown",
         "archs": archs, "cuda": str(cpp_ext.get_cuda_version()),
-        "cxx": jit_keys.command_output((cxx, "--version")).splitlines()[0][:256],
-        "build_sha256": jit_keys.sha256_text(config),
-        "sources_sha256": jit_keys.sha256_text(*source_parts),
-        "toolkit_sha256": jit_keys.sha256_text(*toolkit),
+        "cxx": content.command_output((cxx, "--version")).splitlines()[0][:256],
+        "build_sha256": content.sha256_text(config),
+        "sources_sha256": content.sha256_text(*source_parts),
+        "toolkit_sha256": content.sha256_text(*toolkit),
     }
     return KernelRequest(FAMILY, params, keyed[0], 1, 1)
 
 
 def _build_and_load(original: Any, spec: Any) -> Any:
-    hook = _hook
+    hook = NvccHook.current()
     prebuilt = spec.try_load()  # FlashInfer's AOT module wins over both
     if prebuilt is not None:
         if hook is not None:
@@ -159,19 +155,8 @@ def _build_and_load(original: Any, spec: Any) -> Any:
         return prebuilt
     if hook is None or os.environ.get("FLASHINFER_DISABLE_JIT"):
         return original(spec)
-    if not hook.usable():
-        hook.counts["local"] += 1
-        hook.local(spec.name, fell_back=True)
-        return original(spec)
-    fell_back = False
-    try:
-        request = request_for(spec)
-        got = writeback.acquire(hook.client, request) if request is not None else None
-    except Exception as exc:  # noqa: BLE001 -- a daemon problem costs a build, no more
-        hook.failed(f"asking the daemon for {spec.name}", exc)
-        got, fell_back = None, unreachable(exc)
+    got = hook.ask(spec.name, f"asking the daemon for {spec.name}", lambda: request_for(spec))
     if got is None:
-        hook.local(spec.name, fell_back)
         return original(spec)
     so_name = f"{spec.name}.so"
     if isinstance(got, Artifact):
@@ -180,14 +165,11 @@ def _build_and_load(original: Any, spec: Any) -> Any:
             path = next(f["path"] for f in got.files if f["name"] == so_name)
             module = spec.load(Path(path))
         except Exception as exc:  # noqa: BLE001 -- refused or unloadable: build it here
-            hook.counts["refused"] += 1
-            hook.failed(f"loading {spec.name} from the daemon", exc)
-            hook.local(spec.name, fell_back=False)
+            hook.refused(spec.name, f"loading {spec.name} from the daemon", exc)
             return original(spec)
         hook.counts["hit"] += 1
         return module
-    hook.local(spec.name, fell_back=False)  # built here under this process's lease
-    try:
+    try:  # built here under this process's lease
         from filelock import FileLock
 
         with FileLock(spec.lock_path, thread_local=False):

@@ -3,7 +3,7 @@
 A framework-free core for inference processes (the vLLM adapter is one caller):
 
 * :func:`plan_gemm` asks the daemon, for one (op, N, K, dtype, arch, device), which tactic
-  serves each M bucket (:func:`cached_client.policy.choose_tactics`: under batch invariance
+  serves each M bucket (:func:`cached_client.gemm.policy.choose_tactics`: under batch invariance
   all of one reduction-order class; shared autotune winners of that class where present,
   else the family's plan order), then queues every tactic in **one** ``prefetch``.
 * :meth:`GemmPlan.load` gets and loads each tactic (``Client.load``) and allocates the
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..keys import DEFAULT_SM_COUNT, KernelRequest
 from . import policy
-from .keys import DEFAULT_SM_COUNT, KernelRequest
 
 DEFAULT_MAX_M = 8192
 HOPPER_FAMILY = "cached.hopper_fp8"
@@ -60,8 +60,8 @@ class PlanUnavailable(RuntimeError):
 
 
 # The hook installer of each family whose kernels an integration serves, by family:
-# cached_client.flashinfer registers FLASHINFER_BI_FAMILY's (its ``install``) when it is
-# imported, so that this module, core, never imports an integration.
+# cached_client.integrations.flashinfer.cute_dsl registers FLASHINFER_BI_FAMILY's (its
+# ``install``) when it is imported, so that this module, core, never imports an integration.
 _INSTALLERS: dict[str, Callable[..., Any]] = {}
 
 
@@ -286,8 +286,9 @@ class HopperFp8Gemm:
 class FlashInferBiGemm:
     """A loaded FlashInfer batch-invariant FP8 plan (SM100+): FlashInfer's
     ``bmm_fp8_batch_invariant`` (its dispatcher picks the configuration per M, all of one
-    class), its kernels from the daemon through :func:`cached_client.flashinfer.install`
-    (which this installs, as registered with :func:`register_installer`), the split
+    class), its kernels from the daemon through
+    :func:`cached_client.integrations.flashinfer.cute_dsl.install` (which this installs, as
+    registered with :func:`register_installer`), the split
     class's workspace allocated once for max_m, and one run at each power-of-two M up to
     max_m at load, so that those kernels are loaded before any CUDA-graph capture. Not run
     on hardware here (the project's GPU is an H200)."""
@@ -298,7 +299,7 @@ class FlashInferBiGemm:
         install = _INSTALLERS.get(FLASHINFER_BI_FAMILY)
         if install is None:
             raise PlanUnavailable(f"{FLASHINFER_BI_FAMILY}: no hook installer registered "
-                                  "(import cached_client.flashinfer first)")
+                                  "(import cached_client.integrations.flashinfer.cute_dsl first)")
         install(client=client)
         from flashinfer.gemm.batch_invariant.api import bmm_fp8_batch_invariant
         from flashinfer.gemm.batch_invariant.schedule import chunks_for
