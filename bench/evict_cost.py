@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cached.store import COLUMNS, Budget, Store
+from cached.store.store import COLUMNS, Budget, Store
 
 
 def _hex(text: str) -> str:

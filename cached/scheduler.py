@@ -47,14 +47,14 @@ from cached_client.errors import (
 from cached_client.keys import KernelRequest
 from cached_client.trust import RUNTIME_KEYS
 
-from . import families, toolchain
+from . import compiler_stack, families
 from .families.base import DEFAULT_SM_COUNT, Family
 from .log import event
 from .pool import JobError, Pool, WorkerFailed
-from .stats import Stats
-from .store import Entry, PersistFailed, Store, manifest, row_for
+from .store.store import Entry, PersistFailed, Store, manifest, row_for
 from .toolchains import Route, Toolchains
 from .trust import writeback_key
+from .view.stats import Stats
 
 log = logging.getLogger("cached.scheduler")
 
@@ -98,7 +98,7 @@ class Scheduler:
                  max_queue: int = 100_000, remote: Any = None) -> None:
         self.store = store
         self.pool = pool
-        self.remote = remote  # cached.remote.Remote or None: the fleet tier
+        self.remote = remote  # cached.fleet.remote.Remote or None: the fleet tier
         self.toolchains = toolchains
         self.stats = stats
         self.max_queue = max_queue
@@ -513,7 +513,8 @@ class Scheduler:
                       symbol=result["symbol"], toolchain=route.toolchain,
                       source_sha256=route.source_sha256,
                       compile_seconds=result["compile_seconds"],
-                      meta={**result["meta"], "runtime_library": toolchain.RUNTIME_LIBRARY_NAME,
+                      meta={**result["meta"],
+                            "runtime_library": compiler_stack.RUNTIME_LIBRARY_NAME,
                             "compiled_by": {"toolchain": job.toolchain,
                                             "python": result.get("python")}})
         files = Path(result["object_path"]), Path(result["library_path"])

@@ -63,7 +63,7 @@ from cached_client.errors import (
 
 from . import trust
 from .log import event, request_pid
-from .stats import Stats
+from .view.stats import Stats
 
 log = logging.getLogger("cached.server")
 

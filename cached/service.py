@@ -34,8 +34,8 @@ from . import families, trust
 from .log import event
 from .scheduler import PRIORITIES, Scheduler
 from .server import Access, Attachment, Handler, Peer
-from .stats import Stats
-from .store import SUFFIXES, Entry, Store
+from .store.store import SUFFIXES, Entry, Store
+from .view.stats import Stats
 
 log = logging.getLogger("cached.service")
 

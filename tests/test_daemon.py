@@ -21,7 +21,7 @@ from cached_client import (
 )
 from conftest import SHAPE, DaemonProcess, fault, raw_call, run_cli
 
-from cached.store import Store
+from cached.store.store import Store
 
 
 def warm_json(daemon: DaemonProcess, limit: int) -> dict:

@@ -19,7 +19,7 @@ import sys
 from cached_client.errors import CachedError, DaemonUnavailable
 from cached_client.paths import SOCKET_ENV, default_socket_path
 
-from .. import toolchain
+from .. import compiler_stack
 from ..config import ConfigError
 from . import certify, serve, store, toolchains, tune, warm
 
@@ -46,8 +46,8 @@ START_HINT = """\
 
 def version_text() -> str:
     """``cached --version``: the daemon's version, then the toolchain it builds with."""
-    stack = ", ".join(f"{name} {version}" for name, version in toolchain.versions().items())
-    return f"cached {toolchain.daemon_version()}\ntoolchain: {stack}"
+    stack = ", ".join(f"{name} {version}" for name, version in compiler_stack.versions().items())
+    return f"cached {compiler_stack.daemon_version()}\ntoolchain: {stack}"
 
 
 class _Version(argparse.Action):

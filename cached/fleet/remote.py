@@ -20,7 +20,7 @@ the encodings and both stored blobs. ``kid`` names the public key that verifies 
 valid. A blob is stored zlib-compressed when that saves at least 10 % (measured:
 CuTe-DSL objects and libraries shrink about 3.5x).
 
-Tuning winners (cached.autotune) travel the same way, small and signed: one Redis hash
+Tuning winners (cached.ops.autotune) travel the same way, small and signed: one Redis hash
 per (op, N, K, dtype, arch, device), ``cached:v2:tune:<group id>``, one field per winner
 (its row id), each value ``b"CKR2" | kid (8) | sig (64) | JSON row`` with ``sig =
 Ed25519(private key, b"cached-fleet-tune-v2\0" + group + row id + JSON)``: a row cannot be
@@ -64,10 +64,10 @@ from cryptography.hazmat.primitives.serialization import (
     load_pem_private_key,
 )
 
-from .config import ConfigError
-from .log import event
+from ..config import ConfigError
+from ..log import event
 
-log = logging.getLogger("cached.remote")
+log = logging.getLogger("cached.fleet.remote")
 
 PREFIX = "cached:v2:art:"
 MAGIC = b"CKF2"

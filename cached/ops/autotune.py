@@ -9,7 +9,7 @@ is never filed under another class). Ops: ``autotune_put`` (publish permission),
 ``planned_shapes``); all touch the index off the event loop (another process holding the
 index locked delays only them).
 
-With a fleet tier (:mod:`cached.remote`), a stored winner is also published there,
+With a fleet tier (:mod:`cached.fleet.remote`), a stored winner is also published there,
 Ed25519-signed like an artifact, and ``autotune_get`` for a whole (op, N, K, dtype, arch,
 device) first adopts the verified winners its peers published (a peer's row replaces a
 local one only when faster, as a local put without ``replace``). Each stored winner is
@@ -28,12 +28,12 @@ from typing import Any
 from cached_client import protocol as p
 from cached_client.errors import InvalidArgument, InvalidTactic, UnknownFamily
 
-from . import families
-from .log import event
-from .server import Handler, Peer
-from .store import Store
+from .. import families
+from ..log import event
+from ..server import Handler, Peer
+from ..store.store import Store
 
-log = logging.getLogger("cached.autotune")
+log = logging.getLogger("cached.ops.autotune")
 
 TABLE = "autotune_results"
 COLUMNS = {"id": str, "op": str, "n": int, "k": int, "dtype": str, "arch": str,

@@ -47,11 +47,11 @@ from cached_client.errors import CompileFailed
 from cached_client.keys import KernelRequest
 from cached_client.protocol import BUNDLE_NAME, KINDS, MAX_BUNDLE_FILES, check_manifest
 
-from .config import ConfigError
-from .log import event
+from ..config import ConfigError
+from ..log import event
 from .lru import LRU
 
-log = logging.getLogger("cached.store")
+log = logging.getLogger("cached.store.store")
 
 COLUMNS = {
     "key": str, "family": str, "kernel_name": str, "symbol": str, "params": str, "arch": str,
