@@ -35,6 +35,7 @@ from typing import Any
 
 from . import compiler_stack, families, identity, sizing, toolchains, trust
 from .config import Settings
+from .fleet.tier import Tier
 from .lifecycle import Lifecycle
 from .listeners import bind_http
 from .log import event
@@ -330,16 +331,18 @@ def _raise_descriptor_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _make_remote(settings: Settings) -> Any:
-    """The fleet tier, or None; :class:`remote.KeyFileError` (a ConfigError) for missing or
-    unusable keys (an unsigned tier would push native code into every node)."""
+def _make_remote(settings: Settings) -> Tier | None:
+    """The fleet tier, or None; :class:`~cached.fleet.envelope.KeyFileError` (a
+    ConfigError) for missing or unusable keys (an unsigned tier would push native code into
+    every node)."""
     if not settings.remote:
         return None
-    from .fleet.remote import Remote, load_keys
+    from .fleet.envelope import load_keys
+    from .fleet.redis_tier import RedisTier
 
     keys = load_keys(settings.remote_signing_key, settings.remote_verify_keys,
                      settings.remote_read_only)
-    return Remote(settings.remote, keys, timeout=settings.remote_timeout)
+    return RedisTier(settings.remote, keys, timeout=settings.remote_timeout)
 
 
 def serve(settings: Settings, reload_settings: Callable[[], Settings] | None = None) -> None:

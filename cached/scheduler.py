@@ -49,18 +49,20 @@ from cached_client.trust import RUNTIME_KEYS
 
 from . import compiler_stack, families
 from .families.base import DEFAULT_SM_COUNT, Family
+from .fleet.tier import Tier
 from .log import event
 from .pool import JobError, Pool, WorkerFailed
-from .store.store import Entry, PersistFailed, Store, manifest, row_for
+from .store.rows import Entry, manifest, row_for
+from .store.store import PersistFailed, Store
 from .toolchains import Route, Toolchains
 from .trust import writeback_key
 from .view.stats import Stats
 
 log = logging.getLogger("cached.scheduler")
 
-PRIORITIES = {name: rank for rank, name in enumerate(p.PRIORITIES)}
+PRIORITY_RANK = {name: rank for rank, name in enumerate(p.PRIORITIES)}
 """A request's priority name -> its rank in the queue (lower goes first)."""
-INTERACTIVE, PREWARM = PRIORITIES["interactive"], PRIORITIES["prewarm"]
+INTERACTIVE, PREWARM = PRIORITY_RANK["interactive"], PRIORITY_RANK["prewarm"]
 UNSTORED_HOLD_S = 120.0
 """How long the work directory of an unstored kernel outlives its job (seconds): its
 waiters open the files by path within that time."""
@@ -95,10 +97,10 @@ class SchedulerSnapshot:
 
 class Scheduler:
     def __init__(self, store: Store, pool: Pool, stats: Stats, toolchains: Toolchains,
-                 max_queue: int = 100_000, remote: Any = None) -> None:
+                 max_queue: int = 100_000, remote: Tier | None = None) -> None:
         self.store = store
         self.pool = pool
-        self.remote = remote  # cached.fleet.remote.Remote or None: the fleet tier
+        self.remote = remote  # the fleet tier, or None
         self.toolchains = toolchains
         self.stats = stats
         self.max_queue = max_queue

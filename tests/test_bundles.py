@@ -100,7 +100,7 @@ def test_eviction_counts_every_bundle_file_and_keeps_shared_blobs(tmp_path):
 
 
 def test_an_older_index_gains_the_kind_and_files_columns(tmp_path):
-    from cached.store.store import ADDED_COLUMNS, COLUMNS
+    from cached.store.rows import ADDED_COLUMNS, COLUMNS
 
     store = Store(tmp_path)
     work = store.workdir()
@@ -126,7 +126,7 @@ def test_an_older_index_gains_the_kind_and_files_columns(tmp_path):
     ({}, "1 to 64"),
 ])
 def test_an_index_row_with_a_bad_manifest_is_never_trusted(tmp_path, files, why):
-    from cached.store.store import check_row
+    from cached.store.rows import check_row
 
     row = {**_row("x"), "params": "{}", "meta": "{}", "kind": "bundle", "files":
            json.dumps(files), "object_sha256": "", "library_sha256": "", "object_size": 0,

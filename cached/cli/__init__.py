@@ -2,7 +2,7 @@
 
 ``serve`` and ``config`` (serve.py), ``warm`` (warm.py, progress.py), ``stats``, ``ls``,
 ``gc``, ``verify`` and ``export`` (store.py), ``certify`` (certify.py), ``tune``
-(tune.py), ``toolchains`` (toolchains.py); argument types shared by them in args.py.
+(tune.py), ``toolchains`` (toolchains.py); argument types shared by them in argtypes.py.
 Every command that talks to a daemon takes ``--socket``. Exit status: 0 done, 1 done with
 failures (a kernel failed, a bad entry found), 2 a usage, configuration or daemon error.
 Help texts are plain text (argparse prints them as written).

@@ -44,7 +44,7 @@ from ..families.base import Family
 from ..families.flashinfer_jit import HEX64_RE
 from ..log import event
 from ..server import Handler, Peer
-from ..store.store import Entry, row_for
+from ..store.rows import Entry, row_for
 from .leases import Leases
 
 log = logging.getLogger("cached.ops.uploads")

@@ -67,7 +67,7 @@ class _Kept(Collector):
 
 
 def _remote_counters(d: Any) -> Iterator[Metric]:
-    """The fleet tier's counters (cached/fleet/remote.py, docs/fleet.md); nothing when it is off."""
+    """The fleet tier's counters (cached/fleet/, docs/fleet.md); nothing when it is off."""
     if d.remote is None:
         return
     snap = d.remote.snapshot()

@@ -35,8 +35,8 @@ SOURCES = ("kernel.py", "compile.py", "tactics.py")
 
 
 class HopperFp8(Family):
-    name = "cached.hopper_fp8"
-    arches = ("sm_90a",)
+    name = tactics.FAMILY
+    arches = (tactics.TARGET_ARCH,)
     reduction_order_m_independent = tactics.REDUCTION_ORDER_M_INDEPENDENT
 
     def reduction_class(self, params: Mapping[str, Any]) -> str:
