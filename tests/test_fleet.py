@@ -305,7 +305,7 @@ def test_the_documented_key_commands_make_keys_the_daemon_accepts(tmp_path, capl
         assert unpack(key, data, reader)[2] == b"l"
     assert len(read_verify_keys(tmp_path / "both.pub")) == 2
     # A signer whose own public key is missing from its verify-keys file says so at start.
-    caplog.set_level(logging.WARNING, logger="cached.fleet.envelope")
+    caplog.set_level(logging.WARNING, logger="cached.remote")
     moved = load_keys(tmp_path / "new" / "fleet.key", tmp_path / "fleet.pub", read_only=False)
     assert len(moved.by_id) == 2  # its own key and the file's
     assert [r.getMessage() for r in caplog.records] == ["remote.signing_key_not_in_verify_keys"]
@@ -315,7 +315,7 @@ def test_the_documented_key_commands_make_keys_the_daemon_accepts(tmp_path, capl
 
 def test_tier_states_slow_redis_goes_down_full_redis_stops_only_publishing(
         tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="cached.fleet.redis_tier")
+    caplog.set_level(logging.INFO, logger="cached.remote")
     key = hashlib.sha256(b"k").hexdigest()
     # Slow: a server that accepts and never answers; the fetch gives up at the timeout.
     with socket.socket() as silent:

@@ -46,7 +46,7 @@ from cryptography.hazmat.primitives.serialization import (
 from ..config import ConfigError
 from ..log import event
 
-log = logging.getLogger("cached.fleet.envelope")
+log = logging.getLogger("cached.remote")  # the name logs had before the split
 
 MAGIC = b"CKF2"
 DOMAIN = b"cached-fleet-v2\0"

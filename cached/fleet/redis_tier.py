@@ -46,7 +46,7 @@ from .envelope import (
     unpack_record,
 )
 
-log = logging.getLogger("cached.fleet.redis_tier")
+log = logging.getLogger("cached.remote")  # the name logs had before the split
 
 PREFIX = "cached:v2:art:"
 RECORD_PREFIX = "cached:v2:tune:"

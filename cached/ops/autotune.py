@@ -34,7 +34,7 @@ from ..log import event
 from ..server import Handler, Peer
 from ..store.store import Store
 
-log = logging.getLogger("cached.ops.autotune")
+log = logging.getLogger("cached.autotune")
 
 TABLE = "autotune_results"
 COLUMNS = {"id": str, "op": str, "n": int, "k": int, "dtype": str, "arch": str,

@@ -46,7 +46,7 @@ from ..server import Access, Handler, Peer
 from ..toolchains import Route
 from ..view.stats import Stats
 
-log = logging.getLogger("cached.ops.leases")
+log = logging.getLogger("cached.leases")
 
 POLL_S = 0.25
 ENDED_KEPT = 256

@@ -47,7 +47,7 @@ from ..server import Handler, Peer
 from ..store.rows import Entry, row_for
 from .leases import Leases
 
-log = logging.getLogger("cached.ops.uploads")
+log = logging.getLogger("cached.uploads")
 
 MAX_OBJECT_BYTES = 256 << 20
 MAX_BUNDLE_BYTES = 1 << 30

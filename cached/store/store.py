@@ -70,7 +70,7 @@ from .rows import (
     row_blobs,
 )
 
-log = logging.getLogger("cached.store.store")
+log = logging.getLogger("cached.store")
 
 INDEX_NAME = "index.sqlite"
 REVERIFY_S = 300.0
