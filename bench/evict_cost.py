@@ -14,7 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from cached.store import COLUMNS, Budget, Store
+from cached.store.rows import COLUMNS
+from cached.store.store import Budget, Store
 
 
 def _hex(text: str) -> str:

@@ -15,7 +15,7 @@ from cached_client.keys import KernelRequest, artifact_key
 from cached_client.protocol import Artifact
 from cached_client.trust import RUNTIME_KEYS
 
-from . import families, toolchain
+from . import compiler_stack, families
 
 
 def build(request: KernelRequest, workdir: Path) -> dict:
@@ -25,7 +25,7 @@ def build(request: KernelRequest, workdir: Path) -> dict:
     built = family.build(request, workdir)
     compiled = time.perf_counter()
     library_path = workdir / f"{built.kernel_name}.so"
-    toolchain.link_shared_library(built.object_path, library_path)
+    compiler_stack.link_shared_library(built.object_path, library_path)
     return {
         "kernel_name": built.kernel_name,
         "symbol": built.symbol,
@@ -47,14 +47,14 @@ def build_in_process(request: KernelRequest, scratch: str) -> Artifact:
     private_dir(scratch)
     result = build(request, Path(tempfile.mkdtemp(prefix="fallback-", dir=scratch)))
     return Artifact(
-        key=artifact_key(request, toolchain.fingerprint(), family.source_sha256()),
+        key=artifact_key(request, compiler_stack.fingerprint(), family.source_sha256()),
         family=request.family,
         kernel_name=result["kernel_name"],
         symbol=result["symbol"],
         library_sha256=sha256_file(result["library_path"]),
         object_sha256=sha256_file(result["object_path"]),
-        toolchain=toolchain.fingerprint(),
-        runtime_library=toolchain.runtime_library(),
+        toolchain=compiler_stack.fingerprint(),
+        runtime_library=compiler_stack.runtime_library(),
         arch=request.arch, sm_count=request.sm_count,
         max_active_clusters=request.max_active_clusters,
         runtime={k: identity.runtime().get(k) for k in RUNTIME_KEYS},

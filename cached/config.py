@@ -335,7 +335,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("serve_only", _bool, lambda: False,
            "no compiler: serve a store built elsewhere (its keys are pinned in it)",
            kind="switch"),
-    # The fleet tier (cached/remote.py, docs/fleet.md).
+    # The fleet tier (cached/fleet/, docs/fleet.md).
     Option("remote", _optional, lambda: None,
            "fleet tier: redis://HOST:PORT/DB, rediss://..., redis+cluster://HOST:PORT",
            metavar="URL"),

@@ -33,22 +33,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import families, identity, sizing, storelock, toolchain, toolchains, trust
-from .autotune import Autotune
-from .certifications import Certifications
+from . import compiler_stack, families, identity, sizing, toolchains, trust
 from .config import Settings
-from .leases import Leases
+from .fleet.tier import Tier
 from .lifecycle import Lifecycle
 from .listeners import bind_http
 from .log import event
-from .metrics import make_metrics
+from .ops.autotune import Autotune
+from .ops.certifications import Certifications
+from .ops.leases import Leases
+from .ops.uploads import Uploads
 from .pool import Launcher, Pool
 from .scheduler import Scheduler
 from .server import Access, Limits, Server
 from .service import QueueQuota, Service
-from .stats import Stats
-from .store import Budget, Store, StoreError
-from .uploads import Uploads
+from .store import lock as storelock
+from .store.store import Budget, Store, StoreError
+from .view.metrics import make_metrics
+from .view.stats import Stats
 
 log = logging.getLogger("cached.daemon")
 
@@ -61,10 +63,10 @@ class Daemon:
                  reload_settings: Callable[[], Settings] | None = None) -> None:
         self.settings = settings
         self.started = time.time()
-        self.version = toolchain.daemon_version()
+        self.version = compiler_stack.daemon_version()
         self.remote = _make_remote(settings)  # first: a bad key file stops us before any I/O
         self.lifecycle = Lifecycle(self, reload_settings)
-        # One daemon per store (cached/storelock.py): a live store stops us before we bind
+        # One daemon per store (cached/store/lock.py): a live store stops us before we bind
         # anything (a second serve would otherwise first meet the first one's port); the
         # lock itself is taken when the store is opened (nothing is created before).
         storelock.check(Path(settings.store), "serve", IN_USE_HINT)
@@ -105,7 +107,7 @@ class Daemon:
             identity.save(store_root, self.toolchains)
             workers = sizing.worker_count(settings.workers)
         # the default toolchain's readable versions, fixed for the process's life
-        self.versions = dict(self.toolchains.default.versions) or toolchain.versions()
+        self.versions = dict(self.toolchains.default.versions) or compiler_stack.versions()
         self.pool = Pool(workers, settings.job_timeout,
                          [] if settings.serve_only else _launchers(self.toolchains))
         self.stats.keep("worker_restarts", lambda: self.pool.restarts)
@@ -130,7 +132,7 @@ class Daemon:
 
     def snapshot(self) -> dict:
         """The statistics ``cached stats --json`` reports (``GET /stats`` and the page show
-        :func:`cached.httpapp.public_stats` of it); counters since ``stats --zero``."""
+        :func:`cached.view.httpapp.public_stats` of it); counters since ``stats --zero``."""
         store, pool, jobs = self.store.snapshot(), self.pool.snapshot(), self.scheduler.snapshot()
         counters, by_family = self.stats.view(families.names())  # since `stats --zero`
         c = Counter(counters)
@@ -246,7 +248,7 @@ class Daemon:
         self.http_address = f"{bound_host}:{bound_port}"
         import uvicorn
 
-        from .httpapp import make_app
+        from .view.httpapp import make_app
 
         configured = self.settings.http_address
         app = make_app(self.snapshot, self.healthy, make_metrics(self),
@@ -329,16 +331,18 @@ def _raise_descriptor_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _make_remote(settings: Settings) -> Any:
-    """The fleet tier, or None; :class:`remote.KeyFileError` (a ConfigError) for missing or
-    unusable keys (an unsigned tier would push native code into every node)."""
+def _make_remote(settings: Settings) -> Tier | None:
+    """The fleet tier, or None; :class:`~cached.fleet.envelope.KeyFileError` (a
+    ConfigError) for missing or unusable keys (an unsigned tier would push native code into
+    every node)."""
     if not settings.remote:
         return None
-    from .remote import Remote, load_keys
+    from .fleet.envelope import load_keys
+    from .fleet.redis_tier import RedisTier
 
     keys = load_keys(settings.remote_signing_key, settings.remote_verify_keys,
                      settings.remote_read_only)
-    return Remote(settings.remote, keys, timeout=settings.remote_timeout)
+    return RedisTier(settings.remote, keys, timeout=settings.remote_timeout)
 
 
 def serve(settings: Settings, reload_settings: Callable[[], Settings] | None = None) -> None:

@@ -29,7 +29,7 @@ from .config import size_text
 from .listeners import UnixListener
 from .log import event
 from .server import Limits
-from .store import Budget
+from .store.store import Budget
 from .systemd import listen_fds, notify, watchdog_interval
 
 log = logging.getLogger("cached.daemon")

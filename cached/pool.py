@@ -39,8 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import worker as wire
 from .log import event, one_line
+from .worker import recv_frame, send_frame
 
 log = logging.getLogger("cached.pool")
 
@@ -135,7 +135,7 @@ class _Worker:
     def wait_ready(self, timeout: float) -> None:
         self.sock.settimeout(timeout)
         try:
-            wire.recv(self.sock)
+            recv_frame(self.sock)
         except TimeoutError:
             self.kill()
             raise WorkerFailed(f"worker {self.pid} did not become ready within {timeout:.0f}s"
@@ -146,8 +146,8 @@ class _Worker:
     def call(self, kind: str, payload: dict, timeout: float) -> Any:
         self.sock.settimeout(timeout)
         try:
-            wire.send(self.sock, {"kind": kind, "payload": payload})
-            reply = wire.recv(self.sock)
+            send_frame(self.sock, {"kind": kind, "payload": payload})
+            reply = recv_frame(self.sock)
         except TimeoutError:
             self.kill()
             raise WorkerFailed(f"worker {self.pid} exceeded the {timeout:.0f}s job timeout"

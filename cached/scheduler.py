@@ -47,20 +47,22 @@ from cached_client.errors import (
 from cached_client.keys import KernelRequest
 from cached_client.trust import RUNTIME_KEYS
 
-from . import families, toolchain
+from . import compiler_stack, families
 from .families.base import DEFAULT_SM_COUNT, Family
+from .fleet.tier import Tier
 from .log import event
 from .pool import JobError, Pool, WorkerFailed
-from .stats import Stats
-from .store import Entry, PersistFailed, Store, manifest, row_for
+from .store.rows import Entry, manifest, row_for
+from .store.store import PersistFailed, Store
 from .toolchains import Route, Toolchains
 from .trust import writeback_key
+from .view.stats import Stats
 
 log = logging.getLogger("cached.scheduler")
 
-PRIORITIES = {name: rank for rank, name in enumerate(p.PRIORITIES)}
+PRIORITY_RANK = {name: rank for rank, name in enumerate(p.PRIORITIES)}
 """A request's priority name -> its rank in the queue (lower goes first)."""
-INTERACTIVE, PREWARM = PRIORITIES["interactive"], PRIORITIES["prewarm"]
+INTERACTIVE, PREWARM = PRIORITY_RANK["interactive"], PRIORITY_RANK["prewarm"]
 UNSTORED_HOLD_S = 120.0
 """How long the work directory of an unstored kernel outlives its job (seconds): its
 waiters open the files by path within that time."""
@@ -95,10 +97,10 @@ class SchedulerSnapshot:
 
 class Scheduler:
     def __init__(self, store: Store, pool: Pool, stats: Stats, toolchains: Toolchains,
-                 max_queue: int = 100_000, remote: Any = None) -> None:
+                 max_queue: int = 100_000, remote: Tier | None = None) -> None:
         self.store = store
         self.pool = pool
-        self.remote = remote  # cached.remote.Remote or None: the fleet tier
+        self.remote = remote  # the fleet tier, or None
         self.toolchains = toolchains
         self.stats = stats
         self.max_queue = max_queue
@@ -513,7 +515,8 @@ class Scheduler:
                       symbol=result["symbol"], toolchain=route.toolchain,
                       source_sha256=route.source_sha256,
                       compile_seconds=result["compile_seconds"],
-                      meta={**result["meta"], "runtime_library": toolchain.RUNTIME_LIBRARY_NAME,
+                      meta={**result["meta"],
+                            "runtime_library": compiler_stack.RUNTIME_LIBRARY_NAME,
                             "compiled_by": {"toolchain": job.toolchain,
                                             "python": result.get("python")}})
         files = Path(result["object_path"]), Path(result["library_path"])

@@ -29,8 +29,8 @@ Bounds (what a peer can make the daemon hold; docs/reliability.md):
   seconds is closed, and so is one whose peer reads none of a reply for that long;
 - payloads are never buffered: a library sent as bytes streams from its file
   (``sendfile``), and descriptors pass with SCM_RIGHTS;
-- decoded ``get`` frames are remembered (:class:`Remembered`): at most
-  :attr:`Remembered.MOST` frames of at most :attr:`Remembered.LONGEST` bytes.
+- decoded ``get`` frames are remembered (:class:`DecodedFrameCache`): at most
+  :attr:`DecodedFrameCache.MOST` frames of at most :attr:`DecodedFrameCache.LONGEST` bytes.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from cached_client.errors import (
 
 from . import trust
 from .log import event, request_pid
-from .stats import Stats
+from .view.stats import Stats
 
 log = logging.getLogger("cached.server")
 
@@ -181,7 +181,7 @@ Handler = Callable[[Any, Peer], Awaitable[Reply]]
 """An op's handler: (decoded request, peer) -> reply, or (reply, attachment)."""
 
 
-class FrameRoom:
+class FrameBudget:
     """Room for request frames over :data:`SMALL_FRAME`: per uid and in all. A uid that holds
     nothing always gets room for one frame (a frame is at most 1 MiB). Waiters are granted
     room in arrival order as it is freed, each only when it fits; a release wakes only the
@@ -240,7 +240,7 @@ class FrameRoom:
                 del self._waiters[granted]
 
 
-class Remembered:
+class DecodedFrameCache:
     """Decoded requests of the ops that ask for it (:attr:`cached_client.protocol.Op.remember`),
     by their frame's bytes after a leading integer id (``{"id":N,``: cached_client writes
     every frame so, its keys sorted): a client asking again for what it asked before is
@@ -361,8 +361,8 @@ class Server:
         self.limits = limits or Limits()
         self.connections = 0
         self.by_uid: Counter[int] = Counter()
-        self.room = FrameRoom()
-        self.remembered = Remembered()
+        self.frame_budget = FrameBudget()
+        self.decoded_frames = DecodedFrameCache()
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -527,36 +527,36 @@ class Server:
                     c.sock, p.HEADER.size - len(start), deadline, c.readable)
                 size = p.frame_length(header, p.MAX_REQUEST_FRAME)
                 if size > SMALL_FRAME:
-                    if not await self.room.reserve(c.peer.uid, size, deadline):
+                    if not await self.frame_budget.reserve(c.peer.uid, size, deadline):
                         raise Overloaded(
                             f"no room for a {size}-byte request frame within "
                             f"{frame_timeout:g}s (uid {c.peer.uid} holds "
-                            f"{self.room.by_uid[c.peer.uid]} bytes of frames, the daemon "
-                            f"{self.room.used}); closing this connection")
+                            f"{self.frame_budget.by_uid[c.peer.uid]} bytes of frames, the daemon "
+                            f"{self.frame_budget.used}); closing this connection")
                     reserved = size
                 body = await _read_exact(c.sock, size, deadline, c.readable)
                 c.in_frame = False
                 frame = self._parse(body)
                 del body
             except _Closed:  # a frame cut short: the requests before it, then why
-                self.room.release(c.peer.uid, reserved)
+                self.frame_budget.release(c.peer.uid, reserved)
                 await self._last_word(c, MalformedFrame(
                     "the connection's sending side closed in the middle of a frame (a "
                     "frame is a 4-byte big-endian length, then that many bytes of JSON)"))
                 return
             except TimeoutError:
-                self.room.release(c.peer.uid, reserved)
+                self.frame_budget.release(c.peer.uid, reserved)
                 await self._last_word(c, DeadlineExceeded(
                     f"a request frame must arrive whole within {frame_timeout:g}s of its "
                     "first byte; closing this connection"))
                 return
             except CachedError as exc:  # malformed or oversize frame, no room
-                self.room.release(c.peer.uid, reserved)
+                self.frame_budget.release(c.peer.uid, reserved)
                 await self._last_word(c, exc)
                 return
             unknown = _unknown_op(frame)
             if unknown is not None:  # docs/protocol.md: malformed_frame, then close
-                self.room.release(c.peer.uid, reserved)
+                self.frame_budget.release(c.peer.uid, reserved)
                 await self._last_word(c, unknown, frame.message.get("id"))
                 return
             c.last_active = time.monotonic()
@@ -566,14 +566,14 @@ class Server:
             task.add_done_callback(c.tasks.discard)
 
     def _parse(self, body: bytearray) -> _Frame:
-        """A frame's request: remembered (:class:`Remembered`), else parsed (MalformedFrame
+        """A frame's request: remembered (:class:`DecodedFrameCache`), else parsed (MalformedFrame
         if it is no JSON object of bounded depth)."""
-        recalled = self.remembered.recall(body)
+        recalled = self.decoded_frames.recall(body)
         if recalled is not None:
             request_id, op, request = recalled
             return _Frame({"id": request_id, "op": op.name}, (op, request))
         return _Frame(p.decode_body(body), None,
-                      bytes(body) if len(body) <= Remembered.LONGEST else None)
+                      bytes(body) if len(body) <= DecodedFrameCache.LONGEST else None)
 
     async def _frame_start(self, c: _Connection) -> bytes:
         """The first bytes (1 to 4) of the next frame's header, whenever they come (the
@@ -613,7 +613,7 @@ class Server:
         finally:
             if attachment is not None:
                 attachment.close()
-            self.room.release(c.peer.uid, reserved)
+            self.frame_budget.release(c.peer.uid, reserved)
             c.unsent -= len(frame)
             c.inflight -= 1
             c.last_active = time.monotonic()
@@ -696,7 +696,7 @@ class Server:
         if request is None:
             request = op.request.from_wire(m)
             if op.remember and frame.body is not None:
-                self.remembered.remember(frame.body, m, op, request)
+                self.decoded_frames.remember(frame.body, m, op, request)
         request_pid.set(peer.pid)
         return await self.handlers[op.name](request, peer)
 

@@ -32,15 +32,14 @@ from cached_client.keys import KernelRequest
 
 from . import families, trust
 from .log import event
-from .scheduler import PRIORITIES, Scheduler
+from .scheduler import PRIORITY_RANK, Scheduler
 from .server import Access, Attachment, Handler, Peer
-from .stats import Stats
-from .store import SUFFIXES, Entry, Store
+from .store.rows import SUFFIXES, Entry
+from .store.store import Store
+from .view.stats import Stats
 
 log = logging.getLogger("cached.service")
 
-FLASHINFER_FAMILIES = ("flashinfer.mm_fp4", "flashinfer.bi.bmm_fp8", "flashinfer.bi.mm_fp4",
-                       "flashinfer.jit")
 LIST_FIELDS = ("key", "family", "kernel_name", "arch", "sm_count", "max_active_clusters",
                "params", "size", "compile_seconds", "created", "last_used", "hits", "toolchain",
                "kind")
@@ -147,7 +146,7 @@ class Service:
             admit = functools.partial(self._admit, peer)
         for attempt in range(3):
             entry, origin = await self.scheduler.get(
-                m.request, PRIORITIES[m.priority], m.deadline_ms / 1000, m.identity, admit,
+                m.request, PRIORITY_RANK[m.priority], m.deadline_ms / 1000, m.identity, admit,
                 self.access.group(peer))
             if m.transfer == "path":
                 return p.GetReply(artifact=self.scheduler.artifact(entry, origin))
@@ -210,7 +209,7 @@ class Service:
         return p.PlanReply(requests=requests,
                            classes=[family.reduction_class(r.params) for r in requests])
 
-    async def stats_(self, m: p.Empty, peer: Peer) -> p.StatsReply:
+    async def stats_reply(self, m: p.Empty, peer: Peer) -> p.StatsReply:
         return p.StatsReply(stats=self.snapshot())
 
     async def zero_stats(self, m: p.Empty, peer: Peer) -> p.ZeroStatsReply:
@@ -221,7 +220,7 @@ class Service:
         event(log, logging.INFO, "stats.zeroed", uid=peer.uid, pid=peer.pid)
         return p.ZeroStatsReply(stats=before, zeroed_at=zeroed_at)
 
-    async def list_(self, m: p.Empty, peer: Peer) -> p.ListReply:
+    async def list_entries(self, m: p.Empty, peer: Peer) -> p.ListReply:
         return p.ListReply(entries=[{k: r[k] for k in LIST_FIELDS} for r in self.store.rows()])
 
     async def report(self, m: p.ReportRequest, peer: Peer) -> p.Empty:
@@ -278,9 +277,9 @@ class Service:
     def _flashinfer_rows(self, wanted: str | None, group: str | None) -> list[dict]:
         """The rows ``cached export`` writes into FlashInfer's cache: only those a peer of
         trust ``group`` may be served (cached/trust.py)."""
-        out = []
+        out, exported = [], families.flashinfer_kernels()
         for row in self.store.rows():
-            if row["family"] not in FLASHINFER_FAMILIES or (wanted and row["family"] != wanted):
+            if row["family"] not in exported or (wanted and row["family"] != wanted):
                 continue
             if not trust.may_serve(row, group):
                 continue
@@ -297,9 +296,9 @@ class Service:
 
     def ops(self) -> dict[str, Handler]:
         return {"hello": self.hello, "get": self.get, "prefetch": self.prefetch,
-                "plan": self.plan, "stats": self.stats_, "zero_stats": self.zero_stats,
-                "list": self.list_, "report": self.report, "gc": self.gc, "verify": self.verify,
-                "flashinfer_artifacts": self.flashinfer_artifacts}
+                "plan": self.plan, "stats": self.stats_reply, "zero_stats": self.zero_stats,
+                "list": self.list_entries, "report": self.report, "gc": self.gc,
+                "verify": self.verify, "flashinfer_artifacts": self.flashinfer_artifacts}
 
 
 class _BadBlob(Exception):

@@ -36,8 +36,8 @@ from cached_client.keys import KernelRequest
 
 from .families.hopper_fp8 import tactics as T
 
-FAMILY = "cached.hopper_fp8"
-ARCH = "sm_90a"
+FAMILY = T.FAMILY
+ARCH = T.TARGET_ARCH
 OP = "linear"
 DTYPE = "fp8"
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)

@@ -36,13 +36,13 @@ HEADER = struct.Struct(">I")
 MAX_FRAME = 256 << 20
 
 
-def send(sock: socket.socket, message: Any) -> None:
+def send_frame(sock: socket.socket, message: Any) -> None:
     """One frame: length header plus JSON."""
     body = json.dumps(message, separators=(",", ":")).encode()
     sock.sendall(HEADER.pack(len(body)) + body)
 
 
-def recv(sock: socket.socket) -> Any:
+def recv_frame(sock: socket.socket) -> Any:
     """One frame's JSON; EOFError when the peer closed the socket."""
     header = _exactly(sock, HEADER.size)
     (length,) = HEADER.unpack(header)
@@ -95,10 +95,10 @@ def main(argv: list[str] | None = None) -> None:
             families.get(name).preload()
         except ImportError as exc:  # a family this environment lacks: its jobs say why
             print(f"cached worker: {name} not preloaded: {exc}", file=sys.stderr, flush=True)
-    send(sock, {"ready": os.getpid()})
+    send_frame(sock, {"ready": os.getpid()})
     while True:
         try:
-            job = recv(sock)
+            job = recv_frame(sock)
         except (EOFError, OSError, ValueError):
             return
         try:
@@ -120,6 +120,6 @@ def main(argv: list[str] | None = None) -> None:
             detail = traceback.format_exc(limit=6)
             reply = {"error": {"message": message[:4000], "traceback": detail[-8000:]}}
         try:
-            send(sock, reply)
+            send_frame(sock, reply)
         except OSError:
             return

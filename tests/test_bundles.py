@@ -18,7 +18,7 @@ from cached_client import protocol as p
 from cached_client.errors import IntegrityError
 from conftest import DaemonProcess, raw_call
 
-from cached.store import Store
+from cached.store.store import Store
 
 BARE = ["--toolchain", f"bare={sys._base_executable}"]  # write-back needs no compiler
 
@@ -88,7 +88,7 @@ def test_a_tampered_bundle_file_is_dropped_by_lookup_verify_and_scan(tmp_path):
 
 
 def test_eviction_counts_every_bundle_file_and_keeps_shared_blobs(tmp_path):
-    from cached.store import Budget
+    from cached.store.store import Budget
 
     store = Store(tmp_path, Budget(max_files=4, grace=0))
     old = _bundle(store, "old", {"a.json": b"1", "b.json": b"2", "s.json": b"shared"})
@@ -100,7 +100,7 @@ def test_eviction_counts_every_bundle_file_and_keeps_shared_blobs(tmp_path):
 
 
 def test_an_older_index_gains_the_kind_and_files_columns(tmp_path):
-    from cached.store import ADDED_COLUMNS, COLUMNS
+    from cached.store.rows import ADDED_COLUMNS, COLUMNS
 
     store = Store(tmp_path)
     work = store.workdir()
@@ -126,7 +126,7 @@ def test_an_older_index_gains_the_kind_and_files_columns(tmp_path):
     ({}, "1 to 64"),
 ])
 def test_an_index_row_with_a_bad_manifest_is_never_trusted(tmp_path, files, why):
-    from cached.store import check_row
+    from cached.store.rows import check_row
 
     row = {**_row("x"), "params": "{}", "meta": "{}", "kind": "bundle", "files":
            json.dumps(files), "object_sha256": "", "library_sha256": "", "object_size": 0,

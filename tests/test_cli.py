@@ -25,7 +25,7 @@ import pytest
 from cached_client.gemm import plan as gemm_plan
 from conftest import ROOT, DaemonProcess, run_cli
 
-from cached import families, toolchain
+from cached import compiler_stack, families
 from cached.cli import build_parser
 from cached.config import size_text
 
@@ -123,7 +123,7 @@ def test_each_flag_means_one_thing_across_commands():
 def test_version_names_cached_and_its_toolchain():
     out = run_cli("--version").stdout.splitlines()
     assert out[0] == f"cached {importlib.metadata.version('cached')}"
-    for name, version in toolchain.versions().items():
+    for name, version in compiler_stack.versions().items():
         assert f"{name} {version}" in out[1]
 
 
@@ -300,7 +300,7 @@ def test_stats_reads_like_ccache(warmed):
     assert _field(text, "  Socket") == d.socket
     assert _field(text, "  HTTP") == s["http"]
     assert _field(text, "Version") == f"cached {importlib.metadata.version('cached')}"
-    for name, version in toolchain.versions().items():
+    for name, version in compiler_stack.versions().items():
         assert f"{name} {version}" in _field(text, "Toolchain")
     assert s["toolchain"] in _field(text, "Toolchain")
     assert re.fullmatch(r"(\d+\.\ds|\d+s|\d+m\d\ds) \(since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d "

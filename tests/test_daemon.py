@@ -21,7 +21,7 @@ from cached_client import (
 )
 from conftest import SHAPE, DaemonProcess, fault, raw_call, run_cli
 
-from cached.store import Store
+from cached.store.store import Store
 
 
 def warm_json(daemon: DaemonProcess, limit: int) -> dict:
@@ -164,7 +164,7 @@ def _pipelined(sock_path: str, bodies: list[bytes]) -> list[dict]:
 def test_a_remembered_frame_answers_only_frames_equal_to_it_but_for_their_id(
         daemon, mm_fp4_requests):
     """The server remembers decoded get frames by their bytes after a leading id
-    (cached.server.Remembered): the same frame under another id is answered with that id;
+    (cached.server.DecodedFrameCache): the same frame under another id is answered with that id;
     a frame that differs anywhere else (a JSON type; a second "id", which JSON makes the
     frame's id) is decoded as itself, before and after it was seen."""
     request = mm_fp4_requests[0]
@@ -198,9 +198,9 @@ def test_remembered_frames_are_bounded_and_only_well_formed_ones_are_kept():
     not its id (a second "id" further on), or that is not in the leading-id form, is not."""
     from cached_client import protocol as p
 
-    from cached.server import Remembered
+    from cached.server import DecodedFrameCache
 
-    remembered = Remembered()
+    remembered = DecodedFrameCache()
     remembered.MOST = 2
     op = p.OPS["get"]
     request = object()  # what the op's checks gave; recall hands back the same object
@@ -214,25 +214,25 @@ def test_remembered_frames_are_bounded_and_only_well_formed_ones_are_kept():
     assert remembered.recall(b'{"id":077,"op":"get","x":1}') is None  # not a JSON number
     remember(b'{"id":1,"id":2,"op":"get","x":2}')  # its id is 2: not remembered
     remember(b'{"op":"get","id":1,"x":3}')  # no leading id
-    remember(b'{"id":1,"op":"get","x":"' + b"y" * Remembered.LONGEST + b'"}')
+    remember(b'{"id":1,"op":"get","x":"' + b"y" * DecodedFrameCache.LONGEST + b'"}')
     assert len(remembered) == 1
     remember(b'{"id":1,"op":"get","x":4}')
     remember(b'{"id":1,"op":"get","x":5}')  # full: starts over
-    assert len(remembered) <= Remembered.MOST
+    assert len(remembered) <= DecodedFrameCache.MOST
     assert remembered.recall(b'{"id":3,"op":"get","x":5}') == (3, op, request)
 
 
 def test_the_clients_frames_are_the_ones_the_daemon_remembers(mm_fp4_requests):
     """cached_client writes a frame's integer id first (protocol.encode_frame), so two gets
-    of the same kernel differ only in the id's digits, the form Remembered recalls."""
+    of the same kernel differ only in the id's digits, the form DecodedFrameCache recalls."""
     from cached_client import protocol as p
 
-    from cached.server import Remembered
+    from cached.server import DecodedFrameCache
 
     get = p.GetRequest(request=mm_fp4_requests[0], transfer="fd", deadline_ms=1000)
     frames = [p.encode_frame({"v": 1, "op": "get", **get.to_wire(), "id": i})[4:]
               for i in (7, 12345)]
-    remembered = Remembered()
+    remembered = DecodedFrameCache()
     remembered.remember(frames[0], p.decode_body(frames[0]), p.OPS["get"], get)
     assert remembered.recall(frames[1]) == (12345, p.OPS["get"], get)
     assert p.decode_body(frames[1]) == {"v": 1, "op": "get", **get.to_wire(), "id": 12345}

@@ -32,18 +32,17 @@ from cryptography.hazmat.primitives.serialization import (
     PublicFormat,
 )
 
-from cached import remote
-from cached.remote import (
-    PREFIX,
+from cached.fleet import envelope, redis_tier
+from cached.fleet.envelope import (
     FleetKeys,
     Rejected,
-    Remote,
     key_id,
     load_keys,
     pack,
     read_verify_keys,
     unpack,
 )
+from cached.fleet.redis_tier import PREFIX, RedisTier
 
 redis = pytest.importorskip("redis")
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
@@ -267,9 +266,9 @@ def test_verify_key_material_cannot_sign_an_entry(fleet):
             unpack(key, pack(key, _row(key, obj, lib), obj, lib, forger), reader)
     # The old scheme's construction: a MAC keyed with what the node holds, padded to 64.
     body = pack(key, _row(key, obj, lib), obj, lib, forger_of(fleet))[4 + 8 + 64:]
-    mac = hmac.new(material[0], remote.DOMAIN + key.encode() + body, "sha256").digest()
+    mac = hmac.new(material[0], envelope.DOMAIN + key.encode() + body, "sha256").digest()
     with pytest.raises(Rejected, match="signature does not verify"):
-        unpack(key, remote.MAGIC + bytes.fromhex(fleet.id) + mac * 2 + body, reader)
+        unpack(key, envelope.MAGIC + bytes.fromhex(fleet.id) + mac * 2 + body, reader)
 
 
 # The key-generation commands docs/fleet.md gives; the test runs them as written there.
@@ -323,7 +322,7 @@ def test_tier_states_slow_redis_goes_down_full_redis_stops_only_publishing(
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
         port = silent.getsockname()[1]
-        tier = Remote(f"redis://127.0.0.1:{port}/0", FleetKeys(Ed25519PrivateKey.generate()),
+        tier = RedisTier(f"redis://127.0.0.1:{port}/0", FleetKeys(Ed25519PrivateKey.generate()),
                       timeout=0.3)
         started = time.monotonic()
         assert tier.fetch(key) is None
@@ -339,7 +338,7 @@ def test_tier_states_slow_redis_goes_down_full_redis_stops_only_publishing(
     server = RedisServer(tmp_path / "full", None, "--maxmemory", "3mb",
                          "--maxmemory-policy", "noeviction")
     try:
-        tier = Remote(server.url, FleetKeys(Ed25519PrivateKey.generate()), timeout=2)
+        tier = RedisTier(server.url, FleetKeys(Ed25519PrivateKey.generate()), timeout=2)
         tier.start()
         blobs = []
         for i in range(12):  # incompressible 512 KiB libraries: 3 MiB fill up quickly
@@ -384,7 +383,7 @@ def test_redis_cluster_mode_spreads_entries_over_three_nodes(tmp_path, fleet):
                 capture_output=True, text=True).stdout:
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        tier = Remote(f"redis+cluster://127.0.0.1:{servers[0].port}", fleet.signer())
+        tier = RedisTier(f"redis+cluster://127.0.0.1:{servers[0].port}", fleet.signer())
         tier.start()
         keys = [hashlib.sha256(b"%d" % i).hexdigest() for i in range(12)]
         for i, k in enumerate(keys):
@@ -394,7 +393,7 @@ def test_redis_cluster_mode_spreads_entries_over_three_nodes(tmp_path, fleet):
                          tmp_path / f"{i}.so")
         tier.close(drain_s=20)
         assert tier.snapshot()["published"] == 12
-        reader = Remote(f"redis+cluster://127.0.0.1:{servers[1].port}", fleet.verifier())
+        reader = RedisTier(f"redis+cluster://127.0.0.1:{servers[1].port}", fleet.verifier())
         assert all(reader.fetch(k)[2] == b"l%d" % i for i, k in enumerate(keys))
         assert sum(s.client().dbsize() > 0 for s in servers) == 3  # spread over the nodes
     finally:
@@ -643,4 +642,4 @@ def test_serve_refuses_a_bad_key_file_in_one_line_before_binding_anything(
 
 
 def test_redacted_url_hides_the_password():
-    assert remote.redacted("redis://u:secret@h:1/0") == "redis://u:***@h:1/0"
+    assert redis_tier.redacted("redis://u:secret@h:1/0") == "redis://u:***@h:1/0"

@@ -47,12 +47,12 @@ def test_bad_files_are_named_errors(tmp_path):
     bad = dict(good, shapes=[{"n": 64, "k": 64, "classes": {"1": [[1, "77x99m", 1.0]]}}])
     path = tmp_path / "winners.json"
     path.write_text(json.dumps(bad))
-    with pytest.raises(ValueError, match="winners.json: not a hopper_fp8_gemm winners file"):
+    with pytest.raises(ValueError, match="winners.json: not a cached.hopper_fp8 winners file"):
         T.load_winners(path)
     cost = json.loads(T.COST_FILE.read_text())
     cost["constants"]["launch_us"] = -1
     (tmp_path / "cost.json").write_text(json.dumps(cost))
-    with pytest.raises(ValueError, match="cost.json: not a hopper_fp8_gemm cost file"):
+    with pytest.raises(ValueError, match="cost.json: not a cached.hopper_fp8 cost file"):
         T.load_cost(tmp_path / "cost.json")
     (tmp_path / "cut.json").write_text(T.COST_FILE.read_text()[:100])
     with pytest.raises(ValueError, match="cut.json"):

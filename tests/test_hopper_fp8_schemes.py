@@ -60,7 +60,7 @@ def test_scheme_tactics_round_trip_with_their_classes():
     assert ([dataclasses.replace(t, scales="tensor") for t in T.tactic_space(scales="block128",
              accum="exact")] == exact)
     assert T.class_scheme("k128.prom128.s1.fixed.block128") == (1, "exact", "block128")
-    with pytest.raises(ValueError, match="unknown hopper_fp8_gemm reduction class"):
+    with pytest.raises(ValueError, match="unknown cached.hopper_fp8 reduction class"):
         T.class_scheme("k128.acc1.s1.fixed.block128")
     with pytest.raises(ValueError, match="needs accum='exact'"):
         T.tactic_space(scales="block128")
@@ -116,9 +116,9 @@ def test_plan_options_pick_one_class_of_the_scheme_for_every_m():
 @pytest.mark.parametrize("options, words", [
     ({"scales": "block"}, "scales='block' is not one of"),
     ({"scales": "block128", "accumulation": "fast"}, "needs accum='exact'"),
-    ({"reduction_class": "k128.acc1.s1.fixed.block128"}, "unknown hopper_fp8_gemm reduction"),
+    ({"reduction_class": "k128.acc1.s1.fixed.block128"}, "unknown cached.hopper_fp8 reduction"),
     ({"accumulation": True}, "accumulation=True is not one of"),
-    ({"reduction_class": "k128.prom128.s2.fixed"}, "unknown hopper_fp8_gemm reduction class"),
+    ({"reduction_class": "k128.prom128.s2.fixed"}, "unknown cached.hopper_fp8 reduction class"),
     ({"reduction_class": "k128.acc1.s1.fixed.token", "scales": "tensor"},
      "contradicts reduction_class"),
     ({"reduction_class": "k128.acc1.s1.fixed", "accumulation": "exact"},

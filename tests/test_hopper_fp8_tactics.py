@@ -150,7 +150,7 @@ def test_reduction_class_round_trips_through_canonical_params():
             canon = fam.canonical_params(p, "sm_90a")
             assert canon["swap_ab"] is True and fam.reduction_class(canon) == \
                 T.reduction_class_id(s)
-    with pytest.raises(ValueError, match="unknown hopper_fp8_gemm reduction class"):
+    with pytest.raises(ValueError, match="unknown cached.hopper_fp8 reduction class"):
         T.splits_of_class("k128.acc1.s3.fixed")
     from cached_client.errors import InvalidTactic
 
@@ -536,7 +536,7 @@ def test_plan_reduction_class_option_and_default():
 
 @pytest.mark.parametrize("options, words", [
     ({"batch_invariant": "yes"}, "batch_invariant must be true or false"),
-    ({"reduction_class": "k64.acc1.s1.fixed"}, "unknown hopper_fp8_gemm reduction class"),
+    ({"reduction_class": "k64.acc1.s1.fixed"}, "unknown cached.hopper_fp8 reduction class"),
     ({"reduction_class": 4}, "reduction_class must be a string"),
 ])
 def test_plan_rejects_bad_options(options, words):

@@ -304,14 +304,14 @@ def test_idle_and_stalled_connections_are_closed_and_the_client_reconnects(tmp_p
 
 
 def test_frame_room_grants_waiters_in_order_and_never_leaks_room():
-    """FrameRoom (item 8's bound on partial frames): a release grants waiters in arrival
+    """FrameBudget (item 8's bound on partial frames): a release grants waiters in arrival
     order, each only if it fits, and wakes no other; a waiter cancelled right after its
     grant gives the room back; one that times out holds nothing and is forgotten."""
-    from cached.server import FrameRoom
+    from cached.server import FrameBudget
 
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
-        room = FrameRoom(per_uid=2, total=3)
+        room = FrameBudget(per_uid=2, total=3)
         assert await room.reserve(1, 2, loop.time() + 1)  # uid 1 at its own limit
         assert await room.reserve(2, 1, loop.time() + 1)  # and the daemon full
         first = loop.create_task(room.reserve(2, 1, loop.time() + 5))  # needs total room

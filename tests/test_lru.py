@@ -1,4 +1,4 @@
-"""cached/lru.py: the store's recency and size bookkeeping, apart from any I/O."""
+"""cached/store/lru.py: the store's recency and size bookkeeping, apart from any I/O."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from cached.lru import LRU, Selection
+from cached.store.lru import LRU, Selection
 
 
 def lru_of(*items: tuple[str, int, float], files: int = 1) -> LRU:

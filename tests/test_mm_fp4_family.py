@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from cached_client import InvalidTactic, UnknownFamily  # noqa: E402
 
-from cached import toolchain  # noqa: E402
+from cached import compiler_stack  # noqa: E402
 from cached.families import flashinfer_mm_fp4 as fam  # noqa: E402
 from cached.families import get  # noqa: E402
 
@@ -59,10 +59,10 @@ def test_sources_are_flashinfers_key_files_and_export_uses_flashinfers_own_meta_
     from flashinfer.gemm.gemm_mm_fp4_cute_dsl import _blockscaled_gemm_cache_key_files
     from flashinfer.jit.cute_dsl_core import _get_cute_dsl_version, _hash_source_files
 
-    from cached.export import flashinfer_functions
+    from cached.store.export import flashinfer_functions
 
     files = _blockscaled_gemm_cache_key_files()
-    root = toolchain.package_dir("flashinfer")
+    root = compiler_stack.package_dir("flashinfer")
     assert tuple(str(Path(f).relative_to(root)) for f in files) == \
         flashinfer_sources.MM_FP4_KEY_FILES
     assert flashinfer_sources.MM_FP4_SOURCES[-1].endswith("_splitk.py")  # the sm100sk tactics

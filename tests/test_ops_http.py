@@ -23,10 +23,10 @@ from conftest import ROOT, DaemonProcess, fault, raw_call, run_cli, wait_for
 from PIL import Image
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from cached import toolchain
+from cached import compiler_stack
 from cached.config import size_text
-from cached.httpapp import public_stats
-from cached.page import health, render
+from cached.view.httpapp import public_stats
+from cached.view.page import health, render
 
 SCREENSHOT = ROOT / "docs" / "img" / "status.png"
 DEGRADED_RGB, OK_RGB = (0xFF, 0xED, 0xC2), (0xE3, 0xF4, 0xE8)  # the state box's background
@@ -167,7 +167,7 @@ def test_metrics_have_latency_histograms_process_metrics_and_idle_families(busy_
     assert labels["version"] == importlib.metadata.version("cached")
     assert labels["toolchain"] == busy_daemon.stats()["toolchain"]
     assert labels["default"] == "true" and labels["name"]
-    for name, version in toolchain.versions().items():
+    for name, version in compiler_stack.versions().items():
         assert labels[name.replace("-", "_")] == version
     assert "cached_toolchain_info" not in text  # one info metric, one set of label keys
     assert _sample(text, "process_resident_memory_bytes") > 10 << 20
@@ -241,7 +241,7 @@ def test_operator_page_in_headless_chromium(busy_daemon, tmp_path):
     assert re.search(r"up (\d+\.\ds|\d+s|\d+m\d\ds) \(since \d{4}-\d\d-\d\d \d\d:\d\d "
                      rf"{zone}\)", text), text
     assert f"cached {importlib.metadata.version('cached')}" in text
-    for name, version in toolchain.versions().items():
+    for name, version in compiler_stack.versions().items():
         assert f"{name} {version}" in text
     assert f"toolchain digest {stats['toolchain']}" in text
     assert re.search(rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d {zone} cached\.test\.fault",

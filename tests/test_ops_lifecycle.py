@@ -14,7 +14,7 @@ from pathlib import Path
 
 from conftest import SHAPE, DaemonProcess, run_cli
 
-from cached.store import Store
+from cached.store.store import Store
 
 BUDGET = 500_000  # about four mm_fp4 kernels (~117 KB each: object + library)
 

@@ -12,7 +12,7 @@ import time
 from conftest import DaemonProcess, fault, run_cli
 from test_store import K, publish
 
-from cached.store import Budget, Store
+from cached.store.store import Budget, Store
 
 
 def test_lru_eviction_keeps_the_budget_and_spares_recent_and_shared_blobs(tmp_path):
@@ -64,7 +64,7 @@ def test_verify_reports_and_drops_bad_entries(tmp_path):
 
 def test_one_process_per_store_a_second_serve_and_offline_commands_refuse_a_live_store(
         tmp_path):
-    """A store lock (cached/storelock.py): a second serve on a live store, and gc/verify
+    """A store lock (cached/store/lock.py): a second serve on a live store, and gc/verify
     --store on it, refuse with one line naming the daemon and touch nothing; after the
     daemon is killed (-9: the kernel drops the lock) the offline commands work."""
     d = DaemonProcess(tmp_path, workers=1)

@@ -16,7 +16,7 @@ import pytest
 from cached_client import CachedError, Client, CompileFailed, KernelRequest
 from conftest import DaemonProcess, wait_for
 
-from cached.store import Store
+from cached.store.store import Store
 
 
 def verify_store(root: Path) -> int:

@@ -6,8 +6,8 @@ import hashlib
 import os
 import shutil
 
-import cached.store
-from cached.store import Store
+import cached.store.store
+from cached.store.store import Store
 
 
 def K(name: str) -> str:
@@ -136,5 +136,5 @@ def test_an_unchanged_blob_is_hashed_again_after_reverify_s(tmp_path, monkeypatc
     publish(store, "k1")
     assert store.lookup(K("k1")) is not None
     assert store.lookup_unchanged(K("k1")) is not None
-    monkeypatch.setattr(cached.store, "REVERIFY_S", 0.0)
+    monkeypatch.setattr(cached.store.store, "REVERIFY_S", 0.0)
     assert store.lookup_unchanged(K("k1")) is None

@@ -469,7 +469,7 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
         entries.append({"name": t.name, "params": t.to_params(), "symbol": sym,
                         "so": f"kernels/{sym}.so", "obj": os.path.join(out, "obj", f"{sym}.o"),
                         "mac": NUM_SMS // t.cluster_size, "class": t.reduction_class})
-    from cached import toolchain
+    from cached import compiler_stack
     from cached.families.hopper_fp8.family import HopperFp8
 
     src = HopperFp8().source_sha256()
@@ -477,7 +477,7 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
     # what the object code is made of: the kernel and the compile step; tactics.py adds
     # the cost model, which changes the plan, never a kernel (its codegen constants are
     # checked equal below)
-    code_sha = toolchain.hash_files(tuple(Path(here, f) for f in ("kernel.py", "compile.py")))
+    code_sha = compiler_stack.hash_files(tuple(Path(here, f) for f in ("kernel.py", "compile.py")))
     old = {}
     mpath = os.path.join(out, "manifest.json")
     if os.path.exists(mpath):  # reuse objects of an earlier build: same code and params

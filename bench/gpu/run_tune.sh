@@ -31,7 +31,7 @@ if [[ $mode == build ]]; then
     "$BUNDLE/wheels" "$BUNDLE/src"
   mkdir -p "$BUNDLE/wheels"
   [[ -f $BUNDLE/libcute_dsl_runtime.so.xz ]] || xz -6 -c \
-    "$("$PY" -c 'from cached.toolchain import runtime_library_path as p; print(p())')" \
+    "$("$PY" -c 'from cached.compiler_stack import runtime_library_path as p; print(p())')" \
     > "$BUNDLE/libcute_dsl_runtime.so.xz"
   for pkg in apache-tvm-ffi sqlite-utils click click-default-group python-dateutil tzdata \
              pluggy tabulate sqlite-fts4; do

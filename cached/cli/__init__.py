@@ -2,7 +2,7 @@
 
 ``serve`` and ``config`` (serve.py), ``warm`` (warm.py, progress.py), ``stats``, ``ls``,
 ``gc``, ``verify`` and ``export`` (store.py), ``certify`` (certify.py), ``tune``
-(tune.py), ``toolchains`` (toolchains.py); argument types shared by them in args.py.
+(tune.py), ``toolchains`` (toolchains.py); argument types shared by them in argtypes.py.
 Every command that talks to a daemon takes ``--socket``. Exit status: 0 done, 1 done with
 failures (a kernel failed, a bad entry found), 2 a usage, configuration or daemon error.
 Help texts are plain text (argparse prints them as written).
@@ -19,7 +19,7 @@ import sys
 from cached_client.errors import CachedError, DaemonUnavailable
 from cached_client.paths import SOCKET_ENV, default_socket_path
 
-from .. import toolchain
+from .. import compiler_stack
 from ..config import ConfigError
 from . import certify, serve, store, toolchains, tune, warm
 
@@ -46,8 +46,8 @@ START_HINT = """\
 
 def version_text() -> str:
     """``cached --version``: the daemon's version, then the toolchain it builds with."""
-    stack = ", ".join(f"{name} {version}" for name, version in toolchain.versions().items())
-    return f"cached {toolchain.daemon_version()}\ntoolchain: {stack}"
+    stack = ", ".join(f"{name} {version}" for name, version in compiler_stack.versions().items())
+    return f"cached {compiler_stack.daemon_version()}\ntoolchain: {stack}"
 
 
 class _Version(argparse.Action):

@@ -47,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log.setup(settings.log_level)
     try:
         serve(settings, lambda: config.resolve(args, args.config))
-    except config.ConfigError as exc:  # e.g. a fleet key file (remote.KeyFileError)
+    except config.ConfigError as exc:  # e.g. a fleet key file (cached.fleet.envelope.KeyFileError)
         print(f"cached serve: {exc}", file=sys.stderr)
         return 2
     return 0

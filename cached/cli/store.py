@@ -1,7 +1,7 @@
 """The store commands: ``stats``, ``ls``, ``gc``, ``verify`` and ``export``.
 
 ``gc`` and ``verify`` go through the daemon, or work on a store directly with ``--store``
-(refused while a daemon serves it: cached/storelock.py)."""
+(refused while a daemon serves it: cached/store/lock.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from pathlib import Path
 from cached_client import Client
 from cached_client import protocol as p
 
-from .. import config, storelock, toolchain
-from ..stats import duration_text, time_text
+from .. import compiler_stack, config
+from ..store import lock as storelock
+from ..view.stats import duration_text, time_text
 from . import argtypes
 
 THROUGH_THE_DAEMON = ("run cached {} without --store (through the daemon, with --socket), "
@@ -237,7 +238,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         current = client.stats()["toolchain"]
     rows = []
     for e in entries:
-        digest = toolchain.fingerprint_digest(e["toolchain"]) if "toolchain" in e else ""
+        digest = compiler_stack.fingerprint_digest(e["toolchain"]) if "toolchain" in e else ""
         if args.family and e["family"] != args.family or args.arch and e["arch"] != args.arch:
             continue
         if args.built_with and not _toolchain_matches(args.built_with, e.get("toolchain", ""),
@@ -253,7 +254,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for e in rows:
         table.append((e["key"][:12], e["family"], e["arch"], config.size_text(e["size"]),
                       str(e["hits"]), _when(e["last_used"])[:16] if e.get("last_used") else "-",
-                      toolchain.fingerprint_digest(e["toolchain"])[:8] if e.get("toolchain")
+                      compiler_stack.fingerprint_digest(e["toolchain"])[:8] if e.get("toolchain")
                       else "-", e["kernel_name"]))
     print("\n".join(_columns(table, right={3, 4})))
     total = sum(e["size"] for e in rows)
@@ -280,7 +281,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             max_bytes=args.max_bytes, max_files=args.max_files, grace=args.grace))
         report = reply.to_wire()
     else:
-        from ..store import Store
+        from ..store.store import Store
 
         settings = config.resolve(config_flag=args.config)
         lock = storelock.take(args.store, "gc", hint=THROUGH_THE_DAEMON.format("gc"))
@@ -310,7 +311,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.store is None:
         report = dataclasses.asdict(Client(args.socket, timeout=3600).verify())
     else:
-        from ..store import Store
+        from ..store.store import Store
 
         if not (Path(args.store) / "index.sqlite").exists():
             print(f"cached verify: no store at {args.store}", file=sys.stderr)
@@ -332,7 +333,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ..export import ExportError, export
+    from ..store.export import ExportError, export
 
     try:
         report = export(args.socket, args.flashinfer_cache, args.family, args.python)

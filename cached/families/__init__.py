@@ -32,6 +32,13 @@ def names() -> list[str]:
     return sorted(_MODULES)
 
 
+def flashinfer_kernels() -> tuple[str, ...]:
+    """The FlashInfer families whose artifacts are CuTe-DSL objects in FlashInfer's own
+    naming (what ``cached export`` writes into FlashInfer's disk cache); FlashInfer's nvcc
+    modules are bundles (:attr:`Family.bundle`), not among them."""
+    return tuple(n for n in names() if n.startswith("flashinfer.") and not get(n).bundle)
+
+
 def get(name: str) -> Family:
     """The family called ``name``; UnknownFamily lists the known ones."""
     family = _instances.get(name)

@@ -6,7 +6,7 @@ relative to the flashinfer package, with the FlashInfer distribution, when every
 is inside the package, and then also listed in ``key_files``; otherwise FlashInfer's own
 hash, which includes absolute paths), plus the arch and device every request carries and
 the toolchain the client states. The daemon has no recipe for these: their artifacts arrive
-by write-back only (cached/leases.py, cached/uploads.py), compiled by a client with
+by write-back only (cached/ops/leases.py, cached/ops/uploads.py), compiled by a client with
 FlashInfer's own closure.
 """
 

@@ -27,7 +27,7 @@ from typing import Any
 from cached_client.errors import InvalidTactic
 from cached_client.keys import KernelRequest
 
-from ... import toolchain
+from ... import compiler_stack
 from ..base import BuiltObject, Family, require, set_compile_arch
 from . import tactics
 
@@ -35,8 +35,8 @@ SOURCES = ("kernel.py", "compile.py", "tactics.py")
 
 
 class HopperFp8(Family):
-    name = "cached.hopper_fp8"
-    arches = ("sm_90a",)
+    name = tactics.FAMILY
+    arches = (tactics.TARGET_ARCH,)
     reduction_order_m_independent = tactics.REDUCTION_ORDER_M_INDEPENDENT
 
     def reduction_class(self, params: Mapping[str, Any]) -> str:
@@ -90,7 +90,7 @@ class HopperFp8(Family):
     @functools.cache  # noqa: B019 -- one instance per process; sources fixed per install
     def source_sha256(self) -> str:
         here = Path(__file__).parent
-        return toolchain.hash_files(tuple(here / name for name in SOURCES))
+        return compiler_stack.hash_files(tuple(here / name for name in SOURCES))
 
     def plan(self, shape: tuple[int, int, int], arch: str, sm_count: int,
              options: Mapping[str, Any]) -> list[KernelRequest]:

@@ -104,7 +104,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-FAMILY = "hopper_fp8_gemm"
+from cached_client.keys import DEFAULT_SM_COUNT
+
+FAMILY = "cached.hopper_fp8"  # its name in the family registry (cached.families)
 TARGET_ARCH = "sm_90a"
 
 TILE_K = 128  # FP8 K tile: 4 x wgmma k32. Fixed for every tactic (see module doc).
@@ -193,7 +195,7 @@ MAX_ACC_REGS_PER_THREAD = 192
 
 OUT_DTYPE_BYTES = {"bfloat16": 2, "float16": 2}
 
-H200_NUM_SMS = 132
+H200_NUM_SMS = DEFAULT_SM_COUNT[TARGET_ARCH]  # 132: the cost model's device
 
 PARAM_KEYS = (
     "tile_m",

@@ -5,7 +5,7 @@ compile closure the daemon cannot rebuild (family ``flashinfer.jit``); and an en
 registered toolchain matches gets ``unknown_toolchain`` for any family (cached/toolchains.py).
 For those, keyed under the publisher's own identity, the first
 process that needs a key takes a *lease*, compiles, and publishes the exported object
-(cached/uploads.py); processes asking for the same key meanwhile wait on the lease instead
+(cached/ops/uploads.py); processes asking for the same key meanwhile wait on the lease instead
 of compiling. A lease ends when its holder publishes or releases it, when its time-to-live
 passes without a renewal (a stalled holder), or when its holder process is gone (watched
 through a pidfd opened from SO_PEERCRED's pid, checked every ``POLL_S``: no /proc involved,
@@ -38,13 +38,13 @@ from cached_client import protocol as p
 from cached_client.errors import InvalidTactic, NotAllowed
 from cached_client.keys import KernelRequest
 
-from . import trust
-from .families.base import Family
-from .log import event
-from .scheduler import Scheduler
-from .server import Access, Handler, Peer
-from .stats import Stats
-from .toolchains import Route
+from .. import trust
+from ..families.base import Family
+from ..log import event
+from ..scheduler import Scheduler
+from ..server import Access, Handler, Peer
+from ..toolchains import Route
+from ..view.stats import Stats
 
 log = logging.getLogger("cached.leases")
 

@@ -7,7 +7,7 @@ under a budget (:meth:`LRU.select`) without sorting every key on each call: a he
 oldest of ``n`` keys costs O(k log n) plus the stale entries passed (compacted away
 whenever they outnumber the live ones). Keys used at the same time are ordered by when
 they were first put (a key put again while present keeps its place, as a dict does).
-The store (:class:`cached.store.Store`) keeps one, rebuilt from its index at open and
+The store (:class:`cached.store.store.Store`) keeps one, rebuilt from its index at open and
 updated on every publish, hit, drop and eviction, under its own lock: this type takes
 no lock.
 """

@@ -45,7 +45,7 @@ from cached_client import flashinfer_names as names
 from cached_client import flashinfer_sources as fs
 from cached_client.loader import sha256_file
 
-TARGET_MAIN = "from cached.export import target_main; target_main()"
+TARGET_MAIN = "from cached.store.export import target_main; target_main()"
 
 
 class ExportError(RuntimeError):
@@ -141,7 +141,7 @@ def run_in(python: str | None, request: dict) -> dict:
     """:func:`describe_target` in the environment of ``python`` (None: this process)."""
     if python is None:
         return describe_target(request)
-    from .toolchains import code_dir, environment
+    from ..toolchains import code_dir, environment
 
     try:
         out = subprocess.run([python, "-c", TARGET_MAIN], input=json.dumps(request), text=True,

@@ -1,7 +1,7 @@
 """``GET /``: one self-contained HTML page for an operator's browser.
 
 Rendered on the server from the same redacted snapshot as ``/stats`` over HTTP
-(:func:`cached.httpapp.public_stats`: counts, no paths or compiler messages): no script,
+(:func:`cached.view.httpapp.public_stats`: counts, no paths or compiler messages): no script,
 no stylesheet or font from anywhere else, and a ``<meta http-equiv="refresh">`` so it
 refreshes itself.
 """
@@ -13,7 +13,7 @@ import socket
 
 from cached_client.errors import CLIENT_ERROR_CODES
 
-from .config import size_text
+from ..config import size_text
 from .stats import duration_text, time_text
 
 REFRESH_S = 5
@@ -108,7 +108,7 @@ def _tile(ident: str, value: str, label: str, extra: str = "") -> str:
 
 
 def render(s: dict) -> str:
-    """The page for one snapshot as HTTP shows it (:func:`cached.httpapp.public_stats`)."""
+    """The page for one snapshot as HTTP shows it (:func:`cached.view.httpapp.public_stats`)."""
     e = html.escape
     max_bytes = s.get("max_bytes") or 0
     if max_bytes:

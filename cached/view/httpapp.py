@@ -155,7 +155,7 @@ class HostCheck:
 def make_app(stats_fn: Callable[[], dict], ready_fn: Callable[[], bool],
              metrics_app: Callable | None = None,
              address: tuple[str, int] | None = None, names: Iterable[str] = ()) -> FastAPI:
-    """The endpoint's routes; ``metrics_app`` (an ASGI app, cached.metrics.make_metrics)
+    """The endpoint's routes; ``metrics_app`` (an ASGI app, cached.view.metrics.make_metrics)
     answers ``/metrics``; with ``address`` (the bound host and port) requests whose
     ``Host`` is neither that address nor one of ``names`` are refused (:class:`HostCheck`)."""
     app = FastAPI(title="cached", docs_url=None, redoc_url=None, openapi_url=None)

@@ -23,13 +23,10 @@ last-use times and deletions are written back in batches (:meth:`Store.flush`).
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
-import math
 import os
-import re
 import shutil
 import sqlite3
 import stat
@@ -38,38 +35,44 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import sqlite_utils
 from cached_client.errors import CompileFailed
-from cached_client.keys import KernelRequest
-from cached_client.protocol import BUNDLE_NAME, KINDS, MAX_BUNDLE_FILES, check_manifest
+from cached_client.protocol import BUNDLE_NAME, MAX_BUNDLE_FILES
 
-from .config import ConfigError
-from .log import event
+from ..config import ConfigError
+from ..log import event
+from .blobs import (
+    OPEN_BLOB,
+    OPEN_DIR,
+    BadBlob,
+    file_identity,
+    fsync_dir,
+    prepare,
+    read_all,
+    read_regular,
+    remove_at,
+)
 from .lru import LRU
+from .rows import (
+    ADDED_COLUMNS,
+    BLOB_SUFFIX,
+    COLUMNS,
+    HEX64,
+    SUFFIXES,
+    Entry,
+    bundle_suffix,
+    check_row,
+    manifest,
+    row_blobs,
+)
 
 log = logging.getLogger("cached.store")
 
-COLUMNS = {
-    "key": str, "family": str, "kernel_name": str, "symbol": str, "params": str, "arch": str,
-    "sm_count": int, "max_active_clusters": int, "toolchain": str, "source_sha256": str,
-    "object_sha256": str, "object_size": int, "library_sha256": str, "library_size": int,
-    "size": int, "compile_seconds": float, "created": float, "last_used": float, "hits": int,
-    "meta": str, "kind": str, "files": str,
-}
-ADDED_COLUMNS = {"kind": "kernel", "files": ""}
-"""Columns an older index lacks, added with these values when it is opened."""
-
-SUFFIXES = {"object": ".o", "library": ".so"}
 INDEX_NAME = "index.sqlite"
-HEX64 = re.compile(r"[0-9a-f]{64}\Z")
-BLOB_SUFFIX = re.compile(r"\.[a-z0-9]{1,16}\Z")
-_CHUNK = 1 << 20
-_OPEN_BLOB = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 REVERIFY_S = 300.0
 """Seconds a blob checked by its digest is trusted while its file stays the same (same
 device, inode, size, mtime and ctime: any write, rename, link or chmod changes one of them),
@@ -95,16 +98,6 @@ class PersistFailed(CompileFailed):
         self.moved = dict(moved or {})
 
 
-class BadBlob(Exception):
-    """A blob that cannot be served; ``remove``: what sits at its name is certainly not
-    the blob (not a regular file, a link, unreadable, wrong digest) and may go."""
-
-    def __init__(self, reason: str, remove: bool) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.remove = remove
-
-
 @dataclass(frozen=True)
 class Budget:
     """How much the store may hold (0: unlimited) and how recently used an entry must be
@@ -127,127 +120,6 @@ class StoreSnapshot:
     evictions: int
     evicted_bytes: int
     over_budget: bool
-
-
-@dataclass(frozen=True)
-class Blob:
-    """One blob an entry references: its digest, file-name suffix, size and what it is."""
-
-    sha256: str
-    suffix: str
-    size: int
-    label: str
-
-    @property
-    def name(self) -> str:
-        return f"{self.sha256}{self.suffix}"
-
-
-def bundle_suffix(name: str) -> str:
-    """The blob suffix of a bundle file: its own extension (``.so``, ``.cubin``, ``.json``:
-    a loader such as TVM-FFI's picks its format by it), else ``.bin``."""
-    ext = os.path.splitext(name)[1].lower()
-    return ext if BLOB_SUFFIX.match(ext) else ".bin"
-
-
-def manifest(row: Mapping[str, Any]) -> dict[str, dict]:
-    """A bundle row's files, ``{name: {"sha256", "size"}}`` (empty for a kernel)."""
-    if row.get("kind") != "bundle":
-        return {}
-    return json.loads(row["files"])
-
-
-def row_blobs(row: Mapping[str, Any]) -> list[Blob]:
-    """Every blob the row references (a kernel: object and library; a bundle: its files)."""
-    if row.get("kind") == "bundle":
-        return [Blob(f["sha256"], bundle_suffix(name), f["size"], f"file {name}")
-                for name, f in sorted(manifest(row).items())]
-    return [Blob(row[f"{k}_sha256"], suffix, row[f"{k}_size"], k)
-            for k, suffix in SUFFIXES.items()]
-
-
-def row_for(key: str, request: KernelRequest, *, kernel_name: str, symbol: str,
-            toolchain: str, source_sha256: str, compile_seconds: float,
-            meta: Mapping[str, Any]) -> dict:
-    """The index row of a kernel about to be published (blob digests and sizes, times and
-    hits are filled in by :meth:`Store.publish`)."""
-    return {
-        "key": key, "family": request.family, "kernel_name": kernel_name, "symbol": symbol,
-        "params": json.dumps(dict(request.params), sort_keys=True), "arch": request.arch,
-        "sm_count": request.sm_count, "max_active_clusters": request.max_active_clusters,
-        "toolchain": toolchain, "source_sha256": source_sha256,
-        "compile_seconds": float(compile_seconds), "meta": dict(meta),
-    }
-
-
-def check_row(row: Mapping[str, Any]) -> str | None:
-    """Why an index row cannot be trusted (None when it can): every key and digest is 64
-    lowercase hex digits, every column has its type, sizes add up, JSON columns parse; a
-    bundle's manifest names plain files (no path) with digests and sizes."""
-    kind = row.get("kind")
-    if kind not in KINDS:
-        return f"kind is not one of {', '.join(KINDS)}: {str(kind)[:80]!r}"
-    blobs = ("object_sha256", "library_sha256") if kind == "kernel" else ()
-    for name in ("key", *blobs):
-        value = row.get(name)
-        if not isinstance(value, str) or not HEX64.match(value):
-            return f"{name} is not 64 lowercase hex digits: {str(value)[:80]!r}"
-    for name, type_ in COLUMNS.items():
-        value = row.get(name)
-        if type_ is str and name != "meta" and not isinstance(value, str):
-            return f"{name} is not text: {str(value)[:80]!r}"
-        if type_ is int and (not isinstance(value, int) or isinstance(value, bool)
-                             or value < 0):
-            return f"{name} is not a non-negative integer: {str(value)[:80]!r}"
-        if type_ is float and (not isinstance(value, (int, float)) or isinstance(value, bool)
-                               or not math.isfinite(value)):
-            return f"{name} is not a finite number: {str(value)[:80]!r}"
-    if kind == "bundle":
-        try:
-            files = json.loads(row["files"])
-        except ValueError:
-            return "files is not a JSON object"
-        why = check_manifest(files)
-        if why is not None:
-            return why
-        if row["size"] != sum(f["size"] for f in files.values()):
-            return "size is not the sum of the bundle's file sizes"
-    elif row["size"] != row["object_size"] + row["library_size"]:
-        return "size is not object_size + library_size"
-    for name in ("params", "meta"):
-        value = row.get(name)
-        if value is None and name == "meta":
-            continue
-        try:
-            parsed = json.loads(value) if isinstance(value, str) else None
-        except ValueError:
-            parsed = None
-        if not isinstance(parsed, dict):
-            return f"{name} is not a JSON object"
-    return None
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One index row, with paths to its verified blobs (a kernel: ``object_path`` and
-    ``library_path``; a bundle: ``files``, by name, and no object or library). An
-    *unstored* entry (a kernel the store could not take, see :meth:`Store.unstored`) is in
-    no index; its paths are in the compilation's work directory and ``library_data``
-    holds the library's bytes."""
-
-    row: dict
-    object_path: Path | None
-    library_path: Path | None
-    library_data: bytes | None = field(default=None, repr=False, compare=False)
-    files: Mapping[str, Path] = field(default_factory=dict)
-
-    @property
-    def kind(self) -> str:
-        return self.row.get("kind", "kernel")
-
-    @property
-    def key(self) -> str:
-        return self.row["key"]
 
 
 class Store:
@@ -428,7 +300,7 @@ class Store:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self.root / (INDEX_NAME + suffix))
             os.replace(fresh, self.index_path)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         finally:
             self._open_index()  # the new file, or whatever is there if the swap failed
         event(log, logging.WARNING, "store.index_rebuilt", index=str(self.index_path),
@@ -482,7 +354,7 @@ class Store:
 
     def _shard(self, sha256: str) -> int:
         """A descriptor of the blob's shard directory, opened without following a link."""
-        return os.open(self.blob_dir / sha256[:2], _OPEN_DIR)
+        return os.open(self.blob_dir / sha256[:2], OPEN_DIR)
 
     def read_blob(self, sha256: str, suffix: str, size: int | None = None,
                   keep: bool = False, what: str = "") -> bytes | None:
@@ -499,10 +371,10 @@ class Store:
             raise BadBlob(f"{label}: its directory is not a plain directory "
                           f"({exc.strerror})", False) from None
         try:
-            data, checked = _read_regular(shard, name, label, size, sha256, keep)
+            data, checked = read_regular(shard, name, label, size, sha256, keep)
         finally:
             os.close(shard)
-        self._checked[(sha256, suffix)] = (_file_identity(checked), time.monotonic(),
+        self._checked[(sha256, suffix)] = (file_identity(checked), time.monotonic(),
                                            os.fspath(self.blob_path(sha256, suffix)))
         return data
 
@@ -517,7 +389,7 @@ class Store:
                 st = os.lstat(checked[2])
             except OSError:
                 return False
-        return _file_identity(st) == checked[0]
+        return file_identity(st) == checked[0]
 
     def remove_blob(self, sha256: str, suffix: str) -> None:
         """Remove whatever sits at the blob's name (a file, link, FIFO or directory) without
@@ -529,7 +401,7 @@ class Store:
         except OSError:
             return
         try:
-            _remove_at(shard, name)
+            remove_at(shard, name)
         finally:
             os.close(shard)
 
@@ -682,7 +554,7 @@ class Store:
         moved: dict[str, str] = {}
         bundle = row["kind"] == "bundle"
         try:
-            prepared = [(label, path, suffix, *_prepare(path)) for label, path, suffix in items]
+            prepared = [(label, path, suffix, *prepare(path)) for label, path, suffix in items]
             size = sum(nbytes for *_, nbytes in prepared)
             self._check_fits(size, len(items))
             files = {}
@@ -739,7 +611,7 @@ class Store:
         data: dict[str, bytes] = {}
         for kind, path in (("object", Path(object_file)), ("library", Path(library_file))):
             try:
-                fd = os.open(path, _OPEN_BLOB)
+                fd = os.open(path, OPEN_BLOB)
             except FileNotFoundError:
                 fd = None
             if fd is not None:
@@ -747,7 +619,7 @@ class Store:
                     st = os.fstat(fd)
                     if not stat.S_ISREG(st.st_mode):
                         raise PersistFailed(f"the built {kind} file is not a regular file")
-                    data[kind] = _read_all(fd)
+                    data[kind] = read_all(fd)
                     os.fchmod(fd, 0o444)
                 finally:
                     os.close(fd)
@@ -765,7 +637,7 @@ class Store:
                 data[kind], paths[kind] = kept, self.blob_path(sha, SUFFIXES[kind])
             row[f"{kind}_sha256"], row[f"{kind}_size"] = sha, len(data[kind])
         with contextlib.suppress(OSError):
-            fd = os.open(Path(library_file).parent, _OPEN_DIR)
+            fd = os.open(Path(library_file).parent, OPEN_DIR)
             try:
                 os.fchmod(fd, 0o711)
             finally:
@@ -825,7 +697,7 @@ class Store:
             return
         dest = self.blob_path(sha, suffix)
         os.replace(path, dest)
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
 
     def drop(self, key: str, reason: str) -> None:
         """Forget ``key`` now (memory); its index row goes at the next :meth:`flush`, so a
@@ -1032,109 +904,3 @@ class Store:
               checked=report["checked"], verified=report["verified"], bad=len(report["bad"]),
               orphan_blobs=report["orphan_blobs"])
         return report
-
-
-def _mode_name(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
-def _read_all(fd: int) -> bytes:
-    parts = []
-    while chunk := os.read(fd, _CHUNK):
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-def _file_identity(st: os.stat_result) -> tuple:
-    """What changes whenever a file is replaced, written, linked or its mode changed."""
-    return (st.st_dev, st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def _read_regular(shard: int, name: str, label: str, size: int | None, sha256: str,
-                  keep: bool) -> tuple[bytes | None, os.stat_result]:
-    """The blob's bytes (when ``keep``) and the fstat of the file whose digest matched."""
-    try:
-        st = os.stat(name, dir_fd=shard, follow_symlinks=False)
-    except FileNotFoundError:
-        raise BadBlob(f"{label} is missing", False) from None
-    if not stat.S_ISREG(st.st_mode):  # refused before anything is opened
-        raise BadBlob(f"{label} is {_mode_name(st.st_mode)}, not a regular file", True)
-    try:
-        fd = os.open(name, _OPEN_BLOB, dir_fd=shard)
-    except FileNotFoundError:
-        raise BadBlob(f"{label} is missing", False) from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise BadBlob(f"{label} is a symbolic link, not a regular file", True) from None
-        raise BadBlob(f"{label} cannot be opened: {exc.strerror}", True) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise BadBlob(f"{label} is {_mode_name(st.st_mode)}, not a regular file", True)
-        if size is not None and st.st_size != size:
-            raise BadBlob(f"{label} is {st.st_size} bytes, not the {size} recorded", False)
-        digest = hashlib.sha256()
-        parts = []
-        total = 0
-        try:
-            while chunk := os.read(fd, _CHUNK):
-                total += len(chunk)
-                if size is not None and total > size:
-                    raise BadBlob(f"{label} grew past the {size} bytes recorded", False)
-                digest.update(chunk)
-                if keep:
-                    parts.append(chunk)
-        except OSError as exc:
-            raise BadBlob(f"{label} cannot be read: {exc.strerror}", False) from None
-    finally:
-        os.close(fd)
-    actual = digest.hexdigest()
-    if actual != sha256:
-        raise BadBlob(f"{label} has digest {actual[:12]}", True)
-    return (b"".join(parts) if keep else None), st
-
-
-def _remove_at(directory: int, name: str) -> None:
-    try:
-        st = os.stat(name, dir_fd=directory, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    try:
-        if stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(name, dir_fd=directory)
-        else:
-            os.unlink(name, dir_fd=directory)
-    except FileNotFoundError:
-        pass
-
-
-def _prepare(path: Path) -> tuple[str, int]:
-    """Digest and size of a built file, fsynced and made read-only (0444) through its
-    descriptor (opened without following a link; only a regular file)."""
-    fd = os.open(path, _OPEN_BLOB)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, f"{path.name} is not a regular file")
-        digest = hashlib.sha256()
-        size = 0
-        while chunk := os.read(fd, _CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-        os.fsync(fd)
-        os.fchmod(fd, 0o444)
-    finally:
-        os.close(fd)
-    return digest.hexdigest(), size
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -39,13 +39,13 @@ from typing import Any
 from cached_client import protocol as p
 from cached_client.errors import CompileFailed, InvalidArgument, NotAllowed
 
-from . import toolchain, trust
-from .families.base import Family
-from .families.flashinfer_jit import HEX64_RE
+from .. import compiler_stack, trust
+from ..families.base import Family
+from ..families.flashinfer_jit import HEX64_RE
+from ..log import event
+from ..server import Handler, Peer
+from ..store.rows import Entry, row_for
 from .leases import Leases
-from .log import event
-from .server import Handler, Peer
-from .store import Entry, row_for
 
 log = logging.getLogger("cached.uploads")
 
@@ -192,10 +192,11 @@ class Uploads:
                 object_path: Path, m: p.PublishRequest, key: str, provenance: dict) -> Entry:
         library_path = object_path.with_suffix(".so")
         try:
-            toolchain.link_shared_library(object_path, library_path)
+            compiler_stack.link_shared_library(object_path, library_path)
         except RuntimeError as exc:
             raise CompileFailed(f"the published object does not link: {exc}") from None
-        meta: dict[str, Any] = {**provenance, "runtime_library": toolchain.RUNTIME_LIBRARY_NAME}
+        meta: dict[str, Any] = {**provenance,
+                                "runtime_library": compiler_stack.RUNTIME_LIBRARY_NAME}
         if family.sources == "params":  # flashinfer.jit: FlashInfer's module and its sources
             meta.update({"flashinfer_module": request.params["module"],
                          "flashinfer_source_sha256": request.params["source_sha256"],

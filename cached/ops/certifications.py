@@ -20,9 +20,9 @@ import time
 from cached_client import protocol as p
 from cached_client.errors import InvalidArgument
 
-from . import families
-from .server import Handler, Peer
-from .store import Store
+from .. import families
+from ..server import Handler, Peer
+from ..store.store import Store
 
 TABLE = "certifications"
 REQUIRED = {"family": str, "n": int, "k": int, "device": str, "arch": str,

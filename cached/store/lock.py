@@ -18,7 +18,7 @@ import os
 import time
 from pathlib import Path
 
-from .config import ConfigError
+from ..config import ConfigError
 
 LOCK_NAME = "daemon.lock"
 

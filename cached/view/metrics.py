@@ -1,6 +1,6 @@
 """``GET /metrics``: the daemon's state for Prometheus, through prometheus_client.
 
-One registry, :attr:`cached.stats.Stats.registry`: the counters and histograms the
+One registry, :attr:`cached.view.stats.Stats.registry`: the counters and histograms the
 components count into (``Stats``), plus what is added here: gauges read from the
 components at scrape time (``set_function``), the counters the store, the pool and the
 fleet tier keep themselves (one small collector: prometheus_client cannot set a counter),
@@ -67,7 +67,7 @@ class _Kept(Collector):
 
 
 def _remote_counters(d: Any) -> Iterator[Metric]:
-    """The fleet tier's counters (cached/remote.py, docs/fleet.md); nothing when it is off."""
+    """The fleet tier's counters (cached/fleet/, docs/fleet.md); nothing when it is off."""
     if d.remote is None:
         return
     snap = d.remote.snapshot()

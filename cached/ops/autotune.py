@@ -9,7 +9,7 @@ is never filed under another class). Ops: ``autotune_put`` (publish permission),
 ``planned_shapes``); all touch the index off the event loop (another process holding the
 index locked delays only them).
 
-With a fleet tier (:mod:`cached.remote`), a stored winner is also published there,
+With a fleet tier (:mod:`cached.fleet`), a stored winner is also published there,
 Ed25519-signed like an artifact, and ``autotune_get`` for a whole (op, N, K, dtype, arch,
 device) first adopts the verified winners its peers published (a peer's row replaces a
 local one only when faster, as a local put without ``replace``). Each stored winner is
@@ -28,10 +28,11 @@ from typing import Any
 from cached_client import protocol as p
 from cached_client.errors import InvalidArgument, InvalidTactic, UnknownFamily
 
-from . import families
-from .log import event
-from .server import Handler, Peer
-from .store import Store
+from .. import families
+from ..fleet.tier import Tier
+from ..log import event
+from ..server import Handler, Peer
+from ..store.store import Store
 
 log = logging.getLogger("cached.autotune")
 
@@ -90,7 +91,7 @@ def _row(m: p.AutotunePutRequest, pid: int) -> dict:
 class Autotune:
     """The autotune table of one store, and its fleet tier (``remote``, or None)."""
 
-    def __init__(self, store: Store, remote: Any = None) -> None:
+    def __init__(self, store: Store, remote: Tier | None = None) -> None:
         self.store = store
         self.remote = remote
         self._planned_seen: set[str] = set()
