@@ -30,7 +30,8 @@ from cached_client import Client
 from common import Daemon
 
 from cached.cli.warm import warm
-from cached.families.hopper_fp8 import tactics as T
+from cached.families.hopper_fp8 import space as SPACE
+from cached.families.hopper_fp8 import tactic as T
 
 
 def main() -> int:
@@ -63,7 +64,7 @@ def main() -> int:
             if args.new_only:
                 requests = [r for r in requests if not r.params["swap_ab"]
                             and r.params["wg_n"] == 1 and not r.params["pingpong"] and (
-                    r.params["tile_n"] not in T.SWIZZLED_TILE_N or (
+                    r.params["tile_n"] not in SPACE.SWIZZLED_TILE_N or (
                         r.params["splits"] > 1
                         and r.params["cluster_m"] * r.params["cluster_n"] > 1))]
             started = time.monotonic()

@@ -34,7 +34,8 @@ from typing import Any, Protocol
 from cached_client import protocol as p
 from cached_client.keys import KernelRequest
 
-from .families.hopper_fp8 import tactics as T
+from .families.hopper_fp8 import tactic as T
+from .families.hopper_fp8 import winners as WIN
 
 FAMILY = T.FAMILY
 ARCH = T.TARGET_ARCH
@@ -127,7 +128,7 @@ def _manifest_nk(manifest: Any) -> list[tuple[int, int]]:
 def _nearest_recorded(n: int, k: int, sm_count: int, near: int) -> list[dict]:
     """The recorded winners ({S: rows}) of the ``near`` recorded (N, K) of this device
     nearest to (N, K) in (log N, log K), nearest first; (N, K) itself when recorded."""
-    rec = T.recorded_winners()
+    rec = WIN.recorded_winners()
     mine = [(nn, kk) for (sms, nn, kk) in rec if sms == sm_count]
     mine.sort(key=lambda s: (math.log(s[0] / n) ** 2 + math.log(s[1] / k) ** 2, s))
     return [rec[(sm_count, nn, kk)] for nn, kk in mine[:near]]
@@ -156,7 +157,7 @@ def candidates(client: Any, n: int, k: int, m: int, target: Target, top: int = D
         if not row:
             continue
         _, key, _ = next((r for r in row if r[0] >= m), row[-1])
-        t = T._from_key(key, splits, target.out_dtype, target.ab_dtype)
+        t = WIN.tactic_from_key(key, splits, target.out_dtype, target.ab_dtype)
         hit = in_plan.get(_params_key(t.to_params()))
         if hit is not None:
             out.append(hit)

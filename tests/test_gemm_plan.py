@@ -16,7 +16,8 @@ from cached_client.protocol import AutotunePutRequest, PlanReply
 from conftest import ROOT, DaemonProcess
 
 from cached.families import get as family
-from cached.families.hopper_fp8 import tactics as T
+from cached.families.hopper_fp8 import space as SPACE
+from cached.families.hopper_fp8 import tactic as T
 
 HOPPER = "cached.hopper_fp8"
 H200 = "NVIDIA H200"
@@ -56,7 +57,7 @@ def test_classes_round_trip_through_hello_and_plan(daemon):
     for request, cls in zip(reply.requests, reply.classes, strict=True):
         assert cls == family(HOPPER).reduction_class(request.params)
     bi = c.plan_reply(HOPPER, (16, 4096, 14336), "sm_90a", 132, {"batch_invariant": True})
-    assert set(bi.classes) == {T.reduction_class_id(T.choose_split(4096, 14336, 132))}
+    assert set(bi.classes) == {T.reduction_class_id(SPACE.choose_split(4096, 14336, 132))}
     # a reply whose classes do not match its requests is refused with the field named
     with pytest.raises(InvalidArgument, match="classes has 1 entries for 2 requests"):
         PlanReply.from_wire({"requests": [r.to_wire() for r in reply.requests[:2]],
@@ -87,7 +88,7 @@ def test_policy_refuses_to_mix_classes(daemon):
 
 def test_tactic_per_bucket_one_class_with_shared_winners_of_that_class(daemon):
     n, k = 4096, 14336
-    cls = T.reduction_class_id(T.choose_split(n, k, 132))
+    cls = T.reduction_class_id(SPACE.choose_split(n, k, 132))
     other_cls = next(c for c in T.REDUCTION_CLASSES if c != cls)
     c = daemon.client(timeout=60)
     ups = (1, 16, 64, 2048)
@@ -130,7 +131,7 @@ def test_plan_gemm_asks_plans_then_one_prefetch_and_nothing_else(daemon):
     sent = c.ops[-1][1].requests
     assert len(sent) == len(plan.requests) >= 1
     assert [b.upper for b in plan.choice.buckets] == list(gemm_plan.buckets_up_to(2048))
-    assert plan.choice.reduction_class == T.reduction_class_id(T.choose_split(2688, 4096, 132))
+    assert plan.choice.reduction_class == T.reduction_class_id(SPACE.choose_split(2688, 4096, 132))
     line = plan.describe()
     assert "N=2688 K=4096" in line and plan.choice.reduction_class in line and "M<=1:" in line
 

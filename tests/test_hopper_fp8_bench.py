@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from cached.families.hopper_fp8.tactics import tactic_space
+from cached.families.hopper_fp8.space import tactic_space
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,9 @@ import os
 
 import pytest
 
-from cached.families.hopper_fp8 import tactics as T
-from cached.families.hopper_fp8.tactics import HopperFp8Tactic, tactic_from_params
+from cached.families.hopper_fp8 import space as SPACE
+from cached.families.hopper_fp8 import tactic as T
+from cached.families.hopper_fp8.tactic import HopperFp8Tactic, tactic_from_params
 
 #: the canonical params keys of every tactic before the schemes existed (pdl only when on)
 KEYS_BEFORE = ["tile_m", "tile_n", "cluster_m", "cluster_n", "raster", "swizzle", "stages",
@@ -20,7 +21,7 @@ KEYS_BEFORE = ["tile_m", "tile_n", "cluster_m", "cluster_n", "raster", "swizzle"
 
 def test_per_tensor_fast_tactics_keep_their_params_names_and_classes():
     """The default scheme adds no key, no name suffix and no class: old keys stay."""
-    for t in T.tactic_space():
+    for t in SPACE.tactic_space():
         p = t.to_params()
         assert list(p) == KEYS_BEFORE + (["pdl"] if t.pdl else [])
         assert not t.name.endswith(("_tok", "_ex"))
@@ -38,7 +39,7 @@ def test_scheme_tactics_round_trip_with_their_classes():
             ("block128", "exact"): "k128.prom128.s{s}.fixed.block128"}
     assert set(want) == set(T.SCHEMES) - {("tensor", "fast")}
     for (scales, accum), pattern in want.items():
-        space = T.tactic_space(scales=scales, accum=accum)
+        space = SPACE.tactic_space(scales=scales, accum=accum)
         assert space and len({t.name for t in space}) == len(space)
         for t in space:
             p = json.loads(json.dumps(t.to_params()))
@@ -50,22 +51,22 @@ def test_scheme_tactics_round_trip_with_their_classes():
             assert T.class_scheme(cid) == (t.splits, accum, scales)
             assert cid in T.REDUCTION_CLASSES
     # exact: S = 1 only, and only tiles with room for the promoted sum
-    exact = T.tactic_space(accum="exact")
+    exact = SPACE.tactic_space(accum="exact")
     assert {t.splits for t in exact} == {1}
     assert all(2 * T.acc_regs_per_thread(t.tile_m, t.tile_n, t.swap_ab, t.wg_n, t.pingpong)
                <= T.MAX_ACC_REGS_PER_THREAD for t in exact)
     assert not [t for t in exact if (t.tile_m, t.tile_n) == (256, 192)]
-    assert T.tactic_space(splits=2, accum="exact") == []
+    assert SPACE.tactic_space(splits=2, accum="exact") == []
     # block128: the exact space in its scheme, one class
-    assert ([dataclasses.replace(t, scales="tensor") for t in T.tactic_space(scales="block128",
+    assert ([dataclasses.replace(t, scales="tensor") for t in SPACE.tactic_space(scales="block128",
              accum="exact")] == exact)
     assert T.class_scheme("k128.prom128.s1.fixed.block128") == (1, "exact", "block128")
     with pytest.raises(ValueError, match="unknown cached.hopper_fp8 reduction class"):
         T.class_scheme("k128.acc1.s1.fixed.block128")
     with pytest.raises(ValueError, match="needs accum='exact'"):
-        T.tactic_space(scales="block128")
+        SPACE.tactic_space(scales="block128")
     # per-token fast: every tactic of the space, in its scheme
-    assert len(T.tactic_space(scales="token")) == len(T.tactic_space()) == 814
+    assert len(SPACE.tactic_space(scales="token")) == len(SPACE.tactic_space()) == 814
 
 
 @pytest.mark.parametrize("params, words", [
@@ -92,7 +93,7 @@ def test_plan_options_pick_one_class_of_the_scheme_for_every_m():
 
     fam = HopperFp8()
     for n, k in ((2688, 4096), (2112, 7168), (1024, 16384)):
-        s = T.choose_split(n, k, 132)
+        s = SPACE.choose_split(n, k, 132)
         for scales, accum, cid in (
                 ("token", "fast", T.reduction_class_id(s, "fast", "token")),
                 ("tensor", "exact", "k128.prom128.s1.fixed"),
@@ -285,7 +286,7 @@ def test_scheme_tactics_compile_for_sm90a_through_the_daemon(daemon):
     variants = _scheme_variants()
     spaces = {t.name for sc, acc in T.SCHEMES
               for od, ab in (("bfloat16", "e4m3"), ("float16", "e5m2"))
-              for t in T.tactic_space(od, ab, scales=sc, accum=acc)}
+              for t in SPACE.tactic_space(od, ab, scales=sc, accum=acc)}
     assert all(t.name in spaces for t in variants)
     client = daemon.client()
     requests = [KernelRequest(family="cached.hopper_fp8", params=t.to_params(), arch="sm_90a",

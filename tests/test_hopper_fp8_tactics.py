@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from cached.families.hopper_fp8 import tactics as T
-from cached.families.hopper_fp8.tactics import (
-    HopperFp8Tactic,
-    enumerate_tactics,
-    smem_bytes,
-    tactic_from_params,
-)
+from cached.families.hopper_fp8 import cost as COST
+from cached.families.hopper_fp8 import space as SPACE
+from cached.families.hopper_fp8 import tactic as T
+from cached.families.hopper_fp8 import winners as WIN
+from cached.families.hopper_fp8.space import enumerate_tactics
+from cached.families.hopper_fp8.tactic import HopperFp8Tactic, smem_bytes, tactic_from_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +54,7 @@ def test_enumeration_size_and_budget():
         assert t.reduction_class == "k128.acc1.s1.fixed"
     ts = [t for t in every if not t.swap_ab and t.wg_n == 1 and not t.pingpong]
     assert len(ts) == 345
-    assert all(t.swizzle == 1 for t in ts if t.tile_n not in T.SWIZZLED_TILE_N)
+    assert all(t.swizzle == 1 for t in ts if t.tile_n not in SPACE.SWIZZLED_TILE_N)
     assert len({t.name for t in ts}) == len(ts)
     tiles = {(t.tile_m, t.tile_n) for t in ts}
     assert (256, 256) not in tiles and len(tiles) == 26
@@ -83,7 +82,7 @@ def test_split_space():
     tactics over the five classes (36 ping-pong ones and 9 narrow decode tiles in S = 1, 8
     ping-pong ones per S > 1)."""
     for s in T.SPLIT_CHOICES[1:]:
-        ts = [t for t in T.tactic_space(splits=s) if not t.pdl]  # twins: test_pdl_twins
+        ts = [t for t in SPACE.tactic_space(splits=s) if not t.pdl]  # twins: test_pdl_twins
         assert len(ts) == 66
         cta = [t for t in ts if t.split_mode == "cta" and not t.swap_ab]
         serial = [t for t in ts if t.split_mode == "serial" and not t.swap_ab
@@ -92,7 +91,7 @@ def test_split_space():
         pp = [t for t in serial if t.pingpong]
         assert len(cta) == 6 and len(serial) == 36 and len(wgn) == 8 and len(pp) == 8
         assert all(t.split_mode == "serial" and t.tile_m == 64 for t in wgn)
-        assert {(t.tile_m, t.tile_n) for t in pp} == set(T.PINGPONG_SPLIT_TILES)
+        assert {(t.tile_m, t.tile_n) for t in pp} == set(SPACE.PINGPONG_SPLIT_TILES)
         assert len([t for t in serial if t.cluster_size == 2 and not t.pingpong]) == 16
         assert {t.raster for t in serial if t.cluster_size == 2} == {"m", "n"}
         for mode in T.SPLIT_MODES:
@@ -104,7 +103,7 @@ def test_split_space():
                 <= T.MAX_ACC_REGS_PER_THREAD
         for t in ts:
             t.validate()
-    space = T.tactic_space()
+    space = SPACE.tactic_space()
     assert len([t for t in space if not t.pdl]) == 677
     assert len(space) == 814 == len({t.name for t in space})
     assert len(enumerate_tactics(4096, 4096, 4096)) == 814
@@ -129,7 +128,7 @@ def test_reduction_class_round_trips_through_canonical_params():
     from cached.families.hopper_fp8.family import HopperFp8
 
     fam = HopperFp8()
-    for t in T.tactic_space():
+    for t in SPACE.tactic_space():
         cid = t.reduction_class
         assert cid == T.reduction_class_id(t.splits) and T.splits_of_class(cid) == t.splits
         params = fam.canonical_params(json.loads(json.dumps(t.to_params())), "sm_90a")
@@ -182,26 +181,26 @@ def test_family_base_declares_no_class():
 def test_choose_split_depends_on_n_k_and_device_only():
     import inspect
 
-    assert list(inspect.signature(T.choose_split).parameters) == ["n", "k", "sm_count"]
+    assert list(inspect.signature(SPACE.choose_split).parameters) == ["n", "k", "sm_count"]
     for n in (512, 1024, 2112, 2688, 4096, 4608, 7168, 8192, 14336, 28672, 57344):
         for k in (512, 1536, 2304, 4096, 7168, 14336, 28672):
-            s = T.choose_split(n, k, 132)
-            assert s in T.SPLIT_CHOICES and s <= T.SPLIT_MAX
+            s = SPACE.choose_split(n, k, 132)
+            assert s in T.SPLIT_CHOICES and s <= SPACE.SPLIT_MAX
             # every split walks at least 28 K tiles, and the decode CTAs (one per 64 weight
             # rows and split) fill at most half the SMs
-            assert s == 1 or k >= T.SPLIT_MIN_K_PER_SPLIT * s
-            assert s == 1 or -(-n // T.SPLIT_TILE_N) * s * T.SPLIT_SM_SHARE <= 132
+            assert s == 1 or k >= SPACE.SPLIT_MIN_K_PER_SPLIT * s
+            assert s == 1 or -(-n // SPACE.SPLIT_TILE_N) * s * SPACE.SPLIT_SM_SHARE <= 132
     # what the H200 wide run picked (docs/hopper-passes.md): with the swap_ab decode tiles,
     # S = 1 but for the narrowest long-K projection
-    assert [T.choose_split(n, k, 132) for n, k in (
+    assert [SPACE.choose_split(n, k, 132) for n, k in (
         (4096, 4096), (2688, 4096), (4608, 2688), (14336, 4096), (4096, 14336),
         (5120, 25600), (8192, 28672), (2112, 7168), (4096, 512))] == [1, 1, 1, 1, 1, 1, 1, 2, 1]
     # fewer SMs: fewer splits; a narrower N with a long K: more
-    assert T.choose_split(2112, 7168, 64) == 1
-    assert T.choose_split(1024, 28672, 132) == 4 and T.choose_split(1024, 28672, 64) == 2
+    assert SPACE.choose_split(2112, 7168, 64) == 1
+    assert SPACE.choose_split(1024, 28672, 132) == 4 and SPACE.choose_split(1024, 28672, 64) == 2
     for bad in ((0, 4096, 132), (4096, 4096, 0), (4096.0, 4096, 132)):
         with pytest.raises(ValueError):
-            T.choose_split(*bad)
+            SPACE.choose_split(*bad)
 
 
 def test_enumeration_is_stable_and_shape_aware():
@@ -209,7 +208,7 @@ def test_enumeration_is_stable_and_shape_aware():
     b = enumerate_tactics(4096, 4096, 4096)
     assert a == b
     # the model (an (N, K) with no recorded winners); large M: a 128-row (two-warpgroup) tile
-    assert (14336, 4160) not in {key[1:] for key in T.RECORDED_WINNERS}
+    assert (14336, 4160) not in {key[1:] for key in WIN.recorded_winners()}
     # memory-bound decode: a swap_ab tile of few tokens (more CTAs streaming the weight;
     # the measured winners at M = 1 are 8- and 16-token tiles)
     first = enumerate_tactics(1, 14336, 4160)[0]
@@ -223,27 +222,27 @@ def test_enumeration_is_stable_and_shape_aware():
 def test_recorded_winners_come_first():
     """A recorded (device, N, K) ranks the measured winner of each class first, for the
     M bucket (the smallest recorded M >= M); another device or (N, K) uses the model."""
-    per = T.RECORDED_WINNERS[(132, 4096, 14336)]
+    per = WIN.recorded_winners()[(132, 4096, 14336)]
     assert set(per) == {1, 2, 4}
     for s, row in per.items():
         for m, _key, us in row:
             for mm in {m, max(1, m - 1)}:
                 first = enumerate_tactics(mm, 4096, 14336, splits=s)[0]
                 bucket = next(r for r in row if r[0] >= mm)
-                assert T.recorded_key(first) == bucket[1] and first.splits == s
+                assert WIN.recorded_key(first) == bucket[1] and first.splits == s
             assert us > 0
     # past the last bucket: the largest one
-    assert T.recorded_key(enumerate_tactics(20000, 4096, 14336, splits=4)[0]) == per[4][-1][1]
+    assert WIN.recorded_key(enumerate_tactics(20000, 4096, 14336, splits=4)[0]) == per[4][-1][1]
     # all classes: the fastest recorded winner first
     m = 1
     best = min((row[0][2], s) for s, row in per.items())[1]
     assert enumerate_tactics(m, 4096, 14336)[0].splits == best
     # another device: the model's order
     model = enumerate_tactics(1, 4096, 14336, num_sms=114, splits=4)
-    assert model == sorted(model, key=lambda t: (T._cost(t, 1, 4096, 14336, 114), t.name))
+    assert model == sorted(model, key=lambda t: (COST.rank_key(t, 1, 4096, 14336, 114), t.name))
     # every recorded key names a tactic of the family's space, or the pdl twin of one
-    names = set(T.recordable_tactics())
-    for (_, n, k), per in T.RECORDED_WINNERS.items():
+    names = set(SPACE.recordable_tactics())
+    for (_, n, k), per in WIN.recorded_winners().items():
         for s, row in per.items():
             for m, _key, _us in row:
                 assert enumerate_tactics(m, n, k, splits=s)[0].name in names
@@ -273,7 +272,7 @@ def test_consumer_warpgroups_along_n():
     tile_n/2 wgmma, the K order unchanged): the class of its S, two consumer warpgroups,
     half the accumulator registers, one C buffer for the whole tile (the epilogue's one TMA
     store) and up to SWAP_MAX_STAGES stages."""
-    for tn in T.WG_N_TILE_N:
+    for tn in SPACE.WG_N_TILE_N:
         one = HopperFp8Tactic(64, tn).normalized()
         two = HopperFp8Tactic(64, tn, wg_n=2).normalized()
         assert two.consumer_warpgroups == 2 and one.consumer_warpgroups == 1
@@ -288,12 +287,12 @@ def test_consumer_warpgroups_along_n():
         assert T.smem_bytes(two) == 2 * 1024 + epi + two.stages * (64 + tn) * 128
         assert T.smem_bytes(two) <= T.SMEM_CAPACITY_BYTES
         assert two.name == one.name.replace(f"_st{one.stages}_", f"_st{two.stages}_") + "_wn2"
-        assert T.recorded_key(two) == f"n64x{tn}m"
-        assert T._from_key(f"n64x{tn}m@2x1", 1, "bfloat16", "e4m3") == dataclasses.replace(
+        assert WIN.recorded_key(two) == f"n64x{tn}m"
+        assert WIN.tactic_from_key(f"n64x{tn}m@2x1", 1, "bfloat16", "e4m3") == dataclasses.replace(
             two, cluster_m=2)
         assert tactic_from_params(two.to_params()) == two
     s2 = HopperFp8Tactic(64, 96, splits=2, wg_n=2).normalized()
-    assert s2.reduction_class == "k128.acc1.s2.fixed" and T.recorded_key(s2) == "n64x96ms"
+    assert s2.reduction_class == "k128.acc1.s2.fixed" and WIN.recorded_key(s2) == "n64x96ms"
     # params written before wg_n existed have one consumer warpgroup along N
     assert tactic_from_params({"tile_m": 64, "tile_n": 80}).wg_n == 1
 
@@ -303,7 +302,7 @@ def test_narrow_decode_tiles():
     consumer warpgroup, the class of S = 1, clusters 1x1/2x1/1x2, raster m, swizzle 1, up
     to SWAP_MAX_STAGES stages, the whole tile staged for one TMA store (tile_epilogue);
     more CTAs than 64-row tiles on N = 4096..5120 (88-100 for 64 x 48 / 56)."""
-    space = [t for t in T.tactic_space(splits=1) if t.tile_n in T.NARROW_TILE_N
+    space = [t for t in SPACE.tactic_space(splits=1) if t.tile_n in T.NARROW_TILE_N
              and t.wg_n == 1 and not t.pdl]
     assert len(space) == 9 and T.NARROW_TILE_N == (40, 48, 56)
     assert {(t.tile_n, t.cluster_m, t.cluster_n) for t in space} == {
@@ -321,20 +320,20 @@ def test_narrow_decode_tiles():
         assert T.smem_bytes(t) == 2 * 1024 + epi + t.stages * (64 + t.tile_n) * 128
         assert T.smem_bytes(t) <= T.SMEM_CAPACITY_BYTES
         assert T.acc_regs_per_thread(64, t.tile_n) == t.tile_n // 2
-        key = T.recorded_key(t)
-        assert T._from_key(key, 1, "bfloat16", "e4m3") == t
+        key = WIN.recorded_key(t)
+        assert WIN.tactic_from_key(key, 1, "bfloat16", "e4m3") == t
         assert tactic_from_params(t.to_params()) == t
     assert [t.stages for t in space if t.cluster_size == 1] == [16, 15, 14]
-    assert T.recorded_key(HopperFp8Tactic(64, 48, 2, 1).normalized()) == "64x48m@2x1"
+    assert WIN.recorded_key(HopperFp8Tactic(64, 48, 2, 1).normalized()) == "64x48m@2x1"
     # wg_n = 2 on 48 columns (two 64 x 24 wgmma), in the space with its three clusters
-    two = [t for t in T.tactic_space(splits=1) if t.wg_n == 2 and t.tile_n == 48
+    two = [t for t in SPACE.tactic_space(splits=1) if t.wg_n == 2 and t.tile_n == 48
            and not t.pdl]
     assert len(two) == 3 and all(T.tile_epilogue(48, 2) for _ in two)
-    assert T.recorded_key(two[0]) == "n64x48m" and two[0].consumer_warpgroups == 2
+    assert WIN.recorded_key(two[0]) == "n64x48m" and two[0].consumer_warpgroups == 2
     # CTAs on the weight stream at M <= 64
-    assert [T.work_units(HopperFp8Tactic(64, tn).normalized(), 64, 4096)
+    assert [COST.work_units(HopperFp8Tactic(64, tn).normalized(), 64, 4096)
             for tn in (40, 48, 56, 64)] == [103, 86, 74, 64]
-    assert [T.work_units(HopperFp8Tactic(64, tn).normalized(), 64, 5120)
+    assert [COST.work_units(HopperFp8Tactic(64, tn).normalized(), 64, 5120)
             for tn in (48, 56)] == [107, 92]
     # the other widths keep their epilogue (no tile epilogue unless wg_n = 2)
     assert not any(T.tile_epilogue(tn, 1) for tn in T.TILE_N_CHOICES)
@@ -343,12 +342,13 @@ def test_narrow_decode_tiles():
     # the H200 decode7 run, under 64x64's; past M = 64 (not timed) 64x64's figures; and a
     # serial split of a narrow tile is a valid tactic of its class
     for t in space:
-        per = T.US_PER_K_TILE[(64, t.tile_n)]
-        assert T._per_k_tile_us(64, t.tile_n, 64) == per[0] < T.US_PER_K_TILE[(64, 64)][0]
-        assert per[1:] == T.US_PER_K_TILE[(64, 64)][1:]
-    assert (64, 48) in T.WG_N_US_PER_K_TILE
+        plain = COST.cost_model()["US_PER_K_TILE"]
+        per = plain[(64, t.tile_n)]
+        assert COST._per_k_tile_us(64, t.tile_n, 64) == per[0] < plain[(64, 64)][0]
+        assert per[1:] == plain[(64, 64)][1:]
+    assert (64, 48) in COST.cost_model()["WG_N_US_PER_K_TILE"]
     s2 = HopperFp8Tactic(64, 48, splits=2).normalized()
-    assert s2.reduction_class == "k128.acc1.s2.fixed" and T.recorded_key(s2) == "64x48ms"
+    assert s2.reduction_class == "k128.acc1.s2.fixed" and WIN.recorded_key(s2) == "64x48ms"
 
 
 def test_pingpong_tactics():
@@ -356,9 +356,9 @@ def test_pingpong_tactics():
     (S = 1; tile_m 64, or 128 = two m64 atoms per warpgroup): the class of S = 1, the whole
     tile's accumulator in one warpgroup's registers, 64-row epilogue sub-tiles, a C buffer
     ring per warpgroup, recorded key 'p...'."""
-    space = [t for t in T.tactic_space(splits=1) if t.pingpong]
+    space = [t for t in SPACE.tactic_space(splits=1) if t.pingpong]
     assert len(space) == 36
-    assert {(t.tile_m, t.tile_n) for t in space} == set(T.PINGPONG_TILES) == {
+    assert {(t.tile_m, t.tile_n) for t in space} == set(SPACE.PINGPONG_TILES) == {
         (64, 128), (64, 192), (64, 256), (128, 128), (128, 160), (128, 192)}
     for t in space:
         one = dataclasses.replace(t, pingpong=False, stages=0).normalized()
@@ -376,8 +376,8 @@ def test_pingpong_tactics():
         assert T.smem_bytes(t) <= T.SMEM_CAPACITY_BYTES
         assert T.smem_bytes_for(t.tile_m, t.tile_n, t.stages + 1,
                                 pingpong=True) > T.SMEM_CAPACITY_BYTES or t.stages == 8
-        assert T._from_key(T.recorded_key(t), 1, "bfloat16", "e4m3") == t
-        assert T.recorded_key(t).startswith(f"p{t.tile_m}x")
+        assert WIN.tactic_from_key(WIN.recorded_key(t), 1, "bfloat16", "e4m3") == t
+        assert WIN.recorded_key(t).startswith(f"p{t.tile_m}x")
         assert tactic_from_params(t.to_params()) == t
     assert [t.stages for t in space if t.tile_m == 128 and t.cluster_size == 1
             and t.raster == "m"] == [6, 5, 5]
@@ -481,9 +481,10 @@ def test_enumerate_rejects_bad_shapes(mnk):
         enumerate_tactics(*mnk)
 
 
-def test_tactics_module_imports_no_toolchain():
-    code = ("import sys, cached.families.hopper_fp8.tactics as t; "
-            "t.enumerate_tactics(1, 4096, 4096); "
+def test_tactic_space_modules_import_no_toolchain():
+    # space imports tactic, cost and winners: the daemon's main process ranks with them
+    code = ("import sys, cached.families.hopper_fp8.space as s; "
+            "s.enumerate_tactics(1, 4096, 4096); "
             "bad = [m for m in ('cutlass', 'torch', 'tvm_ffi') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=120)
@@ -505,7 +506,7 @@ def test_plan_batch_invariant_is_one_class_for_every_m():
 
     fam = HopperFp8()
     for n, k in SHAPES_NK:
-        want = T.reduction_class_id(T.choose_split(n, k, 132))
+        want = T.reduction_class_id(SPACE.choose_split(n, k, 132))
         for m in MANIFEST_MS:
             reqs = fam.plan((m, n, k), "sm_90a", 132, {"batch_invariant": True})
             assert reqs and {_class(r) for r in reqs} == {want}, (m, n, k)
@@ -514,7 +515,7 @@ def test_plan_batch_invariant_is_one_class_for_every_m():
             # best-first by the family's model, the same order enumerate_tactics gives
             names = [tactic_from_params(r.params).name for r in reqs]
             assert names == [t.name for t in enumerate_tactics(
-                m, n, k, splits=T.choose_split(n, k, 132))]
+                m, n, k, splits=SPACE.choose_split(n, k, 132))]
             assert {r.max_active_clusters for r in reqs} <= {132, 66}
 
 
@@ -556,7 +557,7 @@ def test_plan_options_through_the_daemon(daemon):
         reqs = client.plan("cached.hopper_fp8", (m, 2688, 4096), "sm_90a", 132,
                            {"batch_invariant": True})
         classes |= {_class(r) for r in reqs}
-    assert classes == {T.reduction_class_id(T.choose_split(2688, 4096, 132))}
+    assert classes == {T.reduction_class_id(SPACE.choose_split(2688, 4096, 132))}
 
 
 # ---------------------------------------------------------------------- launcher
@@ -654,7 +655,7 @@ def test_compile_for_sm90a(tmp_path):
     code = (
         "import json, sys\n"
         "from cached.families.hopper_fp8.compile import compile_to_object\n"
-        "from cached.families.hopper_fp8.tactics import tactic_from_params\n"
+        "from cached.families.hopper_fp8.tactic import tactic_from_params\n"
         "for j in json.loads(sys.argv[1]):\n"
         "    compile_to_object(tactic_from_params(j['params']), j['mac'], j['obj'], j['symbol'])\n"
     )
@@ -673,7 +674,7 @@ def test_compile_for_sm90a(tmp_path):
 def test_compile_refuses_other_arch(tmp_path):
     code = (
         "from cached.families.hopper_fp8.compile import compile_to_object\n"
-        "from cached.families.hopper_fp8.tactics import HopperFp8Tactic\n"
+        "from cached.families.hopper_fp8.tactic import HopperFp8Tactic\n"
         "try:\n"
         "    compile_to_object(HopperFp8Tactic(), 132, 'x.o', 'f')\n"
         "except ValueError as e:\n"
@@ -738,7 +739,7 @@ def _split_variants() -> list:
     layout (tile_m, tile_n) and S; all of them vary below, and the space is small enough
     to compile whole.
     """
-    return [t for t in T.tactic_space() if t.splits > 1 and t.tile_n in OLD_TILE_N
+    return [t for t in SPACE.tactic_space() if t.splits > 1 and t.tile_n in OLD_TILE_N
             and t.cluster_size == 1 and t.wg_n == 1 and not t.pingpong]
 
 
@@ -747,7 +748,7 @@ def _compile_through_daemon(daemon, variants: list) -> set[str]:
     sm_90a: each served with a real artifact; returns the stored kernel names."""
     from cached_client.keys import KernelRequest
 
-    space = {t.name for t in T.tactic_space("float16", "e5m2") + T.tactic_space()}
+    space = {t.name for t in SPACE.tactic_space("float16", "e5m2") + SPACE.tactic_space()}
     assert all(t.name in space for t in variants)
     client = daemon.client()
     requests = [KernelRequest(family="cached.hopper_fp8", params=t.to_params(), arch="sm_90a",
@@ -925,12 +926,12 @@ def test_pdl_twins():
     import dataclasses as dc
 
     for s in T.SPLIT_CHOICES:
-        space = T.tactic_space(splits=s)
+        space = SPACE.tactic_space(splits=s)
         base = {t.name: t for t in space if not t.pdl}
         twins = [t for t in space if t.pdl]
         assert len(twins) == (41 if s == 1 else 24)
         assert {t.name.removesuffix("_pdl") for t in twins} == {
-            n for n, t in base.items() if T.pdl_twin(t)}
+            n for n, t in base.items() if SPACE.pdl_twin(t)}
         for t in twins:
             b = base[t.name.removesuffix("_pdl")]
             assert t.name == b.name + "_pdl" and dc.replace(t, pdl=False) == b
@@ -938,11 +939,12 @@ def test_pdl_twins():
             assert t.reduction_class == b.reduction_class == T.reduction_class_id(s)
             assert t.reduction_order == b.reduction_order
             assert T.smem_bytes(t) == T.smem_bytes(b) and t.stages == b.stages
-            key = T.recorded_key(t)
-            assert key == T.recorded_key(b) + "+pdl"
-            assert T._from_key(key, s, "bfloat16", "e4m3") == t
+            key = WIN.recorded_key(t)
+            assert key == WIN.recorded_key(b) + "+pdl"
+            assert WIN.tactic_from_key(key, s, "bfloat16", "e4m3") == t
             assert tactic_from_params(json.loads(json.dumps(t.to_params()))) == t
-            assert T._cost(t, 64, 4096, 4096, 132)[:-1] == T._cost(b, 64, 4096, 4096, 132)[:-1]
+            assert (COST.rank_key(t, 64, 4096, 4096, 132)[:-1]
+                    == COST.rank_key(b, 64, 4096, 4096, 132)[:-1])
     # (the model's order: a device with no recorded winners)
     order = [t.name for t in enumerate_tactics(32, 4096, 14336, num_sms=114, splits=1)]
     for i, nm in enumerate(order):
@@ -950,20 +952,20 @@ def test_pdl_twins():
             assert order.index(nm.removesuffix("_pdl")) < i
     # the model never prefers a twin; the recorded winners do where pdl won every round
     # (eighth pass): the plan's first choice there is the twin, in the same class
-    recorded = [(n, k, s, m, key) for (_, n, k), per in T.RECORDED_WINNERS.items()
+    recorded = [(n, k, s, m, key) for (_, n, k), per in WIN.recorded_winners().items()
                 for s, row in per.items() for m, key, _ in row]
     pdl_keys = [r for r in recorded if r[4].endswith("+pdl")]
     assert pdl_keys and len(pdl_keys) < len(recorded)
     for n, k, s, m, key in pdl_keys:
         first = enumerate_tactics(m, n, k, splits=s)[0]
-        assert first.pdl and T.recorded_key(first) == key and first.splits == s
-    every = T.recordable_tactics()
+        assert first.pdl and WIN.recorded_key(first) == key and first.splits == s
+    every = SPACE.recordable_tactics()
     assert len(every) == 814 + 677 - 41 - 4 * 24
     assert all(dc.replace(t, pdl=False).name in every for t in every.values())
     # a tactic outside the decode band takes pdl too (a recorded winner may name it)
     wide = tactic_from_params({"tile_m": 128, "tile_n": 256, "cluster_m": 2, "pdl": True})
-    assert wide.pdl and wide.name.endswith("_pdl") and not T.pdl_twin(wide)
-    assert T._from_key("128x256m@2x1+pdl", 1, "bfloat16", "e4m3") == wide
+    assert wide.pdl and wide.name.endswith("_pdl") and not SPACE.pdl_twin(wide)
+    assert WIN.tactic_from_key("128x256m@2x1+pdl", 1, "bfloat16", "e4m3") == wide
 
 
 def test_pdl_keeps_the_params_of_tactics_without_it():

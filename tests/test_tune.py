@@ -23,7 +23,8 @@ from cached_client.protocol import AutotuneGetRequest, AutotunePutRequest
 from conftest import ROOT, DaemonProcess, run_cli
 
 from cached import tune
-from cached.families.hopper_fp8 import tactics as T
+from cached.families.hopper_fp8 import space as SPACE
+from cached.families.hopper_fp8 import tactic as T
 
 H200 = "NVIDIA H200"
 SHAPE = (4608, 3584)  # no recorded winners (Qwen2.5-7B's qkv_proj)
@@ -84,7 +85,7 @@ def test_tune_publishes_winners_a_second_process_plans_from_them(node):
     target = target_of(c)
     timer = Preferring({64: (1, 1.25), 2048: (2, 1.01)})  # 2048: within the margin
     [res] = tune.tune(c, [SHAPE], timer, target, buckets=BUCKETS, rounds=3)
-    cls = T.reduction_class_id(T.choose_split(*SHAPE, 132))
+    cls = T.reduction_class_id(SPACE.choose_split(*SHAPE, 132))
     assert res.reduction_class == cls and [b.m for b in res.buckets] == list(BUCKETS)
     assert [b.changed for b in res.buckets] == [False, True, False]
     _, at64 = tune.candidates(c, *SHAPE, 64, target)
@@ -159,7 +160,7 @@ def test_winners_never_mix_classes(node):
     c = node.client(timeout=120)
     target = target_of(c)
     n, k = 1152, 16384  # class S = 2 on 132 SMs
-    cls = T.reduction_class_id(T.choose_split(n, k, 132))
+    cls = T.reduction_class_id(SPACE.choose_split(n, k, 132))
     assert cls != T.reduction_class_id(1)
     for m in BUCKETS:
         got_cls, cands = tune.candidates(c, n, k, m, target)

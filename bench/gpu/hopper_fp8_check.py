@@ -109,7 +109,7 @@ def group_of(params: dict) -> str:
 def _wide_tactics():
     """The tactics a "wide" run times at every shape and M (the data the split rule and
     the cost model are fitted to): per class, the tile shapes that win somewhere."""
-    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
+    from cached.families.hopper_fp8.tactic import HopperFp8Tactic as T
 
     out = []
     for tm, tn in [(64, 64), (64, 128), (64, 256), (128, 128), (128, 192), (128, 256),
@@ -147,7 +147,7 @@ def _mid_tactics():
     between the old ones (80, 96, 112, 160) and the cluster variants the cost model ranks
     at M = 128..2048, beside the old tiles of the same classes (S = 1 everywhere, S = 2 for
     2112x7168), so one run compares them on one machine."""
-    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
+    from cached.families.hopper_fp8.tactic import HopperFp8Tactic as T
 
     widths = (64, 80, 96, 112, 128, 160, 192, 256)
     out = [T(tm, tn) for tm in (64, 128) for tn in widths]
@@ -196,7 +196,7 @@ def _split_tactics():
     """The tactics a "split" run times (S = 2, the class of 2112x7168, the only shape whose
     plan splits): every S = 2 kernel of the mid set, and serial splits with clusters (the
     plan's split tactics were cluster 1x1 before)."""
-    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
+    from cached.families.hopper_fp8.tactic import HopperFp8Tactic as T
 
     out = [t for t in _mid_tactics() if t.splits == 2 and t.ab_dtype == "e4m3"
            and t.out_dtype == "bfloat16"]
@@ -215,8 +215,8 @@ def _pass4_tactics():
     M = 128 tiles of the third pass) and the one-warpgroup 64-row tiles with a 2x1 cluster
     (B multicast to both M tiles, as wg_n = 2's best; never timed before); the build adds
     the plan's first choices. Two e5m2/fp16 wg_n = 2 kernels for correctness."""
-    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
-    from cached.families.hopper_fp8.tactics import tactic_space
+    from cached.families.hopper_fp8.space import tactic_space
+    from cached.families.hopper_fp8.tactic import HopperFp8Tactic as T
 
     out = [T(64, 128), T(64, 96, splits=2, split_mode="serial"), T(128, 64), T(64, 80)]
     out += [t for t in tactic_space(splits=1) + tactic_space(splits=2)
@@ -232,8 +232,8 @@ def _pingpong_tactics(e5m2_tile: tuple[int, int] = (64, 256)):
     128 x 192) checks and times: every ping-pong tactic of the space after the class's
     first kernel, and one e5m2/fp16 ping-pong kernel of ``e5m2_tile`` (cluster 1x2, raster
     n) for correctness; the build adds the plan's first choices at those M."""
-    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
-    from cached.families.hopper_fp8.tactics import tactic_space
+    from cached.families.hopper_fp8.space import tactic_space
+    from cached.families.hopper_fp8.tactic import HopperFp8Tactic as T
 
     out = [T(64, 128).normalized()]
     out += [t for t in tactic_space(splits=1) if t.pingpong]
@@ -248,8 +248,8 @@ def _split5_tactics():
     splits; new: serial splits with clusters and raster n, serial-split ping-pong), after
     the class's first kernel, and one e5m2/fp16 split ping-pong kernel for correctness; the
     build adds the plan's first choices at those M."""
-    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
-    from cached.families.hopper_fp8.tactics import tactic_space
+    from cached.families.hopper_fp8.space import tactic_space
+    from cached.families.hopper_fp8.tactic import HopperFp8Tactic as T
 
     out = [T(64, 128, splits=2, split_mode="cta").normalized()]
     out += [t for t in tactic_space(splits=2) if not t.swap_ab]
@@ -275,8 +275,8 @@ def _decode6_tactics():
     decode_candidate of the classes S = 1 and 2 (the plans' classes on the 14 shapes);
     at M in DECODE6_SPLIT_MS, every unswapped S = 2 tactic (the class of 2112x7168). The
     classes' first kernels lead; the build adds the plan's first choices at DECODE_MS."""
-    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
-    from cached.families.hopper_fp8.tactics import tactic_space
+    from cached.families.hopper_fp8.space import tactic_space
+    from cached.families.hopper_fp8.tactic import HopperFp8Tactic as T
 
     out = [T(64, 128).normalized(), T(64, 128, splits=2, split_mode="cta").normalized()]
     out += [t for t in tactic_space(splits=1) if decode_candidate(t.to_params())]
@@ -290,8 +290,8 @@ def _decode7_tactics():
     decode_candidates of class S = 1 (with the narrow 64 x 40/48/56 tiles and 64 x 48
     wg_n = 2), after the classes' first kernels; the build adds the plan's first choices
     at DECODE_MS (2112x7168's S = 2 ones among them, timed alone in their class)."""
-    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
-    from cached.families.hopper_fp8.tactics import tactic_space
+    from cached.families.hopper_fp8.space import tactic_space
+    from cached.families.hopper_fp8.tactic import HopperFp8Tactic as T
 
     out = [T(64, 128).normalized(), T(64, 128, splits=2, split_mode="cta").normalized()]
     out += [t for t in tactic_space(splits=1) if decode_candidate(t.to_params())]
@@ -300,7 +300,7 @@ def _decode7_tactics():
 
 def _final_plan(top: int):
     """The batch-invariant plan per shape: its class, and the first `top` tactics per M."""
-    from cached.families.hopper_fp8.tactics import choose_split, enumerate_tactics
+    from cached.families.hopper_fp8.space import choose_split, enumerate_tactics
 
     plan = {}
     for n, k in SHAPES:
@@ -316,19 +316,20 @@ def _final_plan(top: int):
 
 def _alt_plan(winners_path: str):
     """The plan's first choice per shape and M with the recorded winners of another
-    winners file (tactics.load_winners' format, e.g. the one before a refit), for a final
+    winners file (winners.load_winners' format, e.g. the one before a refit), for a final
     run that times both plans side by side (the same machine, interleaved rounds)."""
-    from cached.families.hopper_fp8 import tactics as T
+    from cached.families.hopper_fp8 import winners as WIN
 
-    alt = T.load_winners(winners_path)
-    saved = dict(T.RECORDED_WINNERS)
-    T.RECORDED_WINNERS.clear()
-    T.RECORDED_WINNERS.update(alt)
+    alt = WIN.load_winners(winners_path)
+    recorded = WIN.recorded_winners()
+    saved = dict(recorded)
+    recorded.clear()
+    recorded.update(alt)
     try:
         return _final_plan(1)
     finally:
-        T.RECORDED_WINNERS.clear()
-        T.RECORDED_WINNERS.update(saved)
+        recorded.clear()
+        recorded.update(saved)
 
 
 def pdl_plan(plan, on: bool) -> dict:
@@ -348,8 +349,8 @@ def _pdl8_tactics(plan):
     (a swap_ab 'cta' split and a 2x1 cluster) for correctness."""
     import dataclasses
 
-    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
-    from cached.families.hopper_fp8.tactics import recordable_tactics
+    from cached.families.hopper_fp8.space import recordable_tactics
+    from cached.families.hopper_fp8.tactic import HopperFp8Tactic as T
 
     by_name = recordable_tactics()
     out = [T(64, 128).normalized()] + [T(64, 128, splits=s, split_mode="cta").normalized()
@@ -364,8 +365,8 @@ def _pdl8_tactics(plan):
 
 
 def _final_tactics(plan):
-    from cached.families.hopper_fp8.tactics import HopperFp8Tactic as T
-    from cached.families.hopper_fp8.tactics import recordable_tactics
+    from cached.families.hopper_fp8.space import recordable_tactics
+    from cached.families.hopper_fp8.tactic import HopperFp8Tactic as T
 
     by_name = recordable_tactics()
     chosen = {}
@@ -398,7 +399,7 @@ def _final_tactics(plan):
 def _compile_worker(jobs_json: str) -> None:
     _repo_on_path()
     from cached.families.hopper_fp8.compile import compile_to_object
-    from cached.families.hopper_fp8.tactics import tactic_from_params
+    from cached.families.hopper_fp8.tactic import tactic_from_params
 
     for job in json.loads(jobs_json):
         t = tactic_from_params(job["params"])
@@ -409,8 +410,8 @@ def _compile_worker(jobs_json: str) -> None:
 
 
 def _codegen_constants() -> dict:
-    """The tactics.py values the kernel's code is generated from (besides the params)."""
-    from cached.families.hopper_fp8 import tactics as T
+    """The tactic.py values the kernel's code is generated from (besides the params)."""
+    from cached.families.hopper_fp8 import tactic as T
 
     return {k: getattr(T, k) for k in (
         "TILE_K", "EPI_STAGES", "CONSUMER_MAX_REGS", "SWAP_EPI_BYTES", "MBAR_REGION_BYTES",
@@ -435,13 +436,13 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
                "pdl8": lambda: _pdl8_tactics(plan)}.get(
         which, lambda: _final_tactics(plan))() if not kernels else None
     if kernels:  # exactly these tactics (e.g. for ncu on a tune's winners), nothing else
-        from cached.families.hopper_fp8.tactics import recordable_tactics
+        from cached.families.hopper_fp8.space import recordable_tactics
 
         by_name = recordable_tactics()
         tactics, which = [by_name[nm] for nm in kernels], "kernels"
     plan_alt = pdl_plan(plan, True) if which == "pdl8" else None
     if alt_winners:  # final: the other plan's first choices too, timed beside the plan's
-        from cached.families.hopper_fp8.tactics import recordable_tactics
+        from cached.families.hopper_fp8.space import recordable_tactics
 
         plan_alt = _alt_plan(alt_winners)
         by_name = recordable_tactics()
@@ -474,9 +475,9 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
 
     src = HopperFp8().source_sha256()
     here = os.path.join(REPO, "cached", "families", "hopper_fp8")
-    # what the object code is made of: the kernel and the compile step; tactics.py adds
-    # the cost model, which changes the plan, never a kernel (its codegen constants are
-    # checked equal below)
+    # what the object code is made of: the kernel and the compile step; tactic.py (in the
+    # family's source hash) also holds validation and resource arithmetic, which change no
+    # kernel when its codegen constants (checked equal below) stay the same
     code_sha = compiler_stack.hash_files(tuple(Path(here, f) for f in ("kernel.py", "compile.py")))
     old = {}
     mpath = os.path.join(out, "manifest.json")
@@ -486,8 +487,8 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
         same = prev_manifest.get("source_sha256") == src
         if not same and reuse_code and prev_manifest.get("code_sha256") == code_sha and \
                 prev_manifest.get("codegen_constants") == _codegen_constants():
-            print("reusing kernels built from other tactics.py sources: kernel.py, compile.py "
-                  "and tactics.py's codegen constants are unchanged")
+            print("reusing kernels built from other tactic.py sources: kernel.py, compile.py "
+                  "and tactic.py's codegen constants are unchanged")
             same = True
         if same:
             for e in prev_manifest["kernels"]:
@@ -1302,7 +1303,7 @@ def main():
                    help="comma-separated tactic names: build exactly these (replaces --set)")
     b.add_argument("--dry", action="store_true", help="manifest only, no compile")
     b.add_argument("--reuse-code", action="store_true",
-                   help="reuse the bundle's kernels across a tactics.py change that leaves "
+                   help="reuse the bundle's kernels across a tactic.py change that leaves "
                         "kernel.py, compile.py and the codegen constants as they were")
     r = sub.add_parser("run")
     r.add_argument("--bundle", default=HERE)

@@ -14,14 +14,14 @@ Several RESULTs are merged in order (see load()): the recorded winners come from
 `swap_wide.csv mid.csv mid_split.csv`. For
 each (N, K) it prints, per reduction-order class S, the geometric mean and the minimum
 over M of cuBLAS(fast accumulation)'s time over the best measured kernel of the class,
-and marks the S that `tactics.choose_split` picks.
+and marks the S that `space.choose_split` picks.
 Then, for the plan's class, how close the plan's first choice per M (`enumerate_tactics`,
 the family's model) comes to the best measured kernel of that class; a first choice the
 run did not time is listed as unmeasured. --model-only ranks without the recorded
-winners (tactics.RECORDED_WINNERS), which is how the plan ranks an (N, K) nobody measured.
+winners (winners.recorded_winners()), which is how the plan ranks an (N, K) nobody measured.
 --per-k-tile prints the per-K-tile costs the model's tables hold, from the run.
 --write-table writes those recorded winners (the best measured tactic per (N, K), M and
-class S in 1, 2, 4) as cached/families/hopper_fp8/h200_winners.py. --update-table PATH
+class S in 1, 2, 4) as cached/families/hopper_fp8/data/h200_winners.json. --update-table PATH
 --margin F starts from the winners recorded in PATH instead and replaces one only where a
 run timed it beside a tactic of its class faster by more than the margin (update_table);
 with --per-round (JSON runs timed in rounds) faster by more than the margin in every round.
@@ -38,7 +38,10 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [os.path.join(REPO, "client"), REPO]
 
-from cached.families.hopper_fp8 import tactics as T  # noqa: E402
+from cached.families.hopper_fp8 import cost as COST  # noqa: E402
+from cached.families.hopper_fp8 import space as SPACE  # noqa: E402
+from cached.families.hopper_fp8 import tactic as T  # noqa: E402
+from cached.families.hopper_fp8 import winners as WIN  # noqa: E402
 
 
 def _gm(xs):
@@ -129,7 +132,7 @@ def load(paths: list[str]):
                 for x in [x for x in old if not x.startswith("cublas") and splits_of(x) in timed]:
                     del old[x]
                 old.update(new)
-    return by, T.recordable_tactics()
+    return by, SPACE.recordable_tactics()
 
 
 def load_rounds(paths: list[str]) -> dict:
@@ -179,7 +182,7 @@ def write_table(by, space, path: str, sources: list[str]) -> None:
                 if not ks:
                     continue
                 best = min(ks, key=d.get)
-                row.append((m, T.recorded_key(space[best]), round(d[best], 1)))
+                row.append((m, WIN.recorded_key(space[best]), round(d[best], 1)))
             if row:
                 table.setdefault((n, k), {})[s] = tuple(row)
     _emit(table, path, ["By bench/gpu/hopper_fp8_fit.py --write-table from",
@@ -200,7 +203,7 @@ def update_table(by, space, path: str, sources: list[str], margin: float,
     winner by more than ``margin`` in every round of the cell, not only in the median."""
     with open(path) as f:
         head = json.load(f)["about"]  # the recorded file's own provenance
-    recorded = T.load_winners(path)
+    recorded = WIN.load_winners(path)
     table: dict = {}
     changed = kept = 0
     for (_sms, n, k), per in recorded.items():
@@ -208,7 +211,7 @@ def update_table(by, space, path: str, sources: list[str], margin: float,
             out = []
             for m, key, us in row:
                 d = by.get((n, k), {}).get(m, {})
-                old = T._from_key(key, s, "bfloat16", "e4m3").name
+                old = WIN.tactic_from_key(key, s, "bfloat16", "e4m3").name
                 ks = [x for x in d if x in space and space[x].splits == s]
                 if old in d and ks:
                     best = min(ks, key=d.get)
@@ -221,9 +224,9 @@ def update_table(by, space, path: str, sources: list[str], margin: float,
                         win, how = d[old] > d[best] * (1 + margin), ""
                     if best != old and win:
                         print(f"  {n}x{k} S={s} M={m}: {key} {d[old]:.1f} us -> "
-                              f"{T.recorded_key(space[best])} {d[best]:.1f} us "
+                              f"{WIN.recorded_key(space[best])} {d[best]:.1f} us "
                               f"({d[old] / d[best]:.3f}x{how})")
-                        out.append((m, T.recorded_key(space[best]), round(d[best], 1)))
+                        out.append((m, WIN.recorded_key(space[best]), round(d[best], 1)))
                         changed += 1
                         continue
                     kept += 1
@@ -239,12 +242,12 @@ def update_table(by, space, path: str, sources: list[str], margin: float,
 
 
 def _emit(table: dict, path: str, how: list[str]) -> None:
-    """Write recorded winners as JSON (the format tactics.load_winners reads): provenance
+    """Write recorded winners as JSON (the format winners.load_winners reads): provenance
     lines, the device, then per (N, K) and class S the rows [M, tactic key, us], one
     shape a line group so that diffs stay readable."""
     head = {"about": how, "device": "NVIDIA H200", "sm_count": 132,
             "format": "per (N, K) and reduction-order class S, per M bucket: [M, tactic key, "
-                      "measured us]; a key is tactics.recorded_key(t): 'w' swap_ab, 'n' wg_n = "
+                      "measured us]; a key is winners.recorded_key(t): 'w' swap_ab, 'n' wg_n = "
                       "2, 'p' ping-pong, tile, raster, for S > 1 the split mode, '@CMxCN' a "
                       "cluster, '+pdl' programmatic dependent launch"}
     text = json.dumps(head, indent=1)[:-2] + ',\n "shapes": [\n'
@@ -257,12 +260,12 @@ def _emit(table: dict, path: str, how: list[str]) -> None:
     json.loads(text)  # well-formed
     with open(path, "w") as f:
         f.write(text)
-    T.load_winners(path)  # and readable as the family reads it
+    WIN.load_winners(path)  # and readable as the family reads it
     print(f"wrote {path}: {len(table)} shapes")
 
 
 def write_cost(tables: dict, constants: dict, path: str, how: list[str]) -> None:
-    """Write a cost file (the format tactics.load_cost reads): per tile kind the per-K-tile
+    """Write a cost file (the format cost.load_cost reads): per tile kind the per-K-tile
     rows [tile_m, tile_n, [M <= 64, M <= 1024, larger]] in us, and model_parts' constants."""
     head = {"about": how, "device": "NVIDIA H200", "sm_count": 132}
     text = json.dumps(head, indent=1)[:-2] + ',\n "us_per_k_tile": {\n'
@@ -276,7 +279,7 @@ def write_cost(tables: dict, constants: dict, path: str, how: list[str]) -> None
     json.loads(text)
     with open(path, "w") as f:
         f.write(text)
-    T.load_cost(path)
+    COST.load_cost(path)
     print(f"wrote {path}")
 
 
@@ -335,13 +338,13 @@ def per_k_tile(by, space, sms: int, show: bool = True) -> dict:
                 if t is None or t.splits != 1 or t.cluster_size != 1 or t.swizzle != 1 \
                         or t.raster != "m":
                     continue
-                waves = -(-T.work_units(t, m, n) // sms)
+                waves = -(-COST.work_units(t, m, n) // sms)
                 kt = -(-k // T.TILE_K)
                 reg = 0 if m <= 64 else (1 if m <= 1024 else 2)
                 kind = "swap_ab" if t.swap_ab else ("wg_n" if t.wg_n == 2 else (
                     "pingpong" if t.pingpong else "plain"))
                 samples.setdefault((kind, t.tile_m, t.tile_n), {}).setdefault(
-                    reg, []).append((us - T.LAUNCH_US) / waves / kt)
+                    reg, []).append((us - COST.cost_model()["LAUNCH_US"]) / waves / kt)
     fitted: dict = {}
     for kind, table in (("plain", "US_PER_K_TILE"), ("swap_ab", "SWAP_US_PER_K_TILE"),
                         ("wg_n", "WG_N_US_PER_K_TILE"),
@@ -361,9 +364,9 @@ def per_k_tile(by, space, sms: int, show: bool = True) -> dict:
 
 def merged_tables(fitted: dict, base: dict) -> dict:
     """The cost model's tables with ``fitted`` (per_k_tile) medians in place of ``base``'s
-    (tactics.load_cost's attribute names); a cell the runs did not time keeps base's."""
+    (cost.load_cost's names); a cell the runs did not time keeps base's."""
     out = {}
-    for kind, name in T._COST_TABLES.items():
+    for kind, name in COST._COST_TABLES.items():
         table = dict(base[name])
         for tile, med in fitted.get(kind, {}).items():
             old = table.get(tile)
@@ -379,24 +382,24 @@ def first_choice_ratios(by, shapes, sms: int) -> list[tuple]:
     first choice the runs did not time is stood in for by the best-ranked timed one, and
     flagged."""
     out = []
-    saved = dict(T.RECORDED_WINNERS)
-    T.RECORDED_WINNERS.clear()
+    saved = dict(WIN.recorded_winners())
+    WIN.recorded_winners().clear()
     try:
         for n, k in shapes:
-            s = T.choose_split(n, k, sms)
+            s = SPACE.choose_split(n, k, sms)
             for m, d in sorted(by[(n, k)].items()):
                 ks = [x for x in d if not x.startswith("cublas") and splits_of(x) == s
-                      and x in T.recordable_tactics()]
+                      and x in SPACE.recordable_tactics()]
                 if not ks:
                     continue
                 best = min(ks, key=d.get)
-                plan = T.enumerate_tactics(m, n, k, splits=s, num_sms=sms)
+                plan = SPACE.enumerate_tactics(m, n, k, splits=s, num_sms=sms)
                 first = next((t.name for t in plan if t.name in d), None)
                 if first is None:
                     continue
                 out.append((n, k, m, d[first] / d[best], first == plan[0].name))
     finally:
-        T.RECORDED_WINNERS.update(saved)
+        WIN.recorded_winners().update(saved)
     return out
 
 
@@ -407,11 +410,11 @@ def holdout(by, space, sms: int) -> None:
     measured tactic of the plan's class; beside it the same with the tables fitted on every
     shape (in sample) and with the family's current tables."""
     shapes = sorted(by)
-    base = {name: T.cost_model()[name] for name in T._COST_TABLES.values()}
-    saved = dict(T.cost_model())
+    base = {name: COST.cost_model()[name] for name in COST._COST_TABLES.values()}
+    saved = dict(COST.cost_model())
 
     def use(tables: dict) -> None:
-        T._loaded.update(tables)
+        COST._loaded.update(tables)
 
     rows = {"current": [], "in sample": [], "held out": []}
     try:
@@ -424,7 +427,7 @@ def holdout(by, space, sms: int) -> None:
             use(merged_tables(per_k_tile(train, space, sms, show=False), base))
             rows["held out"] += first_choice_ratios(by, [nk], sms)
     finally:
-        T._loaded.update(saved)
+        COST._loaded.update(saved)
     print("first choice / best measured of the plan's class, model alone (no recorded "
           "winners), per shape: geomean (worst) over M")
     print("  N x K        " + "".join(f"{w:>18}" for w in rows))
@@ -459,7 +462,7 @@ def main() -> int:
     ap.add_argument("--write-csv")
     ap.add_argument("--per-k-tile", action="store_true")
     ap.add_argument("--write-cost", metavar="PATH",
-                    help="--per-k-tile: write the cost file (tactics.load_cost's format) with "
+                    help="--per-k-tile: write the cost file (cost.load_cost's format) with "
                          "the runs' medians in place of the family's (cells they did not time "
                          "kept)")
     ap.add_argument("--holdout", action="store_true",
@@ -469,7 +472,7 @@ def main() -> int:
                     help="two runs: how far their relative times disagree (see spread)")
     a = ap.parse_args()
     if a.spread:
-        spread(a.json[0], a.json[1], {t.name: t for t in T.tactic_space()})
+        spread(a.json[0], a.json[1], {t.name: t for t in SPACE.tactic_space()})
         return 0
     by, space = load(a.json)
     if a.holdout:
@@ -478,13 +481,13 @@ def main() -> int:
     if a.per_k_tile:
         fitted = per_k_tile(by, space, a.sms, show=not a.write_cost)
         if a.write_cost:
-            base = {name: T.cost_model()[name] for name in T._COST_TABLES.values()}
+            base = {name: COST.cost_model()[name] for name in COST._COST_TABLES.values()}
             tables = merged_tables(fitted, base)
-            with open(T.COST_FILE) as f:
+            with open(COST.COST_FILE) as f:
                 constants = json.load(f)["constants"]
-            write_cost({kind: tables[name] for kind, name in T._COST_TABLES.items()},
+            write_cost({kind: tables[name] for kind, name in COST._COST_TABLES.items()},
                        constants, a.write_cost,
-                       ["Per-K-tile costs of cached.hopper_fp8's cost model (tactics."
+                       ["Per-K-tile costs of cached.hopper_fp8's cost model (cost."
                         "model_parts), by tile kind, (tile_m, tile_n) and M regime (M <= 64, "
                         "M <= 1024, larger): the median over H200 runs of (time - launch_us) / "
                         "waves / K tiles for S = 1, cluster 1x1, swizzle 1, raster m, by "
@@ -505,7 +508,7 @@ def main() -> int:
                      load_rounds(a.json) if a.per_round else None)
         return 0
     if a.model_only:
-        T.RECORDED_WINNERS.clear()
+        WIN.recorded_winners().clear()
     classes = T.SPLIT_CHOICES
     print("per (N, K): cuBLAS-fast / best-of-class, geomean over M (min); * = choose_split")
     print("  N x K        " + "".join(f"{'S=' + str(s):>14}" for s in classes) + "   best")
@@ -521,7 +524,7 @@ def main() -> int:
                 r.append(d["cublas_fast1"] / min(d[x] for x in ks))
             else:
                 score[s] = (_gm(r), min(r))
-        pick = T.choose_split(n, k, a.sms)
+        pick = SPACE.choose_split(n, k, a.sms)
         best = max(score, key=lambda s: score[s][0])
         cells = "".join(
             (f"{score[s][0]:6.3f} ({score[s][1]:.2f})" + ("*" if s == pick else " ")).rjust(14)
@@ -535,9 +538,9 @@ def main() -> int:
     print("plan's first choice vs the best measured kernel of its class (time ratio >= 1)")
     ratios, unmeasured = [], []
     for (n, k), bym in by.items():
-        s = T.choose_split(n, k, a.sms)
+        s = SPACE.choose_split(n, k, a.sms)
         for m, d in sorted(bym.items()):
-            plan = T.enumerate_tactics(m, n, k, splits=s, num_sms=a.sms)
+            plan = SPACE.enumerate_tactics(m, n, k, splits=s, num_sms=a.sms)
             first = plan[0].name
             ks = [x for x in d if not x.startswith("cublas") and plain(x) and splits_of(x) == s]
             if not ks:

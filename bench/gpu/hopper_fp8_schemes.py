@@ -76,7 +76,7 @@ def plan() -> dict:
     params)."""
     sys.path[:0] = [REPO, os.path.join(REPO, "client")]
     from cached.families.hopper_fp8.family import HopperFp8
-    from cached.families.hopper_fp8.tactics import tactic_from_params
+    from cached.families.hopper_fp8.tactic import tactic_from_params
 
     fam = HopperFp8()
     out = {}
@@ -100,7 +100,7 @@ def block_plan() -> dict:
     (PLANNED gets their params)."""
     sys.path[:0] = [REPO, os.path.join(REPO, "client")]
     from cached.families.hopper_fp8.family import HopperFp8
-    from cached.families.hopper_fp8.tactics import tactic_from_params
+    from cached.families.hopper_fp8.tactic import tactic_from_params
 
     fam = HopperFp8()
     per = {}
@@ -143,7 +143,7 @@ def copy_vllm_triton(out: str) -> None:
 def build(out: str, jobs: int, block_only: bool = False) -> None:
     sys.path[:0] = [REPO, os.path.join(REPO, "client")]
     from cached.families.hopper_fp8.family import HopperFp8
-    from cached.families.hopper_fp8.tactics import HopperFp8Tactic, tactic_from_params
+    from cached.families.hopper_fp8.tactic import HopperFp8Tactic, tactic_from_params
 
     p = {} if block_only else plan()
     bp = block_plan()

@@ -28,7 +28,7 @@ from cached_client import Client
 from cached_client.gemm.certify import SEED_MS, differing_rows
 from cached_client.gemm.plan import buckets_up_to, plan_gemm
 
-from cached.families.hopper_fp8 import tactics as T
+from cached.families.hopper_fp8 import tactic as T
 from cached.tune_cuda import ROTATE_BYTES, _graph, _iters
 
 MAX_M = 8192

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .tactics import TARGET_ARCH, HopperFp8Tactic
+from .tactic import TARGET_ARCH, HopperFp8Tactic
 
 EXPORTED_SIGNATURE = "fn(a, b, c, a_scale, b_scale, workspace, counters) -> None"
 
@@ -106,14 +106,14 @@ def compile_to_object(
         kern, a, b, c, sa, sb, ws, cnt, max_active_clusters, stream,
         options="--enable-tvm-ffi",
     )
-    from .tactics import SMEM_CAPACITY_BYTES, STATIC_SMEM_BYTES, smem_bytes
+    from .tactic import SMEM_CAPACITY_BYTES, STATIC_SMEM_BYTES, smem_bytes
 
     dyn = getattr(kern, "smem_dynamic_bytes", None)
     total = None if dyn is None else dyn + STATIC_SMEM_BYTES
     if total is not None and (total > SMEM_CAPACITY_BYTES or total > smem_bytes(tactic)):
         raise RuntimeError(
             f"{tactic.name}: kernel asks for {dyn} B of dynamic shared memory, more than the "
-            f"tactic model's {smem_bytes(tactic) - STATIC_SMEM_BYTES} B; fix tactics.smem_bytes_for"
+            f"tactic model's {smem_bytes(tactic) - STATIC_SMEM_BYTES} B; fix tactic.smem_bytes_for"
         )
     d = os.path.dirname(os.path.abspath(object_path))
     os.makedirs(d, exist_ok=True)
@@ -127,7 +127,7 @@ def _main(argv: list[str]) -> int:
     import json
     import time
 
-    from .tactics import tactic_from_params
+    from .tactic import tactic_from_params
 
     p = argparse.ArgumentParser(description="compile one hopper_fp8 tactic to a .o")
     p.add_argument("--params", required=True, help="tactic params as JSON")

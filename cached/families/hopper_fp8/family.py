@@ -1,7 +1,7 @@
 """Family ``cached.hopper_fp8``: the project's own sm_90a FP8 GEMM, served by the daemon.
 
 Every tactic belongs to one reduction-order class (``reduction_class``: K tile,
-accumulation mode, split count S with its fixed order; see ``tactics``). Within a class
+accumulation mode, split count S with its fixed order; see ``tactic``). Within a class
 the result of a row does not depend on M, so a batch-invariant plan may mix the tactics
 of one class across M, never two classes. ``max_active_clusters`` comes from the
 request (an H200: 132 SMs), never from a GPU query in the daemon.
@@ -11,7 +11,7 @@ Plan options: ``out_dtype``, ``ab_dtype``; ``scales`` (``"tensor"``, the default
 x 128x128 weight scales in the K loop, K % 128 == 0) and ``accumulation`` (``"fast"``,
 the default, or ``"exact"``: promoted every K tile, S = 1; the default and the only mode
 for block128); ``batch_invariant: true``
-(only the class of that scheme with ``tactics.choose_split(N, K, sm_count)`` splits, S = 1
+(only the class of that scheme with ``space.choose_split(N, K, sm_count)`` splits, S = 1
 for exact, the same for every M); ``reduction_class: "<id>"`` (only that class; wins over
 ``batch_invariant``; a ``scales`` or ``accumulation`` option that disagrees with it is an
 error).
@@ -29,25 +29,27 @@ from cached_client.keys import KernelRequest
 
 from ... import compiler_stack
 from ..base import BuiltObject, Family, require, set_compile_arch
-from . import tactics
+from . import space, tactic
 
-SOURCES = ("kernel.py", "compile.py", "tactics.py")
+# what a kernel's object code is built from (the tactic's fields and resource arithmetic
+# included; the cost model and recorded winners only order the plan)
+SOURCES = ("kernel.py", "compile.py", "tactic.py")
 
 
 class HopperFp8(Family):
-    name = tactics.FAMILY
-    arches = (tactics.TARGET_ARCH,)
-    reduction_order_m_independent = tactics.REDUCTION_ORDER_M_INDEPENDENT
+    name = tactic.FAMILY
+    arches = (tactic.TARGET_ARCH,)
+    reduction_order_m_independent = tactic.REDUCTION_ORDER_M_INDEPENDENT
 
     def reduction_class(self, params: Mapping[str, Any]) -> str:
         """e.g. ``"k128.acc1.s4.fixed"``; raises InvalidTactic for invalid params."""
         try:
-            return tactics.tactic_from_params(params).reduction_class
+            return tactic.tactic_from_params(params).reduction_class
         except (TypeError, ValueError) as exc:
             raise InvalidTactic(str(exc)) from None
 
     def reduction_classes(self) -> tuple[str, ...]:
-        return tactics.REDUCTION_CLASSES
+        return tactic.REDUCTION_CLASSES
 
     def plan_scheme(self, shape: tuple[int, int, int], sm_count: int,
                     options: Mapping[str, Any]) -> tuple[int | None, str, str]:
@@ -55,18 +57,18 @@ class HopperFp8(Family):
         bi = options.get("batch_invariant", False)
         if not isinstance(bi, bool):
             raise InvalidTactic(f"option batch_invariant must be true or false, got {bi!r}")
-        scales = require(options, "scales", tactics.SCALE_SCHEMES, "tensor")
-        accum = require(options, "accumulation", tactics.ACCUM_MODES,
+        scales = require(options, "scales", tactic.SCALE_SCHEMES, "tensor")
+        accum = require(options, "accumulation", tactic.ACCUM_MODES,
                         "exact" if scales == "block128" else "fast")
-        if scales == "block128" and shape[2] % tactics.BLOCK:
-            raise InvalidTactic(f"scales 'block128' need K % {tactics.BLOCK} == 0 (one scale "
+        if scales == "block128" and shape[2] % tactic.BLOCK:
+            raise InvalidTactic(f"scales 'block128' need K % {tactic.BLOCK} == 0 (one scale "
                                 f"group per K tile), got K = {shape[2]}")
         rc = options.get("reduction_class")
         if rc is not None:
             if not isinstance(rc, str):
                 raise InvalidTactic(f"option reduction_class must be a string, got {rc!r}")
             try:
-                s, c_accum, c_scales = tactics.class_scheme(rc)
+                s, c_accum, c_scales = tactic.class_scheme(rc)
             except ValueError as exc:
                 raise InvalidTactic(str(exc)) from None
             for opt, have, want in (("scales", scales, c_scales),
@@ -77,13 +79,13 @@ class HopperFp8(Family):
             return s, c_scales, c_accum
         if bi:
             _, n, k = shape
-            return (1 if accum == "exact" else tactics.choose_split(n, k, sm_count),
+            return (1 if accum == "exact" else space.choose_split(n, k, sm_count),
                     scales, accum)
         return None, scales, accum
 
     def canonical_params(self, params: Mapping[str, Any], arch: str) -> dict:
         try:
-            return tactics.tactic_from_params(params).to_params()
+            return tactic.tactic_from_params(params).to_params()
         except (TypeError, ValueError) as exc:
             raise InvalidTactic(str(exc)) from None
 
@@ -95,29 +97,29 @@ class HopperFp8(Family):
     def plan(self, shape: tuple[int, int, int], arch: str, sm_count: int,
              options: Mapping[str, Any]) -> list[KernelRequest]:
         self.check_arch(arch)
-        out_dtype = require(options, "out_dtype", tactics.OUT_DTYPES, "bfloat16")
-        ab_dtype = require(options, "ab_dtype", tactics.AB_DTYPES, "e4m3")
+        out_dtype = require(options, "out_dtype", tactic.OUT_DTYPES, "bfloat16")
+        ab_dtype = require(options, "ab_dtype", tactic.AB_DTYPES, "e4m3")
         m, n, k = shape
         try:
             splits, scales, accum = self.plan_scheme(shape, sm_count, options)
-            space = tactics.enumerate_tactics(m, n, k, out_dtype, ab_dtype, num_sms=sm_count,
-                                              splits=splits, scales=scales, accum=accum)
+            ranked = space.enumerate_tactics(m, n, k, out_dtype, ab_dtype, num_sms=sm_count,
+                                               splits=splits, scales=scales, accum=accum)
         except ValueError as exc:
             raise InvalidTactic(str(exc)) from None
         return [KernelRequest(family=self.name, params=t.to_params(), arch=arch,
                               sm_count=sm_count,
                               max_active_clusters=max(1, sm_count // t.cluster_size))
-                for t in space]
+                for t in ranked]
 
     def build(self, request: KernelRequest, workdir: Path) -> BuiltObject:
         set_compile_arch(request.arch)
         from .compile import compile_to_object
 
-        tactic = tactics.tactic_from_params(request.params)
-        kernel_name = f"{tactic.name}_mac{request.max_active_clusters}"
+        t = tactic.tactic_from_params(request.params)
+        kernel_name = f"{t.name}_mac{request.max_active_clusters}"
         symbol = f"cached_hopper_fp8_{kernel_name}"
         object_path = workdir / f"{kernel_name}.o"
-        compile_to_object(tactic, request.max_active_clusters, str(object_path), symbol)
+        compile_to_object(t, request.max_active_clusters, str(object_path), symbol)
         return BuiltObject(kernel_name, symbol, object_path,
-                           {"reduction_order": tactic.reduction_order,
-                            "reduction_class": tactic.reduction_class})
+                           {"reduction_order": t.reduction_order,
+                            "reduction_class": t.reduction_class})

@@ -35,7 +35,7 @@ Structure (one CTA = 1 producer warpgroup + 1 or 2 consumer warpgroups):
 M, N, K are symbolic: out-of-range rows/columns are zero-filled by TMA loads and
 clipped by TMA stores, so one compiled kernel serves every shape (N, K multiples of 16).
 
-Split-K (tactic.splits = S > 1; the reduction-order class is tactics.reduction_class):
+Split-K (tactic.splits = S > 1; the reduction-order class is tactic.reduction_class):
 the K tiles are cut into S contiguous ranges, range s = [s*kt//S, (s+1)*kt//S) of the
 kt = ceil(K/128) K tiles. Each range is accumulated from zero into its own fp32
 partial p_s, and the partials are summed in one fixed order, ((0 + p_0) + p_1) + ...,
@@ -87,7 +87,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-from .tactics import (
+from .tactic import (
     CONSUMER_MAX_REGS,
     EPI_STAGES,
     TILE_K,
@@ -307,7 +307,7 @@ class HopperFp8GemmKernel:
             ]
 
         self.shared_storage = SharedStorage
-        # checked against tactics.smem_bytes() by compile.compile_to_object
+        # checked against tactic.smem_bytes() by compile.compile_to_object
         self.smem_dynamic_bytes = SharedStorage.size_in_bytes()
 
         self.kernel(

@@ -1,0 +1,275 @@
+"""The tactic space of the Hopper FP8 family: which tactics a plan lists, in what order, and
+the split count S of a batch-invariant plan.
+
+tactic_space(S) lists every tactic the family plans for one reduction-order class (or for
+all of them); enumerate_tactics ranks that list for one problem (m, n, k): the recorded
+winners of each class first (winners.recorded_first), then the cost model's order
+(cost.rank_key, a total order, so the list is deterministic). recordable_tactics is what a
+recorded winner may name.
+
+pdl twins: tactic_space lists a pdl=True twin of each decode-band tactic (pdl_twin); a
+recorded winner may name pdl on any tactic (recordable_tactics).
+
+Choosing S: ``choose_split(n, k, sm_count)`` depends on N, K and the device only, never on
+M, so a batch-invariant plan for one (N, K) uses one class for every M.
+
+Imports neither cutlass nor torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .cost import H200_NUM_SMS, rank_key
+from .tactic import (
+    AB_DTYPES,
+    ACCUM_MODES,
+    CLUSTER_CHOICES,
+    NARROW_TILE_N,
+    OUT_DTYPES,
+    RASTER_CHOICES,
+    SCALE_SCHEMES,
+    SPLIT_CHOICES,
+    SWAP_TILE_M_CHOICES,
+    SWAP_TILE_N_CHOICES,
+    SWIZZLE_CHOICES,
+    TILE_M_CHOICES,
+    TILE_N_CHOICES,
+    HopperFp8Tactic,
+    max_stages_for,
+    tile_is_feasible,
+)
+from .winners import recorded_first
+
+# The tiles each part of the space is planned on. Which tiles made it in, and why, is
+# measured (H200 runs, docs/hopper-passes.md); these tables are what the space is.
+
+# the widths planned with every swizzle; the other widths with swizzle 1 only
+SWIZZLED_TILE_N = (64, 128, 192, 256)
+# wg_n = 2 tiles (64 x tile_n, tile_n / 2 a multiple of 8)
+WG_N_TILE_N = (48, 64, 80, 96, 128, 160, 192, 256)
+# ping-pong tiles: 64 x PINGPONG_TILE_N and 128 x PINGPONG_128_TILE_N; for S > 1 (serial),
+# the tiles whose two accumulator copies fit (PINGPONG_SPLIT_TILES)
+PINGPONG_TILE_N = (128, 192, 256)
+PINGPONG_128_TILE_N = (128, 160, 192)
+PINGPONG_TILES = (tuple((64, tn) for tn in PINGPONG_TILE_N)
+                  + tuple((128, tn) for tn in PINGPONG_128_TILE_N))
+PINGPONG_SPLIT_TILES = ((64, 128), (64, 192))
+# Split tactics (S > 1): 'cta' on the decode tiles (one M tile row; the N tile width sets
+# how many units fill the chip) and 'serial' on the tiles that fit two accumulators
+SPLIT_CTA_TILES = ((64, 64), (64, 128), (64, 192), (64, 256), (128, 128), (128, 256))
+SPLIT_SERIAL_TILES = ((64, 64, "m"), (64, 128, "m"), (64, 192, "m"), (128, 64, "m"),
+                      (128, 128, "m"), (128, 128, "n"), (128, 192, "m"), (128, 192, "n"),
+                      (64, 96, "m"), (64, 160, "m"), (128, 96, "m"), (128, 160, "m"))
+# serial splits with a 1x2 or 2x1 cluster, on each raster of SPLIT_SERIAL_CLUSTER_RASTERS
+# (raster n keeps the weight in L2 where raster m streams A from DRAM once per two N tiles)
+SPLIT_SERIAL_CLUSTER_TILES = ((128, 64), (128, 96), (128, 160), (128, 192))
+SPLIT_SERIAL_CLUSTER_RASTERS = ("m", "n")
+# wg_n = 2 serial splits: tile 64 x tile_n, clusters 1x1 and 2x1, raster m
+SPLIT_SERIAL_WG_N_TILE_N = (64, 96, 128, 160)
+# swap_ab tiles (tokens x weight rows), in every class: S = 1, and both split modes for S > 1
+SWAP_TILES = tuple((tm, tn) for tn in SWAP_TILE_N_CHOICES for tm in SWAP_TILE_M_CHOICES)
+
+
+def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
+                 splits: int | None = None, scales: str = "tensor",
+                 accum: str = "fast") -> list[HopperFp8Tactic]:
+    """Every tactic the family plans, for one split count S or (None) for all of them.
+
+    S = 1 (413): every feasible tile x cluster x raster x swizzle of the widths
+    SWIZZLED_TILE_N (11 tiles, 264), the same with swizzle 1 for the widths 80, 96, 112,
+    160 (12 tiles, 72), the 8 swap_ab tiles, the wg_n = 2 tiles (24), the ping-pong
+    tiles PINGPONG_TILES x cluster x raster (36) and the narrow decode tiles 64 x
+    NARROW_TILE_N x cluster, raster m, swizzle 1 (9). S > 1 (66 per S): split_mode 'cta' on
+    SPLIT_CTA_TILES and 'serial' on SPLIT_SERIAL_TILES, cluster 1x1, swizzle 1 (18:
+    clusters and swizzles lost at small M in the S = 1 measurements), 'serial' on
+    SPLIT_SERIAL_CLUSTER_TILES with clusters 1x2 and 2x1 and both rasters (16), on the
+    wg_n = 2 tiles (8), 'serial' ping-pong on PINGPONG_SPLIT_TILES with clusters 1x1 and
+    2x1 and both rasters (8), and both modes on the 8 swap_ab tiles (16); 677 in all.
+    Then a pdl twin (pdl=True) of each decode-band tactic (pdl_twin: swap_ab, wg_n = 2,
+    the narrow widths): 41 in S = 1 and 24 per S > 1, so 454 in S = 1, 90 per S > 1,
+    814 in all.
+
+    Other schemes (scheme_space): ``scales="token"`` lists the same tactics with that
+    scheme; ``accum="exact"`` the S = 1 tactics whose two accumulator copies fit, in the
+    scheme (none for splits > 1).
+    """
+    if scales != "tensor" or accum != "fast":
+        return scheme_space(tactic_space(out_dtype, ab_dtype, splits), scales, accum)
+    out: list[HopperFp8Tactic] = []
+    for sp in SPLIT_CHOICES if splits is None else (splits,):
+        if sp == 1:
+            for tm in TILE_M_CHOICES:
+                for tn in TILE_N_CHOICES:
+                    if not tile_is_feasible(tm, tn, out_dtype)[0]:
+                        continue
+                    stages = max_stages_for(tm, tn, out_dtype)
+                    for cm, cn in CLUSTER_CHOICES:
+                        for raster in RASTER_CHOICES:
+                            for swz in SWIZZLE_CHOICES if tn in SWIZZLED_TILE_N else (1,):
+                                out.append(HopperFp8Tactic(tm, tn, cm, cn, raster, swz, stages,
+                                                           out_dtype, ab_dtype))
+            out += _swap_tactics(sp, "serial", out_dtype, ab_dtype)
+            out += _wg_n_tactics(out_dtype, ab_dtype)
+            out += [HopperFp8Tactic(64, tn, cm, cn, "m", 1, max_stages_for(64, tn, out_dtype),
+                                    out_dtype, ab_dtype)
+                    for tn in NARROW_TILE_N for cm, cn in CLUSTER_CHOICES]
+            out += [HopperFp8Tactic(tm, tn, cm, cn, r, 1,
+                                    max_stages_for(tm, tn, out_dtype, pingpong=True),
+                                    out_dtype, ab_dtype, pingpong=True)
+                    for tm, tn in PINGPONG_TILES for cm, cn in CLUSTER_CHOICES
+                    for r in RASTER_CHOICES]
+            continue
+        for tm, tn in SPLIT_CTA_TILES:
+            out.append(HopperFp8Tactic(tm, tn, 1, 1, "m", 1, max_stages_for(tm, tn, out_dtype),
+                                       out_dtype, ab_dtype, sp, "cta"))
+        for tm, tn, raster in SPLIT_SERIAL_TILES:
+            out.append(HopperFp8Tactic(tm, tn, 1, 1, raster, 1,
+                                       max_stages_for(tm, tn, out_dtype), out_dtype, ab_dtype,
+                                       sp, "serial"))
+        for tm, tn in SPLIT_SERIAL_CLUSTER_TILES:
+            for raster in SPLIT_SERIAL_CLUSTER_RASTERS:
+                for cm, cn in ((1, 2), (2, 1)):
+                    out.append(HopperFp8Tactic(tm, tn, cm, cn, raster, 1,
+                                               max_stages_for(tm, tn, out_dtype), out_dtype,
+                                               ab_dtype, sp, "serial"))
+        out += [HopperFp8Tactic(tm, tn, cm, 1, r, 1,
+                                max_stages_for(tm, tn, out_dtype, pingpong=True),
+                                out_dtype, ab_dtype, sp, "serial", pingpong=True)
+                for tm, tn in PINGPONG_SPLIT_TILES for cm in (1, 2) for r in RASTER_CHOICES]
+        for tn in SPLIT_SERIAL_WG_N_TILE_N:
+            for cm in (1, 2):
+                out.append(HopperFp8Tactic(64, tn, cm, 1, "m", 1,
+                                           max_stages_for(64, tn, out_dtype, wg_n=2),
+                                           out_dtype, ab_dtype, sp, "serial", wg_n=2))
+        out += _swap_tactics(sp, "cta", out_dtype, ab_dtype)
+        out += _swap_tactics(sp, "serial", out_dtype, ab_dtype)
+    return out + [dataclasses.replace(t, pdl=True) for t in out if pdl_twin(t)]
+
+
+def scheme_space(base: list[HopperFp8Tactic], scales: str, accum: str
+                 ) -> list[HopperFp8Tactic]:
+    """The tactics of ``base`` (per-tensor, fast) in scale scheme ``scales`` and
+    accumulation ``accum``: every one for fast; for exact the S = 1 ones whose promoted sum
+    fits beside the wgmma accumulator (tile_is_feasible with two copies). ValueError for
+    an unknown scheme or mode."""
+    if scales not in SCALE_SCHEMES:
+        raise ValueError(f"scales must be one of {SCALE_SCHEMES}, got {scales!r}")
+    if accum not in ACCUM_MODES:
+        raise ValueError(f"accum must be one of {ACCUM_MODES}, got {accum!r}")
+    if scales == "block128" and accum != "exact":
+        raise ValueError("scales 'block128' are applied at the promotion: it needs accum='exact'")
+    out = []
+    for t in base:
+        if accum == "exact" and (t.splits != 1 or not tile_is_feasible(
+                t.tile_m, t.tile_n, t.out_dtype, 2, t.swap_ab, t.wg_n, t.pingpong)[0]):
+            continue
+        out.append(dataclasses.replace(t, scales=scales, accum=accum))
+    return out
+
+
+def pdl_twin(t: HopperFp8Tactic) -> bool:
+    """Whether tactic_space lists a pdl=True twin of ``t`` (a pdl=False tactic): the
+    decode-band tactics (swap_ab, wg_n = 2, NARROW_TILE_N), whose launches are a few us
+    long, so overlapping one launch's prologue and tail with the next's matters most.
+    A recorded winner may still name pdl on any tactic (recorded_key's '+pdl')."""
+    return not t.pdl and (t.swap_ab or t.wg_n == 2 or t.tile_n in NARROW_TILE_N)
+
+
+def recordable_tactics(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3"
+                       ) -> dict[str, HopperFp8Tactic]:
+    """{name: tactic} of what a recorded winner (data/h200_winners.json) may name:
+    tactic_space() and the pdl=True twin of each of its tactics (pdl changes no arithmetic,
+    so any tactic may be recorded with it)."""
+    space = {t.name: t for t in tactic_space(out_dtype, ab_dtype)}
+    return space | {t.name: t for t in (dataclasses.replace(x, pdl=True)
+                                        for x in space.values() if not x.pdl)}
+
+
+def _wg_n_tactics(out_dtype: str, ab_dtype: str) -> list[HopperFp8Tactic]:
+    return [HopperFp8Tactic(64, tn, cm, cn, "m", 1, max_stages_for(64, tn, out_dtype, wg_n=2),
+                            out_dtype, ab_dtype, wg_n=2)
+            for tn in WG_N_TILE_N for cm, cn in CLUSTER_CHOICES]
+
+
+def _swap_tactics(splits: int, mode: str, out_dtype: str, ab_dtype: str
+                  ) -> list[HopperFp8Tactic]:
+    return [HopperFp8Tactic(tm, tn, 1, 1, "m", 1, max_stages_for(tm, tn, out_dtype, True),
+                            out_dtype, ab_dtype, splits, mode, True) for tm, tn in SWAP_TILES]
+
+
+def _check_problem(m: int, n: int, k: int, out_dtype: str, ab_dtype: str) -> None:
+    for name, v in (("m", m), ("n", n), ("k", k)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if n % 16 or k % 16:
+        raise ValueError(f"n and k must be multiples of 16 (TMA 16-byte rows); got n={n}, k={k}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
+    if ab_dtype not in AB_DTYPES:
+        raise ValueError(f"ab_dtype must be one of {AB_DTYPES}, got {ab_dtype!r}")
+
+
+def enumerate_tactics(
+    m: int,
+    n: int,
+    k: int,
+    out_dtype: str = "bfloat16",
+    ab_dtype: str = "e4m3",
+    num_sms: int = H200_NUM_SMS,
+    splits: int | None = None,
+    scales: str = "tensor",
+    accum: str = "fast",
+) -> list[HopperFp8Tactic]:
+    """The tactics of tactic_space(splits) for (m, n, k), best-first: the recorded winner
+    of each class for this device and (N, K), if any (winners.recorded_first), then the
+    cost model's order (cost.rank_key: estimate_us, then its tie-breaks).
+
+    ``scales`` / ``accum`` pick the scheme (tactic_space). The order is deterministic
+    (total order on the cost tuple). With ``splits`` given,
+    every tactic is of one reduction-order class, so any subset is batch-invariant as a
+    set; with splits=None the list mixes classes (not batch-invariant across M).
+    """
+    _check_problem(m, n, k, out_dtype, ab_dtype)
+    if splits is not None and splits not in SPLIT_CHOICES:
+        raise ValueError(f"splits must be one of {SPLIT_CHOICES}, got {splits!r}")
+    out = tactic_space(out_dtype, ab_dtype, splits, scales, accum)
+    out.sort(key=lambda t: (rank_key(t, m, n, k, num_sms), t.name))
+    # recorded winners were timed per-tensor and fast; the token scheme changes only the
+    # epilogue, so they rank first there too; exact tactics are ranked by the model alone
+    first = [] if accum != "fast" else [
+        dataclasses.replace(t, scales=scales)
+        for t in recorded_first(m, n, k, splits, num_sms, out_dtype, ab_dtype)]
+    if first:
+        names = {t.name for t in first}
+        out = first + [t for t in out if t.name not in names]
+    return out
+
+
+# choose_split's constants, fitted to the H200 runs (bench/gpu/hopper_fp8_fit.py,
+# docs/hopper-passes.md): per (N, K), the class whose best kernel per M gives the highest
+# geometric-mean speed over the measured M. S > 1 pays off only where the swap_ab decode
+# tiles (one CTA per SPLIT_TILE_N weight rows) leave most SMs idle and every split still
+# walks enough K tiles; S = 1 keeps the large-M tiles free of drains and second
+# accumulators.
+SPLIT_MAX = 4
+SPLIT_MIN_K_PER_SPLIT = 3584  # 28 K tiles of 128
+SPLIT_TILE_N = 64  # the swap_ab decode tile's weight rows: one CTA each at S = 1
+SPLIT_SM_SHARE = 2  # split only while the split decode CTAs fill at most 1/2 of the SMs
+
+
+def choose_split(n: int, k: int, sm_count: int = H200_NUM_SMS) -> int:
+    """S of the reduction-order class a batch-invariant plan uses for (N, K) on a device
+    with ``sm_count`` SMs: S = 1, doubled while 2S <= SPLIT_MAX, each split keeps
+    K >= SPLIT_MIN_K_PER_SPLIT * 2S and the decode CTAs ceil(N / SPLIT_TILE_N) * 2S fill
+    at most sm_count / SPLIT_SM_SHARE SMs. Depends on N, K and the device only, never on
+    M."""
+    for name, v in (("n", n), ("k", k), ("sm_count", sm_count)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    tiles = -(-n // SPLIT_TILE_N)
+    s = 1
+    while (2 * s <= SPLIT_MAX and k >= SPLIT_MIN_K_PER_SPLIT * 2 * s
+           and tiles * 2 * s * SPLIT_SM_SHARE <= sm_count):
+        s *= 2
+    return s

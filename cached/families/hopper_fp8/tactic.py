@@ -1,0 +1,594 @@
+"""The tactic of the Hopper (sm_90a) FP8 GEMM family: its fields, validation, canonical
+parameters, resource arithmetic (shared memory in bytes, accumulator registers per thread)
+and the reduction-order class it belongs to.
+
+C = cvt((A @ B^T) * (a_scale * b_scale)), A (M, K) and B (N, K) FP8 and K-major,
+a_scale / b_scale per-tensor fp32 scales held in 1-element device tensors, C (M, N)
+row-major bf16 or fp16.
+
+This module is imported by the daemon's main process: it must not import cutlass or
+torch. Which tactics a plan lists is space.py, how they are ranked cost.py and winners.py.
+
+Reduction-order classes
+-----------------------
+Every tactic belongs to one reduction-order class, named by ``reduction_class(t)``,
+e.g. ``"k128.acc1.s4.fixed"``: the K tile (128), the accumulation mode (``acc1``: one
+fp32 wgmma accumulator per K range, no periodic promotion) and the split count S with
+its fixed order. For a problem with kt = ceil(K / 128) K tiles, split s owns the K tiles
+[s*kt//S, (s+1)*kt//S); inside it, the CTA walks its K tiles from the lowest upwards and
+issues four wgmma k32 per K tile, in k order, into an fp32 register accumulator that
+starts at zero, giving the partial p_s. For S = 1 the result is p_0; for S > 1 it is
+((0 + p_0) + p_1) + ... + p_(S-1), summed in fp32 in split order. Then the sum is
+multiplied once by (a_scale * b_scale), computed in fp32, and rounded to the output type
+(round to nearest even).
+
+Tile M / tile N / cluster shape / raster / swizzle / stage count / split mode / operand
+swap change which CTA computes an element and when, never the arithmetic that produces it.
+So within a class every tactic gives bitwise the same result, for every M (batch
+invariant); two classes differ and are never mixed by a batch-invariant plan.
+
+Swap-AB (``swap_ab=True``, the decode tiles): the kernel computes C^T = B A^T, the weight
+rows on the wgmma M side (tile_n in SWAP_TILE_N_CHOICES = 64 or 128 rows, one or two
+consumer warpgroups) and the tokens on the wgmma N side (tile_m in SWAP_TILE_M_CHOICES,
+8 to 64), so a decode CTA stages 8-64 token rows instead of 64 and the weights, not the
+tokens, set the number of CTAs. The K order (K tiles, four k32 wgmma per K tile, the S
+ranges and their sum) is the one above; each output element is the same dot product with
+its two operands exchanged inside the MMA. tile_m / tile_n keep their meaning (the tile
+along the output's M and N), so workspace sizes are the same formulas. That the MMA's
+accumulation is symmetric in its operands is a hardware fact, checked on an H200 by
+bench/gpu/hopper_fp8_check.py (every swapped kernel against the unswapped kernels of its
+class, fresh data, every M; docs/hopper-passes.md), so a swapped tactic is in the class of
+its S.
+
+Split mode: how the S partials are run: ``serial`` (one CTA walks all S ranges of a tile
+and keeps the running sum in a second register accumulator: no workspace, a pipeline drain
+per range boundary) or ``cta`` (S work units per tile, partials through a caller-provided
+fp32 workspace, reduced in split order by the unit that arrives last; see kernel.py).
+Either mode gives the same sum (checked bitwise on an H200 by
+bench/gpu/hopper_fp8_check.py).
+
+Consumer warpgroups along N (``wg_n=2``, tile_m = 64 only): the tile's 64 token rows are
+one wgmma M side, and its N columns are split between two consumer warpgroups, each
+issuing 64 x tile_n/2 wgmma on its half of the weight tile. Each warpgroup walks the same
+K tiles with the same four k32 wgmma per K tile as every other tactic, so an output
+element is the same sum in the same order: a wg_n=2 tactic is in the class of its S. Its
+epilogue scales in fp32 and rounds as every other's, then stages the whole tile in one
+shared-memory buffer and TMA-stores it (tile_epilogue).
+
+Narrow decode tiles (tile_m = 64, tile_n in NARROW_TILE_N = 40, 48, 56): the tokens on the
+wgmma M side and 40-56 weight rows on its N side, so that more CTAs stream the weights at
+M <= 64 than the 64-row tiles give. Same K walk, so in the class of its S (bitwise checked
+on an H200, docs/hopper-passes.md); the epilogue stages the whole tile as wg_n = 2 does
+(tile_epilogue).
+
+Programmatic dependent launch (``pdl=True``): the kernel is launched so that the next
+kernel on the stream may start its prologue while it runs; every thread waits for the
+previous grid (griddepcontrol.wait) before any global read or write. Launch order only:
+same K walk, so a pdl tactic is in the class of its S (bitwise checked on an H200,
+docs/hopper-passes.md).
+
+Scale schemes (``scales``): ``"tensor"`` (the default: a_scale and b_scale one element
+each, the product applied once after the K loop) or ``"token"`` (FP8-dynamic checkpoints:
+a_scale (M,) one fp32 per activation row, b_scale (N,) one per weight row; the element
+(m, n) of the fp32 sum is multiplied by the fp32 product a_scale[m] * b_scale[n], then
+rounded). A row's scale is its own, so either scheme is batch invariant.
+``"block128"`` (DeepSeek-V3 / Qwen3-FP8 block checkpoints, the layout vLLM 0.33.0's CUTLASS
+block path passes): a_scale (M, ceil(K/128)) fp32, one per token per 128 of K, column-major
+(element (m, j) at j*M + m); b_scale (ceil(N/128), ceil(K/128)) fp32 row-major, one per
+128x128 weight block. Applied inside the K loop at the promotion: after K tile j's wgmma
+retired, promoted += t_j * (a_scale[m, j] * b_scale[n // 128, j]) per element (m, n), the
+product of the two scales formed first. The block index is taken per element, so any tile_n
+serves and N need not be a multiple of 128 (the last weight block is partial). Requires
+``accum="exact"`` (the promotion is where the scale goes) and K % 128 == 0 (every K tile is
+one scale group; the launcher refuses other K).
+The scheme is part of the class id (``.token`` / ``.block128`` appended; per-tensor ids
+have no suffix).
+
+Accumulation (``accum``): ``"fast"`` (the default, ``acc1``: the four k32 wgmma of every K
+tile accumulate into one wgmma accumulator for the whole K range, so the tensor core's
+reduced-precision accumulation runs over all of K) or ``"exact"`` (``prom128``: the wgmma
+accumulator starts from zero at every K tile and is added, after the tile's wgmma retired,
+into a second fp32 register accumulator in K-tile order, ((0 + t_0) + t_1) + ...; the
+promotion CUTLASS and DeepGEMM use, which reaches the bf16 floor). Exact takes S = 1 only
+and tiles whose two accumulator copies fit the registers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+FAMILY = "cached.hopper_fp8"  # its name in the family registry (cached.families)
+TARGET_ARCH = "sm_90a"
+
+TILE_K = 128  # FP8 K tile: 4 x wgmma k32. Fixed for every tactic (see module doc).
+WGMMA_K = 32
+REDUCTION_ORDER = "k_tile=128,wgmma_k=32,full_k_per_cta,fp32_acc_single,scale_after"
+REDUCTION_ORDER_M_INDEPENDENT = True  # within each reduction-order class
+ACC_MODE = "acc1"  # one fp32 wgmma accumulator per K range (no periodic promotion)
+
+SPLIT_CHOICES = (1, 2, 4, 8, 16)
+# per-tensor; per-token activation x per-channel weight; 128-block (in the K loop, exact only)
+SCALE_SCHEMES = ("tensor", "token", "block128")
+BLOCK = 128  # the block128 scheme's group size along K and the weight's block size along N
+ACCUM_MODES = ("fast", "exact")  # one wgmma accumulator; promoted every K tile
+#: the (scales, accum) pairs that exist: block128 is exact only
+SCHEMES = tuple((sc, acc) for sc in SCALE_SCHEMES for acc in ACCUM_MODES
+                if (sc, acc) != ("block128", "fast"))
+ACC_IDS = {"fast": ACC_MODE, "exact": "prom128"}  # the class id's accumulation part
+SPLIT_MODES = ("serial", "cta")
+
+TILE_M_CHOICES = (64, 128, 256)
+# N widths between 64 and 256 in steps of 16 or 32 (the wgmma takes any N multiple of 8
+# up to 256): at M = 128..1024 they fill the 132 SMs where 64/128/192/256 leave a wave
+# mostly empty or start a second one (e.g. N = 5120: 64 tiles of 80 at M <= 128)
+TILE_N_CHOICES = (64, 80, 96, 112, 128, 160, 192, 256)
+# narrow weight tiles (unswapped): 64 token rows on the wgmma M side and 40, 48 or 56
+# weight rows on its N side. tile_m = 64 only, no ping-pong, split_mode 'serial' only; the
+# whole tile is staged for one TMA store (tile_epilogue: 40 and 56 are no multiple of the
+# 16-column epilogue sub-tile)
+NARROW_TILE_N = (40, 48, 56)
+# swap_ab=True: tokens on the wgmma N side, weight rows on its M side
+SWAP_TILE_M_CHOICES = (8, 16, 32, 64)
+SWAP_TILE_N_CHOICES = (64, 128)
+# stage cap of swap_ab, wg_n = 2 and the NARROW_TILE_N widths (small stages: deeper rings
+# keep more weight bytes in flight)
+SWAP_MAX_STAGES = 16
+# consumer warpgroups along N (wg_n = 2): tile_m = 64, tile_n split in two halves of
+# tile_n/2 columns (a multiple of 8, the wgmma N step); the epilogue stages the whole tile
+# in one shared-memory buffer
+WG_N_CHOICES = (1, 2)
+# ping-pong (pingpong = True): two consumer warpgroups, each with whole tile_m x tile_n
+# tiles of its own, the CTA's tiles alternating between them, so one warpgroup's epilogue
+# runs under the other's main loop. tile_m = 64 (one m64 wgmma atom) or 128 (two m64 atoms
+# along M per warpgroup: tile_n accumulator registers per thread, so tile_n <=
+# MAX_ACC_REGS_PER_THREAD, and tile_n >= 128); S > 1 with split_mode 'serial' only
+PINGPONG_TILE_M = (64, 128)
+CLUSTER_CHOICES = ((1, 1), (2, 1), (1, 2))
+RASTER_CHOICES = ("m", "n")
+SWIZZLE_CHOICES = (1, 2, 4, 8)
+OUT_DTYPES = ("bfloat16", "float16")
+AB_DTYPES = ("e4m3", "e5m2")
+
+# Shared memory: 228 KB per SM on H100/H200, of which 227 KB (232448 B) per block.
+SMEM_CAPACITY_BYTES = 227 * 1024
+# The mbarrier array (2 per stage, 8 B each) sits in front of the 1024-B aligned
+# operand buffers; with at most 16 stages it fits in one 1024-B slot.
+MBAR_REGION_BYTES = 1024
+# The compiled kernel also carries a 1024-B static shared section; count it.
+STATIC_SMEM_BYTES = 1024
+BUFFER_ALIGN_BYTES = 1024
+EPI_STAGES = 2
+MAX_STAGES = 8
+MIN_STAGES = 2
+# swap_ab: the epilogue stores from registers; the kernel still declares a 1-stage 8x64
+# C buffer (never used), 1 KB after alignment
+SWAP_EPI_BYTES = 1024
+
+THREADS_PER_WARPGROUP = 128
+# setmaxnreg budget of a consumer warpgroup (producer warpgroup drops to 40):
+# (232 * 2 + 40) * 128 = 64512 <= 65536 registers per SM.
+CONSUMER_MAX_REGS = 232
+# fp32 accumulator registers per consumer thread that still leave room for
+# addresses, the epilogue fragment and the pipeline state without spilling: 256x192
+# (192 regs) compiles with a zero-byte stack frame under the 232 cap; 128x256 on one
+# warpgroup or 256x256 on two (256 regs) cannot fit at all.
+MAX_ACC_REGS_PER_THREAD = 192
+
+OUT_DTYPE_BYTES = {"bfloat16": 2, "float16": 2}
+
+PARAM_KEYS = (
+    "tile_m",
+    "tile_n",
+    "cluster_m",
+    "cluster_n",
+    "raster",
+    "swizzle",
+    "stages",
+    "out_dtype",
+    "ab_dtype",
+    "splits",
+    "split_mode",
+    "swap_ab",
+    "wg_n",
+    "pingpong",
+    "pdl",
+    "scales",
+    "accum",
+)
+# keys to_params() leaves out at their default, so that the canonical params (and so the
+# artifact keys) of every tactic from before the field existed stay what they were
+OMITTED_AT_DEFAULT = {"pdl": False, "scales": "tensor", "accum": "fast"}
+
+
+def num_consumer_warpgroups(tile_m: int) -> int:
+    """By the tile's wgmma M side (tile_m, or tile_n for swap_ab): 64 -> one warpgroup of
+    64 rows; 128 -> two of 64 rows; 256 -> two of 128 rows."""
+    return 1 if tile_m == 64 else 2
+
+
+def mma_tile(tile_m: int, tile_n: int, swap_ab: bool = False) -> tuple[int, int]:
+    """The kernel's (wgmma M side, wgmma N side) tile: (tile_m, tile_n), or swapped."""
+    return (tile_n, tile_m) if swap_ab else (tile_m, tile_n)
+
+
+def epilogue_tile(tile_m: int, tile_n: int, pingpong: bool = False) -> tuple[int, int]:
+    """Sub-tile of C staged through shared memory per TMA store: 32 columns, or 16 where
+    32 does not divide tile_n (80, 112); as many rows as the tiled MMA has (64 for one
+    warpgroup's tiles: tile_m = 64, or ping-pong), else 128."""
+    rows = 64 if tile_m == 64 or pingpong else 128
+    return rows, min(32 if tile_n % 32 == 0 else 16, tile_n)
+
+
+def acc_regs_per_thread(tile_m: int, tile_n: int, swap_ab: bool = False, wg_n: int = 1,
+                        pingpong: bool = False) -> int:
+    """fp32 accumulator registers per consumer thread: the tile over the warpgroups that
+    share it (ping-pong: one warpgroup owns the whole tile)."""
+    rows = mma_tile(tile_m, tile_n, swap_ab)[0]
+    wgs = 1 if pingpong else num_consumer_warpgroups(rows) * wg_n
+    return tile_m * tile_n // (wgs * THREADS_PER_WARPGROUP)
+
+
+def register_epilogue(swap_ab: bool, wg_n: int) -> bool:
+    """Whether the kernel stores C from registers (swap_ab) rather than through shared
+    memory and TMA (wg_n = 2: the whole tile in one buffer, see _epi_bytes)."""
+    return swap_ab
+
+
+def tile_epilogue(tile_n: int, wg_n: int, swap_ab: bool = False) -> bool:
+    """Whether the kernel stages the whole tile_m x tile_n output tile in one row-major
+    shared-memory buffer (plain stores in the MMA's register layout) and TMA-stores it at
+    once: wg_n = 2, and the NARROW_TILE_N widths; never with swap_ab (register_epilogue)."""
+    return not swap_ab and (wg_n == 2 or tile_n in NARROW_TILE_N)
+
+
+def acc_sets(splits: int, split_mode: str, accum: str = "fast") -> int:
+    """fp32 accumulator copies a consumer thread holds: 2 for a serial split (the
+    running sum beside the current range's partial) and for exact accumulation (the
+    promoted sum beside the K tile's wgmma accumulator), else 1."""
+    return 2 if (splits > 1 and split_mode == "serial") or accum == "exact" else 1
+
+
+def reduction_class_id(splits: int, accum: str = "fast", scales: str = "tensor") -> str:
+    """The stable id of the reduction-order class with S = ``splits``, accumulation mode
+    and scale scheme (module doc): ``k128.acc1.s4.fixed`` (per-tensor, fast),
+    ``k128.prom128.s1.fixed.token`` (per-token x per-channel, exact)."""
+    return (f"k{TILE_K}.{ACC_IDS[accum]}.s{splits}.fixed"
+            + ("" if scales == "tensor" else f".{scales}"))
+
+
+#: the per-tensor fast classes first (the ids published before the schemes existed)
+REDUCTION_CLASSES = (tuple(reduction_class_id(s) for s in SPLIT_CHOICES)
+                     + tuple(reduction_class_id(s, "fast", "token") for s in SPLIT_CHOICES)
+                     # block128 has exact accumulation only (its scales go in at the promotion)
+                     + tuple(reduction_class_id(1, "exact", sc) for sc in SCALE_SCHEMES))
+
+
+def class_scheme(class_id: str) -> tuple[int, str, str]:
+    """(splits, accum, scales) of a class id; ValueError for an id this family lacks."""
+    for s in SPLIT_CHOICES:
+        for acc in ACCUM_MODES:
+            for sc in SCALE_SCHEMES:
+                if reduction_class_id(s, acc, sc) == class_id and class_id in REDUCTION_CLASSES:
+                    return s, acc, sc
+    raise ValueError(
+        f"unknown {FAMILY} reduction class {class_id!r}; classes: {', '.join(REDUCTION_CLASSES)}"
+    )
+
+
+def splits_of_class(class_id: str) -> int:
+    """S of a class id (class_scheme); ValueError for an id this family does not have."""
+    return class_scheme(class_id)[0]
+
+
+def _stage_bytes(tile_m: int, tile_n: int) -> int:
+    # FP8: one byte per element, for A (tile_m x TILE_K) and B (tile_n x TILE_K).
+    return (tile_m + tile_n) * TILE_K
+
+
+def _epi_bytes(tile_m: int, tile_n: int, out_dtype: str, swap_ab: bool = False,
+               wg_n: int = 1, pingpong: bool = False) -> int:
+    if register_epilogue(swap_ab, wg_n):
+        return SWAP_EPI_BYTES
+    if tile_epilogue(tile_n, wg_n):  # the whole tile_m x tile_n tile, one buffer
+        raw = tile_m * tile_n * OUT_DTYPE_BYTES[out_dtype]
+        return -(-raw // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
+    em, en = epilogue_tile(tile_m, tile_n, pingpong)
+    # ping-pong: one ring of C buffers per warpgroup
+    raw = em * en * OUT_DTYPE_BYTES[out_dtype] * EPI_STAGES * (2 if pingpong else 1)
+    return -(-raw // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
+
+
+def smem_bytes_for(tile_m: int, tile_n: int, stages: int, out_dtype: str = "bfloat16",
+                   swap_ab: bool = False, wg_n: int = 1, pingpong: bool = False) -> int:
+    """Dynamic shared memory of one CTA: mbarriers + A/B stage buffers + C staging."""
+    return (
+        STATIC_SMEM_BYTES
+        + MBAR_REGION_BYTES
+        + stages * _stage_bytes(tile_m, tile_n)
+        + _epi_bytes(tile_m, tile_n, out_dtype, swap_ab, wg_n, pingpong)
+    )
+
+
+def max_stages_for(tile_m: int, tile_n: int, out_dtype: str = "bfloat16",
+                   swap_ab: bool = False, wg_n: int = 1, pingpong: bool = False) -> int:
+    """Most A/B stages that fit the budget (capped at MAX_STAGES, SWAP_MAX_STAGES for
+    swap_ab, wg_n = 2 and the NARROW_TILE_N widths); may be < 2."""
+    fixed = (STATIC_SMEM_BYTES + MBAR_REGION_BYTES
+             + _epi_bytes(tile_m, tile_n, out_dtype, swap_ab, wg_n, pingpong))
+    free = SMEM_CAPACITY_BYTES - fixed
+    cap = (SWAP_MAX_STAGES if swap_ab or wg_n == 2 or tile_n in NARROW_TILE_N
+           else MAX_STAGES)
+    return min(cap, free // _stage_bytes(tile_m, tile_n))
+
+
+def tile_is_feasible(tile_m: int, tile_n: int, out_dtype: str = "bfloat16",
+                     sets: int = 1, swap_ab: bool = False, wg_n: int = 1,
+                     pingpong: bool = False) -> tuple[bool, str]:
+    """Whether the tile fits registers (``sets`` accumulator copies) and shared memory."""
+    regs = acc_regs_per_thread(tile_m, tile_n, swap_ab, wg_n, pingpong)
+    wgs = 1 if pingpong else num_consumer_warpgroups(mma_tile(tile_m, tile_n, swap_ab)[0]) * wg_n
+    if sets * regs > MAX_ACC_REGS_PER_THREAD:
+        what = "" if sets == 1 else (f" x {sets} (a serial split keeps a running sum, exact "
+                                     f"accumulation a promoted sum)")
+        return False, (
+            f"tile {tile_m}x{tile_n} needs {regs}{what} fp32 "
+            f"accumulator registers per consumer thread "
+            f"({wgs} consumer warpgroup(s) per tile); the limit is "
+            f"{MAX_ACC_REGS_PER_THREAD} (consumer budget {CONSUMER_MAX_REGS} regs/thread). "
+            f"Use a smaller tile, tile_m=128, or split_mode 'cta'."
+        )
+    if max_stages_for(tile_m, tile_n, out_dtype, swap_ab, wg_n, pingpong) < MIN_STAGES:
+        return False, (
+            f"tile {tile_m}x{tile_n} does not fit {MIN_STAGES} pipeline stages in "
+            f"{SMEM_CAPACITY_BYTES} B of shared memory"
+        )
+    return True, ""
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperFp8Tactic:
+    """One compiled variant of the Hopper FP8 GEMM.
+
+    Fields (all part of the artifact identity):
+      tile_m, tile_n   CTA output tile (tile_k is always TILE_K = 128)
+      cluster_m/n      thread-block cluster shape; A is TMA-multicast across cluster_n,
+                       B across cluster_m
+      raster           "m" or "n": which output dimension the persistent scheduler walks first
+      swizzle          group size (in clusters) of the scheduler's L2-friendly swizzle
+      stages           A/B shared-memory pipeline depth
+      out_dtype        "bfloat16" or "float16"
+      ab_dtype         "e4m3" (float8_e4m3fn) or "e5m2" (float8_e5m2), both A and B
+      splits           S in SPLIT_CHOICES: K split count of the reduction-order class
+      split_mode       "serial" (one CTA sums its tile's S ranges in registers) or "cta"
+                       (S work units per tile, reduced through a workspace; needs S > 1
+                       and cluster 1x1). Same arithmetic either way (module doc).
+      swap_ab          False, or True for the decode tiles: weight rows on the wgmma M
+                       side, tokens on its N side (module doc); tile_m in
+                       SWAP_TILE_M_CHOICES, tile_n in SWAP_TILE_N_CHOICES, cluster 1x1.
+      wg_n             consumer warpgroups along N: 1, or 2 for tile_m = 64 with the
+                       tile's N split between two warpgroups (module doc); not with swap_ab.
+      pingpong         False, or True: two consumer warpgroups that each own whole tiles
+                       (tile_m 64 or 128), the CTA's tiles alternating between them
+                       (PINGPONG_TILE_M; S > 1 with split_mode 'serial' only);
+                       not with swap_ab or wg_n = 2.
+      pdl              False, or True: launched with programmatic dependent launch (the
+                       next kernel on the stream may start its prologue while this one
+                       runs; every CTA waits for the previous grid before its first read
+                       or write of global memory). Any tactic may take it; the K walk is
+                       unchanged, so a pdl tactic is in the class of its S. Left out of
+                       to_params() when False (OMITTED_AT_DEFAULT).
+      scales           "tensor", "token" (per-token activation x per-channel weight,
+                       applied in the epilogue) or "block128" (1x128 x 128x128 scales at
+                       the promotion, accum "exact" only); part of the class (module doc). Left out
+                       of to_params() at "tensor".
+      accum            "fast" or "exact" (the wgmma accumulator promoted into fp32
+                       registers every K tile; S = 1 only); part of the class. Left out
+                       of to_params() at "fast".
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    cluster_m: int = 1
+    cluster_n: int = 1
+    raster: str = "m"
+    swizzle: int = 1
+    stages: int = 0  # 0 in a constructor call means "the most that fit"; see normalized()
+    out_dtype: str = "bfloat16"
+    ab_dtype: str = "e4m3"
+    splits: int = 1
+    split_mode: str = "serial"
+    swap_ab: bool = False
+    wg_n: int = 1
+    pingpong: bool = False
+    pdl: bool = False
+    scales: str = "tensor"
+    accum: str = "fast"
+
+    # -- derived facts -------------------------------------------------------------
+    @property
+    def tile_k(self) -> int:
+        return TILE_K
+
+    @property
+    def cluster_size(self) -> int:
+        return self.cluster_m * self.cluster_n
+
+    @property
+    def consumer_warpgroups(self) -> int:
+        if self.pingpong:
+            return 2
+        return (num_consumer_warpgroups(mma_tile(self.tile_m, self.tile_n, self.swap_ab)[0])
+                * self.wg_n)
+
+    @property
+    def threads_per_cta(self) -> int:
+        return (1 + self.consumer_warpgroups) * THREADS_PER_WARPGROUP
+
+    @property
+    def reduction_order(self) -> str:
+        scheme = {"tensor": "", "token": ",scale=per_token_a_x_per_channel_b",
+                  "block128": ",scale=block128_a_1x128_x_b_128x128_at_promotion"}[self.scales]
+        if self.accum == "exact":
+            return (f"k_tile={TILE_K},wgmma_k={WGMMA_K},full_k_per_cta,"
+                    f"wgmma_acc_per_k_tile_promoted_to_fp32_in_k_order"
+                    f"{'' if self.scales == 'block128' else ',scale_after'}{scheme}")
+        if self.splits == 1:
+            return REDUCTION_ORDER + scheme
+        return (f"k_tile={TILE_K},wgmma_k={WGMMA_K},splits={self.splits}:balanced_k_tile_ranges,"
+                f"fp32_acc_single_per_range,fp32_sum_in_split_order_from_zero,scale_after"
+                f"{scheme}")
+
+    @property
+    def reduction_class(self) -> str:
+        return reduction_class_id(self.splits, self.accum, self.scales)
+
+    @property
+    def name(self) -> str:
+        split = f"_k{self.splits}{self.split_mode[0]}" if self.splits > 1 else ""
+        return (
+            f"m{self.tile_m}n{self.tile_n}_c{self.cluster_m}x{self.cluster_n}"
+            f"_r{self.raster}_s{self.swizzle}_st{self.stages}_{self.ab_dtype}_{self.out_dtype}"
+            f"{split}{'_sw' if self.swap_ab else ''}{'_wn2' if self.wg_n == 2 else ''}"
+            f"{'_pp' if self.pingpong else ''}{'_pdl' if self.pdl else ''}"
+            f"{ {'tensor': '', 'token': '_tok', 'block128': '_b128'}[self.scales]}"
+            f"{'_ex' if self.accum == 'exact' else ''}"
+        )
+
+    # -- validation / encoding -------------------------------------------------------
+    def normalized(self) -> HopperFp8Tactic:
+        """Return the tactic with stages filled in (0 -> the most that fit), validated."""
+        t = self
+        ms, ns = ((SWAP_TILE_M_CHOICES, SWAP_TILE_N_CHOICES) if t.swap_ab is True
+                  else (TILE_M_CHOICES, TILE_N_CHOICES + NARROW_TILE_N))
+        if t.stages == 0 and t.tile_m in ms and t.tile_n in ns and t.out_dtype in OUT_DTYPES:
+            t = dataclasses.replace(t, stages=max_stages_for(t.tile_m, t.tile_n, t.out_dtype,
+                                                             t.swap_ab, t.wg_n, t.pingpong))
+        t.validate()
+        return t
+
+    def validate(self) -> None:
+        """Raise ValueError with an actionable message if the tactic cannot be built."""
+        def bad(msg: str) -> None:
+            raise ValueError(f"invalid {FAMILY} tactic {self.to_params()}: {msg}")
+
+        for f in ("tile_m", "tile_n", "cluster_m", "cluster_n", "swizzle", "stages", "splits",
+                  "wg_n"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool):
+                bad(f"{f} must be an int, got {type(v).__name__}")
+        if not isinstance(self.swap_ab, bool):
+            bad(f"swap_ab must be true or false, got {type(self.swap_ab).__name__}")
+        if self.swap_ab:
+            if self.tile_m not in SWAP_TILE_M_CHOICES:
+                bad(f"tile_m must be one of {SWAP_TILE_M_CHOICES} with swap_ab (the tokens "
+                    f"are the wgmma N side)")
+            if self.tile_n not in SWAP_TILE_N_CHOICES:
+                bad(f"tile_n must be one of {SWAP_TILE_N_CHOICES} with swap_ab (the weight "
+                    f"rows are the wgmma M side)")
+            if self.cluster_size != 1:
+                bad("swap_ab needs cluster_m = cluster_n = 1")
+        else:
+            if self.tile_m not in TILE_M_CHOICES:
+                bad(f"tile_m must be one of {TILE_M_CHOICES}")
+            if self.tile_n not in TILE_N_CHOICES + NARROW_TILE_N:
+                bad(f"tile_n must be one of {TILE_N_CHOICES + NARROW_TILE_N}")
+        if self.wg_n not in WG_N_CHOICES:
+            bad(f"wg_n must be one of {WG_N_CHOICES}")
+        if self.wg_n == 2 and (self.swap_ab or self.tile_m != 64):
+            bad("wg_n=2 (two consumer warpgroups along N) needs tile_m=64 and swap_ab=false")
+        if self.wg_n == 2 and self.split_mode == "cta" and self.splits > 1:
+            bad("wg_n=2 takes split_mode 'serial' only")
+        if self.wg_n == 2 and (self.tile_n // 2) % 8:
+            bad(f"wg_n=2 needs tile_n/2 a multiple of 8 (the wgmma N step); tile_n="
+                f"{self.tile_n} gives {self.tile_n / 2:g}")
+        if not isinstance(self.pingpong, bool):
+            bad(f"pingpong must be true or false, got {type(self.pingpong).__name__}")
+        if not isinstance(self.pdl, bool):
+            bad(f"pdl must be true or false, got {type(self.pdl).__name__}")
+        if self.scales not in SCALE_SCHEMES:
+            bad(f"scales must be one of {SCALE_SCHEMES}, got {self.scales!r}")
+        if self.accum not in ACCUM_MODES:
+            bad(f"accum must be one of {ACCUM_MODES}, got {self.accum!r}")
+        if self.accum == "exact" and self.splits != 1:
+            bad("accum 'exact' (promotion every K tile) takes splits=1 only")
+        if self.scales == "block128" and self.accum != "exact":
+            bad("scales 'block128' are applied at the promotion: it needs accum='exact'")
+        if self.tile_n in NARROW_TILE_N and not self.swap_ab:
+            if self.tile_m != 64 or self.pingpong:
+                bad(f"tile_n in {NARROW_TILE_N} (narrow decode tiles) needs tile_m=64 and "
+                    f"pingpong=false")
+            if self.split_mode == "cta" and self.splits > 1:
+                bad(f"tile_n in {NARROW_TILE_N} takes split_mode 'serial' only")
+        if self.pingpong and (self.tile_m not in PINGPONG_TILE_M or self.swap_ab
+                              or self.wg_n != 1):
+            bad(f"pingpong needs tile_m in {PINGPONG_TILE_M}, wg_n=1 and swap_ab=false")
+        if self.pingpong and self.splits > 1 and self.split_mode != "serial":
+            bad("pingpong takes split_mode 'serial' only")
+        if self.pingpong and self.tile_m == 128 and self.tile_n < 128:
+            bad("pingpong with tile_m=128 needs tile_n >= 128 (each warpgroup owns a whole "
+                "128-row tile)")
+        if (self.cluster_m, self.cluster_n) not in CLUSTER_CHOICES:
+            bad(f"(cluster_m, cluster_n) must be one of {CLUSTER_CHOICES}")
+        if self.raster not in RASTER_CHOICES:
+            bad(f"raster must be one of {RASTER_CHOICES}")
+        if self.swizzle not in SWIZZLE_CHOICES:
+            bad(f"swizzle must be one of {SWIZZLE_CHOICES}")
+        if self.out_dtype not in OUT_DTYPES:
+            bad(f"out_dtype must be one of {OUT_DTYPES}")
+        if self.ab_dtype not in AB_DTYPES:
+            bad(f"ab_dtype must be one of {AB_DTYPES}")
+        if self.splits not in SPLIT_CHOICES:
+            bad(f"splits must be one of {SPLIT_CHOICES}")
+        if self.split_mode not in SPLIT_MODES:
+            bad(f"split_mode must be one of {SPLIT_MODES}")
+        if self.split_mode == "cta" and self.splits == 1:
+            bad("split_mode 'cta' needs splits > 1 (splits=1 is one unit per tile: use 'serial')")
+        if self.split_mode == "cta" and self.cluster_size != 1:
+            bad("split_mode 'cta' needs cluster_m = cluster_n = 1")
+        ok, why = tile_is_feasible(self.tile_m, self.tile_n, self.out_dtype,
+                                   acc_sets(self.splits, self.split_mode, self.accum),
+                                   self.swap_ab,
+                                   self.wg_n, self.pingpong)
+        if not ok:
+            bad(why)
+        top = max_stages_for(self.tile_m, self.tile_n, self.out_dtype, self.swap_ab, self.wg_n,
+                             self.pingpong)
+        if not (MIN_STAGES <= self.stages <= top):
+            used = smem_bytes_for(self.tile_m, self.tile_n, self.stages, self.out_dtype,
+                                  self.swap_ab, self.wg_n, self.pingpong)
+            bad(
+                f"stages must be in [{MIN_STAGES}, {top}] for tile {self.tile_m}x{self.tile_n} "
+                f"({used} B of "
+                f"shared memory at stages={self.stages}, budget {SMEM_CAPACITY_BYTES} B); "
+                f"pass stages=0 to take the most that fit"
+            )
+
+    def to_params(self) -> dict[str, Any]:
+        """Canonical, JSON-able parameters (every field, fixed key order; a field of
+        OMITTED_AT_DEFAULT only where it differs from its default)."""
+        return {k: getattr(self, k) for k in PARAM_KEYS
+                if k not in OMITTED_AT_DEFAULT or getattr(self, k) != OMITTED_AT_DEFAULT[k]}
+
+
+def tactic_from_params(params: Mapping[str, Any]) -> HopperFp8Tactic:
+    """Inverse of HopperFp8Tactic.to_params(); validates.
+
+    Every key of PARAM_KEYS is accepted; "stages" may be omitted or 0 (= the most that
+    fit), the others default to the dataclass defaults. Unknown keys are an error.
+    """
+    if not isinstance(params, Mapping):
+        raise ValueError(f"{FAMILY} params must be a mapping, got {type(params).__name__}")
+    unknown = sorted(set(params) - set(PARAM_KEYS))
+    if unknown:
+        raise ValueError(
+            f"unknown {FAMILY} tactic parameter(s) {unknown}; expected keys {list(PARAM_KEYS)}"
+        )
+    return HopperFp8Tactic(**dict(params)).normalized()
+
+
+def smem_bytes(t: HopperFp8Tactic) -> int:
+    """Shared memory of one CTA of ``t`` in bytes (smem_bytes_for of its fields)."""
+    return smem_bytes_for(t.tile_m, t.tile_n, t.stages, t.out_dtype, t.swap_ab, t.wg_n,
+                          t.pingpong)
