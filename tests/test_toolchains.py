@@ -569,7 +569,7 @@ def test_the_identity_cache_is_used_only_while_a_record_is_unchanged_and_private
     record.write_text("tvm_ffi/__init__.py,sha256=AAAA,10\n")
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
-    cache = private / "identity.json"
+    cache = private / "stack-digests.json"
     uncached = _toolchain_of(site, "")
     assert "apache-tvm-ffi==9.9:" in uncached
     assert _toolchain_of(site, str(cache)) == uncached
@@ -591,7 +591,7 @@ def test_the_identity_cache_is_used_only_while_a_record_is_unchanged_and_private
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
-    planted = shared / "identity.json"
+    planted = shared / "stack-digests.json"
     planted.write_text(json.dumps({"version": 1, "components": {
         str(record): [_stamp_of(record), "apache-tvm-ffi==9.9:" + "1" * 64]}}))
     assert _toolchain_of(site, str(planted)) == changed  # not ours alone: not read

@@ -206,11 +206,11 @@ class ComponentCache:
 @functools.cache
 def _component_cache() -> ComponentCache:
     """This process's component cache: $CACHED_IDENTITY_CACHE when set ("" turns it off),
-    else ``identity.json`` in the client's private scratch directory (paths.scratch_dir)."""
+    else ``stack-digests.json`` in the client's private scratch directory (paths.scratch_dir)."""
     configured = os.environ.get(IDENTITY_CACHE_ENV)
     if configured == "":
         return ComponentCache(None)
-    path = configured or os.path.join(scratch_dir(), "identity.json")
+    path = configured or os.path.join(scratch_dir(), "stack-digests.json")
     try:
         private = is_private(os.lstat(os.path.dirname(path)))
     except OSError:
