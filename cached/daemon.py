@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from . import compiler_stack, families, identity, sizing, toolchains, trust
+from .artifacts import Served
 from .config import Settings
 from .fleet.tier import Tier
 from .lifecycle import Lifecycle
@@ -117,11 +118,13 @@ class Daemon:
         self.store.evict()  # a budget lowered since the last start applies now, not later
         self.access = Access.from_settings(settings)
         self.quota = QueueQuota(self.scheduler, self.access, settings.max_queued_per_uid)
-        self.leases = Leases(self.scheduler, self.access, self.stats, settings.lease_max_hold)
+        served = Served(self.toolchains)
+        self.leases = Leases(self.scheduler, self.access, self.stats, served,
+                             settings.lease_max_hold)
         self.uploads = Uploads(self.leases, settings.upload_timeout)
         autotune = Autotune(self.store, self.remote)
-        service = Service(self.scheduler, self.access, self.stats, self.snapshot, self.quota,
-                          on_plan=autotune.note_plan)
+        service = Service(self.scheduler, served, self.access, self.stats, self.snapshot,
+                          self.quota, on_plan=autotune.note_plan)
         self.server = Server({**service.ops(), **self.leases.ops(), **self.uploads.ops(),
                               **autotune.ops(),
                               **Certifications(self.store).ops()},

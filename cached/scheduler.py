@@ -45,14 +45,13 @@ from cached_client.errors import (
     UnknownToolchain,
 )
 from cached_client.keys import KernelRequest
-from cached_client.trust import RUNTIME_KEYS
 
 from . import compiler_stack, families
 from .families.base import DEFAULT_SM_COUNT, Family
 from .fleet.tier import Tier
 from .log import event
 from .pool import JobError, Pool, WorkerFailed
-from .store.rows import Entry, manifest, row_for
+from .store.rows import Entry, row_for
 from .store.store import PersistFailed, Store
 from .toolchains import Route, Toolchains
 from .trust import writeback_key
@@ -113,7 +112,6 @@ class Scheduler:
         self._dispatchers: list[asyncio.Task] = []
         self._tasks: set[asyncio.Task] = set()
         self._resolved: dict[tuple, tuple[Family, KernelRequest, Route]] = {}
-        self._runtimes: dict[str, dict] = {}  # fingerprint -> runtime: _built_for
 
     @property
     def queued(self) -> int:
@@ -530,46 +528,6 @@ class Scheduler:
                   served_from=str(entry.library_path.parent),
                   hold_s=UNSTORED_HOLD_S)
             return entry, "unstored"
-
-    def artifact(self, entry: Entry, origin: str, paths: bool = True) -> p.Artifact:
-        """How the protocol describes a stored entry (with its blob paths unless not); a
-        bundle has no object or library but its files, each with its blob's path."""
-        r = entry.row
-        if entry.kind == "bundle":
-            return p.Artifact(
-                key=r["key"], family=r["family"], kernel_name=r["kernel_name"], symbol="",
-                library_sha256="", object_sha256="", toolchain=r["toolchain"],
-                source_sha256=r["source_sha256"], runtime_library={}, origin=origin,
-                **self._built_for(r),
-                compile_seconds=r["compile_seconds"], kind="bundle",
-                files=[{"name": name, "sha256": f["sha256"], "size": f["size"],
-                        "path": str(entry.files[name]) if paths else None}
-                       for name, f in sorted(manifest(r).items())])
-        return p.Artifact(
-            key=r["key"], family=r["family"], kernel_name=r["kernel_name"], symbol=r["symbol"],
-            library_sha256=r["library_sha256"], object_sha256=r["object_sha256"],
-            library_size=r["library_size"], object_size=r["object_size"],
-            toolchain=r["toolchain"], source_sha256=r["source_sha256"],
-            runtime_library=self.toolchains.runtime_library(r["toolchain"]), origin=origin,
-            **self._built_for(r),
-            compile_seconds=r["compile_seconds"],
-            library_path=str(entry.library_path) if paths else None,
-            object_path=str(entry.object_path) if paths else None)
-
-    def _built_for(self, row: Any) -> dict:
-        """What an artifact states it was built for (protocol capability
-        ``identity:artifact``): its arch and device facts as keyed, and the runtime of the
-        toolchain whose fingerprint it carries ({} for one not registered here; the
-        toolchains are fixed for the daemon's life, so it is looked up once each)."""
-        fingerprint = row["toolchain"]
-        runtime = self._runtimes.get(fingerprint)
-        if runtime is None:
-            t = self.toolchains.by_fingerprint(fingerprint)
-            runtime = {} if t is None else {k: t.runtime.get(k) for k in RUNTIME_KEYS}
-            if len(self._runtimes) < RESOLVED_MAX:
-                self._runtimes[fingerprint] = runtime
-        return {"arch": row["arch"], "sm_count": row["sm_count"],
-                "max_active_clusters": row["max_active_clusters"], "runtime": dict(runtime)}
 
 
 def _plan_here(family: Family, payload: dict) -> list[dict]:

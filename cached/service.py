@@ -4,24 +4,20 @@ scheduler and the store. Each handler takes its op's decoded request
 (cached_client.protocol) and returns its reply type; blocking store work (hashing blobs,
 eviction, verification) runs off the event loop.
 
-``get`` hands the library over as the request asks: open descriptors of both blobs
-(transfer ``fd``; opened without following links, checked to be regular files of the
-indexed size, passed with SCM_RIGHTS, so an eviction after the reply cannot break the
-client's load), the blobs' paths (``path``), or the library's bytes streamed from its
-file after a digest check (``bytes``). :class:`QueueQuota` bounds the compilations one
-uid without publish rights can have queued or running.
+``get`` hands the library over as the request asks (cached.artifacts): open descriptors
+of the blobs the client names (transfer ``fd``; opened without following links, checked to
+be regular files of the indexed size, passed with SCM_RIGHTS, so an eviction after the
+reply cannot break the client's load), the blobs' paths (``path``), or the library's bytes
+streamed from its file after a digest check (``bytes``). :class:`QueueQuota` bounds the
+compilations one uid without publish rights can have queued or running.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
-import hashlib
 import json
 import logging
-import os
-import stat
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,11 +27,11 @@ from cached_client.errors import CachedError, IntegrityError, Overloaded, Unknow
 from cached_client.keys import KernelRequest
 
 from . import families, trust
+from .artifacts import Served, open_blobs, open_checked_library
 from .log import event
 from .scheduler import PRIORITY_RANK, Scheduler
 from .server import Access, Attachment, Handler, Peer
-from .store.rows import SUFFIXES, Entry
-from .store.store import Store
+from .store.blobs import BadBlob
 from .view.stats import Stats
 
 log = logging.getLogger("cached.service")
@@ -98,11 +94,12 @@ class QueueQuota:
 
 
 class Service:
-    def __init__(self, scheduler: Scheduler, access: Access, stats: Stats,
+    def __init__(self, scheduler: Scheduler, served: Served, access: Access, stats: Stats,
                  snapshot: Callable[[], dict], quota: QueueQuota | None = None,
                  on_plan: Callable[[p.PlanRequest], None] | None = None) -> None:
         self.on_plan = on_plan  # told of every answered plan (cached tune --planned)
         self.scheduler = scheduler
+        self.served = served
         self.store = scheduler.store
         self.access = access
         self.stats = stats
@@ -149,20 +146,21 @@ class Service:
                 m.request, PRIORITY_RANK[m.priority], m.deadline_ms / 1000, m.identity, admit,
                 self.access.group(peer))
             if m.transfer == "path":
-                return p.GetReply(artifact=self.scheduler.artifact(entry, origin))
+                return p.GetReply(artifact=self.served.artifact(entry, origin))
             try:
                 if m.transfer == "fd":
-                    fds = _open_both(entry)
-                    return (p.GetReply(artifact=self.scheduler.artifact(entry, origin, False),
-                                       fds=["object", "library"]),
+                    kinds = [k for k in p.BLOB_KINDS if k in m.blobs]
+                    fds = open_blobs(entry, kinds)
+                    return (p.GetReply(artifact=self.served.artifact(entry, origin, False),
+                                       fds=kinds),
                             Attachment(fds=fds))
                 fd = await asyncio.get_running_loop().run_in_executor(
-                    None, _open_verified, self.store, entry)
-                return (p.GetReply(artifact=self.scheduler.artifact(entry, origin, False)),
+                    None, open_checked_library, self.store, entry)
+                return (p.GetReply(artifact=self.served.artifact(entry, origin, False)),
                         Attachment(payload_fd=fd, payload_size=entry.row["library_size"]))
             except FileNotFoundError:  # evicted between the lookup and the open: again
                 continue
-            except _BadBlob as exc:
+            except BadBlob as exc:
                 self.store.drop(entry.key, str(exc))
                 if attempt == 2:
                     raise IntegrityError(f"the stored blobs of {entry.key[:12]} changed while "
@@ -299,56 +297,3 @@ class Service:
                 "plan": self.plan, "stats": self.stats_reply, "zero_stats": self.zero_stats,
                 "list": self.list_entries, "report": self.report, "gc": self.gc,
                 "verify": self.verify, "flashinfer_artifacts": self.flashinfer_artifacts}
-
-
-class _BadBlob(Exception):
-    """A blob that is not the regular file of the size its row records."""
-
-
-def _open_blob(path: os.PathLike, size: int) -> int:
-    """A read-only descriptor of the blob at ``path``: never through a link, never blocking
-    on a FIFO, only a regular file of ``size`` bytes (_BadBlob otherwise)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ENOENT:
-            raise FileNotFoundError(str(path)) from None
-        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
-            raise Overloaded(f"the daemon cannot open a blob now ({exc.strerror}); retry "
-                             "later") from None
-        raise _BadBlob(f"{os.fspath(path)[-80:]}: {exc.strerror}") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-        os.close(fd)
-        raise _BadBlob(f"{os.fspath(path)[-80:]} is not a regular file of {size} bytes")
-    return fd
-
-
-def _open_both(entry: Entry) -> list[int]:
-    """Descriptors of the object and library blobs, in that order (both or neither)."""
-    fds: list[int] = []
-    try:
-        for kind, path in (("object", entry.object_path), ("library", entry.library_path)):
-            fds.append(_open_blob(path, entry.row[f"{kind}_size"]))
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return fds
-
-
-def _open_verified(store: Store, entry: Entry) -> int:
-    """The library's descriptor after its digest is checked through that descriptor (unless
-    the file it opened is the one the store checked last: :meth:`Store.unchanged`), so the
-    bytes sent (from offset 0) are the bytes checked."""
-    fd = _open_blob(entry.library_path, entry.row["library_size"])
-    if store.unchanged(entry.row["library_sha256"], SUFFIXES["library"], os.fstat(fd)):
-        return fd
-    digest, offset = hashlib.sha256(), 0
-    while chunk := os.pread(fd, 1 << 20, offset):
-        digest.update(chunk)
-        offset += len(chunk)
-    if digest.hexdigest() != entry.row["library_sha256"]:
-        os.close(fd)
-        raise _BadBlob("library blob changed while being read")
-    return fd

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import httpx
 import pytest
-from cached_client import Client, DaemonUnavailable, DeadlineExceeded, IntegrityError
+from cached_client import (
+    Client,
+    DaemonUnavailable,
+    DeadlineExceeded,
+    IntegrityError,
+    InvalidArgument,
+)
+from cached_client import protocol as p
 from cached_client.loader import load_library
 from conftest import run_cli
 
@@ -145,3 +154,44 @@ def test_default_socket_in_a_directory_another_user_made_is_refused(tmp_path, mo
     with pytest.raises(DaemonUnavailable, match="not connecting"):
         Client(fallback=False).stats()
     assert check_socket_dir(str(tmp_path / "mine" / "cached.sock")) is None
+
+
+def test_a_load_is_passed_and_copies_only_the_library_and_checks_a_kept_copy(
+        daemon, mm_fp4_requests, tmp_path, monkeypatch):
+    """``load`` asks for the library's descriptor alone (``get.blobs``) and copies it, hashed
+    as it is copied; FlashInfer's hook asks for the object alone. A copy already in the
+    scratch directory is hashed again at load: one whose bytes changed is refused."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    scratch = tmp_path / f"cached-client-{os.getuid()}"
+    client = daemon.client()
+    assert callable(client.load(mm_fp4_requests[2]))
+    art = client.get(mm_fp4_requests[2], blobs=("library",))
+    assert art.object_path is None and art.library_path == str(
+        scratch / f"{art.library_sha256}.so")
+    blobs = sorted(f.name for f in scratch.iterdir() if f.suffix in (".o", ".so"))
+    assert blobs == [f"{art.library_sha256}.so"]
+    obj = client.get(mm_fp4_requests[3], blobs=("object",))
+    assert obj.library_path is None and obj.object_path == str(
+        scratch / f"{obj.object_sha256}.o")
+    assert not (scratch / f"{obj.library_sha256}.so").exists()
+    kept = scratch / f"{obj.library_sha256}.so"  # planted: the right size, other bytes
+    kept.write_bytes(b"\0" * obj.library_size)
+    with pytest.raises(IntegrityError, match="not loading"):
+        daemon.client(fallback=False).load(mm_fp4_requests[3])
+    # a get naming no blob, or one twice, is refused by the client and by the daemon
+    for blobs in ([], ["library", "library"]):
+        with pytest.raises(InvalidArgument, match="get.blobs"):
+            p.GetRequest(request=mm_fp4_requests[2], transfer="fd", blobs=blobs)
+        wire = {**p.GetRequest(request=mm_fp4_requests[2], transfer="fd").to_wire(),
+                "blobs": blobs}
+        body = json.dumps({"v": 1, "id": 1, "op": "get", **wire}).encode()
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(10)
+        s.connect(daemon.socket)
+        s.sendall(struct.pack(">I", len(body)) + body)
+        (n,) = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))
+        reply = json.loads(s.recv(n, socket.MSG_WAITALL))
+        s.close()
+        assert reply["ok"] is False and reply["error"]["code"] == "invalid_argument"
+        assert "get.blobs" in reply["error"]["message"]
+    assert daemon.client().get(mm_fp4_requests[2]).origin == "hit"  # still serving

@@ -50,3 +50,23 @@ def test_wire_round_trip():
     assert KernelRequest.from_wire(r.to_wire()) == r
     with pytest.raises(InvalidArgument, match="missing"):
         KernelRequest.from_wire({"family": "x"})
+
+
+def test_a_digest_with_a_trailing_newline_is_refused():
+    """One sha256 check (protocol.HEX64_RE, ``\\Z``): a request's identity and a write-back
+    request's source digest refuse ``<64 hex>\\n`` as they refuse a short one, naming the
+    field."""
+    from cached_client import InvalidTactic
+    from cached_client import protocol as p
+
+    from cached.families import get
+
+    sha = "ab" * 32
+    assert p.Identity(toolchain="t", sources={"f": sha}).sources == {"f": sha}
+    with pytest.raises(InvalidArgument, match=r"identity.sources\['f'\]"):
+        p.Identity(toolchain="t", sources={"f": sha + "\n"})
+    family = get("flashinfer.jit")
+    params = {"module": "m", "kernel": "k", "tvm_ffi": True, "source_sha256": sha}
+    assert family.canonical_params(params, "sm_100a")["source_sha256"] == sha
+    with pytest.raises(InvalidTactic, match="source_sha256"):
+        family.canonical_params({**params, "source_sha256": sha + "\n"}, "sm_100a")

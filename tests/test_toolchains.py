@@ -542,3 +542,62 @@ def test_the_fingerprint_is_the_same_in_threads_asking_at_once():
         out = subprocess.run([sys.executable, "-c", THREADS_AT_ONCE], capture_output=True,
                              text=True, check=True, timeout=60).stdout.split()
         assert out == ["1", sysconfig.get_config_var("SOABI")], out
+
+
+IDENTITY_SCRIPT = ("import json; from cached_client import identity; "
+                   "print('RESULT ' + json.dumps(identity.toolchain()))")
+
+
+def _toolchain_of(site: Path, cache: str) -> str:
+    """The toolchain fingerprint a fresh process states with ``site`` first on its path and
+    $CACHED_IDENTITY_CACHE set to ``cache`` ("" turns the cache off)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(site), os.environ.get("PYTHONPATH", "")]), "CACHED_IDENTITY_CACHE": cache}
+    out = subprocess.run([MAIN, "-c", IDENTITY_SCRIPT], capture_output=True, text=True,
+                         check=True, env=env).stdout
+    return json.loads(out.split("RESULT ", 1)[1])
+
+
+def test_the_identity_cache_is_used_only_while_a_record_is_unchanged_and_private(tmp_path):
+    """A stack distribution's component comes from this user's identity cache while its
+    RECORD's stamp is unchanged; a rewritten RECORD, a malformed cache file and a cache in a
+    directory others can write are all recomputed, never an error."""
+    site = tmp_path / "site"
+    dist = site / "apache_tvm_ffi-9.9.dist-info"  # first on the path: the one identity reads
+    dist.mkdir(parents=True)
+    record = dist / "RECORD"
+    record.write_text("tvm_ffi/__init__.py,sha256=AAAA,10\n")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    cache = private / "stack-digests.json"
+    uncached = _toolchain_of(site, "")
+    assert "apache-tvm-ffi==9.9:" in uncached
+    assert _toolchain_of(site, str(cache)) == uncached
+    entries = json.loads(cache.read_text())["components"]
+    stamp, component = entries[str(record)]
+    assert component in uncached
+    # the cache is consulted: an entry for the unchanged stamp is what the process states
+    entries[str(record)] = [stamp, "apache-tvm-ffi==9.9:" + "0" * 64]
+    cache.write_text(json.dumps({"version": 1, "components": entries}))
+    assert "apache-tvm-ffi==9.9:" + "0" * 64 in _toolchain_of(site, str(cache))
+    # a rewritten RECORD (another size, so another stamp) is hashed again
+    record.write_text("tvm_ffi/__init__.py,sha256=BBBB,10\ntvm_ffi/x.py,sha256=CCCC,1\n")
+    changed = _toolchain_of(site, "")
+    assert changed != uncached and _toolchain_of(site, str(cache)) == changed
+    for garbage in ("{not json", json.dumps({"version": 1, "components": {str(record): 5}}),
+                    json.dumps([1, 2])):
+        cache.write_text(garbage)
+        assert _toolchain_of(site, str(cache)) == changed
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    planted = shared / "stack-digests.json"
+    planted.write_text(json.dumps({"version": 1, "components": {
+        str(record): [_stamp_of(record), "apache-tvm-ffi==9.9:" + "1" * 64]}}))
+    assert _toolchain_of(site, str(planted)) == changed  # not ours alone: not read
+    assert json.loads(planted.read_text())["components"][str(record)][1].endswith("1" * 64)
+
+
+def _stamp_of(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]

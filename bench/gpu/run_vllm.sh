@@ -139,7 +139,7 @@ if [[ $mode == gpu ]]; then
   for m in ${ORDER//,/ }; do
     TRITON_CACHE_DIR=/tmp/triton_$m timeout "${MODE_TIMEOUT:-300}" python3 "$C/vllm_fp8.py" \
       engine /tmp/ck --mode "$m" --out $OUT/engine_$m.json --turns $T --order $ORDER \
-      --compile-mode "${COMPILE_MODE:-0}" --trace-dir $L ${QUICK:+--quick} \
+      --compile-mode "${COMPILE_MODE:-0}" --trace-dir $L ${QUICK:+--quick} ${HOST:+--host} \
       > $OUT/engine_$m.log 2>&1 &  # under $OUT: back even if the call's limit stops it
     pids+=($!)
   done
@@ -148,7 +148,7 @@ if [[ $mode == gpu ]]; then
     echo "mode $m triton files: $(find /tmp/triton_$m -type f 2>/dev/null | wc -l)" \
       | tee -a $L/modes.txt
     if grep -q '"stage": "done"' $OUT/engine_$m.json 2>/dev/null; then
-      grep -E "^(kernels|invariance|perf|profile|timeline|monitor)" $OUT/engine_$m.log \
+      grep -E "^(kernels|invariance|perf|profile|timeline|host|monitor)" $OUT/engine_$m.log \
         | cut -c1-400 | tail -22
     else
       grep -v "^W[0-9]\|^\[rank0\]" $OUT/engine_$m.log | tail -25

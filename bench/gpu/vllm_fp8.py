@@ -41,6 +41,7 @@ PERF_PROMPT, PERF_TOKENS = 128, 64
 PERF_REPEATS = 3  # timed generate calls per (batch, length); the minimum is kept
 PROFILE_STEPS = 16  # decode steps of a profiled generate (after its prefill step)
 TIMELINE_PROMPT, TIMELINE_STEPS = 16, 32  # short prompts: the decode steps dominate
+HOST_BATCH, HOST_TOP = 256, 40  # the host profile's batch; functions listed
 GEMM_MARKS = ("cutlass", "gemm", "Gemm", "matmul", "nvjet", "cublas", "sm90_xmma", "wgmma")
 FP8_GEMM_MARKS = ("cutlass_3x_gemm_sm90_fp8", "HopperFp8GemmKernel")  # vLLM's CUTLASS, ours
 TARGET_LENS = (5, 17, 33, 64, 100, 128, 200, 257)
@@ -325,6 +326,103 @@ def _timeline(llm, vocab: int, SamplingParams, mode: str,  # noqa: N803
     return res
 
 
+def _task_cpu() -> dict[str, tuple[str, float]]:
+    """CPU seconds (user + system) of every OS thread of this process, by tid: name, s."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            comm = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[tid] = (comm, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def _host_profile(llm, vocab: int, SamplingParams) -> dict:  # noqa: N803
+    """Where the host's time goes in a decode step at batch HOST_BATCH: one generate of
+    1 + TIMELINE_STEPS tokens from TIMELINE_PROMPT-token prompts, timed bare, then with the
+    garbage collector's passes timed (gc.callbacks) and the CPU time of every OS thread of
+    the process, then under cProfile (the calling thread: the engine core runs in it). Per
+    step: wall, collections and their time, CPU per thread, the functions by own time and
+    by cumulative time."""
+    import cProfile
+    import gc
+    import pstats
+    import threading
+
+    import torch
+
+    ps = [{"prompt_token_ids": p}
+          for p in prompts_for(3000 + HOST_BATCH, vocab, [TIMELINE_PROMPT] * HOST_BATCH)]
+    sp = SamplingParams(temperature=0.0, max_tokens=TIMELINE_STEPS + 1, ignore_eos=True,
+                        detokenize=False)
+    llm.generate(ps, sp, use_tqdm=False)
+
+    def timed() -> float:
+        torch.cuda.synchronize()
+        ts = time.perf_counter()
+        llm.generate(ps, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - ts
+
+    res: dict = {"batch": HOST_BATCH, "steps": TIMELINE_STEPS,
+                 "wall_ms_bare": min(timed() for _ in range(3)) * 1e3,
+                 "switch_interval_s": sys.getswitchinterval(), "gc_enabled": gc.isenabled(),
+                 "gc_frozen": gc.get_freeze_count(), "gc_threshold": gc.get_threshold(),
+                 "gc_count": gc.get_count(),
+                 "threads": [[t.name, t.daemon] for t in threading.enumerate()]}
+    passes: list = []
+    began: dict = {}
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            began["t"] = time.perf_counter()
+        else:
+            passes.append((info["generation"], time.perf_counter() - began.get("t", 0.0)))
+
+    before = _task_cpu()
+    gc.callbacks.append(on_gc)
+    try:
+        wall = timed()
+    finally:
+        gc.callbacks.remove(on_gc)
+    after = _task_cpu()
+    res["wall_ms_gc_timed"] = wall * 1e3
+    res["gc_passes"] = {str(g): [sum(1 for gen, _ in passes if gen == g),
+                                 round(sum(t for gen, t in passes if gen == g) * 1e3, 2)]
+                        for g in (0, 1, 2)}
+    res["thread_cpu_ms"] = sorted(
+        ([after[tid][0], round((after[tid][1] - before.get(tid, (None, 0.0))[1]) * 1e3, 1)]
+         for tid in after), key=lambda r: -r[1])[:12]
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    ts = time.perf_counter()
+    prof.enable()
+    llm.generate(ps, sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    prof.disable()
+    res["wall_ms_cprofile"] = (time.perf_counter() - ts) * 1e3
+    st = pstats.Stats(prof)
+    steps = TIMELINE_STEPS + 1
+    res["calls_per_step"] = st.total_calls / steps
+
+    def rows(key: int) -> list:
+        ranked = sorted(st.stats.items(), key=lambda kv: -kv[1][key])[:HOST_TOP]
+        return [[f"{Path(f).name}:{line}({fn})"[:110], round(v[1] / steps, 1),
+                 round(v[2] / steps * 1e6, 1), round(v[3] / steps * 1e6, 1)]
+                for (f, line, fn), v in ranked]
+
+    res["by_own_time"] = rows(2)  # [where, calls/step, own us/step, cumulative us/step]
+    res["by_cumulative"] = rows(3)
+    print("host", HOST_BATCH, {k: v for k, v in res.items()
+                               if k not in ("by_own_time", "by_cumulative")}, flush=True)
+    for r in res["by_own_time"][:20]:
+        print("host own", r, flush=True)
+    return res
+
+
 def _outputs(outs) -> list[dict]:
     rec = []
     for o in outs:
@@ -472,30 +570,36 @@ def engine(args: argparse.Namespace) -> None:
         print("kernels", res["kernels"], flush=True)
         _wait(wait_measure)
         res["measure_start"] = time.time()
-        if not args.quick:
-            res["stage"] = "layers"
+        if args.host:
+            res["stage"] = "host"
             save()
-            try:
-                res["layer_check"] = llm.apply_model(_layer_check)[0]
-            except Exception as exc:  # noqa: BLE001 -- recorded, the engine part goes on
-                res["errors"].append(f"layer_check: {type(exc).__name__}: {exc}"[:2000])
-                traceback.print_exc()
-            res["stage"] = "invariance"
+            res["perf"] = _throughput(llm, vocab, SamplingParams, (HOST_BATCH,))
+            res["host"] = _host_profile(llm, vocab, SamplingParams)
+        else:
+            if not args.quick:
+                res["stage"] = "layers"
+                save()
+                try:
+                    res["layer_check"] = llm.apply_model(_layer_check)[0]
+                except Exception as exc:  # noqa: BLE001 -- recorded, the engine part goes on
+                    res["errors"].append(f"layer_check: {type(exc).__name__}: {exc}"[:2000])
+                    traceback.print_exc()
+                res["stage"] = "invariance"
+                save()
+                res["alone"], res["invariance"] = _invariance(llm, vocab, SamplingParams)
+                res["stage"] = "prompt_logprobs"
+                save()
+                res["prompt_logprobs"] = _prompt_logprobs(llm, vocab, SamplingParams)
+            res["stage"] = "throughput"
             save()
-            res["alone"], res["invariance"] = _invariance(llm, vocab, SamplingParams)
-            res["stage"] = "prompt_logprobs"
+            res["perf"] = _throughput(llm, vocab, SamplingParams, PERF_BATCHES)
+            res["stage"] = "profile"
             save()
-            res["prompt_logprobs"] = _prompt_logprobs(llm, vocab, SamplingParams)
-        res["stage"] = "throughput"
-        save()
-        res["perf"] = _throughput(llm, vocab, SamplingParams, PERF_BATCHES)
-        res["stage"] = "profile"
-        save()
-        res["gpu_profile"] = _gpu_profile(llm, vocab, SamplingParams)
-        res["stage"] = "timeline"
-        save()
-        res["timeline"] = _timeline(llm, vocab, SamplingParams, args.mode, args.trace_dir)
-        res["perf_after"] = _throughput(llm, vocab, SamplingParams, (64, 256))
+            res["gpu_profile"] = _gpu_profile(llm, vocab, SamplingParams)
+            res["stage"] = "timeline"
+            save()
+            res["timeline"] = _timeline(llm, vocab, SamplingParams, args.mode, args.trace_dir)
+            res["perf_after"] = _throughput(llm, vocab, SamplingParams, (64, 256))
         res["stage"] = "done"
     except Exception as exc:  # noqa: BLE001 -- recorded: how far vLLM ran is the result
         res["errors"].append(f"{res['stage']}: {type(exc).__name__}: {exc}"[:4000])
@@ -675,6 +779,41 @@ def _ratio_table(runs: dict, names: dict, field: str, what: str, ratio: str, cel
         print(f"| {b} | " + " | ".join(cells) + f" | {ratios[0]} | {ratios[1]} |")
 
 
+def _host_tables(runs: dict, names: dict) -> None:
+    """The host profile (``engine --host``): per mode the step's wall time bare, with the
+    collector timed and under cProfile, the collections, the busiest threads; then the
+    functions whose own time per step differs most between (c) and (a)."""
+    hosts = {m: r["host"] for m, r in runs.items() if r.get("host")}
+    if not hosts:
+        return
+    steps = TIMELINE_STEPS + 1
+    print("\n| mode | wall ms/step bare | with gc timed | under cProfile | calls/step | "
+          "gc passes gen0/1/2 (ms) | busiest threads (CPU ms over the generate) |")
+    print("|---|---|---|---|---|---|---|")
+    for m, h in hosts.items():
+        gcp = " / ".join(f"{n} ({ms})" for n, ms in h["gc_passes"].values())
+        threads = ", ".join(f"{n} {ms:.0f}" for n, ms in h["thread_cpu_ms"][:4])
+        print(f"| {names[m]} | {h['wall_ms_bare'] / steps:.2f} | "
+              f"{h['wall_ms_gc_timed'] / steps:.2f} | {h['wall_ms_cprofile'] / steps:.2f} | "
+              f"{h['calls_per_step']:.0f} | {gcp} | {threads} |")
+    for m, h in hosts.items():
+        print(f"\n{names[m]}: threads {h['threads']}; gc enabled {h['gc_enabled']}, frozen "
+              f"{h['gc_frozen']}; functions by own time per step (calls, own us, cum us):")
+        for where, calls, own, cum in h["by_own_time"][:25]:
+            print(f"  {own:9.1f} {cum:9.1f} {calls:8.1f}  {where}")
+    if "a" in hosts and "c" in hosts:
+        own = {m: {w: (o, c) for w, c, o, _ in hosts[m]["by_own_time"]} for m in "ac"}
+        keys = set(own["a"]) | set(own["c"])
+        diff = sorted(keys, key=lambda w: -abs(own["c"].get(w, (0, 0))[0]
+                                               - own["a"].get(w, (0, 0))[0]))
+        print("\nown us/step, (c) minus (a), where they differ most (listed in either top "
+              f"{HOST_TOP}):")
+        for w in diff[:20]:
+            oc, ca = own["c"].get(w, (0.0, 0.0)), own["a"].get(w, (0.0, 0.0))
+            print(f"  {oc[0] - ca[0]:+9.1f}  c {oc[0]:8.1f} ({oc[1]:.1f} calls)  "
+                  f"a {ca[0]:8.1f} ({ca[1]:.1f} calls)  {w}")
+
+
 def summarize(args: argparse.Namespace) -> None:
     runs = {m: _load(p) for m, p in zip("abc", args.files, strict=False)}
     names = {"a": "(a) vLLM default FP8", "b": "(b) vLLM batch-invariant",
@@ -707,6 +846,7 @@ def summarize(args: argparse.Namespace) -> None:
     _ratio_table(runs, names, "gpu_profile", "GPU us/step (all GEMMs us, launches)",
                  "GPU step", gpu_cell)
     _ratio_table(runs, names, "gpu_profile", "FP8 linears' GPU us/step", "FP8 GEMM", fp8_cell)
+    _host_tables(runs, names)
     print("\n| mode | batch | wall us/token (generate) | GPU busy us/step | GPU idle gaps > 20 us "
           "per step (us) | step ms, measured again after |")
     print("|---|---|---|---|---|---|")
@@ -773,6 +913,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true",
                    help="load, throughput, profile and timeline only (no layer check, "
                         "invariance or prompt logprobs)")
+    p.add_argument("--host", action="store_true",
+                   help="load, throughput at the host profile's batch and the host "
+                        "profile only")
     p = sub.add_parser("layers")
     p.add_argument("ckpt")
     p.add_argument("--out", required=True)

@@ -21,12 +21,12 @@ from typing import Any
 from cached_client import flashinfer_names as names
 from cached_client.errors import InvalidTactic
 from cached_client.keys import ARCHES, KernelRequest
+from cached_client.protocol import HEX64_RE
 
 from .base import BuiltObject, Family, require
 
 NAME = names.WRITE_BACK_FAMILY
 SYMBOL_RE = re.compile(r"^[0-9A-Za-z_]{1,512}$")
-HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
 MAX_KEY_FILES = 512
 
 

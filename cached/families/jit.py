@@ -26,11 +26,10 @@ from typing import Any
 
 from cached_client.errors import InvalidTactic
 from cached_client.keys import ARCHES, KernelRequest
-from cached_client.protocol import BUNDLE_NAME
+from cached_client.protocol import BUNDLE_NAME, HEX64_RE
 
 from .base import BuiltObject, Family
 
-HEX64_RE = re.compile(r"[0-9a-f]{64}\Z")
 Check = Callable[[Any], bool]
 
 

@@ -39,6 +39,7 @@ from cached_client.errors import InvalidTactic, NotAllowed
 from cached_client.keys import KernelRequest
 
 from .. import trust
+from ..artifacts import Served
 from ..families.base import Family
 from ..log import event
 from ..scheduler import Scheduler
@@ -103,12 +104,13 @@ class Lease:
 class Leases:
     """The leases in force, by store key, and the events their waiters sleep on."""
 
-    def __init__(self, scheduler: Scheduler, access: Access, stats: Stats,
+    def __init__(self, scheduler: Scheduler, access: Access, stats: Stats, served: Served,
                  max_hold_s: float = 3600.0) -> None:
         self.max_hold_s = max_hold_s
         """Seconds a lease may be held in all (``lease_max_hold``): no grant or renewal
         runs past ``granted + max_hold_s``, whatever TTL a peer asks for."""
         self.scheduler = scheduler
+        self.served = served
         self.access = access
         self.stats = stats
         self.held: dict[str, Lease] = {}
@@ -223,7 +225,7 @@ class Leases:
                 self.stats.count("compiles_avoided", family.name)
                 self.stats.count("bytes_served", family.name, entry.row["size"])
                 return p.LeaseReply(state="hit",
-                                    artifact=self.scheduler.artifact(entry, "hit"))
+                                    artifact=self.served.artifact(entry, "hit"))
             if not may_publish:
                 return p.LeaseReply(state="compile_locally",
                                     reason=f"uid {peer.uid} may not publish to this daemon")

@@ -41,7 +41,6 @@ from cached_client.errors import CompileFailed, InvalidArgument, NotAllowed
 
 from .. import compiler_stack, trust
 from ..families.base import Family
-from ..families.flashinfer_jit import HEX64_RE
 from ..log import event
 from ..server import Handler, Peer
 from ..store.rows import Entry, row_for
@@ -118,7 +117,7 @@ class Uploads:
                                   "publish_bundle")
         key = self.leases.keys(route, peer)[0]
         kernel_name, symbol = family.published_name(request, m.kernel_name)
-        if not HEX64_RE.match(m.object_sha256):
+        if not p.HEX64_RE.match(m.object_sha256):
             raise InvalidArgument("publish needs object_sha256: 64 lowercase hex digits")
         id_ = (key, m.object_sha256)
         if self.store.contains(key):
@@ -169,7 +168,7 @@ class Uploads:
               family=family.name, kernel=kernel_name[:120], bytes=entry.row["object_size"],
               toolchain=route.toolchain[-24:])
         return p.PublishReply(state="stored", key=key,
-                              artifact=self.scheduler.artifact(entry, "compiled"))
+                              artifact=self.leases.served.artifact(entry, "compiled"))
 
     def _holder(self, key: str, token: str, peer: Peer, family: Family) -> None:
         """NotAllowed (counted and logged) unless ``peer`` holds the lease on ``key``."""
@@ -231,7 +230,7 @@ class Uploads:
                                                          self.leases.access.group(peer)):
                 entry = None
             return p.PublishReply(state="exists", key=key, artifact=(
-                self.scheduler.artifact(entry, "hit") if entry is not None else None))
+                self.leases.served.artifact(entry, "hit") if entry is not None else None))
         self._holder(key, m.lease, peer, family)
         try:
             data = base64.b64decode(m.data, validate=True)
@@ -288,7 +287,7 @@ class Uploads:
               bytes=entry.row["size"], files=len(bundle.files),
               toolchain=route.toolchain[-24:])
         return p.PublishReply(state="stored", key=key,
-                              artifact=self.scheduler.artifact(entry, "compiled"))
+                              artifact=self.leases.served.artifact(entry, "compiled"))
 
     def _commit_bundle(self, family: Family, request: Any, route: Any, bundle: BundleUpload,
                        m: p.PublishBundleRequest, key: str, provenance: dict) -> Entry:

@@ -1,6 +1,7 @@
 """Blob files: read only when a regular file of the recorded size whose sha256 matches,
-opened without following links (relative to their shard's directory descriptor), prepared
-for the store (fsynced, read-only) and removed without following links. No index here."""
+opened without following links (relative to their shard's directory descriptor), opened
+for a client the same way (:func:`open_served`), prepared for the store (fsynced,
+read-only) and removed without following links. No index here."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import os
 import shutil
 import stat
 from pathlib import Path
+
+from cached_client.errors import Overloaded
 
 CHUNK = 1 << 20
 OPEN_BLOB = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -89,6 +92,27 @@ def read_regular(shard: int, name: str, label: str, size: int | None, sha256: st
     if actual != sha256:
         raise BadBlob(f"{label} has digest {actual[:12]}", True)
     return (b"".join(parts) if keep else None), st
+
+
+def open_served(path: os.PathLike | str, size: int) -> int:
+    """A read-only descriptor of the blob at ``path`` to hand to a client: never through a
+    link, never blocking on a FIFO, only a regular file of ``size`` bytes. FileNotFoundError
+    when it is gone (evicted meanwhile: look it up again), Overloaded when the daemon is
+    out of descriptors, BadBlob otherwise."""
+    try:
+        fd = os.open(path, OPEN_BLOB)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            raise FileNotFoundError(str(path)) from None
+        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+            raise Overloaded(f"the daemon cannot open a blob now ({exc.strerror}); retry "
+                             "later") from None
+        raise BadBlob(f"{os.fspath(path)[-80:]}: {exc.strerror}", True) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        os.close(fd)
+        raise BadBlob(f"{os.fspath(path)[-80:]} is not a regular file of {size} bytes", True)
+    return fd
 
 
 def remove_at(directory: int, name: str) -> None:

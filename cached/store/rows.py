@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cached_client.keys import KernelRequest
-from cached_client.protocol import KINDS, check_manifest
+from cached_client.protocol import BLOB_SUFFIXES, HEX64_RE, KINDS, check_manifest
 
 COLUMNS = {
     "key": str, "family": str, "kernel_name": str, "symbol": str, "params": str, "arch": str,
@@ -26,8 +26,7 @@ COLUMNS = {
 ADDED_COLUMNS = {"kind": "kernel", "files": ""}
 """Columns an older index lacks, added with these values when it is opened."""
 
-SUFFIXES = {"object": ".o", "library": ".so"}
-HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+SUFFIXES = BLOB_SUFFIXES  # a blob kind -> its file suffix (the protocol's)
 BLOB_SUFFIX = re.compile(r"\.[a-z0-9]{1,16}\Z")
 
 @dataclass(frozen=True)
@@ -91,7 +90,7 @@ def check_row(row: Mapping[str, Any]) -> str | None:
     blobs = ("object_sha256", "library_sha256") if kind == "kernel" else ()
     for name in ("key", *blobs):
         value = row.get(name)
-        if not isinstance(value, str) or not HEX64.match(value):
+        if not isinstance(value, str) or not HEX64_RE.match(value):
             return f"{name} is not 64 lowercase hex digits: {str(value)[:80]!r}"
     for name, type_ in COLUMNS.items():
         value = row.get(name)

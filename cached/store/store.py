@@ -41,7 +41,7 @@ from typing import Any
 
 import sqlite_utils
 from cached_client.errors import CompileFailed
-from cached_client.protocol import BUNDLE_NAME, MAX_BUNDLE_FILES
+from cached_client.protocol import BUNDLE_NAME, HEX64_RE, MAX_BUNDLE_FILES
 
 from ..config import ConfigError
 from ..log import event
@@ -61,7 +61,6 @@ from .rows import (
     ADDED_COLUMNS,
     BLOB_SUFFIX,
     COLUMNS,
-    HEX64,
     SUFFIXES,
     Entry,
     bundle_suffix,
@@ -342,7 +341,7 @@ class Store:
         path = self._blob_paths.get((sha256, suffix))
         if path is not None:
             return path
-        if not HEX64.match(sha256):
+        if not HEX64_RE.match(sha256):
             raise ValueError(f"not a sha256 digest: {sha256[:80]!r}")
         if not BLOB_SUFFIX.match(suffix):
             raise ValueError(f"not a blob suffix: {suffix[:20]!r}")
@@ -799,7 +798,7 @@ class Store:
             if name in referenced or st.st_mtime >= self._opened:
                 continue
             sha, dot, suffix = name.partition(".")
-            if not trust_index or not HEX64.match(sha) or not BLOB_SUFFIX.match(dot + suffix):
+            if not trust_index or not HEX64_RE.match(sha) or not BLOB_SUFFIX.match(dot + suffix):
                 report["orphans_kept"] += 1
                 continue
             self.remove_blob(sha, dot + suffix)

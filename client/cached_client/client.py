@@ -39,7 +39,6 @@ import errno
 import functools
 import logging
 import os
-import tempfile
 import threading
 import time
 import weakref
@@ -61,9 +60,9 @@ from .errors import (
     error_from_wire,
 )
 from .keys import KernelRequest
-from .loader import copy_verified, load_bytes, load_library, private_dir
-from .paths import SOCKET_ENV, default_socket_path
-from .protocol import Artifact
+from .loader import copy_verified, load_bytes, load_library, load_module, private_dir
+from .paths import SOCKET_ENV, default_socket_path, scratch_dir
+from .protocol import BLOB_SUFFIXES, Artifact
 from .transport import ConnectFailed, Connection, DaemonSilent
 
 logger = logging.getLogger("cached_client")
@@ -174,8 +173,9 @@ class Client:
         self._next_id = 0
         self._loaded: dict[KernelRequest, Any] = {}
         self._fallbacks: dict[str, int] = {}  # in-process compiles not yet reported
-        self._scratch = os.path.join(tempfile.gettempdir(), f"cached-client-{os.getuid()}")
+        self._scratch = scratch_dir()
         self._scratch_checked = False
+        self._hashed_copies: dict[str, str] = {}  # private copy -> sha256 hashed copying it
         _clients.add(self)
 
     def close(self) -> None:
@@ -380,14 +380,16 @@ class Client:
         return self._call("prefetch", request, p.PrefetchReply, timeout)
 
     def get(
-        self, request: KernelRequest, timeout: float | None = None, priority: str = "interactive"
+        self, request: KernelRequest, timeout: float | None = None,
+        priority: str = "interactive", blobs: tuple[str, ...] = p.BLOB_KINDS,
     ) -> Artifact:
         """The artifact for ``request``, compiled by the daemon if it has none yet.
 
         The daemon is given a slightly shorter deadline than the socket, so that a
         kernel still compiling comes back as its typed DeadlineExceeded answer. With
         transfer ``fd`` the returned paths are this user's private copies (their digests
-        checked), so nothing the daemon evicts can break loading them.
+        checked), so nothing the daemon evicts can break loading them; only the ``blobs``
+        asked for are copied (the others' paths are None).
         """
         timeout = self.timeout if timeout is None else timeout
         caps = self.capabilities(timeout)
@@ -398,21 +400,24 @@ class Client:
         if transfer not in ("path", "bytes") and f"transfer:{transfer}" not in caps:
             transfer = "path"
         message = p.GetRequest(request=request, priority=priority, transfer=transfer,
+                               blobs=list(blobs),
                                deadline_ms=max(1, int(timeout * 1000 * 0.95) - 20))
         reply, payload, fds = self._round_trip("get", message, timeout)
         artifact = reply.artifact
         stated = None if self.identity is False else self._identity_wire(message)
         found = trust.mismatches(artifact, request, stated)
-        bad_fds = transfer == "fd" and set(reply.fds) != {"object", "library"}
+        bad_fds = transfer == "fd" and (not set(blobs) <= set(reply.fds)
+                                        or len(reply.fds) != len(fds))
         if found or bad_fds:
             for fd in fds:
                 _close(fd)
             if bad_fds:
-                raise BadReply(f"the daemon passed descriptors for {reply.fds!r}, not for "
-                               "the object and the library")
+                raise BadReply(f"the daemon passed {len(fds)} descriptors for {reply.fds!r}, "
+                               f"not one for each of {list(blobs)!r}")
             raise self._mismatch(artifact, found)
         if transfer == "fd":
-            return self._private_copies(artifact, reply.fds, fds)
+            return self._private_copies(artifact, dict(zip(reply.fds, fds, strict=True)),
+                                        blobs)
         for fd in fds:
             _close(fd)
         if transfer == "bytes":
@@ -434,22 +439,27 @@ class Client:
             logger.warning("cached: %s (compiling in this process instead)", message)
         return ArtifactMismatch(message, fields)
 
-    def _private_copies(self, artifact: Artifact, kinds: list, fds: list[int]) -> Artifact:
-        """Copy the blobs the daemon passed as descriptors into the private scratch
-        directory, checking each digest; closes the descriptors."""
+    def _private_copies(self, artifact: Artifact, passed: dict[str, int],
+                        blobs: tuple[str, ...]) -> Artifact:
+        """Copy the ``blobs`` the daemon passed as descriptors (kind -> fd) into the private
+        scratch directory, checking each digest; closes every descriptor passed. A library
+        whose bytes were hashed as they were copied is loaded without hashing them again
+        (:meth:`_load_artifact`); one found already copied is hashed at load."""
+        paths: dict[str, str | None] = {"object": None, "library": None}
         try:
-            passed = dict(zip(kinds, fds, strict=True))
             if not self._scratch_checked:  # once per client: made 0700, ours alone
                 private_dir(self._scratch)
                 self._scratch_checked = True
-            directory = self._scratch
-            paths = {kind: copy_verified(
-                passed[kind], getattr(artifact, f"{kind}_sha256"),
-                getattr(artifact, f"{kind}_size"),
-                os.path.join(directory, getattr(artifact, f"{kind}_sha256") + suffix))
-                for kind, suffix in (("object", ".o"), ("library", ".so"))}
+            for kind in blobs:
+                sha256 = getattr(artifact, f"{kind}_sha256")
+                path, hashed = copy_verified(
+                    passed[kind], sha256, getattr(artifact, f"{kind}_size"),
+                    os.path.join(self._scratch, sha256 + BLOB_SUFFIXES[kind]))
+                paths[kind] = path
+                if hashed and kind == "library":
+                    self._hashed_copies[path] = sha256
         finally:
-            for fd in fds:
+            for fd in passed.values():
                 _close(fd)
         return dataclasses.replace(artifact, object_path=paths["object"],
                                    library_path=paths["library"])
@@ -532,7 +542,7 @@ class Client:
         if fn is not None:
             return fn
         try:
-            artifact = self.get(request, timeout)
+            artifact = self.get(request, timeout, blobs=("library",))
         except (DaemonUnavailable, DeadlineExceeded, Overloaded) as exc:
             if self.fallback is False:
                 raise
@@ -557,6 +567,8 @@ class Client:
                               self._scratch)
         if artifact.library_path is None:
             raise BadReply("the daemon's answer named no library path and sent no bytes")
+        if self._hashed_copies.pop(artifact.library_path, None) == artifact.library_sha256:
+            return load_module(artifact.library_path, artifact.symbol)
         return load_library(artifact.library_path, artifact.symbol, artifact.library_sha256)
 
     def _fallback_build(self, request: KernelRequest, reason: CachedError) -> Artifact:

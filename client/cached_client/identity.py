@@ -47,12 +47,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import flashinfer_sources
-from .loader import RUNTIME_LIBRARY_ENV, runtime_library_path
+from .errors import IntegrityError
+from .loader import RUNTIME_LIBRARY_ENV, is_private, private_dir, runtime_library_path
+from .paths import scratch_dir
 
 STACK_NAMES = ("torch", "apache-tvm-ffi")
 STACK_PREFIX = "nvidia-cutlass-dsl"
 FLASHINFER_DIST = "flashinfer-python"
 VERSION_NAMES = ("flashinfer-python", "nvidia-cutlass-dsl", "apache-tvm-ffi", "torch")
+IDENTITY_CACHE_ENV = "CACHED_IDENTITY_CACHE"
 _SYSCONFIG_LOCK = threading.Lock()
 _DIST_INFO = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)\.dist-info$")
 
@@ -112,9 +115,107 @@ def _files(dist: Dist) -> tuple[tuple[str, str], ...]:
 
 
 def dist_component(dist: Dist) -> str:
-    """``name==version:sha256`` of a distribution's installed content (see the module doc)."""
+    """``name==version:sha256`` of a distribution's installed content (see the module doc),
+    from this user's component cache while the distribution's RECORD is unchanged."""
+    record = str(dist.path / "RECORD")
+    try:
+        stamp = _stamp(os.stat(record))
+    except OSError:
+        stamp = None
+    cache = _component_cache()
+    hit = cache.components.get(record)
+    if stamp is not None and hit is not None and hit[0] == stamp:
+        return hit[1]
     digest = hashlib.sha256("\n".join(f"{p},{h}" for p, h in _files(dist)).encode())
-    return f"{dist.name}=={dist.version}:{digest.hexdigest()}"
+    component = f"{dist.name}=={dist.version}:{digest.hexdigest()}"
+    if stamp is not None:
+        cache.put(record, stamp, component)
+    return component
+
+
+def _stamp(st: os.stat_result) -> list[int]:
+    """What changes when a file is rewritten: device, inode, size, mtime (ns)."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+class ComponentCache:
+    """:func:`dist_component`'s results by RECORD path and :func:`_stamp`, kept in
+    ``path`` (JSON, this user's private directory) so a process does not hash the RECORD
+    of every stack distribution again (torch's lists some 12,000 files).
+
+    Invariants: an entry is used only while its RECORD's stamp is unchanged (pip writes a
+    new RECORD on every install); at most MAX_ENTRIES entries; the file is read once per
+    process and written atomically; a file that is not a well-formed cache, or a directory
+    that is not private to this user, is ignored (the components are computed), never an
+    error."""
+
+    VERSION = 1
+    MAX_ENTRIES = 256
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.components: dict[str, tuple[list[int], str]] = {}
+        self._lock = threading.Lock()
+        if path is not None:
+            self.components = self._read(path)
+
+    @staticmethod
+    def _read(path: str) -> dict[str, tuple[list[int], str]]:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        out: dict[str, tuple[list[int], str]] = {}
+        if not isinstance(data, dict) or data.get("version") != ComponentCache.VERSION:
+            return {}
+        entries = data.get("components")
+        if not isinstance(entries, dict):
+            return {}
+        for record, value in entries.items():
+            if (isinstance(value, list) and len(value) == 2 and isinstance(value[1], str)
+                    and isinstance(value[0], list) and len(value[0]) == 4
+                    and all(type(x) is int for x in value[0])):
+                out[record] = (value[0], value[1])
+        return out
+
+    def put(self, record: str, stamp: list[int], component: str) -> None:
+        """Remember one component and rewrite the file (best effort)."""
+        with self._lock:
+            self.components[record] = (stamp, component)
+            if self.path is None:
+                return
+            if len(self.components) > self.MAX_ENTRIES:  # RECORDs gone first, then oldest
+                alive = {k: v for k, v in self.components.items() if os.path.exists(k)}
+                self.components = dict(list(alive.items())[-self.MAX_ENTRIES:])
+            data = {"version": self.VERSION,
+                    "components": {k: [v[0], v[1]] for k, v in self.components.items()}}
+            tmp = f"{self.path}.tmp.{os.getpid()}.{threading.get_ident()}"
+            try:
+                private_dir(os.path.dirname(self.path))
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(data, f)
+                os.replace(tmp, self.path)
+            except (OSError, IntegrityError):
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+
+
+@functools.cache
+def _component_cache() -> ComponentCache:
+    """This process's component cache: $CACHED_IDENTITY_CACHE when set ("" turns it off),
+    else ``stack-digests.json`` in the client's private scratch directory (paths.scratch_dir)."""
+    configured = os.environ.get(IDENTITY_CACHE_ENV)
+    if configured == "":
+        return ComponentCache(None)
+    path = configured or os.path.join(scratch_dir(), "stack-digests.json")
+    try:
+        private = is_private(os.lstat(os.path.dirname(path)))
+    except OSError:
+        private = True  # absent: created private on the first write
+    return ComponentCache(path if private else None)  # not ours alone: not used
 
 
 @functools.cache

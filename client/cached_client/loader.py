@@ -75,30 +75,41 @@ def load_library(path: str, symbol: str, sha256: str) -> Any:
     actual = sha256_file(path)
     if actual != sha256:
         raise IntegrityError(f"{path} has sha256 {actual}, expected {sha256}; not loading it")
+    return load_module(path, symbol)
+
+
+def load_module(path: str, symbol: str) -> Any:
+    """The function ``symbol`` of a library whose bytes the caller has just checked (a
+    private copy written after its digest matched: :func:`copy_verified`)."""
     open_runtime()
     import tvm_ffi
 
     return tvm_ffi.load_module(path)[symbol]
 
 
+def is_private(st: os.stat_result) -> bool:
+    """Whether ``st`` (an lstat) is a real directory that only this user can write."""
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def private_dir(directory: str) -> str:
     """``directory``, created 0700; refused unless it is a real directory that only this
     user can write (a planted directory in /tmp could otherwise swap a library)."""
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    st = os.lstat(directory)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+    if not is_private(os.lstat(directory)):
         raise IntegrityError(f"{directory} is not a private directory of uid {os.getuid()}; "
                              "remove it or point TMPDIR elsewhere")
     return directory
 
 
-def copy_verified(fd: int, sha256: str, size: int, path: str) -> str:
+def copy_verified(fd: int, sha256: str, size: int, path: str) -> tuple[str, bool]:
     """``path`` holding the bytes of the open file ``fd`` (read from offset 0), written
-    atomically once they match ``sha256``; IntegrityError otherwise. A file already at
-    ``path`` with ``size`` bytes is kept (loading it checks its digest again)."""
+    atomically once they match ``sha256``; IntegrityError otherwise. Returns the path and
+    whether its bytes were hashed here: a file already at ``path`` with ``size`` bytes is
+    kept unhashed (loading it must check its digest)."""
     try:
         if os.stat(path).st_size == size:
-            return path
+            return path, False
     except FileNotFoundError:
         pass
     digest = hashlib.sha256()
@@ -118,7 +129,7 @@ def copy_verified(fd: int, sha256: str, size: int, path: str) -> str:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return path
+    return path, True
 
 
 def load_bytes(data: bytes, symbol: str, sha256: str, directory: str) -> Any:

@@ -14,6 +14,7 @@ import functools
 import os
 import pwd
 import stat
+import tempfile
 
 SOCKET_ENV = "CACHED_SOCKET"
 DAEMON_UID_ENV = "CACHED_DAEMON_UID"
@@ -27,6 +28,12 @@ def runtime_dir() -> str:
     if base:
         return os.path.join(base, "cached")
     return os.path.join("/tmp", f"cached-{os.getuid()}")
+
+
+def scratch_dir() -> str:
+    """The client's private scratch directory: $TMPDIR/cached-client-$UID (made 0700 by
+    the client on first use: private copies of served blobs, the identity cache)."""
+    return os.path.join(tempfile.gettempdir(), f"cached-client-{os.getuid()}")
 
 
 def default_socket_path() -> str:

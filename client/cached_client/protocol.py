@@ -57,6 +57,8 @@ TRANSFERS = ("fd", "path", "bytes")
 eviction cannot break a load in progress), their paths in the store, or the library's
 bytes as payload."""
 BLOB_KINDS = ("object", "library")
+BLOB_SUFFIXES = {"object": ".o", "library": ".so"}
+"""A blob's file name is its sha256 and this suffix (the store's and a client's copies)."""
 MAX_DEADLINE_MS = 3_600_000
 KINDS = ("kernel", "bundle")
 """What an artifact is: a ``kernel`` (an object and the library linked from it) or a
@@ -277,11 +279,12 @@ def _encode(value: Any) -> Any:
 
 # -- identity ----------------------------------------------------------------------------
 
-HEX64 = frozenset("0123456789abcdef")
+HEX64_RE = re.compile(r"[0-9a-f]{64}\Z")
+r"""A sha256 in hex: exactly 64 lowercase hex digits (``\Z``: no trailing newline)."""
 
 
 def _hex64(value: Any, name: str) -> str:
-    if not isinstance(value, str) or len(value) != 64 or not set(value) <= HEX64:
+    if not isinstance(value, str) or not HEX64_RE.match(value):
         raise _bad(name, "64 lowercase hex digits", value)
     return value
 
@@ -316,7 +319,7 @@ def check_manifest(files: Any) -> str | None:
         if not isinstance(f, dict) or set(f) != {"sha256", "size"}:
             return f"bundle file {name!r} must have exactly sha256 and size"
         sha = f["sha256"]
-        if not isinstance(sha, str) or len(sha) != 64 or not set(sha) <= HEX64:
+        if not isinstance(sha, str) or not HEX64_RE.match(sha):
             return f"bundle file {name!r}: sha256 is not 64 lowercase hex digits"
         if isinstance(f["size"], bool) or not isinstance(f["size"], int) or f["size"] < 0:
             return f"bundle file {name!r}: size is not a non-negative integer"
@@ -394,7 +397,14 @@ class GetRequest(Message):
     deadline_ms: float = wire(Number(1, MAX_DEADLINE_MS), 60_000)
     priority: str = wire(Str(choices=PRIORITIES), "interactive")
     transfer: str = wire(Str(choices=TRANSFERS), "path")
+    blobs: list = wire(List(Str(16, BLOB_KINDS), 2), list(BLOB_KINDS),
+                       "transfer 'fd': the blobs whose descriptors to pass (a daemon that "
+                       "predates this field passes both)")
     identity: Identity | None = IdentityField()
+
+    def __post_init__(self) -> None:
+        if not self.blobs or len(set(self.blobs)) != len(self.blobs):
+            raise InvalidArgument("get.blobs must name 'object', 'library' or both, once each")
 
 
 @dataclass(frozen=True, kw_only=True)

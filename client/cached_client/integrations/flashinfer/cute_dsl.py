@@ -348,7 +348,7 @@ def _from_daemon(state: _State, spec: Any) -> Any:
                                      source, arch, sm_count, files)
         return _write_back(state, spec, request)
     try:
-        artifact = state.client.get(request)
+        artifact = state.client.get(request, blobs=("object",))
     except UnknownToolchain as exc:  # no toolchain of the daemon is this environment's
         state.counts["unknown_toolchain"] += 1
         if "unknown_toolchain" not in state.warned:

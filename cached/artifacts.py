@@ -1,0 +1,105 @@
+"""How a stored entry is served: its wire ``Artifact`` and its blobs opened for a transfer.
+
+The one place where a store entry becomes what the protocol sends (``get``, ``lease``,
+``publish``): :meth:`Served.artifact` describes it, :func:`open_blobs` opens the blobs a
+transfer ``fd`` passes, :func:`open_checked_library` the library a transfer ``bytes``
+streams. Every descriptor is opened by :func:`cached.store.blobs.open_served` (no link
+followed, no FIFO blocked on, only a regular file of the indexed size).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+from cached_client import protocol as p
+from cached_client.trust import RUNTIME_KEYS
+
+from .store.blobs import BadBlob, open_served
+from .store.rows import SUFFIXES, Entry, manifest
+from .store.store import Store
+from .toolchains import Toolchains
+
+RUNTIMES_MAX = 4096
+"""Toolchain fingerprints whose runtime is remembered (the toolchains are fixed for the
+daemon's life; the bound only caps what rows naming unknown ones can add)."""
+
+
+class Served:
+    """Describes stored entries for the wire, with the registered toolchains' runtimes."""
+
+    def __init__(self, toolchains: Toolchains) -> None:
+        self.toolchains = toolchains
+        self._runtimes: dict[str, dict] = {}  # fingerprint -> runtime: _built_for
+
+    def artifact(self, entry: Entry, origin: str, paths: bool = True) -> p.Artifact:
+        """How the protocol describes a stored entry (with its blob paths unless not); a
+        bundle has no object or library but its files, each with its blob's path."""
+        r = entry.row
+        if entry.kind == "bundle":
+            return p.Artifact(
+                key=r["key"], family=r["family"], kernel_name=r["kernel_name"], symbol="",
+                library_sha256="", object_sha256="", toolchain=r["toolchain"],
+                source_sha256=r["source_sha256"], runtime_library={}, origin=origin,
+                **self._built_for(r),
+                compile_seconds=r["compile_seconds"], kind="bundle",
+                files=[{"name": name, "sha256": f["sha256"], "size": f["size"],
+                        "path": str(entry.files[name]) if paths else None}
+                       for name, f in sorted(manifest(r).items())])
+        return p.Artifact(
+            key=r["key"], family=r["family"], kernel_name=r["kernel_name"], symbol=r["symbol"],
+            library_sha256=r["library_sha256"], object_sha256=r["object_sha256"],
+            library_size=r["library_size"], object_size=r["object_size"],
+            toolchain=r["toolchain"], source_sha256=r["source_sha256"],
+            runtime_library=self.toolchains.runtime_library(r["toolchain"]), origin=origin,
+            **self._built_for(r),
+            compile_seconds=r["compile_seconds"],
+            library_path=str(entry.library_path) if paths else None,
+            object_path=str(entry.object_path) if paths else None)
+
+    def _built_for(self, row: Any) -> dict:
+        """What an artifact states it was built for (protocol capability
+        ``identity:artifact``): its arch and device facts as keyed, and the runtime of the
+        toolchain whose fingerprint it carries ({} for one not registered here)."""
+        fingerprint = row["toolchain"]
+        runtime = self._runtimes.get(fingerprint)
+        if runtime is None:
+            t = self.toolchains.by_fingerprint(fingerprint)
+            runtime = {} if t is None else {k: t.runtime.get(k) for k in RUNTIME_KEYS}
+            if len(self._runtimes) < RUNTIMES_MAX:
+                self._runtimes[fingerprint] = runtime
+        return {"arch": row["arch"], "sm_count": row["sm_count"],
+                "max_active_clusters": row["max_active_clusters"], "runtime": dict(runtime)}
+
+
+def open_blobs(entry: Entry, kinds: list[str]) -> list[int]:
+    """Descriptors of the entry's blobs of ``kinds`` ("object", "library"), in that order:
+    all or none (BadBlob, FileNotFoundError or Overloaded from :func:`open_served`)."""
+    fds: list[int] = []
+    try:
+        for kind in kinds:
+            path = entry.object_path if kind == "object" else entry.library_path
+            fds.append(open_served(path, entry.row[f"{kind}_size"]))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def open_checked_library(store: Store, entry: Entry) -> int:
+    """The library's descriptor after its digest is checked through that descriptor (unless
+    the file it opened is the one the store checked last: :meth:`Store.unchanged`), so the
+    bytes sent (from offset 0) are the bytes checked."""
+    fd = open_served(entry.library_path, entry.row["library_size"])
+    if store.unchanged(entry.row["library_sha256"], SUFFIXES["library"], os.fstat(fd)):
+        return fd
+    digest, offset = hashlib.sha256(), 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    if digest.hexdigest() != entry.row["library_sha256"]:
+        os.close(fd)
+        raise BadBlob("library blob changed while being read", True)
+    return fd
