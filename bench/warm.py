@@ -5,7 +5,11 @@ path). Then, in a fresh process each, every kernel is loaded once: through
 ``Client.load`` with each transfer (``fd``: descriptors passed, private copies, digest
 check, ``tvm_ffi.load_module``; ``path``; ``bytes``), and through
 ``JitSpecCuteDsl.try_load`` (FlashInfer's disk cache). Module imports are done before
-timing in both. Usage: python bench/warm.py [--limit N]
+timing in both. Each transfer runs in a process with an empty scratch directory
+(``client_<transfer>``: private copies made, the stack's digests computed) and then in a
+second process with the same one (``client_<transfer>_again``: what a node's next process
+finds); ``--runs`` repeats the client processes against the one warmed daemon.
+Usage: python bench/warm.py [--limit N] [--runs R] [--name NAME]
 """
 
 from __future__ import annotations
@@ -40,9 +44,12 @@ print(json.dumps({"latencies_s": latencies}))
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--limit", type=int, default=48)
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--name", default="warm", help="bench/out/NAME.json")
     args = parser.parse_args()
     wires = [r.to_wire() for r in plan(args.limit)]
-    result: dict = {"kernels": len(wires)}
+    result: dict = {"kernels": len(wires), "runs": args.runs}
+    names = []
     with tempfile.TemporaryDirectory() as workdir:
         path = Path(workdir) / "wires.json"
         path.write_text(json.dumps(wires))
@@ -54,13 +61,18 @@ def main() -> None:
                     "json.load(open(sys.argv[2]))], 3600))")
             subprocess.run([sys.executable, "-c", code, d.socket, str(path)], check=True,
                            capture_output=True)
-            for transfer in ("fd", "path", "bytes"):
-                scratch = Path(workdir) / f"scratch-{transfer}"  # empty: copies are made
-                scratch.mkdir()
-                out = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, d.socket, str(path),
-                                      transfer], capture_output=True, text=True, check=True,
-                                     env={**os.environ, "TMPDIR": str(scratch)})
-                result[f"client_{transfer}"] = json.loads(out.stdout)
+            for run in range(args.runs):
+                for transfer in ("fd", "path", "bytes"):
+                    scratch = Path(workdir) / f"scratch-{transfer}-{run}"  # empty at first
+                    scratch.mkdir()
+                    for again in ("", "_again"):
+                        out = subprocess.run(
+                            [sys.executable, "-c", CLIENT_SCRIPT, d.socket, str(path),
+                             transfer], capture_output=True, text=True, check=True,
+                            env={**os.environ, "TMPDIR": str(scratch)})
+                        name = f"client_{transfer}{again}" + (f"_run{run}" if run else "")
+                        result[name] = json.loads(out.stdout)
+                        names.append(name)
         finally:
             d.stop()
         workspace = Path(workdir) / "fi"
@@ -72,11 +84,15 @@ def main() -> None:
                               "try_load", str(path)], env={**os.environ, **env},
                              capture_output=True, text=True, check=True)
         result["flashinfer_try_load"] = json.loads(out.stdout.strip().splitlines()[-1])
-    for name in ("client_fd", "client_path", "client_bytes", "flashinfer_try_load"):
+    for name in (*names, "flashinfer_try_load"):
         lat = [v * 1000 for v in result[name]["latencies_s"]]
         result[name].update(p50_ms=percentile(lat, 50), p99_ms=percentile(lat, 99),
                             first_ms=lat[0])
-    save("warm", result)
+    save(args.name, result)
+    for name in (*names, "flashinfer_try_load"):
+        r = result[name]
+        print(f"{name:28s} p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms  "
+              f"first {r['first_ms']:6.1f} ms")
 
 
 if __name__ == "__main__":

@@ -761,11 +761,15 @@ def _load(path: str) -> dict:
 
 def _ratio_table(runs: dict, names: dict, field: str, what: str, ratio: str, cell) -> None:
     """One row per batch: each mode's ``cell(r[field][batch])`` (a time, its text) and the
-    time of (a) and (b) over (c)'s (> 1: (c) faster)."""
+    time of (a) and (b) over (c)'s (> 1: (c) faster); rows no mode measured are left out."""
+    batches = [b for b in map(str, PERF_BATCHES)
+               if any((r.get(field) or {}).get(b) for r in runs.values())]
+    if not batches:
+        return
     print("\n| batch | " + " | ".join(f"{names[m]} {what}" for m in runs)
           + f" | a {ratio} / c {ratio} | b {ratio} / c {ratio} |")
     print("|---|" + "---|" * (len(runs) + 2))
-    for b in map(str, PERF_BATCHES):
+    for b in batches:
         cells, times = [], {}
         for m, r in runs.items():
             p = (r.get(field) or {}).get(b)
