@@ -56,10 +56,10 @@ def compile_to_object(
                by every launch (the last unit of a tile resets its counter)
     computing c = cvt((a @ b.T) * (a_scale * b_scale)) (per-token: the element (m, n)
     scaled by a_scale[m] * b_scale[n]). workspace_bytes / counter_elems
-    are in cached_client.hopper_fp8. A "cta" kernel given smaller buffers writes nothing
+    are in cached_client.gemm.hopper_fp8. A "cta" kernel given smaller buffers writes nothing
     (no out-of-bounds access). One workspace serves one launch at a time (stream order).
     M, N, K are runtime values; a, b, c must be 16-byte aligned, N and K multiples of 16,
-    M >= 1 (the launcher in cached_client.hopper_fp8 checks these). The stream is
+    M >= 1 (the launcher in cached_client.gemm.hopper_fp8 checks these). The stream is
     TVM-FFI's environment stream, i.e. the caller's current torch stream, so the call is
     CUDA-graph capturable.
 
