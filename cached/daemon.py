@@ -28,7 +28,6 @@ import signal
 import stat
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,6 +50,7 @@ from .service import QueueQuota, Service
 from .store import lock as storelock
 from .store.store import Budget, Store, StoreError
 from .view.metrics import make_metrics
+from .view.snapshot import DaemonSnapshot, take
 from .view.stats import Stats
 
 log = logging.getLogger("cached.daemon")
@@ -133,53 +133,11 @@ class Daemon:
         self._http: Any = None
         self._stop = asyncio.Event()
 
-    def snapshot(self) -> dict:
-        """The statistics ``cached stats --json`` reports (``GET /stats`` and the page show
-        :func:`cached.view.httpapp.public_stats` of it); counters since ``stats --zero``."""
-        store, pool, jobs = self.store.snapshot(), self.pool.snapshot(), self.scheduler.snapshot()
-        counters, by_family = self.stats.view(families.names())  # since `stats --zero`
-        c = Counter(counters)
-        return {
-            "entries": store.entries, "bytes": store.bytes, "hits": c["hits"],
-            "misses": c["misses"], "prewarm_hits": c["prewarm_hits"],
-            "prewarm_misses": c["prewarm_misses"],
-            "hit_seconds_mean": _mean(by_family, "hit_seconds"),
-            "miss_seconds_mean": _mean(by_family, "miss_seconds"),
-            "compiles": c["compiles"], "failures": c["failures"],
-            "persist_failures": c["persist_failures"],
-            "remote_hits": c["remote_hits"],
-            "remote": self.remote.snapshot() if self.remote else {"state": "disabled"},
-            "compile_seconds": round(c["compile_seconds"], 3),
-            "in_flight": jobs.in_flight, "queued": jobs.queued, "running": jobs.running,
-            "workers": pool.size, "workers_alive": pool.alive, "workers_ready": pool.ready,
-            "workers_idle": pool.idle, "worker_restarts": self.stats.since_zero("worker_restarts"),
-            "connections": self.server.connections,
-            "errors": {k.split(".", 1)[1]: v for k, v in c.items()
-                       if k.startswith("errors.") and v},
-            "families": by_family,
-            "last_failures": list(self.stats.failures),
-            "uptime_s": round(time.time() - self.started, 1),
-            "started": round(self.started, 3), "stats_zeroed_at": self.stats.zeroed_at,
-            "version": self.version, "versions": self.versions,
-            "toolchain": self.toolchains.default.digest,
-            "toolchains": [{**t, "workers": dict(pool.toolchains.get(t["name"], {})),
-                            "broken": self.pool.broken.get(t["name"])}  # why: socket only
-                           for t in self.toolchains.snapshot()],
-            "serve_only": self.settings.serve_only,
-            "store": self.settings.store, "socket": self.socket_path,
-            "http": self.http_address,
-            "max_bytes": store.max_bytes, "max_files": store.max_files,
-            "evictions": store.evictions, "evicted_bytes": store.evicted_bytes,
-            "over_budget": store.over_budget, "client_fallbacks": c["client_fallbacks"],
-            "unknown_toolchain": c["unknown_toolchain"],
-            "unknown_environments": self.toolchains.unknown_snapshot(),
-            "client_outside_kernels": c["client_outside_kernels"],
-            "outside_kernels": list(self.stats.outside_kernels),
-            "draining": self.lifecycle.draining,
-            "settings": {"file": str(self.settings.file) if self.settings.file else None,
-                         "file_source": self.settings.file_source,
-                         "options": self.settings.rows()},
-        }
+    def snapshot(self, since_zero: bool = True) -> DaemonSnapshot:
+        """The daemon's one snapshot (:func:`cached.view.snapshot.take`), which ``cached
+        stats``, ``GET /stats``, the page and ``/metrics`` render; counts since
+        ``stats --zero`` (``since_zero``) or since the start."""
+        return take(self, since_zero)
 
     async def run(self) -> None:
         try:
@@ -261,13 +219,6 @@ class Daemon:
         threading.Thread(target=self._http.run, kwargs={"sockets": [sock]}, name="http",
                          daemon=True).start()
         event(log, logging.INFO, "http.listening", address=self.http_address)
-
-
-def _mean(by_family: dict[str, dict[str, float]], name: str) -> float | None:
-    """The mean of latency ``name`` (``hit_seconds``, ``miss_seconds``) over every family's
-    serving gets, in seconds; None before the first."""
-    count = sum(c.get(f"{name}_count", 0) for c in by_family.values())
-    return round(sum(c.get(name, 0) for c in by_family.values()) / count, 6) if count else None
 
 
 def _launchers(registry: toolchains.Toolchains) -> list[Launcher]:

@@ -31,6 +31,7 @@ from .log import event
 from .server import Limits
 from .store.store import Budget
 from .systemd import listen_fds, notify, watchdog_interval
+from .view.snapshot import take
 
 log = logging.getLogger("cached.daemon")
 
@@ -91,12 +92,11 @@ class Lifecycle:
         task.add_done_callback(self._tasks.discard)
 
     def status(self) -> str:
-        d = self.daemon
-        store, pool, jobs = d.store.snapshot(), d.pool.snapshot(), d.scheduler.snapshot()
-        c = d.stats.counters
-        total = c["hits"] + c["misses"]
+        """The systemd ``STATUS=`` line, from the daemon's snapshot (counts since start)."""
+        snap = take(self.daemon, since_zero=False)
+        store, pool, jobs, served = snap.store, snap.pool, snap.jobs, snap.counts.hit_ratio
         budget = f" of {size_text(store.max_bytes)}" if store.max_bytes else ""
-        ratio = f", hit ratio {100 * c['hits'] / total:.0f}%" if total else ""
+        ratio = f", hit ratio {100 * served:.0f}%" if served is not None else ""
         state = "draining" if self.draining else "serving"
         return (f"{state}: {store.entries} kernels ({size_text(store.bytes)}{budget}), "
                 f"{pool.ready}/{pool.size} workers ready, {jobs.queued} queued, "

@@ -32,6 +32,7 @@ from .log import event
 from .scheduler import PRIORITY_RANK, Scheduler
 from .server import Access, Attachment, Handler, Peer
 from .store.blobs import BadBlob
+from .view.snapshot import DaemonSnapshot
 from .view.stats import Stats
 
 log = logging.getLogger("cached.service")
@@ -95,7 +96,7 @@ class QueueQuota:
 
 class Service:
     def __init__(self, scheduler: Scheduler, served: Served, access: Access, stats: Stats,
-                 snapshot: Callable[[], dict], quota: QueueQuota | None = None,
+                 snapshot: Callable[[], DaemonSnapshot], quota: QueueQuota | None = None,
                  on_plan: Callable[[p.PlanRequest], None] | None = None) -> None:
         self.on_plan = on_plan  # told of every answered plan (cached tune --planned)
         self.scheduler = scheduler
@@ -208,12 +209,13 @@ class Service:
                            classes=[family.reduction_class(r.params) for r in requests])
 
     async def stats_reply(self, m: p.Empty, peer: Peer) -> p.StatsReply:
-        return p.StatsReply(stats=self.snapshot())
+        """The daemon's snapshot as the wire has it (:meth:`DaemonSnapshot.to_wire`)."""
+        return p.StatsReply(stats=self.snapshot().to_wire())
 
     async def zero_stats(self, m: p.Empty, peer: Peer) -> p.ZeroStatsReply:
         """The statistics as they were, then their counters started from zero (in one
         step of the event loop: nothing is counted in between)."""
-        before = self.snapshot()
+        before = self.snapshot().to_wire()
         zeroed_at = self.stats.zero()
         event(log, logging.INFO, "stats.zeroed", uid=peer.uid, pid=peer.pid)
         return p.ZeroStatsReply(stats=before, zeroed_at=zeroed_at)

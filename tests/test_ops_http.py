@@ -25,8 +25,8 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from cached import compiler_stack
 from cached.config import size_text
-from cached.view.httpapp import public_stats
 from cached.view.page import health, render
+from cached.view.snapshot import public_stats
 
 SCREENSHOT = ROOT / "docs" / "img" / "status.png"
 DEGRADED_RGB, OK_RGB = (0xFF, 0xED, 0xC2), (0xE3, 0xF4, 0xE8)  # the state box's background
@@ -301,5 +301,69 @@ def test_page_state_is_ok_then_names_a_worker_restart_and_an_unknown_environment
         run_cli("stats", "--socket", d.socket, "--zero")
         _, page = _get(d, "/")
         assert '<div class="state ok" id="health">' in page, page
+    finally:
+        d.stop()
+
+
+WIRE_KEYS = {
+    "entries", "bytes", "hits", "misses", "prewarm_hits", "prewarm_misses",
+    "hit_seconds_mean", "miss_seconds_mean", "compiles", "failures", "persist_failures",
+    "remote_hits", "remote", "compile_seconds", "in_flight", "queued", "running", "workers",
+    "workers_alive", "workers_ready", "workers_idle", "worker_restarts", "connections",
+    "errors", "families", "last_failures", "uptime_s", "started", "stats_zeroed_at",
+    "version", "versions", "toolchain", "toolchains", "serve_only", "store", "socket", "http",
+    "max_bytes", "max_files", "evictions", "evicted_bytes", "over_budget",
+    "client_fallbacks", "unknown_toolchain", "unknown_environments",
+    "client_outside_kernels", "outside_kernels", "draining", "settings",
+}
+"""Every key of the socket's ``stats`` object (cached stats --json), as operators know it."""
+
+
+def test_every_view_renders_the_same_snapshot(tmp_path):
+    """After real gets, ``cached stats`` (--json and its text), ``GET /stats``, the page and
+    ``/metrics`` agree on the stored entries and the serving hits and misses; after
+    ``stats --zero`` the socket's and HTTP's counts start again while /metrics' go on."""
+    d = DaemonProcess(tmp_path, workers=1)
+    fam = '{family="cached.test.fault"}'
+
+    def views() -> tuple[dict, str, dict, str, str]:
+        wire = json.loads(run_cli("stats", "--socket", d.socket, "--json").stdout)
+        text = run_cli("stats", "--socket", d.socket).stdout
+        over_http = json.loads(_get(d, "/stats")[1])
+        return wire, text, over_http, _get(d, "/")[1], _get(d, "/metrics")[1]
+
+    try:
+        client = d.client(timeout=60)
+        for tag in ("agree-a", "agree-b"):
+            assert client.get(fault("build", tag=tag)).origin == "compiled"
+        for _ in range(3):
+            assert client.get(fault("build", tag="agree-a")).origin == "hit"
+        wire, text, over_http, page, metrics = views()
+        assert set(wire) == WIRE_KEYS
+        assert (wire["entries"], wire["hits"], wire["misses"], wire["compiles"]) == (2, 3, 2, 2)
+        assert wire["families"]["cached.test.fault"]["hits"] == 3
+        for key in ("entries", "bytes", "hits", "misses", "compiles", "failures", "workers",
+                    "workers_ready", "families", "toolchain", "version"):
+            assert over_http[key] == wire[key], key
+        assert _sample(metrics, "cached_store_entries") == 2
+        assert _sample(metrics, "cached_store_bytes") == wire["bytes"] > 0
+        assert _sample(metrics, f"cached_hits_total{fam}") == 3
+        assert _sample(metrics, f"cached_misses_total{fam}") == 2
+        assert _sample(metrics, f"cached_compilations_total{fam}") == 2
+        assert _sample(metrics, "cached_workers_configured") == wire["workers"] == 1
+        assert '<div class="tile" id="entries"><b>2</b>' in page, page
+        assert "serving hit ratio (3 hits, 2 misses)" in page, page
+        assert re.search(r"^  Hits:\s+3 / 5 \(60\.00%\)$", text, re.M), text
+        assert re.search(r"^  Entries:\s+2$", text, re.M), text
+
+        run_cli("stats", "--socket", d.socket, "--zero")
+        wire, text, over_http, page, metrics = views()
+        assert (wire["entries"], wire["hits"], wire["misses"]) == (2, 0, 0)
+        assert (over_http["entries"], over_http["hits"], over_http["misses"]) == (2, 0, 0)
+        assert over_http["stats_zeroed_at"] == wire["stats_zeroed_at"] is not None
+        assert "serving hit ratio (0 hits, 0 misses)" in page, page
+        assert re.search(r"^  Hits:\s+0 / 0$", text, re.M), text
+        assert _sample(metrics, f"cached_hits_total{fam}") == 3  # monotonic
+        assert _sample(metrics, "cached_store_entries") == 2
     finally:
         d.stop()

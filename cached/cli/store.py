@@ -17,6 +17,7 @@ from cached_client import protocol as p
 
 from .. import compiler_stack, config
 from ..store import lock as storelock
+from ..view.snapshot import hit_ratio, mean_compile_s
 from ..view.stats import duration_text, time_text
 from . import argtypes
 
@@ -134,7 +135,8 @@ def _columns(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
 
 
 def format_stats(s: dict) -> str:
-    """``cached stats``: ccache -s's layout, from one statistics object (stats --json)."""
+    """``cached stats``: ccache -s's layout, from one statistics object (stats --json: the
+    daemon's snapshot as the wire has it, :meth:`DaemonSnapshot.to_wire`)."""
     requests = s["hits"] + s["misses"]
     width = len(str(requests))
     out: list[tuple[str, str]] = [
@@ -219,11 +221,11 @@ def _family_table(families: dict) -> list[str]:
              "Written back", "Avoided", "Served", "Fallbacks")]
     for name, c in sorted(families.items()):
         hits, misses, compiles = c.get("hits", 0), c.get("misses", 0), c.get("compiles", 0)
-        total = hits + misses
+        ratio, compile_s = hit_ratio(hits, misses), mean_compile_s(c)
         rows.append((name, str(hits), str(misses),
-                     f"{100 * hits / total:.2f}%" if total else "-", str(compiles),
+                     "-" if ratio is None else f"{100 * ratio:.2f}%", str(compiles),
                      str(c.get("failures", 0)),
-                     f"{c.get('compile_seconds', 0) / compiles:.2f}" if compiles else "-",
+                     "-" if compile_s is None else f"{compile_s:.2f}",
                      str(c.get("published", 0)), str(c.get("compiles_avoided", 0)),
                      config.size_text(c.get("bytes_served", 0)),
                      str(c.get("client_fallbacks", 0))))

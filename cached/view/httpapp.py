@@ -5,8 +5,9 @@ What HTTP may show: any local user can reach it (it has no peer credentials, and
 127.0.0.1 every user of the node is local), while the socket admits only the peers its
 mode and ``allow_uid``/``allow_gid`` admit. So HTTP shows counts, states, sizes, versions
 and family names; never filesystem paths, kernel keys or parameters, compiler messages, the
-fleet tier's URL or key ids (:func:`public_stats`, an allowlist: a key added to the
-snapshot stays off HTTP until it is added here). The socket's ``stats`` has everything.
+fleet tier's URL or key ids (:func:`cached.view.snapshot.public_stats` of the daemon's one
+snapshot, an allowlist: a key added to the snapshot stays off HTTP until it is added
+there). The socket's ``stats`` has everything.
 
 Only requests addressed to the endpoint itself are answered (:class:`HostCheck`): a page
 in a browser on the node can make a name of its own resolve to 127.0.0.1 (DNS
@@ -29,54 +30,11 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 from starlette.routing import Route
 
+from .snapshot import DaemonSnapshot
+
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
                    Awaitable[None]]
-
-PUBLIC_KEYS = (
-    "entries", "bytes", "hits", "misses", "prewarm_hits", "prewarm_misses",
-    "hit_seconds_mean", "miss_seconds_mean", "compiles", "failures", "persist_failures",
-    "remote_hits",
-    "compile_seconds", "in_flight", "queued", "running", "workers", "workers_alive",
-    "workers_ready", "workers_idle", "worker_restarts", "connections", "errors", "families",
-    "uptime_s", "started", "stats_zeroed_at", "version", "versions", "toolchain",
-    "serve_only", "http", "max_bytes", "max_files", "evictions", "evicted_bytes",
-    "over_budget", "client_fallbacks", "client_outside_kernels", "draining",
-    "unknown_toolchain",
-)
-"""The snapshot's keys HTTP shows as they are (counts, states, versions, family names)."""
-PUBLIC_REMOTE_KEYS = (
-    "state", "since", "read_only", "hits", "misses", "rejected", "published", "errors",
-    "skipped", "publish_queue", "publish_dropped", "bytes_in", "bytes_out",
-    "compression_ratio", "retry_in_s",
-)
-"""The fleet tier's keys HTTP shows (not its URL, key ids or last error text)."""
-REDACTED = ("paths, kernel keys and parameters, compiler messages and the fleet tier's "
-            "address are shown over the socket only: cached stats")
-
-
-PUBLIC_UNKNOWN_KEYS = ("fingerprint", "versions", "families", "requests", "first_seen")
-"""Each unknown environment's keys HTTP shows (not its interpreter's path or pid)."""
-PUBLIC_TOOLCHAIN_KEYS = ("name", "fingerprint", "versions", "families", "default", "workers")
-"""Each registered toolchain's keys HTTP shows (not its interpreter's path)."""
-
-
-def public_stats(snapshot: dict) -> dict:
-    """What ``GET /stats`` and the page show of a ``Daemon.snapshot()``: the
-    :data:`PUBLIC_KEYS`, the fleet tier's :data:`PUBLIC_REMOTE_KEYS`, each toolchain's
-    :data:`PUBLIC_TOOLCHAIN_KEYS`, and of each kept failure its time and family only."""
-    out = {k: snapshot[k] for k in PUBLIC_KEYS if k in snapshot}
-    out["toolchains"] = [{k: t[k] for k in PUBLIC_TOOLCHAIN_KEYS if k in t}
-                         for t in snapshot.get("toolchains", [])]
-    remote = snapshot.get("remote") or {}
-    out["remote"] = {k: remote[k] for k in PUBLIC_REMOTE_KEYS if k in remote}
-    out["last_failures"] = [{"time": f.get("time"), "family": f.get("family")}
-                            for f in snapshot.get("last_failures", [])]
-    out["unknown_environments"] = [{k: u[k] for k in PUBLIC_UNKNOWN_KEYS if k in u}
-                                   for u in snapshot.get("unknown_environments", [])]
-    out["redacted"] = REDACTED
-    return out
-
 
 def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
@@ -152,12 +110,14 @@ class HostCheck:
         await send({"type": "http.response.body", "body": body})
 
 
-def make_app(stats_fn: Callable[[], dict], ready_fn: Callable[[], bool],
+def make_app(snapshot_fn: Callable[[], DaemonSnapshot], ready_fn: Callable[[], bool],
              metrics_app: Callable | None = None,
              address: tuple[str, int] | None = None, names: Iterable[str] = ()) -> FastAPI:
-    """The endpoint's routes; ``metrics_app`` (an ASGI app, cached.view.metrics.make_metrics)
-    answers ``/metrics``; with ``address`` (the bound host and port) requests whose
-    ``Host`` is neither that address nor one of ``names`` are refused (:class:`HostCheck`)."""
+    """The endpoint's routes: ``/stats`` and ``/`` render :meth:`DaemonSnapshot.public` of
+    the snapshot ``snapshot_fn`` takes per request; ``metrics_app`` (an ASGI app,
+    cached.view.metrics.make_metrics) answers ``/metrics``; with ``address`` (the bound
+    host and port) requests whose ``Host`` is neither that address nor one of ``names``
+    are refused (:class:`HostCheck`)."""
     app = FastAPI(title="cached", docs_url=None, redoc_url=None, openapi_url=None)
     if address is not None:
         app.add_middleware(HostCheck, address=address, names=tuple(names))
@@ -168,7 +128,7 @@ def make_app(stats_fn: Callable[[], dict], ready_fn: Callable[[], bool],
 
     @app.get("/stats")
     def stats() -> dict:
-        return public_stats(stats_fn())
+        return snapshot_fn().public()
 
     if metrics_app is not None:  # at /metrics itself (a mount would redirect to /metrics/)
         app.router.routes.append(Route("/metrics", _Asgi(metrics_app), methods=["GET"]))
@@ -177,7 +137,7 @@ def make_app(stats_fn: Callable[[], dict], ready_fn: Callable[[], bool],
     def page() -> HTMLResponse:
         from .page import render
 
-        return HTMLResponse(render(public_stats(stats_fn())),
+        return HTMLResponse(render(snapshot_fn().public()),
                             headers={"Cache-Control": "no-store"})
 
     return app

@@ -1,7 +1,8 @@
 """``GET /``: one self-contained HTML page for an operator's browser.
 
-Rendered on the server from the same redacted snapshot as ``/stats`` over HTTP
-(:func:`cached.view.httpapp.public_stats`: counts, no paths or compiler messages): no script,
+Rendered on the server from the object ``/stats`` shows over HTTP, the redacted view of the
+daemon's one snapshot (:meth:`cached.view.snapshot.DaemonSnapshot.public`: counts, no
+paths or compiler messages), so the page and ``/stats`` cannot disagree: no script,
 no stylesheet or font from anywhere else, and a ``<meta http-equiv="refresh">`` so it
 refreshes itself.
 """
@@ -11,9 +12,8 @@ from __future__ import annotations
 import html
 import socket
 
-from cached_client.errors import CLIENT_ERROR_CODES
-
 from ..config import size_text
+from .snapshot import hit_ratio, mean_compile_s, split_errors
 from .stats import duration_text, time_text
 
 REFRESH_S = 5
@@ -76,8 +76,8 @@ def health(s: dict) -> tuple[str, list[str]]:
         degraded.append(_n(s["persist_failures"], "kernel") + " compiled but not stored")
     if s.get("client_fallbacks"):
         degraded.append(_n(s["client_fallbacks"], "client fallback"))
-    failed = {k: v for k, v in (s.get("errors") or {}).items()
-              if v and k not in CLIENT_ERROR_CODES and k != "compile_failed"}
+    failed = {k: v for k, v in split_errors(s.get("errors") or {})[0].items()
+              if k != "compile_failed"}
     if failed:
         degraded.append(_n(sum(failed.values()), "failed request") + " ("
                         + ", ".join(f"{k} {v}" for k, v in sorted(failed.items())) + ")")
@@ -94,8 +94,8 @@ def health(s: dict) -> tuple[str, list[str]]:
 
 
 def _ratio(hits: float, misses: float) -> str:
-    total = hits + misses
-    return f"{100 * hits / total:.1f}%" if total else "n/a"
+    ratio = hit_ratio(hits, misses)
+    return "n/a" if ratio is None else f"{100 * ratio:.1f}%"
 
 
 def _ms(seconds: float | None) -> str:
@@ -108,7 +108,7 @@ def _tile(ident: str, value: str, label: str, extra: str = "") -> str:
 
 
 def render(s: dict) -> str:
-    """The page for one snapshot as HTTP shows it (:func:`cached.view.httpapp.public_stats`)."""
+    """The page for one snapshot as HTTP shows it (:meth:`DaemonSnapshot.public`)."""
     e = html.escape
     max_bytes = s.get("max_bytes") or 0
     if max_bytes:
@@ -143,7 +143,8 @@ def render(s: dict) -> str:
     rows = []
     for family, c in sorted(s.get("families", {}).items()):
         compiles = c.get("compiles", 0)
-        mean = f"{c.get('compile_seconds', 0) / compiles:.2f}" if compiles else "-"
+        compile_s = mean_compile_s(c)
+        mean = "-" if compile_s is None else f"{compile_s:.2f}"
         idle = not (c.get("hits") or c.get("misses") or c.get("client_fallbacks")
                     or c.get("published"))
         row_class = ' class="idle"' if idle else ""
@@ -196,11 +197,9 @@ def render(s: dict) -> str:
         "<table id=\"failures\"><tr><th>time</th><th>family</th></tr>"
         + "".join(failures) + "</table>"
         if failures else '<p class="none" id="failures">no compile failures</p>')
-    errors = s.get("errors", {})
-    failed = ", ".join(f"{e(k)}: {v}" for k, v in sorted(errors.items())
-                       if v and k not in CLIENT_ERROR_CODES)
-    refused = ", ".join(f"{e(k)}: {v}" for k, v in sorted(errors.items())
-                        if v and k in CLIENT_ERROR_CODES)
+    failures_by_code, client_by_code = split_errors(s.get("errors", {}))
+    failed = ", ".join(f"{e(k)}: {v}" for k, v in failures_by_code.items())
+    refused = ", ".join(f"{e(k)}: {v}" for k, v in client_by_code.items())
     none = '<span class="none">none</span>'
     state, reasons = health(s)
     why = "".join(f"<li>{e(r)}</li>" for r in reasons)
