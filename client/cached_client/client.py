@@ -412,8 +412,8 @@ class Client:
             for fd in fds:
                 _close(fd)
             if bad_fds:
-                raise BadReply(f"the daemon passed {len(fds)} descriptors for {reply.fds!r}, "
-                               f"not one for each of {list(blobs)!r}")
+                raise BadReply(f"the daemon passed descriptors for {reply.fds!r} ({len(fds)} "
+                               f"received), not one for each of {list(blobs)!r}")
             raise self._mismatch(artifact, found)
         if transfer == "fd":
             return self._private_copies(artifact, dict(zip(reply.fds, fds, strict=True)),
