@@ -86,6 +86,7 @@ l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum l1tex__t_sectors_pipe_lsu_mem_gl
 l1tex__t_sectors_pipe_lsu_mem_global_op_ld_lookup_hit.sum smsp__sass_inst_executed_op_global_ld.sum
 launch__registers_per_thread sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"
 avail=$(ncu --query-metrics --chip gh100 2>/dev/null | awk '{print $1}')
+(( $(wc -l <<< "$avail") < 100 )) && avail=""  # no list: keep them all (the retry covers)
 metrics=""
 for mt in $want; do
   if [[ -z $avail ]] || grep -qx "${mt%%.*}" <<< "$avail"; then
