@@ -128,3 +128,24 @@ def test_pdl8_set_is_each_first_choice_beside_its_pdl_twin() -> None:
     assert {t.ab_dtype for t in pdl} == {"e4m3", "e5m2"}
     assert all(h.group_of(t.to_params()).endswith(" pdl") for t in pdl)
     assert not any(h.decode_candidate(t.to_params()) for t in pdl)
+
+
+def test_profile_inputs_take_the_kernels_scheme_and_pass_the_launchers_block_checks() -> None:
+    """profile (for ncu, issue 27) gives a block128 kernel the block scales the launcher
+    takes (a_scale (M, K/128) column-major, b_scale (ceil(N/128), K/128) row-major) and a
+    per-tensor kernel one scale each."""
+    import torch
+    from cached_client.gemm import hopper_fp8 as launcher
+
+    h = _check_script()
+    m, n, k = 40, 300, 512
+    cpu = torch.device("cpu")
+    a, b, sa, sb = h.profile_inputs(torch, {"scales": "block128", "accum": "exact"}, m, n, k,
+                                    cpu)
+    assert a.shape == (m, k) and b.shape == (n, k) and a.dtype == torch.float8_e4m3fn
+    assert sa.shape == (m, k // 128) and sa.stride() == (1, m)
+    assert sb.shape == (-(-n // 128), k // 128) and sb.stride() == (k // 128, 1)
+    assert float(sa.min()) >= 0.5 and float(sb.max()) < 2.0
+    launcher._check_block_scales(sa, sb, m, n, k)
+    _, _, sa, sb = h.profile_inputs(torch, {"accum": "exact"}, m, n, k, cpu)
+    assert sa.numel() == 1 and sb.numel() == 1

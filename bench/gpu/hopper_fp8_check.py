@@ -39,6 +39,11 @@
     run's three tables (us, ratio fast, ratio exact) and the counts by M band.
   run --fake: the same driver on the CPU with an emulation of the kernels' arithmetic
     (a dry run of this script; no timing meaning).
+  build --kernels NAMES: exactly these tactics, any scale scheme (_tok, _ex, _b128_ex).
+  profile --bundle DIR --kernel NAME --mnk M,N,K [--events R --iters I] [--dry]: launches
+    for ncu (hopper_fp8_ncu.sh), the scales of the kernel's scheme (block128 too);
+    --events: CUDA-event time per launch; --dry: CPU checks of the arguments only.
+  The DSL runtime may travel as libcute_dsl_runtime.so.xz (unpacked into /tmp).
 """
 
 from __future__ import annotations
@@ -436,9 +441,17 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
                "pdl8": lambda: _pdl8_tactics(plan)}.get(
         which, lambda: _final_tactics(plan))() if not kernels else None
     if kernels:  # exactly these tactics (e.g. for ncu on a tune's winners), nothing else
-        from cached.families.hopper_fp8.space import recordable_tactics
+        from cached.families.hopper_fp8.space import recordable_tactics, scheme_space
 
         by_name = recordable_tactics()
+        base = list(by_name.values())
+        # and their scale / accumulation schemes (issue 27: _tok, _ex, _b128_ex names)
+        for scales, accum in (("tensor", "exact"), ("token", "fast"), ("token", "exact"),
+                              ("block128", "exact")):
+            by_name |= {t.name: t for t in scheme_space(base, scales, accum)}
+        missing = [nm for nm in kernels if nm not in by_name]
+        if missing:
+            raise SystemExit(f"--kernels: not in the family's space: {missing}")
         tactics, which = [by_name[nm] for nm in kernels], "kernels"
     plan_alt = pdl_plan(plan, True) if which == "pdl8" else None
     if alt_winners:  # final: the other plan's first choices too, timed beside the plan's
@@ -583,6 +596,18 @@ class FakeFn:
         c.copy_((acc * (sa * sb)).to(c.dtype))
 
 
+def runtime_library(bundle: str) -> str:
+    """The DSL runtime the kernels link: the bundle's libcute_dsl_runtime.so, or its .xz
+    (a bundle that must stay small) unpacked once into /tmp."""
+    so = os.path.join(bundle, "libcute_dsl_runtime.so")
+    if os.path.exists(so):
+        return so
+    rt = "/tmp/libcute_dsl_runtime.so"
+    if not os.path.exists(rt):
+        subprocess.check_call(f"xz -dc {so}.xz > {rt}.part && mv {rt}.part {rt}", shell=True)
+    return rt
+
+
 class Runner:
     def __init__(self, bundle: str, out: str, fake: bool):
         import torch
@@ -609,7 +634,7 @@ class Runner:
 
             # a bench run on a throwaway GPU machine: these files are the run's own bundle, built
             # here and carried by the device tool, not served by any daemon (no identity check)
-            ctypes.CDLL(os.path.join(bundle, "libcute_dsl_runtime.so"), mode=ctypes.RTLD_GLOBAL)
+            ctypes.CDLL(runtime_library(bundle), mode=ctypes.RTLD_GLOBAL)
             for e in self.manifest["kernels"]:
                 self.fns[e["name"]] = tvm_ffi.load_module(os.path.join(bundle, e["so"]))[
                     e["symbol"]]
@@ -1271,19 +1296,89 @@ def summarize(res, manifest, p) -> None:
     p(f"wall {res.get('wall_seconds')} s")
 
 
-def profile(bundle: str, name: str, m: int, n: int, k: int, reps: int) -> None:
-    """Launch one kernel `reps` times on fresh data (for ncu: profile the last launch)."""
+def profile_inputs(torch, params: dict, m: int, n: int, k: int, dev):
+    """a (m, k), b (n, k) e4m3 and the scales the kernel's scheme takes: per-tensor
+    (0.75, 1.25), per-token (M and N values) or block128 (a_scale (M, K/128) column-major,
+    b_scale (ceil(N/128), K/128) row-major, as hopper_fp8_schemes.py's BlockRunner.data),
+    fp32 in [0.5, 2)."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(m, k, device=dev, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device=dev, generator=g).to(torch.float8_e4m3fn)
+    scales = params.get("scales", "tensor")
+    if scales == "block128":
+        kb, nb = k // 128, -(-n // 128)
+        sa = (torch.rand(kb, m, device=dev, generator=g) * 1.5 + 0.5).t()
+        sb = torch.rand(nb, kb, device=dev, generator=g) * 1.5 + 0.5
+    elif scales == "token":
+        sa = torch.rand(m, 1, device=dev, generator=g) * 1.5 + 0.5
+        sb = torch.rand(n, 1, device=dev, generator=g) * 1.5 + 0.5
+    else:
+        sa = torch.tensor([0.75], device=dev, dtype=torch.float32)
+        sb = torch.tensor([1.25], device=dev, dtype=torch.float32)
+    return a, b, sa, sb
+
+
+def profile(bundle: str, name: str, m: int, n: int, k: int, reps: int, events: int = 0,
+            iters: int = 10, dry: bool = False) -> None:
+    """Launch one kernel `reps` times on fresh data (for ncu: profile the last launch). Our
+    kernels take the scales of their scheme (profile_inputs). events > 0: afterwards, time
+    `events` rounds of `iters` back-to-back launches with CUDA events and print the median
+    us per launch (run it without ncu). dry: on the CPU, check the name, the inputs' shapes
+    and strides and the launcher's argument checks that need no device; launch nothing."""
+    if dry:
+        import torch
+
+        with open(os.path.join(bundle, "manifest.json")) as f:
+            meta = {e["name"]: e for e in json.load(f)["kernels"]}
+        if name.startswith("cublas"):
+            print(f"dry: {name} {m}x{n}x{k}: torch._scaled_mm, fast accumulation "
+                  f"{name.endswith('1')}")
+            return
+        if name not in meta:
+            raise SystemExit(f"dry: {name} is not in {bundle}/manifest.json")
+        e = meta[name]
+        a, b, sa, sb = profile_inputs(torch, e["params"], m, n, k, torch.device("cpu"))
+        sys.path.insert(0, os.path.join(bundle, "client"))
+        from cached_client.gemm import hopper_fp8 as launcher
+
+        if e["params"].get("scales") == "block128":
+            launcher._check_block_scales(sa, sb, m, n, k)  # shapes and strides only
+        print(f"dry: {name} ({e['symbol']}, {e['so']}, exists "
+              f"{os.path.exists(os.path.join(bundle, e['so']))}) {m}x{n}x{k}: scales "
+              f"{e['params'].get('scales', 'tensor')}, accum {e['params'].get('accum', 'fast')}, "
+              f"a_scale {tuple(sa.shape)} strides {sa.stride()}, b_scale {tuple(sb.shape)} "
+              f"strides {sb.stride()}; reps {reps}, events {events} x {iters}")
+        return
     r = Runner(bundle, os.environ.get("OUT", "/tmp"), fake=False)
-    sa, sb = r.scales()
-    a, b = r.fp8(m, k), r.fp8(n, k)
     if name.startswith("cublas"):
-        for _ in range(reps):
+        sa, sb = r.scales()
+        a, b = r.fp8(m, k), r.fp8(n, k)
+
+        def launch():
             r.scaled_mm(a, b, sa, sb, name.endswith("1"))
     else:
-        out = r.torch.empty(m, n, dtype=r.torch.bfloat16, device=r.dev)
-        for _ in range(reps):
+        a, b, sa, sb = profile_inputs(r.torch, r.meta[name], m, n, k, r.dev)
+        out = r.torch.empty(m, n, dtype=r.outdt(name), device=r.dev)
+
+        def launch():
             r.call(name, a, b, sa, sb, out)
+    for _ in range(reps):
+        launch()
     r.sync()
+    if events > 0:
+        t = r.torch
+        us = []
+        for _ in range(events):
+            e0, e1 = t.cuda.Event(enable_timing=True), t.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(iters):
+                launch()
+            e1.record()
+            e1.synchronize()
+            us.append(e0.elapsed_time(e1) * 1e3 / iters)
+        print(f"time {name} {m}x{n}x{k}: median {statistics.median(us):.1f} us per launch "
+              f"(min {min(us):.1f}, max {max(us):.1f}; {events} rounds x {iters} launches, "
+              f"CUDA events, eager, same inputs)", flush=True)
 
 
 def main():
@@ -1326,6 +1421,11 @@ def main():
     pr.add_argument("--kernel", required=True, help="kernel name, or cublas_fast1/0")
     pr.add_argument("--mnk", required=True, help="M,N,K")
     pr.add_argument("--reps", type=int, default=3)
+    pr.add_argument("--events", type=int, default=0,
+                    help="then time this many rounds of --iters launches (CUDA events)")
+    pr.add_argument("--iters", type=int, default=10)
+    pr.add_argument("--dry", action="store_true",
+                    help="CPU: check the name, inputs and scale layouts; launch nothing")
     s = sub.add_parser("summarize")
     s.add_argument("json")
     s.add_argument("manifest")
@@ -1342,7 +1442,7 @@ def main():
         _compile_worker(a.jobs_json)
     elif a.cmd == "profile":
         m, n, k = (int(x) for x in a.mnk.split(","))
-        profile(a.bundle, a.kernel, m, n, k, a.reps)
+        profile(a.bundle, a.kernel, m, n, k, a.reps, a.events, a.iters, a.dry)
     elif a.cmd == "summarize":
         with open(a.json) as f, open(a.manifest) as g:
             res, man = json.load(f), json.load(g)
