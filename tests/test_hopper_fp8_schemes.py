@@ -320,3 +320,25 @@ def test_block_scale_sharing_keys_follow_the_wgmma_fragment_and_refuse_other_sha
     for bad in (((4, 2, 8), 1, 1), ((2, 2, 8), 1), (2, 2, 8, 1, 1)):
         with pytest.raises(ValueError, match="unexpected wgmma accumulator fragment"):
             fragment_keys(bad)
+
+
+def test_block_pair_keys_share_one_scale_per_weight_block_where_the_fragment_allows():
+    """A fragment W columns wide (N_atom x MMA_N) whose W divides 128 or is a multiple of
+    it takes one b_scale per 128-column weight block (a 128-wide fragment: 2 products per
+    K tile, not 32); any other width keeps one key per 8-column group, which never spans
+    two blocks (kernel.block_pair_keys)."""
+    from cached.families.hopper_fp8.kernel import block_pair_keys, fragment_keys
+
+    def products(shape):
+        return len(set(block_pair_keys(shape)))
+
+    assert products(((2, 2, 16), 1, 1)) == 2  # 64 x 128: 2 rows x 1 block
+    assert products(((2, 2, 32), 1, 1)) == 4  # 64 x 256: 2 rows x 2 blocks
+    assert products(((2, 2, 8), 1, 1)) == 2  # 64 x 64: inside one block
+    assert products(((2, 2, 8), 2, 2)) == 4  # 4 rows (MMA_M = 2) x two 64-wide atoms: 1 block
+    assert products(((2, 2, 6), 1, 1)) == 12  # 48 wide: 6 groups, no sharing
+    keys, full = block_pair_keys(((2, 2, 32), 1, 1)), fragment_keys(((2, 2, 32), 1, 1))
+    for (rk, bk), (frk, gk, _) in zip(keys, full, strict=True):
+        assert rk == frk and bk == (gk[0] * 8 // 128,)  # groups 0-15: block 0, 16-31: 1
+    with pytest.raises(ValueError, match="unexpected wgmma accumulator fragment"):
+        block_pair_keys(((4, 2, 8), 1, 1))

@@ -103,6 +103,7 @@ _AB_DTYPES = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
 _OUT_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 PRODUCER_REGS = 40
+BLOCK_COLUMNS = 128  # the block128 scheme's weight block width (columns of C)
 
 
 def fragment_keys(shape) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
@@ -126,6 +127,22 @@ def fragment_keys(shape) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[i
         pair, half, group, mma_m, mma_n = crd
         keys.append(((half, mma_m), (group, mma_n), (pair, group, mma_n)))
     return keys
+
+
+def block_pair_keys(shape) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Per element v of a wgmma accumulator fragment (fragment_keys' shape), the (row key,
+    column key) of its block128 scale product a_scale[m, kt] * b_scale[n // 128, kt], MMA
+    rows being activation rows. The fragment spans W = N_atom x MMA_N columns from a first
+    column that is a multiple of W (the tile's, plus the warpgroup's offset). Where W
+    divides 128 or is a multiple of it, columns at one offset // 128 lie in one weight
+    block, so they share one key (a 128-wide fragment: one b_scale per K tile, two
+    products); otherwise the key is the 8-column group, which never spans two blocks."""
+    keys = fragment_keys(shape)
+    n_atom = shape[0][2] * 8 if len(shape[0]) == 3 else 8
+    width = n_atom * shape[2]
+    if width % BLOCK_COLUMNS and BLOCK_COLUMNS % width:
+        return [(rk, gk) for rk, gk, _ in keys]
+    return [(rk, ((gk[1] * n_atom + gk[0] * 8) // BLOCK_COLUMNS,)) for rk, gk, _ in keys]
 
 
 def cutlass_dtypes(t: HopperFp8Tactic):
@@ -700,16 +717,16 @@ class HopperFp8GemmKernel:
         tCcC_t = thr_c.partition_C(gcC_t)
         last_r, last_c = mC.shape[0] - 1, mC.shape[1] - 1
         # per element: (row key, column key) of its scale product; the column key is the
-        # 8-column group (a weight block) or, swap_ab (MMA rows are weight rows), the column
-        pair_keys = ([(rk, ck if self.swap else gk) for rk, gk, ck in fragment_keys(acc.shape)]
+        # weight block (block_pair_keys) or, swap_ab (MMA rows are weight rows), the column
+        pair_keys = (([(rk, ck) for rk, _, ck in fragment_keys(acc.shape)] if self.swap
+                      else block_pair_keys(acc.shape))
                      if cutlass.const_expr(self.block) else None)
         for kt in range(k_tiles):
             pair_s = {}
             if cutlass.const_expr(self.block):
                 # loaded before the stage's wait and the wgmma, used after them (their
                 # latency hides behind both): one load per distinct row, per distinct
-                # 8-column group (weight blocks) or column (activation rows, swap_ab), one
-                # product per pair
+                # weight block or column (activation rows, swap_ab), one product per pair
                 row_s, col_s = {}, {}
                 for v in cutlass.range_constexpr(cute.size(acc)):
                     rk, ck = pair_keys[v]  # swap_ab: the MMA's (row, col) is (n, m)
