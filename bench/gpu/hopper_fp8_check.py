@@ -57,6 +57,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -596,15 +597,17 @@ class FakeFn:
         c.copy_((acc * (sa * sb)).to(c.dtype))
 
 
+@functools.cache
 def runtime_library(bundle: str) -> str:
-    """The DSL runtime the kernels link: the bundle's libcute_dsl_runtime.so, or its .xz
-    (a bundle that must stay small) unpacked once into /tmp."""
+    """The DSL runtime the kernels link: the bundle's libcute_dsl_runtime.so (built here and
+    carried with the kernels), or its .xz unpacked into a private directory made by this
+    process (mkdtemp, 0700), never a file some other process left in /tmp."""
     so = os.path.join(bundle, "libcute_dsl_runtime.so")
     if os.path.exists(so):
         return so
-    rt = "/tmp/libcute_dsl_runtime.so"
-    if not os.path.exists(rt):
-        subprocess.check_call(f"xz -dc {so}.xz > {rt}.part && mv {rt}.part {rt}", shell=True)
+    rt = os.path.join(tempfile.mkdtemp(prefix="dslrt-"), "libcute_dsl_runtime.so")
+    with open(rt, "wb") as out:
+        subprocess.run(["xz", "-dc", f"{so}.xz"], stdout=out, check=True)
     return rt
 
 

@@ -60,7 +60,7 @@ from .errors import (
     error_from_wire,
 )
 from .keys import KernelRequest
-from .loader import copy_verified, load_bytes, load_library, load_module, private_dir
+from .loader import copy_verified, load_bytes, load_library, private_dir
 from .paths import SOCKET_ENV, default_socket_path, scratch_dir
 from .protocol import BLOB_SUFFIXES, Artifact
 from .transport import ConnectFailed, Connection, DaemonSilent
@@ -567,9 +567,9 @@ class Client:
                               self._scratch)
         if artifact.library_path is None:
             raise BadReply("the daemon's answer named no library path and sent no bytes")
-        if self._hashed_copies.pop(artifact.library_path, None) == artifact.library_sha256:
-            return load_module(artifact.library_path, artifact.symbol)
-        return load_library(artifact.library_path, artifact.symbol, artifact.library_sha256)
+        hashed = self._hashed_copies.pop(artifact.library_path, None) == artifact.library_sha256
+        return load_library(artifact.library_path, artifact.symbol, artifact.library_sha256,
+                            hashed_as_copied=hashed)
 
     def _fallback_build(self, request: KernelRequest, reason: CachedError) -> Artifact:
         if isinstance(reason, ArtifactMismatch):
