@@ -57,9 +57,14 @@ def test_scheme_tactics_round_trip_with_their_classes():
                <= T.MAX_ACC_REGS_PER_THREAD for t in exact)
     assert not [t for t in exact if (t.tile_m, t.tile_n) == (256, 192)]
     assert SPACE.tactic_space(splits=2, accum="exact") == []
-    # block128: the exact space in its scheme, one class
-    assert ([dataclasses.replace(t, scales="tensor") for t in SPACE.tactic_space(scales="block128",
-             accum="exact")] == exact)
+    # block128: the exact space in its scheme, less the tiles whose warpgroup width splits
+    # a weight block unevenly (one scale per 8 columns), one class
+    block = SPACE.tactic_space(scales="block128", accum="exact")
+    assert ([dataclasses.replace(t, scales="tensor") for t in block]
+            == [t for t in exact if SPACE.block_scale_shared(t)])
+    assert {t.tile_n // t.wg_n for t in block if not t.swap_ab} == {32, 64, 128}
+    assert ({t.tile_n for t in exact if not SPACE.block_scale_shared(t)}
+            == {40, 48, 56, 80, 96, 112, 160, 192})
     assert T.class_scheme("k128.prom128.s1.fixed.block128") == (1, "exact", "block128")
     with pytest.raises(ValueError, match="unknown cached.hopper_fp8 reduction class"):
         T.class_scheme("k128.acc1.s1.fixed.block128")
@@ -264,7 +269,9 @@ def _scheme_variants() -> list[HopperFp8Tactic]:
     """One of each code path the schemes touch: the register epilogue (swap_ab) with both,
     ping-pong with both (each warpgroup's own MMA slice), wg_n = 2 per-token, a 'cta' split
     per-token (the last unit's sum scaled), the 128-row tile exact in e5m2 / fp16, and
-    block128 on the TMA epilogue, swap_ab and ping-pong (the scale indices per path)."""
+    block128 on the TMA epilogue, swap_ab and ping-pong (the scale indices per path), and
+    block128 on a 192-wide tile (one scale per 8 columns, loaded per K tile; outside the
+    block space, served when a request names it)."""
     H = HopperFp8Tactic
     return [t.normalized() for t in (
         H(8, 64, swap_ab=True, scales="token", accum="exact"),
@@ -275,6 +282,7 @@ def _scheme_variants() -> list[HopperFp8Tactic]:
         H(128, 128, scales="block128", accum="exact"),
         H(8, 64, swap_ab=True, scales="block128", accum="exact"),
         H(64, 128, pingpong=True, scales="block128", accum="exact"),
+        H(128, 192, scales="block128", accum="exact"),
     )]
 
 
@@ -287,7 +295,7 @@ def test_scheme_tactics_compile_for_sm90a_through_the_daemon(daemon):
     spaces = {t.name for sc, acc in T.SCHEMES
               for od, ab in (("bfloat16", "e4m3"), ("float16", "e5m2"))
               for t in SPACE.tactic_space(od, ab, scales=sc, accum=acc)}
-    assert all(t.name in spaces for t in variants)
+    assert [t.name for t in variants if t.name not in spaces] == [variants[-1].name]
     client = daemon.client()
     requests = [KernelRequest(family="cached.hopper_fp8", params=t.to_params(), arch="sm_90a",
                               sm_count=132, max_active_clusters=132 // t.cluster_size)

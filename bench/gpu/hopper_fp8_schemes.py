@@ -160,9 +160,11 @@ def build(out: str, jobs: int, block_only: bool = False) -> None:
         {"tile_m": 128, "tile_n": 128, "out_dtype": "float16", "ab_dtype": "e5m2",
          "scales": "token", "accum": "exact"})]
     # block128's code paths beyond the plan's picks: ping-pong, swap_ab, wg_n = 2, a narrow
-    # tile (tile_n 48: weight blocks split across tiles), e5m2 / fp16
+    # tile (tile_n 48: weight blocks split across tiles), one scale per 8 columns loaded per
+    # K tile (tile_n 192, outside the block space), e5m2 / fp16
     extra += [HopperFp8Tactic(scales="block128", accum="exact", **kw).normalized() for kw in (
         {"tile_m": 64, "tile_n": 128, "pingpong": True},
+        {"tile_m": 128, "tile_n": 192},
         {"tile_m": 16, "tile_n": 64, "swap_ab": True},
         {"tile_m": 64, "tile_n": 128, "wg_n": 2},
         {"tile_m": 64, "tile_n": 48},

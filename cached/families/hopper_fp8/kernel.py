@@ -103,6 +103,7 @@ _AB_DTYPES = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
 _OUT_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 PRODUCER_REGS = 40
+PREFETCHED_SCALES = 8  # block128: at most this many scales per thread are loaded a K tile early
 BLOCK_COLUMNS = 128  # the block128 scheme's weight block width (columns of C)
 
 
@@ -714,39 +715,44 @@ class HopperFp8GemmKernel:
         scale product, module doc). Returns the pipeline states."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         acc_sum.fill(0.0)
-        tCcC_t = thr_c.partition_C(gcC_t)
-        last_r, last_c = mC.shape[0] - 1, mC.shape[1] - 1
-        # per element: (row key, column key) of its scale product; the column key is the
-        # weight block (block_pair_keys) or, swap_ab (MMA rows are weight rows), the column
-        pair_keys = (([(rk, ck) for rk, _, ck in fragment_keys(acc.shape)] if self.swap
-                      else block_pair_keys(acc.shape))
-                     if cutlass.const_expr(self.block) else None)
+        if cutlass.const_expr(self.block):
+            # per element: (row key, column key) of its scale product; the column key is
+            # the weight block (block_pair_keys) or, swap_ab (MMA rows are weight rows),
+            # the column. One scale register per distinct row and column key, one
+            # product per distinct pair; all of this is Python ints, fixed at trace time
+            # (no method is called on a container inside the K loop: the DSL would pass
+            # it into the loop as a dynamic value).
+            keys = ([(rk, ck) for rk, _, ck in fragment_keys(acc.shape)] if self.swap
+                    else block_pair_keys(acc.shape))
+            row_keys = list(dict.fromkeys(rk for rk, _ in keys))
+            col_keys = list(dict.fromkeys(ck for _, ck in keys))
+            pairs = list(dict.fromkeys((row_keys.index(rk), col_keys.index(ck))
+                                       for rk, ck in keys))
+            pair_of = [pairs.index((row_keys.index(rk), col_keys.index(ck)))
+                       for rk, ck in keys]
+            n_rows, n_scales = len(row_keys), len(row_keys) + len(col_keys)
+            # few scales (a fragment that shares its weight block's scale, block_pair_keys):
+            # indices once per tile and the next K tile's scales loaded a whole K tile
+            # before their use; many (one per 8 columns): indices and loads per K tile, as
+            # two sets of them and their indices would not stay in registers
+            ahead_loaded = n_scales <= PREFETCHED_SCALES
+            scales = cute.make_rmem_tensor((n_scales,), cutlass.Float32)
+            if cutlass.const_expr(ahead_loaded):
+                ahead = cute.make_rmem_tensor((n_scales,), cutlass.Float32)
+                row_at, col_at = self.scale_indices(keys, row_keys, col_keys, mC, gcC_t,
+                                                    thr_c)
+                self.load_block_scales(scales, 0, row_at, col_at, mAScale, mBScale)
         for kt in range(k_tiles):
-            pair_s = {}
             if cutlass.const_expr(self.block):
-                # loaded before the stage's wait and the wgmma, used after them (their
-                # latency hides behind both): one load per distinct row, per distinct
-                # weight block or column (activation rows, swap_ab), one product per pair
-                row_s, col_s = {}, {}
-                for v in cutlass.range_constexpr(cute.size(acc)):
-                    rk, ck = pair_keys[v]  # swap_ab: the MMA's (row, col) is (n, m)
-                    if cutlass.const_expr(rk not in row_s):
-                        r = cutlass.min(tCcC_t[v][0], last_r)
-                        if cutlass.const_expr(self.swap):
-                            row_s[rk] = mBScale[r // 128, kt]
-                        else:
-                            row_s[rk] = mAScale[r, kt]
-                    if cutlass.const_expr(ck not in col_s):
-                        c = cutlass.min(tCcC_t[v][1], last_c)
-                        if cutlass.const_expr(self.swap):
-                            col_s[ck] = mAScale[c, kt]
-                        else:
-                            col_s[ck] = mBScale[c // 128, kt]
-                    if cutlass.const_expr((rk, ck) not in pair_s):
-                        if cutlass.const_expr(self.swap):
-                            pair_s[(rk, ck)] = col_s[ck] * row_s[rk]
-                        else:
-                            pair_s[(rk, ck)] = row_s[rk] * col_s[ck]
+                if cutlass.const_expr(ahead_loaded):
+                    # K tile kt + 1's (the last tile reloads its own)
+                    self.load_block_scales(ahead, cutlass.min(kt + 1, k_tiles - 1), row_at,
+                                           col_at, mAScale, mBScale)
+                else:
+                    # before the stage's wait and the wgmma, used after them
+                    rows_at, cols_at = self.scale_indices(keys, row_keys, col_keys, mC,
+                                                          gcC_t, thr_c)
+                    self.load_block_scales(scales, kt, rows_at, cols_at, mAScale, mBScale)
             ab_pipe.consumer_wait(read_state)
             cute.nvgpu.warpgroup.fence()
             for kb in cutlass.range_constexpr(num_k_blocks):
@@ -758,13 +764,43 @@ class HopperFp8GemmKernel:
             ab_pipe.consumer_release(release_state)
             release_state.advance()
             read_state.advance()
-            for v in cutlass.range_constexpr(cute.size(acc)):
-                if cutlass.const_expr(self.block):
-                    acc_sum[v] = acc_sum[v] + acc[v] * pair_s[pair_keys[v]]
-                else:
+            if cutlass.const_expr(self.block):
+                # one product per (row, column) pair, in the order a_scale * b_scale
+                pair_s = {}
+                for p in cutlass.range_constexpr(len(pairs)):
+                    rs, cs = scales[pairs[p][0]], scales[n_rows + pairs[p][1]]
+                    pair_s[p] = cs * rs if cutlass.const_expr(self.swap) else rs * cs
+                for v in cutlass.range_constexpr(cute.size(acc)):
+                    acc_sum[v] = acc_sum[v] + acc[v] * pair_s[pair_of[v]]
+                if cutlass.const_expr(ahead_loaded):
+                    for i in cutlass.range_constexpr(n_scales):
+                        scales[i] = ahead[i]
+            else:
+                for v in cutlass.range_constexpr(cute.size(acc)):
                     acc_sum[v] = acc_sum[v] + acc[v]
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         return read_state, release_state
+
+    def scale_indices(self, keys, row_keys, col_keys, mC, gcC_t, thr_c):
+        """(row_at, col_at): per row key and per column key of ``keys`` (the fragment's
+        (row key, column key) per element) the index of its first element's row and
+        column, clamped into C. Traced inline by mainloop_promoted."""
+        tCcC_t = thr_c.partition_C(gcC_t)
+        last_r, last_c = mC.shape[0] - 1, mC.shape[1] - 1
+        first_row = [k[0] for k in keys]
+        first_col = [k[1] for k in keys]
+        return ([cutlass.min(tCcC_t[first_row.index(rk)][0], last_r) for rk in row_keys],
+                [cutlass.min(tCcC_t[first_col.index(ck)][1], last_c) for ck in col_keys])
+
+    def load_block_scales(self, dst, kt, row_at, col_at, mAScale, mBScale):
+        """dst = [row scales..., column scales...] of K tile kt: a_scale[m, kt] per row m of
+        row_at and b_scale[n // 128, kt] per column n of col_at (swap_ab: rows are weight
+        rows n, columns activation rows m); the indices are clamped into C, so every load
+        is in bounds. Traced inline by mainloop_promoted."""
+        for i, r in enumerate(row_at):
+            dst[i] = mBScale[r // 128, kt] if self.swap else mAScale[r, kt]
+        for i, c in enumerate(col_at):
+            dst[len(row_at) + i] = mAScale[c, kt] if self.swap else mBScale[c // 128, kt]
 
     @cute.jit
     def apply_token_scales(self, mC, gcC_t, thr_c, acc, mAScale, mBScale):

@@ -24,6 +24,7 @@ from .cost import H200_NUM_SMS, rank_key
 from .tactic import (
     AB_DTYPES,
     ACCUM_MODES,
+    BLOCK,
     CLUSTER_CHOICES,
     NARROW_TILE_N,
     OUT_DTYPES,
@@ -164,8 +165,22 @@ def scheme_space(base: list[HopperFp8Tactic], scales: str, accum: str
         if accum == "exact" and (t.splits != 1 or not tile_is_feasible(
                 t.tile_m, t.tile_n, t.out_dtype, 2, t.swap_ab, t.wg_n, t.pingpong)[0]):
             continue
+        if scales == "block128" and not block_scale_shared(t):
+            continue
         out.append(dataclasses.replace(t, scales=scales, accum=accum))
     return out
+
+
+def block_scale_shared(t: HopperFp8Tactic) -> bool:
+    """Whether a block128 kernel of ``t``'s tile loads one weight-block scale per K tile
+    for all of a warpgroup's columns in one 128-column block (kernel.block_pair_keys):
+    swap_ab tiles (weight rows on the MMA's M side, a few rows per thread) and tiles whose
+    per-warpgroup width tile_n / wg_n divides 128 or is a multiple of it. The others
+    (widths 80, 96, 112, 160, 192) need one scale load and product per 8 columns per K
+    tile (docs/benchmarks.md, block FP8 runs 4-6), so the block128 space leaves them out;
+    the kernel still computes them correctly when a request names one."""
+    width = t.tile_n // t.wg_n
+    return t.swap_ab or width % BLOCK == 0 or BLOCK % width == 0
 
 
 def pdl_twin(t: HopperFp8Tactic) -> bool:
