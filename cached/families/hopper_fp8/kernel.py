@@ -15,7 +15,10 @@ are served), and the epilogue's factor is 1. K % 128 == 0 (one scale group per K
 Exact accumulation (tactic.accum = "exact", S = 1): per K tile the four k32 wgmma start
 from zero in the wgmma accumulator (ACCUMULATE off for the first), the consumer waits for
 them to retire, releases the stage and adds the accumulator into a second fp32 register
-tensor (the promoted sum, from zero, in K-tile order), which the epilogue reads.
+tensor (the promoted sum, from zero, in K-tile order), which the epilogue reads. block128
+loads a thread's scales (one per distinct row and weight block of its fragment) SCALE_SETS
+K tiles before their use, into register sets taken in turn, where it holds at most
+PREFETCHED_SCALES of them; otherwise in the K tile itself, before its pipeline wait.
 
 Structure (one CTA = 1 producer warpgroup + 1 or 2 consumer warpgroups):
   * producer warp 0: walks the persistent tile schedule and, per K tile, TMA-loads the
@@ -80,6 +83,8 @@ the tile's K tiles, which the other warpgroup skips).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -103,7 +108,20 @@ _AB_DTYPES = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
 _OUT_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 PRODUCER_REGS = 40
-PREFETCHED_SCALES = 8  # block128: at most this many scales per thread are loaded a K tile early
+PREFETCHED_SCALES = 8  # block128: at most this many scales per thread are loaded K tiles early
+SCALE_SETS = 3  # block128: register sets of those scales, so loads run this many K tiles ahead
+
+
+class BlockScales(NamedTuple):
+    """A block128 fragment's scale plan, fixed at trace time: the distinct (row index,
+    column index) pairs into a thread's scale registers [rows..., columns...], the pair of
+    each accumulator element, the row count, and the two scale tensors."""
+
+    pairs: list
+    pair_of: list
+    n_rows: int
+    a_scale: Any
+    b_scale: Any
 BLOCK_COLUMNS = 128  # the block128 scheme's weight block width (columns of C)
 
 
@@ -730,56 +748,94 @@ class HopperFp8GemmKernel:
                                        for rk, ck in keys))
             pair_of = [pairs.index((row_keys.index(rk), col_keys.index(ck)))
                        for rk, ck in keys]
-            n_rows, n_scales = len(row_keys), len(row_keys) + len(col_keys)
+            n_scales = len(row_keys) + len(col_keys)
             # few scales (a fragment that shares its weight block's scale, block_pair_keys):
-            # indices once per tile and the next K tile's scales loaded a whole K tile
-            # before their use; many (one per 8 columns): indices and loads per K tile, as
-            # two sets of them and their indices would not stay in registers
+            # indices once per tile, and SCALE_SETS register sets taken in turn (SCALE_SETS
+            # K tiles per trip): a K tile forms its products from its set, then reloads that
+            # set with the scales of SCALE_SETS K tiles on, so a load has that many K tiles
+            # of wgmma to land (ptxas may hoist a product by one) and no copy between sets
+            # waits on one. Many (one per 8 columns): indices, loads and products per K
+            # tile, as several sets would not stay in registers.
             ahead_loaded = n_scales <= PREFETCHED_SCALES
             scales = cute.make_rmem_tensor((n_scales,), cutlass.Float32)
-            if cutlass.const_expr(ahead_loaded):
-                ahead = cute.make_rmem_tensor((n_scales,), cutlass.Float32)
-                row_at, col_at = self.scale_indices(keys, row_keys, col_keys, mC, gcC_t,
-                                                    thr_c)
-                self.load_block_scales(scales, 0, row_at, col_at, mAScale, mBScale)
-        for kt in range(k_tiles):
-            if cutlass.const_expr(self.block):
-                if cutlass.const_expr(ahead_loaded):
-                    # K tile kt + 1's (the last tile reloads its own)
-                    self.load_block_scales(ahead, cutlass.min(kt + 1, k_tiles - 1), row_at,
-                                           col_at, mAScale, mBScale)
-                else:
-                    # before the stage's wait and the wgmma, used after them
+            blk = BlockScales(pairs, pair_of, len(row_keys), mAScale, mBScale)
+        if cutlass.const_expr(self.block and ahead_loaded):
+            sets = [scales] + [cute.make_rmem_tensor((n_scales,), cutlass.Float32)
+                               for _ in range(SCALE_SETS - 1)]
+            row_at, col_at = self.scale_indices(keys, row_keys, col_keys, mC, gcC_t, thr_c)
+            last = k_tiles - 1
+            for j in cutlass.range_constexpr(SCALE_SETS):
+                self.load_block_scales(sets[j], cutlass.min(j, last), row_at, col_at, blk)
+            for kq in range(k_tiles // SCALE_SETS):
+                for j in cutlass.range_constexpr(SCALE_SETS):
+                    prods = self.block_products(sets[j], blk)
+                    read_state, release_state, tiled_mma = self.promoted_k_tile(
+                        ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
+                        release_state, num_k_blocks, prods, blk,
+                        (sets[j], cutlass.min(SCALE_SETS * (kq + 1) + j, last), row_at,
+                         col_at))
+            # the k_tiles % SCALE_SETS last K tiles, in sets 0, 1, ... (loaded last trip)
+            for j in cutlass.range_constexpr(SCALE_SETS - 1):
+                if k_tiles % SCALE_SETS > j:
+                    tail_prods = self.block_products(sets[j], blk)
+                    read_state, release_state, tiled_mma = self.promoted_k_tile(
+                        ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
+                        release_state, num_k_blocks, tail_prods, blk, None)
+        else:
+            for kt in range(k_tiles):
+                if cutlass.const_expr(self.block):
                     rows_at, cols_at = self.scale_indices(keys, row_keys, col_keys, mC,
                                                           gcC_t, thr_c)
-                    self.load_block_scales(scales, kt, rows_at, cols_at, mAScale, mBScale)
-            ab_pipe.consumer_wait(read_state)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
-                kc = (None, None, kb, read_state.index)
-                cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipe.consumer_release(release_state)
-            release_state.advance()
-            read_state.advance()
-            if cutlass.const_expr(self.block):
-                # one product per (row, column) pair, in the order a_scale * b_scale
-                pair_s = {}
-                for p in cutlass.range_constexpr(len(pairs)):
-                    rs, cs = scales[pairs[p][0]], scales[n_rows + pairs[p][1]]
-                    pair_s[p] = cs * rs if cutlass.const_expr(self.swap) else rs * cs
-                for v in cutlass.range_constexpr(cute.size(acc)):
-                    acc_sum[v] = acc_sum[v] + acc[v] * pair_s[pair_of[v]]
-                if cutlass.const_expr(ahead_loaded):
-                    for i in cutlass.range_constexpr(n_scales):
-                        scales[i] = ahead[i]
-            else:
-                for v in cutlass.range_constexpr(cute.size(acc)):
-                    acc_sum[v] = acc_sum[v] + acc[v]
+                    self.load_block_scales(scales, kt, rows_at, cols_at, blk)
+                    prods = self.block_products(scales, blk)
+                    read_state, release_state, tiled_mma = self.promoted_k_tile(
+                        ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
+                        release_state, num_k_blocks, prods, blk, None)
+                else:
+                    read_state, release_state, tiled_mma = self.promoted_k_tile(
+                        ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
+                        release_state, num_k_blocks, None, None, None)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         return read_state, release_state
+
+    def block_products(self, scales, blk):
+        """The block128 scale product of each pair of blk.pairs from a thread's scale
+        registers ``scales`` [rows..., columns...], in the order a_scale * b_scale.
+        Traced inline."""
+        prods = []
+        for ri, ci in blk.pairs:
+            rs, cs = scales[ri], scales[blk.n_rows + ci]
+            prods.append(cs * rs if self.swap else rs * cs)
+        return prods
+
+    def promoted_k_tile(self, ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
+                        release_state, num_k_blocks, prods, blk, load):
+        """One K tile of mainloop_promoted: issue ``load`` = (dst, kt, row_at, col_at) (a
+        later K tile's block scales, load_block_scales) or nothing, wait for the stage,
+        its four k32 wgmma from zero, wait for them to retire, release the stage, then
+        acc_sum += acc (block128: acc times the element's product from ``prods``, this K
+        tile's, block_products). Traced inline (Python loops, unrolled). Returns the
+        pipeline states and tiled_mma (its ACCUMULATE field is set here: the caller rebinds
+        it, so the DSL carries it through the K loop)."""
+        if load is not None:
+            self.load_block_scales(*load, blk)
+        ab_pipe.consumer_wait(read_state)
+        cute.nvgpu.warpgroup.fence()
+        for kb in range(num_k_blocks):
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+            kc = (None, None, kb, read_state.index)
+            cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.nvgpu.warpgroup.wait_group(0)
+        ab_pipe.consumer_release(release_state)
+        release_state.advance()
+        read_state.advance()
+        for v in range(cute.size(acc)):
+            if prods is None:
+                acc_sum[v] = acc_sum[v] + acc[v]
+            else:
+                acc_sum[v] = acc_sum[v] + acc[v] * prods[blk.pair_of[v]]
+        return read_state, release_state, tiled_mma
 
     def scale_indices(self, keys, row_keys, col_keys, mC, gcC_t, thr_c):
         """(row_at, col_at): per row key and per column key of ``keys`` (the fragment's
@@ -792,15 +848,16 @@ class HopperFp8GemmKernel:
         return ([cutlass.min(tCcC_t[first_row.index(rk)][0], last_r) for rk in row_keys],
                 [cutlass.min(tCcC_t[first_col.index(ck)][1], last_c) for ck in col_keys])
 
-    def load_block_scales(self, dst, kt, row_at, col_at, mAScale, mBScale):
+    def load_block_scales(self, dst, kt, row_at, col_at, blk):
         """dst = [row scales..., column scales...] of K tile kt: a_scale[m, kt] per row m of
         row_at and b_scale[n // 128, kt] per column n of col_at (swap_ab: rows are weight
         rows n, columns activation rows m); the indices are clamped into C, so every load
-        is in bounds. Traced inline by mainloop_promoted."""
+        is in bounds. Traced inline."""
         for i, r in enumerate(row_at):
-            dst[i] = mBScale[r // 128, kt] if self.swap else mAScale[r, kt]
+            dst[i] = blk.b_scale[r // 128, kt] if self.swap else blk.a_scale[r, kt]
         for i, c in enumerate(col_at):
-            dst[len(row_at) + i] = mAScale[c, kt] if self.swap else mBScale[c // 128, kt]
+            dst[len(row_at) + i] = (blk.a_scale[c, kt] if self.swap
+                                    else blk.b_scale[c // 128, kt])
 
     @cute.jit
     def apply_token_scales(self, mC, gcC_t, thr_c, acc, mAScale, mBScale):
