@@ -3,9 +3,11 @@
 MAX_M: the daemon plans each bucket, the plan's one prefetch queues the kernels, and a
 pre-warm ``get`` of each waits for them. The GPU half, bench/gpu/gemm_plan_check.py, asks a
 serve-only daemon on this store for the same plans. ``$ACCUMULATIONS`` (comma-separated,
-default ``fast``) names the accumulation classes planned (``fast``, ``exact``). The last line
-is JSON: the warm's counts and ``seconds``, the wall time from an empty queue to every kernel
-in the store (what a cold daemon with these workers spends compiling them).
+default ``fast``; ``exact`` for block128) names the accumulation classes planned (``fast``,
+``exact``), ``$SCALES`` (default ``tensor``) the scale scheme (``tensor``, ``token``,
+``block128``). The last line is JSON: the warm's counts and ``seconds``, the wall time
+from an empty queue to every kernel in the store (what a cold daemon with these workers
+spends compiling them).
 Usage: python bench/gpu/gemm_plan_bundle.py STORE_DIR MAX_M N,K [N,K ...]
 """
 
@@ -28,7 +30,9 @@ from cached.cli.warm import warm  # noqa: E402
 
 def main() -> None:
     store, max_m, shapes = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-    accumulations = (os.environ.get("ACCUMULATIONS") or "fast").split(",")
+    scales = os.environ.get("SCALES") or "tensor"
+    accumulations = (os.environ.get("ACCUMULATIONS")
+                     or ("exact" if scales == "block128" else "fast")).split(",")
     store.mkdir(parents=True, exist_ok=True)
     d = Daemon(store.parent, workers=2, store=store)
     try:
@@ -39,13 +43,15 @@ def main() -> None:
             for shape in shapes:
                 n, k = (int(v) for v in shape.split(","))
                 plan = plan_gemm(client, n, k, arch="sm_90a", sm_count=132,
-                                 device="NVIDIA H200", max_m=max_m, accumulation=accumulation)
+                                 device="NVIDIA H200", max_m=max_m, scales=scales,
+                                 accumulation=accumulation)
                 print(plan.describe(), flush=True)
                 requests += plan.requests
         requests = list(dict.fromkeys(requests))
         counts = warm(d.socket, requests, 3600)
         counts["seconds"] = round(time.monotonic() - started, 1)
         counts["accumulations"] = accumulations
+        counts["scales"] = scales
         print(json.dumps(counts), flush=True)
     finally:
         d.stop()

@@ -12,7 +12,9 @@
 #          cp312 wheels (vLLM's missing pure deps, TVM-FFI, the daemon's deps)
 #          bash .dev/vllm-h200/C/run_vllm.sh gpu (carry [".dev/vllm-h200/C"]): vLLM's
 #          Python sources, the store, this code; runs everything, prints the tables last.
-# Each folder holds a copy of this script.
+# Each folder holds a copy of this script. SCHEME=block (build): a block-FP8 checkpoint
+# (128x128 weight blocks, dynamic 1x128 activation groups, DeepSeek-V3's format) and the
+# store's block128 kernels instead of per-tensor ones; the gpu call reads it from C/scheme.
 set -euo pipefail
 SHAPES=(6144,4096 4096,4096 28672,4096 4096,14336)  # Llama-3.1-8B's qkv, o, gate_up, down
 MAX_M=8192
@@ -28,7 +30,11 @@ if [[ $mode == build ]]; then
   grep -qx '/.dev/' "$exclude" 2>/dev/null || echo '/.dev/' >> "$exclude"  # never committed
   rm -rf "$D" && mkdir -p "$D/A" "$D/B/wheels" "$D/C/src/client"
   # the store: every kernel the client's plans pick for the four shapes, M up to MAX_M
-  CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/gemm_plan_bundle.py "$D/C/store" "$MAX_M" \
+  scheme=${SCHEME:-tensor}
+  [[ $scheme == tensor || $scheme == block ]] || { echo "SCHEME is tensor or block"; exit 2; }
+  echo "$scheme" > "$D/C/scheme"
+  SCALES=$([[ $scheme == block ]] && echo block128 || echo tensor) \
+    CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/gemm_plan_bundle.py "$D/C/store" "$MAX_M" \
     "${SHAPES[@]}" | tee "$D/C/build.log"
   rm -rf "$D/C/store/tmp" "$D/C/store/index.sqlite-wal" "$D/C/store/index.sqlite-shm"
   # vLLM's compiled ops (stripped: 79 MB, 60 MiB as xz) in two halves, the DSL runtime
@@ -63,6 +69,9 @@ if [[ $mode == build ]]; then
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 -d "$D/B/wheels" "$pkg==$ver"
   done
+  # B (with the checkout) would pass the 64 MiB a call carries: its two largest wheels go in C
+  mkdir -p "$D/C/wheels" && mv "$D/B/wheels"/oss_harmony-*.whl "$D/B/wheels"/llguidance-*.whl \
+    "$D/C/wheels/"
   cp -r cached "$D/C/src/" && cp -r client/cached_client "$D/C/src/client/"
   cp bench/gpu/vllm_fp8.py bench/gpu/vllm_site_patch.py "$D/C/"
   for part in A B C; do cp bench/gpu/run_vllm.sh "$D/$part/"; done
@@ -97,7 +106,7 @@ if [[ $mode == gpu ]]; then
   L=/tmp/vllm_logs && rm -rf $L && mkdir -p "$OUT" $L
   [[ -f $X/_C_stable_libtorch.abi3.so && -d /tmp/site/pydantic ]] \
     || { echo "calls A and B did not leave their files: the machine was not kept warm"; exit 3; }
-  if [[ -d $C/wheels ]]; then  # wheels changed since call B (a machine kept warm)
+  if [[ -d $C/wheels ]]; then  # the wheels B could not carry
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site "$C/wheels"/*.whl
   fi
@@ -129,7 +138,8 @@ if [[ $mode == gpu ]]; then
   set +e
   [[ -n ${PREFLIGHT:-} ]] && python3 "$C/vllm_fp8.py" preflight 2>&1 | grep -v "^W[0-9]" \
     | tee $L/preflight.log | tail -3
-  python3 "$C/vllm_fp8.py" ckpt /tmp/ck --layers "${LAYERS:-4}" 2>&1 | tee $L/ckpt.log
+  python3 "$C/vllm_fp8.py" ckpt /tmp/ck --layers "${LAYERS:-4}" \
+    --scheme "$(cat "$C/scheme" 2>/dev/null || echo tensor)" 2>&1 | tee $L/ckpt.log
   python3 -c "import importlib.util as u; print('cutlass (CuTe DSL compiler) importable:',
     u.find_spec('cutlass') is not None)" | tee $L/dsl.txt
   # the modes' processes start together: imports overlap; loads, then measurements, take
