@@ -17,8 +17,9 @@ from zero in the wgmma accumulator (ACCUMULATE off for the first), the consumer 
 them to retire, releases the stage and adds the accumulator into a second fp32 register
 tensor (the promoted sum, from zero, in K-tile order), which the epilogue reads. block128
 loads a thread's scales (one per distinct row and weight block of its fragment) SCALE_SETS
-K tiles before their use, into register sets taken in turn, where it holds at most
-PREFETCHED_SCALES of them; otherwise in the K tile itself, before its pipeline wait.
+K tiles before their use, into register sets taken in turn, where those sets and the two
+accumulator copies fit in PREFETCH_REGS fp32 registers per thread; otherwise in the K tile
+itself, before its pipeline wait.
 
 Structure (one CTA = 1 producer warpgroup + 1 or 2 consumer warpgroups):
   * producer warp 0: walks the persistent tile schedule and, per K tile, TMA-loads the
@@ -108,7 +109,10 @@ _AB_DTYPES = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
 _OUT_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 PRODUCER_REGS = 40
-PREFETCHED_SCALES = 8  # block128: at most this many scales per thread are loaded K tiles early
+# block128: scales are loaded K tiles early where SCALE_SETS x scales + 2 x accumulator
+# registers per thread stay within this (a 128x128 tile: 3 x 3 + 128; a 192-wide one,
+# 3 x 26 + 192, does not: loading ahead made it 1.4-2x slower, docs/benchmarks.md run 5)
+PREFETCH_REGS = 160
 SCALE_SETS = 3  # block128: register sets of those scales, so loads run this many K tiles ahead
 
 
@@ -749,14 +753,13 @@ class HopperFp8GemmKernel:
             pair_of = [pairs.index((row_keys.index(rk), col_keys.index(ck)))
                        for rk, ck in keys]
             n_scales = len(row_keys) + len(col_keys)
-            # few scales (a fragment that shares its weight block's scale, block_pair_keys):
             # indices once per tile, and SCALE_SETS register sets taken in turn (SCALE_SETS
             # K tiles per trip): a K tile forms its products from its set, then reloads that
             # set with the scales of SCALE_SETS K tiles on, so a load has that many K tiles
             # of wgmma to land (ptxas may hoist a product by one) and no copy between sets
-            # waits on one. Many (one per 8 columns): indices, loads and products per K
-            # tile, as several sets would not stay in registers.
-            ahead_loaded = n_scales <= PREFETCHED_SCALES
+            # waits on one. Where the sets would not fit beside the accumulators (one
+            # scale per 8 columns of a wide tile): indices, loads and products per K tile.
+            ahead_loaded = SCALE_SETS * n_scales + 2 * cute.size(acc) <= PREFETCH_REGS
             scales = cute.make_rmem_tensor((n_scales,), cutlass.Float32)
             blk = BlockScales(pairs, pair_of, len(row_keys), mAScale, mBScale)
         if cutlass.const_expr(self.block and ahead_loaded):
