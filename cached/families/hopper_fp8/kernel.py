@@ -109,6 +109,7 @@ _AB_DTYPES = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
 _OUT_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 PRODUCER_REGS = 40
+BLOCK_COLUMNS = 128  # the block128 scheme's weight block width (columns of C)
 # block128: scales are loaded K tiles early where SCALE_SETS x scales + 2 x accumulator
 # registers per thread stay within this (a 128x128 tile: 3 x 3 + 128; a 192-wide one,
 # 3 x 26 + 192, does not: loading ahead made it 1.4-2x slower, docs/benchmarks.md run 5)
@@ -126,7 +127,6 @@ class BlockScales(NamedTuple):
     n_rows: int
     a_scale: Any
     b_scale: Any
-BLOCK_COLUMNS = 128  # the block128 scheme's weight block width (columns of C)
 
 
 def fragment_keys(shape) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
