@@ -149,3 +149,69 @@ def test_profile_inputs_take_the_kernels_scheme_and_pass_the_launchers_block_che
     launcher._check_block_scales(sa, sb, m, n, k)
     _, _, sa, sb = h.profile_inputs(torch, {"accum": "exact"}, m, n, k, cpu)
     assert sa.numel() == 1 and sb.numel() == 1
+
+
+def _natives():
+    spec = importlib.util.spec_from_file_location(
+        "bundle_natives", ROOT / "bench" / "gpu" / "bundle_natives.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_bundle_whose_runtime_or_kernel_changed_is_refused_before_loading(
+        tmp_path, monkeypatch) -> None:
+    """The GPU runners load a bundle's DSL runtime and kernels only with the digests its
+    manifest recorded at build: a runtime unpacked from a changed .xz, a changed unpacked
+    runtime and a changed kernel library are each refused, naming the file, before anything
+    is opened; $CACHED_DSL_RUNTIME is set only to a runtime that matched, in a 0700
+    directory of this process's own."""
+    import os
+    import stat
+    import subprocess
+
+    import pytest
+    from cached_client.errors import IntegrityError
+
+    nat = _natives()
+    monkeypatch.delenv(nat.RUNTIME_ENV, raising=False)
+    b = tmp_path / "bundle"
+    (b / "kernels").mkdir(parents=True)
+    (b / "kernels" / "k0.so").write_bytes(b"kernel bytes as built")
+    runtime = b / nat.RUNTIME
+    runtime.write_bytes(b"runtime bytes as built")
+    entries = [{"name": "k0", "so": "kernels/k0.so", "symbol": "k0"}]
+    manifest = {"kernels": entries, **nat.record(str(b), entries, str(runtime))}
+    assert len(entries[0]["sha256"]) == 64 and len(manifest["runtime_sha256"]) == 64
+
+    def xz_runtime(data: bytes) -> None:
+        (b / (nat.RUNTIME + ".xz")).write_bytes(
+            subprocess.run(["xz", "-c"], input=data, capture_output=True, check=True).stdout)
+
+    # carried as .xz: unpacked into a private directory, checked, then named
+    runtime.unlink()
+    xz_runtime(b"runtime bytes as built")
+    path = nat.use_runtime(str(b), manifest)
+    st = os.stat(os.path.dirname(path))
+    assert os.environ[nat.RUNTIME_ENV] == path and not path.startswith(str(b))
+    assert st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700
+    monkeypatch.delenv(nat.RUNTIME_ENV)
+    # a changed .xz, or a changed unpacked runtime in the bundle: refused, nothing named
+    xz_runtime(b"runtime bytes someone swapped in")
+    with pytest.raises(SystemExit, match="the bundle's manifest says .*not loading it"):
+        nat.use_runtime(str(b), manifest)
+    runtime.write_bytes(b"runtime bytes someone swapped in")
+    with pytest.raises(SystemExit, match=f"{runtime} has sha256"):
+        nat.use_runtime(str(b), manifest)
+    assert nat.RUNTIME_ENV not in os.environ
+    # a changed kernel: the client's loader refuses it before dlopen (IntegrityError, not
+    # the OSError a dlopen of these bytes would raise)
+    (b / "kernels" / "k0.so").write_bytes(b"kernel bytes someone swapped in")
+    with pytest.raises(IntegrityError, match="k0.so has sha256 .* not loading it"):
+        nat.load_kernels(str(b), manifest)
+    # a bundle built before the digests were recorded: told to rebuild, nothing loaded
+    with pytest.raises(SystemExit, match="no runtime_sha256: rebuild"):
+        nat.use_runtime(str(b), {"kernels": entries})
+    with pytest.raises(SystemExit, match="no sha256 for k0: rebuild"):
+        nat.load_kernels(str(b), {"kernels": [{"name": "k0", "so": "kernels/k0.so",
+                                                "symbol": "k0"}]})

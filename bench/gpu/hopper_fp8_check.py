@@ -43,7 +43,9 @@
   profile --bundle DIR --kernel NAME --mnk M,N,K [--events R --iters I] [--dry]: launches
     for ncu (hopper_fp8_ncu.sh), the scales of the kernel's scheme (block128 too);
     --events: CUDA-event time per launch; --dry: CPU checks of the arguments only.
-  The DSL runtime may travel as libcute_dsl_runtime.so.xz (unpacked into /tmp).
+  The DSL runtime may travel as libcute_dsl_runtime.so.xz; the runtime and every kernel are
+  checked against the digests the manifest recorded at build time before they are loaded
+  (bundle_natives.py).
 """
 
 from __future__ import annotations
@@ -57,7 +59,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -87,6 +88,15 @@ FULL_M = 2048
 NUM_SMS = 132
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def _bundle_natives():
+    """bench/gpu/bundle_natives.py (beside this script, in the repository and in a bundle)."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import bundle_natives
+
+    return bundle_natives
 
 
 def _repo_on_path() -> None:
@@ -550,8 +560,10 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
     shutil.rmtree(os.path.join(out, "obj"))
     if not dry and not os.path.exists(os.path.join(out, "libcute_dsl_runtime.so")):
         shutil.copy2(os.path.join(rt_dir, "libcute_dsl_runtime.so"), out)
+    digests = {} if dry else _bundle_natives().record(
+        out, entries, os.path.join(out, "libcute_dsl_runtime.so"))
     shutil.copy2(__file__, os.path.join(out, "hopper_fp8_check.py"))
-    for script in ("run_hopper_fp8.sh", "hopper_fp8_ncu.sh"):
+    for script in ("run_hopper_fp8.sh", "hopper_fp8_ncu.sh", "bundle_natives.py"):
         shutil.copy2(os.path.join(HERE, script), os.path.join(out, script))
     cdst = os.path.join(out, "client", "cached_client")
     shutil.rmtree(cdst, ignore_errors=True)
@@ -568,7 +580,7 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
                    "source_sha256": src, "code_sha256": code_sha,
                    "codegen_constants": _codegen_constants(),
                    "num_sms": NUM_SMS, "compiled_now": len(todo),
-                   "compile_wall_seconds": round(wall, 1)}, f, indent=1)
+                   "compile_wall_seconds": round(wall, 1), **digests}, f, indent=1)
     print(f"{which}: {len(entries)} kernels ({len(todo)} compiled now, {wall:.0f} s wall, "
           f"{jobs} workers)")
 
@@ -597,20 +609,6 @@ class FakeFn:
         c.copy_((acc * (sa * sb)).to(c.dtype))
 
 
-@functools.cache
-def runtime_library(bundle: str) -> str:
-    """The DSL runtime the kernels link: the bundle's libcute_dsl_runtime.so (built here and
-    carried with the kernels), or its .xz unpacked into a private directory made by this
-    process (mkdtemp, 0700), never a file some other process left in /tmp."""
-    so = os.path.join(bundle, "libcute_dsl_runtime.so")
-    if os.path.exists(so):
-        return so
-    rt = os.path.join(tempfile.mkdtemp(prefix="dslrt-"), "libcute_dsl_runtime.so")
-    with open(rt, "wb") as out:
-        subprocess.run(["xz", "-dc", f"{so}.xz"], stdout=out, check=True)
-    return rt
-
-
 class Runner:
     def __init__(self, bundle: str, out: str, fake: bool):
         import torch
@@ -631,17 +629,11 @@ class Runner:
                 self.meta[e["name"]] = e["params"]
             self.dev = torch.device("cpu")
         else:
-            import ctypes
-
-            import tvm_ffi
-
-            # a bench run on a throwaway GPU machine: these files are the run's own bundle, built
-            # here and carried by the device tool, not served by any daemon (no identity check)
-            ctypes.CDLL(runtime_library(bundle), mode=ctypes.RTLD_GLOBAL)
-            for e in self.manifest["kernels"]:
-                self.fns[e["name"]] = tvm_ffi.load_module(os.path.join(bundle, e["so"]))[
-                    e["symbol"]]
-                self.meta[e["name"]] = e["params"]
+            # the runtime and each kernel checked against the manifest's digests first
+            natives = _bundle_natives()
+            natives.use_runtime(bundle, self.manifest)
+            self.fns = natives.load_kernels(bundle, self.manifest)
+            self.meta = {e["name"]: e["params"] for e in self.manifest["kernels"]}
             self.dev = torch.device("cuda")
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self.out = out

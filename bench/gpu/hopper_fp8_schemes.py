@@ -56,6 +56,15 @@ BLOCK_SHAPES = SHAPES + [(2112, 7168), (576, 7168), (24576, 1536), (7168, 18432)
 BLOCK_MS = [1, 16, 128, 512, 2048, 8192]
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def _bundle_natives():
+    """bench/gpu/bundle_natives.py (beside this script, in the repository and in a bundle)."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import bundle_natives
+
+    return bundle_natives
 VLLM_SITE = os.path.join(REPO, ".venv-vllm", "lib", "python3.11", "site-packages", "vllm")
 
 
@@ -218,7 +227,9 @@ def build(out: str, jobs: int, block_only: bool = False) -> None:
     if not os.path.exists(os.path.join(out, "libcute_dsl_runtime.so.xz")):
         subprocess.check_call(f"xz -6 -T2 -c {rt}/libcute_dsl_runtime.so > "
                               f"{out}/libcute_dsl_runtime.so.xz", shell=True)
+    digests = _bundle_natives().record(out, entries, os.path.join(rt, "libcute_dsl_runtime.so"))
     shutil.copy2(__file__, os.path.join(out, "hopper_fp8_schemes.py"))
+    shutil.copy2(os.path.join(HERE, "bundle_natives.py"), out)
     copy_vllm_triton(out)
     cdst = os.path.join(out, "client", "cached_client")
     shutil.rmtree(cdst, ignore_errors=True)
@@ -229,7 +240,8 @@ def build(out: str, jobs: int, block_only: bool = False) -> None:
                    "block_plan": bp, "block_shapes": BLOCK_SHAPES, "block_ms": BLOCK_MS,
                    "source_sha256": HopperFp8().source_sha256(),
                    "compiled_now": len(todo),
-                   "compile_wall_seconds": round(time.perf_counter() - t0, 1)}, f, indent=1)
+                   "compile_wall_seconds": round(time.perf_counter() - t0, 1), **digests}, f,
+                  indent=1)
     print(f"{len(entries)} kernels ({len(todo)} compiled now, "
           f"{time.perf_counter() - t0:.0f} s)")
 
@@ -240,10 +252,7 @@ def build(out: str, jobs: int, block_only: bool = False) -> None:
 
 class Runner:
     def __init__(self, bundle: str, out: str, vllm_so: str | None):
-        import ctypes
-
         import torch
-        import tvm_ffi
 
         self.t = torch
         sys.path.insert(0, os.path.join(bundle, "client"))
@@ -252,18 +261,12 @@ class Runner:
         self.L = launcher
         with open(os.path.join(bundle, "manifest.json")) as f:
             self.man = json.load(f)
-        rt = "/tmp/libcute_dsl_runtime.so"
-        if not os.path.exists(rt):
-            subprocess.check_call(f"xz -dc {bundle}/libcute_dsl_runtime.so.xz > {rt}",
-                                  shell=True)
-        # a bench run on a throwaway GPU machine: these files are the run's own bundle, built
-        # here and carried by the device tool, not served by any daemon (no identity check)
-        ctypes.CDLL(rt, mode=ctypes.RTLD_GLOBAL)
-        self.fns, self.meta, self.cls = {}, {}, {}
-        for e in self.man["kernels"]:
-            self.fns[e["name"]] = tvm_ffi.load_module(os.path.join(bundle, e["so"]))[e["symbol"]]
-            self.meta[e["name"]] = e["params"]
-            self.cls[e["name"]] = e["class"]
+        # the runtime and each kernel checked against the manifest's digests first
+        natives = _bundle_natives()
+        natives.use_runtime(bundle, self.man)
+        self.fns = natives.load_kernels(bundle, self.man)
+        self.meta = {e["name"]: e["params"] for e in self.man["kernels"]}
+        self.cls = {e["name"]: e["class"] for e in self.man["kernels"]}
         self.dev = torch.device("cuda")
         self.vllm = False
         if vllm_so and os.path.exists(vllm_so):

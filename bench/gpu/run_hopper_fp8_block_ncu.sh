@@ -4,14 +4,16 @@
 #     bash .dev/ncu27/run.sh            # everything, report on stdout, reports under $OUT
 #     bash .dev/ncu27/run.sh --dry      # CPU rehearsal: set-up, argument checks, an ncu shim
 # Point: M x N x K = 8192 x 4096 x 4096 (docs: block128 428 us, per-tensor exact 241.7 us).
-#   1. set-up: the DSL runtime (xz) -> /tmp, the cp312 tvm-ffi wheel -> $SITE, PYTHONPATH
+#   1. set-up: the cp312 tvm-ffi wheel -> $SITE, PYTHONPATH (each profile process unpacks
+#      the DSL runtime into its own mkdtemp directory and checks its digest: bundle_natives.py)
 #   2. kernel time without ncu (CUDA events, eager launches through the client's launcher)
 #   3. ncu on each kernel, one launch after two warm-up launches (hopper_fp8_ncu.sh)
 # Built here with (worktree ncu27):
 #   PYTHON=/work/main/.venv/bin/python bash bench/gpu/run_hopper_fp8.sh build final \
 #     .dev/ncu27 --kernels m128n128_c1x1_rm_s1_st6_e4m3_bfloat16_b128_ex,m128n128_c1x1_rm_s1_st6_e4m3_bfloat16_ex
-#   then libcute_dsl_runtime.so replaced by its .xz (hopper_fp8_check.py unpacks it to /tmp)
-#   and this script copied into the bundle as run.sh.
+#   then libcute_dsl_runtime.so replaced by its .xz (`xz -6 libcute_dsl_runtime.so` in the
+#   bundle; the manifest keeps the digest of the unpacked file) and this script copied into
+#   the bundle as run.sh.
 set -uo pipefail
 B=$(cd "$(dirname "$0")" && pwd)
 DRY=0
@@ -25,11 +27,6 @@ MNK=${MNK:-8192,4096,4096}
 KERNELS=${KERNELS:-m128n128_c1x1_rm_s1_st6_e4m3_bfloat16_b128_ex m128n128_c1x1_rm_s1_st6_e4m3_bfloat16_ex}
 t0=$(date +%s)
 echo "=== set-up ($(date -u))"
-if [[ ! -s /tmp/libcute_dsl_runtime.so ]]; then
-  xz -dc "$B/libcute_dsl_runtime.so.xz" > /tmp/libcute_dsl_runtime.so.part \
-    && mv /tmp/libcute_dsl_runtime.so.part /tmp/libcute_dsl_runtime.so || exit 1
-fi
-ls -la /tmp/libcute_dsl_runtime.so
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target "$SITE" "$B"/apache_tvm_ffi-*.whl || exit 1
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
