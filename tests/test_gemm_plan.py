@@ -46,9 +46,9 @@ def test_classes_round_trip_through_hello_and_plan(daemon):
     c = daemon.client(timeout=60)
     info = c.hello().reduction_classes
     assert info[HOPPER] == {"classes": list(T.REDUCTION_CLASSES), "m_independent": True}
-    # 5 per-tensor fast classes, 5 per-token fast ones, the two exact ones and the block
-    # one (issue 27)
-    assert len(info[HOPPER]["classes"]) == 13
+    # 5 per-tensor fast classes, 5 per-token fast ones, the block one and 5 exact ones per
+    # scheme (issue 27: S = 1, 2, 4, 8, 16)
+    assert len(info[HOPPER]["classes"]) == 21
     assert "e4m3.c1" in info["flashinfer.bi.bmm_fp8"]["classes"]
     assert info["flashinfer.mm_fp4"] == {"classes": [], "m_independent": False}
     reply = c.plan_reply(HOPPER, (16, 4096, 14336), "sm_90a", 132)
@@ -69,7 +69,7 @@ def test_policy_reads_classes_from_hello_not_a_table(daemon):
     c = daemon.client(timeout=60)
     with_daemon = policy.select("bmm", "fp8", "sm_90a", True, client=c)
     assert (with_daemon.kernel, with_daemon.tactics) == (HOPPER, "set")
-    assert "13 reduction-order classes" in with_daemon.reason
+    assert f"{len(T.REDUCTION_CLASSES)} reduction-order classes" in with_daemon.reason
     without = policy.select("bmm", "fp8", "sm_100a", True)
     assert without.tactics == "one" and "no daemon to ask" in without.reason
 

@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+from conftest import ROOT
 
 from cached.families.hopper_fp8 import space as SPACE
 from cached.families.hopper_fp8 import tactic as T
@@ -50,16 +51,33 @@ def test_scheme_tactics_round_trip_with_their_classes():
             assert cid == pattern.format(s=t.splits) == t.reduction_class
             assert T.class_scheme(cid) == (t.splits, accum, scales)
             assert cid in T.REDUCTION_CLASSES
-    # exact: S = 1 only, and only tiles with room for the promoted sum
-    exact = SPACE.tactic_space(accum="exact")
-    assert {t.splits for t in exact} == {1}
-    assert all(2 * T.acc_regs_per_thread(t.tile_m, t.tile_n, t.swap_ab, t.wg_n, t.pingpong)
-               <= T.MAX_ACC_REGS_PER_THREAD for t in exact)
-    assert not [t for t in exact if (t.tile_m, t.tile_n) == (256, 192)]
-    assert SPACE.tactic_space(splits=2, accum="exact") == []
+    # exact: S = 1 and both split modes (each K range promoted on its own), only tiles with
+    # room for the promoted sum (and a serial split's running sum: three copies)
+    exact_all = SPACE.tactic_space(accum="exact")
+    assert {t.splits for t in exact_all} == set(T.SPLIT_CHOICES)
+    assert {t.split_mode for t in exact_all if t.splits > 1} == {"cta", "serial"}
+    assert all((2 + (t.split_mode == "serial" and t.splits > 1)) * T.acc_regs_per_thread(
+        t.tile_m, t.tile_n, t.swap_ab, t.wg_n, t.pingpong) <= T.MAX_ACC_REGS_PER_THREAD
+        for t in exact_all)
+    assert not [t for t in exact_all if (t.tile_m, t.tile_n) == (256, 192)]
+    for s in (2, 4):
+        split = SPACE.tactic_space(splits=s, accum="exact")
+        assert split == [dataclasses.replace(t, accum="exact")
+                         for t in SPACE.tactic_space(splits=s)
+                         if (3 if t.split_mode == "serial" else 2) * T.acc_regs_per_thread(
+                             t.tile_m, t.tile_n, t.swap_ab, t.wg_n, t.pingpong) <= 192]
+        assert {t.reduction_class for t in split} == {f"k128.prom128.s{s}.fixed"}
+        # a serial 128 x 128 tile (64 registers a copy) fits three copies, 128 x 256 not
+        assert {(t.tile_m, t.tile_n) for t in split if t.split_mode == "serial"} >= {
+            (128, 128), (64, 64)}
+        assert not [t for t in split if (t.tile_m, t.tile_n) == (128, 256)
+                    and t.split_mode == "serial"]
+    exact = [t for t in exact_all if t.splits == 1]
+    assert SPACE.tactic_space(splits=1, accum="exact") == exact
     # block128: the exact space in its scheme, less the tiles whose warpgroup width splits
     # a weight block unevenly (one scale per 8 columns), one class
     block = SPACE.tactic_space(scales="block128", accum="exact")
+    assert {t.splits for t in block} == {1}
     assert ([dataclasses.replace(t, scales="tensor") for t in block]
             == [t for t in exact if SPACE.block_scale_shared(t)])
     assert {t.tile_n // t.wg_n for t in block if not t.swap_ab} == {32, 64, 128}
@@ -77,7 +95,9 @@ def test_scheme_tactics_round_trip_with_their_classes():
 @pytest.mark.parametrize("params, words", [
     ({"scales": "channel"}, "scales must be one of"),
     ({"accum": "promoted"}, "accum must be one of"),
-    ({"accum": "exact", "splits": 2}, "takes splits=1 only"),
+    ({"tile_m": 128, "tile_n": 256, "accum": "exact", "splits": 2}, r"128 x 3 \(a serial"),
+    ({"accum": "exact", "splits": 2, "split_mode": "cta", "scales": "block128"},
+     "block128 is not split"),
     ({"tile_m": 256, "tile_n": 128, "accum": "exact"}, "promoted sum"),
     ({"scales": 1}, "scales must be one of"),
     ({"scales": "block128"}, "needs accum='exact'"),
@@ -97,12 +117,13 @@ def test_plan_options_pick_one_class_of_the_scheme_for_every_m():
     from cached.families.hopper_fp8.family import HopperFp8
 
     fam = HopperFp8()
-    for n, k in ((2688, 4096), (2112, 7168), (1024, 16384)):
-        s = SPACE.choose_split(n, k, 132)
+    for n, k, s in ((2688, 4096, 1), (2112, 7168, 2), (1024, 16384, 4)):
+        assert SPACE.choose_split(n, k, 132) == s
         for scales, accum, cid in (
-                ("token", "fast", T.reduction_class_id(s, "fast", "token")),
-                ("tensor", "exact", "k128.prom128.s1.fixed"),
-                ("token", "exact", "k128.prom128.s1.fixed.token")):
+                ("token", "fast", f"k128.acc1.s{s}.fixed.token"),
+                ("tensor", "exact", f"k128.prom128.s{s}.fixed"),
+                ("token", "exact", f"k128.prom128.s{s}.fixed.token"),
+                ("block128", "exact", "k128.prom128.s1.fixed.block128")):
             classes = set()
             for m in (1, 64, 8192):
                 reqs = fam.plan((m, n, k), "sm_90a", 132, {"batch_invariant": True,
@@ -124,7 +145,8 @@ def test_plan_options_pick_one_class_of_the_scheme_for_every_m():
     ({"scales": "block128", "accumulation": "fast"}, "needs accum='exact'"),
     ({"reduction_class": "k128.acc1.s1.fixed.block128"}, "unknown cached.hopper_fp8 reduction"),
     ({"accumulation": True}, "accumulation=True is not one of"),
-    ({"reduction_class": "k128.prom128.s2.fixed"}, "unknown cached.hopper_fp8 reduction class"),
+    ({"reduction_class": "k128.prom128.s2.fixed.block128"},
+     "unknown cached.hopper_fp8 reduction class"),
     ({"reduction_class": "k128.acc1.s1.fixed.token", "scales": "tensor"},
      "contradicts reduction_class"),
     ({"reduction_class": "k128.acc1.s1.fixed", "accumulation": "exact"},
@@ -268,7 +290,12 @@ def test_launcher_checks_block_scales_before_launch():
 def _scheme_variants() -> list[HopperFp8Tactic]:
     """One of each code path the schemes touch: the register epilogue (swap_ab) with both,
     ping-pong with both (each warpgroup's own MMA slice), wg_n = 2 per-token, a 'cta' split
-    per-token (the last unit's sum scaled), the 128-row tile exact in e5m2 / fp16, and
+    per-token (the last unit's sum scaled), exact 'cta' splits on swap_ab per-token and on
+    the TMA epilogue per-tensor (each unit's promoted sum is its partial), an exact serial
+    split with three accumulator copies (128 x 128) and one per-token in two wgmma
+    accumulators (64 x 64), exact with two
+    wgmma accumulators in turn (64 x 80, swap_ab; kernel.promoted_overlapped), the 128-row tile
+    exact in e5m2 / fp16, and
     block128 on the TMA epilogue, swap_ab and ping-pong (the scale indices per path), and
     block128 on a 192-wide tile (one scale per 8 columns, loaded per K tile; outside the
     block space, served when a request names it)."""
@@ -278,6 +305,11 @@ def _scheme_variants() -> list[HopperFp8Tactic]:
         H(64, 128, pingpong=True, scales="token", accum="exact"),
         H(64, 128, wg_n=2, scales="token"),
         H(64, 128, splits=4, split_mode="cta", scales="token"),
+        H(16, 64, swap_ab=True, splits=4, split_mode="cta", scales="token", accum="exact"),
+        H(64, 128, splits=2, split_mode="cta", accum="exact"),
+        H(128, 128, splits=4, accum="exact"),
+        H(64, 64, splits=4, scales="token", accum="exact"),
+        H(64, 80, accum="exact"),
         H(128, 128, out_dtype="float16", ab_dtype="e5m2", accum="exact"),
         H(128, 128, scales="block128", accum="exact"),
         H(8, 64, swap_ab=True, scales="block128", accum="exact"),
@@ -286,10 +318,39 @@ def _scheme_variants() -> list[HopperFp8Tactic]:
     )]
 
 
+NVDISASM = ROOT / ".venv-jit" / "triton" / "backends" / "nvidia" / "bin" / "nvdisasm"
+
+
+def wgmma_waits(path: str) -> dict[str, int]:
+    """Counts in the SASS of the sm_90a cubin inside a served object or library: wgmma
+    instructions (``GMMA``), waits for all of them (``wait0``, WARPGROUP.DEPBAR.LE gsb0,
+    0x0), for all but one (``wait1``), and local-memory loads (``spills``)."""
+    import re
+    import subprocess
+    import tempfile
+
+    data = open(path, "rb").read()
+    start = data.find(b"\x7fELF", 1)  # the device ELF embedded in the host one
+    assert start > 0, f"no cubin inside {path}"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(data[start:])
+        f.flush()
+        sass = subprocess.run([str(NVDISASM), "-c", f.name], check=True, capture_output=True,
+                              text=True).stdout
+    waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", sass)
+    return {"GMMA": sass.count("GMMA"), "wait0": waits.count("0"), "wait1": waits.count("1"),
+            "spills": len(re.findall(r"\bLDL", sass))}
+
+
 def test_scheme_tactics_compile_for_sm90a_through_the_daemon(daemon):
     """The variants above, compiled by the daemon's workers: each served as a real artifact
-    whose metadata names its class."""
+    whose metadata names its class. In the SASS: no spills (but in the one outside the
+    spaces), no wgmma serialized by ptxas
+    (at most one full wait per K tile's four wgmma), and the exact kernels that take two K
+    tiles at a time (kernel.promoted_overlapped) wait for all but one."""
     from cached_client.keys import KernelRequest
+
+    from cached.families.hopper_fp8.kernel import PREFETCH_REGS
 
     variants = _scheme_variants()
     spaces = {t.name for sc, acc in T.SCHEMES
@@ -301,10 +362,19 @@ def test_scheme_tactics_compile_for_sm90a_through_the_daemon(daemon):
                               sm_count=132, max_active_clusters=132 // t.cluster_size)
                 for t in variants]
     client.prefetch(requests)
-    for r in requests:
+    for t, r in zip(variants, requests, strict=True):
         art = client.get(r, timeout=900)
         path = art.library_path or art.object_path
         assert path and os.path.getsize(path) > 1000
+        got = wgmma_waits(path)
+        # (the 192-wide block128 tile, outside every space, spills: docs/benchmarks.md)
+        assert got["GMMA"] >= 4 and (got["spills"] == 0) == (t.name in spaces), (t.name, got)
+        assert 4 * got["wait0"] <= got["GMMA"], (t.name, got)  # serialized: one per wgmma
+        regs = T.acc_regs_per_thread(t.tile_m, t.tile_n, t.swap_ab, t.wg_n, t.pingpong)
+        two_at_a_time = (t.accum == "exact" and t.scales != "block128" and (
+            T.acc_sets(t.splits, t.split_mode, t.accum) + 1) * regs <= PREFETCH_REGS)
+        if t.accum == "exact":
+            assert (got["wait1"] > 0) == two_at_a_time, (t.name, got)
     listed = {e["kernel_name"]: e for e in client.list()}
     for t in variants:
         assert f"{t.name}_mac{132 // t.cluster_size}" in listed

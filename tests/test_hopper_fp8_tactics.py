@@ -121,7 +121,10 @@ def test_reduction_order_constants():
         "k128.acc1.s1.fixed.token", "k128.acc1.s2.fixed.token", "k128.acc1.s4.fixed.token",
         "k128.acc1.s8.fixed.token", "k128.acc1.s16.fixed.token",
         "k128.prom128.s1.fixed", "k128.prom128.s1.fixed.token",
-        "k128.prom128.s1.fixed.block128")
+        "k128.prom128.s1.fixed.block128",
+        "k128.prom128.s2.fixed", "k128.prom128.s4.fixed", "k128.prom128.s8.fixed",
+        "k128.prom128.s16.fixed", "k128.prom128.s2.fixed.token", "k128.prom128.s4.fixed.token",
+        "k128.prom128.s8.fixed.token", "k128.prom128.s16.fixed.token")
 
 
 def test_reduction_class_round_trips_through_canonical_params():

@@ -79,10 +79,10 @@ def scheme_name(scales: str, accum: str) -> str:
 PLANNED: dict = {}  # tactic name -> params, filled by plan()
 
 
-def plan() -> dict:
+def plan(schemes: list[str] | None = None) -> dict:
     """{scheme: {"NxK": {"class": id, "by_m": {M: tactic name}}}}: the batch-invariant
     plan's first choice (what a client runs), as the family plans it (PLANNED: their
-    params)."""
+    params), for the SCHEMES named in ``schemes`` (None: all)."""
     sys.path[:0] = [REPO, os.path.join(REPO, "client")]
     from cached.families.hopper_fp8.family import HopperFp8
     from cached.families.hopper_fp8.tactic import tactic_from_params
@@ -90,6 +90,8 @@ def plan() -> dict:
     fam = HopperFp8()
     out = {}
     for scales, accum in SCHEMES:
+        if schemes is not None and scheme_name(scales, accum) not in schemes:
+            continue
         per = out[scheme_name(scales, accum)] = {}
         for n, k in SHAPES:
             by_m = {}
@@ -149,25 +151,38 @@ def copy_vllm_triton(out: str) -> None:
             shutil.copy2(os.path.join(src_cfg, nm), os.path.join(cdir, f"{n}x{k}.json"))
 
 
-def build(out: str, jobs: int, block_only: bool = False) -> None:
+#: what ``build --schemes`` may name: SCHEMES' names and the block128 scheme
+BLOCK_SCHEME = scheme_name("block128", "exact")
+ALL_SCHEMES = [scheme_name(sc, acc) for sc, acc in SCHEMES] + [BLOCK_SCHEME]
+
+
+def build(out: str, jobs: int, schemes: list[str] | None = None) -> None:
+    """The bundle of the plans' first choices for ``schemes`` (None: ALL_SCHEMES) and the
+    extra kernels of those schemes."""
     sys.path[:0] = [REPO, os.path.join(REPO, "client")]
     from cached.families.hopper_fp8.family import HopperFp8
     from cached.families.hopper_fp8.tactic import HopperFp8Tactic, tactic_from_params
 
-    p = {} if block_only else plan()
-    bp = block_plan()
+    schemes = ALL_SCHEMES if schemes is None else schemes
+    bad = sorted(set(schemes) - set(ALL_SCHEMES))
+    if bad or not schemes:
+        raise SystemExit(f"--schemes {','.join(schemes)}: name one or more of "
+                         f"{', '.join(ALL_SCHEMES)}")
+    p = plan([x for x in schemes if x != BLOCK_SCHEME])
+    bp = block_plan() if BLOCK_SCHEME in schemes else {}
     by_name = {nm: tactic_from_params(params) for nm, params in PLANNED.items()}
     names = list(dict.fromkeys([nm for per in p.values() for sh in per.values()
                                 for nm in sh["by_m"].values()]
                                + [nm for sh in bp.values() for nm in sh["by_m"].values()]))
     # a few more on the correctness data: code paths the plan's first choices lack (exact
     # ping-pong and wg_n = 2, an exact narrow tile, e5m2 / fp16)
-    extra = [] if block_only else [HopperFp8Tactic(**kw).normalized() for kw in (
+    extra = [HopperFp8Tactic(**kw).normalized() for kw in (
         {"tile_m": 64, "tile_n": 128, "pingpong": True, "scales": "token", "accum": "exact"},
         {"tile_m": 64, "tile_n": 128, "wg_n": 2, "accum": "exact"},
         {"tile_m": 64, "tile_n": 48, "scales": "token", "accum": "exact"},
         {"tile_m": 128, "tile_n": 128, "out_dtype": "float16", "ab_dtype": "e5m2",
-         "scales": "token", "accum": "exact"})]
+         "scales": "token", "accum": "exact"},
+        {"tile_m": 64, "tile_n": 128, "splits": 2, "split_mode": "cta", "accum": "exact"})]
     # block128's code paths beyond the plan's picks: ping-pong, swap_ab, wg_n = 2, a narrow
     # tile (tile_n 48: weight blocks split across tiles), one scale per 8 columns loaded per
     # K tile (tile_n 192, outside the block space), e5m2 / fp16
@@ -179,6 +194,8 @@ def build(out: str, jobs: int, block_only: bool = False) -> None:
         {"tile_m": 64, "tile_n": 48},
         {"tile_m": 128, "tile_n": 128, "out_dtype": "float16", "ab_dtype": "e5m2"})]
     for t in extra:
+        if scheme_name(t.scales, t.accum) not in schemes:
+            continue
         by_name.setdefault(t.name, t)
         if t.name not in names:
             names.append(t.name)
@@ -354,6 +371,8 @@ class Runner:
         for (m, n, k) in problems:
             per = {}
             for name in self.fns:
+                if self.scheme(name)[0] == "block128":
+                    continue  # the block phases' (bcorrect)
                 ab, od = self.dtypes(name)
                 key = (ab, od)
                 if key not in per:
@@ -859,6 +878,8 @@ def markdown(res) -> None:
     ms = sorted({r["m"] for r in perf})
     shapes = list(dict.fromkeys((r["n"], r["k"]) for r in perf))
     for ours, rivals in RIVALS.items():
+        if not any(ours in r["us"] for r in perf):
+            continue  # a scheme this bundle did not build
         print(f"\n{ours} against the faster of {', '.join(rivals)} (ratio; ours in us)\n")
         print("| N x K | " + " | ".join(f"M={m}" for m in ms) + " |")
         print("|---|" + "---|" * len(ms))
@@ -914,7 +935,8 @@ def main():
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
     b.add_argument("--jobs", type=int, default=2)
-    b.add_argument("--block-only", action="store_true", help="only the block128 kernels")
+    b.add_argument("--schemes", default=",".join(ALL_SCHEMES),
+                   help=f"comma-separated, of {','.join(ALL_SCHEMES)}")
     sub.add_parser("plan")
     r = sub.add_parser("run")
     r.add_argument("--bundle", default=HERE)
@@ -927,7 +949,7 @@ def main():
     s.add_argument("--markdown", action="store_true", help="the ratio tables as markdown")
     a = ap.parse_args()
     if a.cmd == "build":
-        build(a.out, a.jobs, a.block_only)
+        build(a.out, a.jobs, a.schemes.split(","))
     elif a.cmd == "plan":
         print(json.dumps(plan(), indent=1))
     elif a.cmd == "run":

@@ -7,15 +7,17 @@
 #          -> DIR/v1/vllmC.part00, DIR/b/ (kernels, manifest, vllmC.part01, wheel, runtime.xz)
 #   there: call 1, carry [DIR/v1]:  bash DIR/b/../run_hopper_fp8_schemes.sh part1 DIR
 #          call 2, carry [DIR/b]:   bash DIR/b/run_hopper_fp8_schemes.sh gpu DIR/b [budget_s]
-# BLOCK_ONLY=1 (build): only the block128 kernels; PHASES=bcorrect,bbi,bperf (gpu): the
-# block128 phases only (hopper_fp8_schemes.py --phases)
+# SCHEMES=a,b (build): only those schemes' kernels (hopper_fp8_schemes.py build --schemes;
+# BLOCK_ONLY=1: SCHEMES=block128-exact); PHASES=bcorrect,bbi,bperf (gpu): the block128
+# phases only (hopper_fp8_schemes.py --phases)
 set -euo pipefail
 mode=$1
 if [[ $mode == build ]]; then
   D=$2
   cd "$(dirname "$0")/../.."
   CUTE_DSL_ARCH=sm_90a ${PYTHON:-.venv/bin/python} bench/gpu/hopper_fp8_schemes.py build \
-    --out "$D/b" --jobs "${JOBS:-2}" ${BLOCK_ONLY:+--block-only}
+    --out "$D/b" --jobs "${JOBS:-2}" ${BLOCK_ONLY:+--schemes block128-exact} \
+    ${SCHEMES:+--schemes $SCHEMES}
   so=.venv-vllm/lib/python3.11/site-packages/vllm/_C_stable_libtorch.abi3.so
   if [[ ! -f $D/b/vllmC.part01 ]]; then
     mkdir -p "$D/v1"

@@ -9,10 +9,10 @@ request (an H200: 132 SMs), never from a GPU query in the daemon.
 Plan options: ``out_dtype``, ``ab_dtype``; ``scales`` (``"tensor"``, the default, or
 ``"token"``: per-token activation x per-channel weight, or ``"block128"``: 1x128 activation
 x 128x128 weight scales in the K loop, K % 128 == 0) and ``accumulation`` (``"fast"``,
-the default, or ``"exact"``: promoted every K tile, S = 1; the default and the only mode
-for block128); ``batch_invariant: true``
+the default, or ``"exact"``: promoted every K tile; the default and the only mode for
+block128); ``batch_invariant: true``
 (only the class of that scheme with ``space.choose_split(N, K, sm_count)`` splits, S = 1
-for exact, the same for every M); ``reduction_class: "<id>"`` (only that class; wins over
+for block128, the same for every M); ``reduction_class: "<id>"`` (only that class; wins over
 ``batch_invariant``; a ``scales`` or ``accumulation`` option that disagrees with it is an
 error).
 """
@@ -79,7 +79,7 @@ class HopperFp8(Family):
             return s, c_scales, c_accum
         if bi:
             _, n, k = shape
-            return (1 if accum == "exact" else space.choose_split(n, k, sm_count),
+            return (1 if scales == "block128" else space.choose_split(n, k, sm_count),
                     scales, accum)
         return None, scales, accum
 

@@ -12,10 +12,14 @@ acc * (a_scale[m, j] * b_scale[n // 128, j]) (row and column clamped into C, as 
 "token"; the block index is per element, so any tile_n and a partial last weight block
 are served), and the epilogue's factor is 1. K % 128 == 0 (one scale group per K tile).
 
-Exact accumulation (tactic.accum = "exact", S = 1): per K tile the four k32 wgmma start
+Exact accumulation (tactic.accum = "exact"): per K tile the four k32 wgmma start
 from zero in the wgmma accumulator (ACCUMULATE off for the first), the consumer waits for
 them to retire, releases the stage and adds the accumulator into a second fp32 register
-tensor (the promoted sum, from zero, in K-tile order), which the epilogue reads. block128
+tensor (the promoted sum, from zero, in K-tile order), which the epilogue reads (not
+block128, where one more accumulator copy fits in PREFETCH_REGS: two K tiles at a time, in
+two wgmma accumulators, so the second one's wgmma runs while the first one is added; the
+same sum, bitwise); with a split (not block128) each K range's promoted sum is its
+partial p_s (Split-K below; a serial split holds it in a third copy). block128
 loads a thread's scales (one per distinct row and weight block of its fragment) SCALE_SETS
 K tiles before their use, into register sets taken in turn, where those sets and the two
 accumulator copies fit in PREFETCH_REGS fp32 registers per thread; otherwise in the K tile
@@ -98,6 +102,7 @@ from .tactic import (
     EPI_STAGES,
     TILE_K,
     HopperFp8Tactic,
+    acc_sets,
     epilogue_tile,
     mma_tile,
     num_consumer_warpgroups,
@@ -114,6 +119,8 @@ BLOCK_COLUMNS = 128  # the block128 scheme's weight block width (columns of C)
 # registers per thread stay within this (a 128x128 tile: 3 x 3 + 128; a 192-wide one,
 # 3 x 26 + 192, does not: loading ahead made it 1.4-2x slower, docs/benchmarks.md run 5)
 PREFETCH_REGS = 160
+# exact, not block128: two K tiles at a time in two wgmma accumulators (promoted_overlapped)
+# where the tactic's accumulator copies and the second wgmma accumulator fit in PREFETCH_REGS
 SCALE_SETS = 3  # block128: register sets of those scales, so loads run this many K tiles ahead
 
 
@@ -232,6 +239,8 @@ class HopperFp8GemmKernel:
         self.token = tactic.scales == "token"  # per-token x per-channel scales
         self.block = tactic.scales == "block128"  # 1x128 x 128x128 scales at the promotion
         self.exact = tactic.accum == "exact"  # promoted into fp32 registers every K tile
+        # fp32 accumulator copies a consumer thread holds (tactic.acc_sets)
+        self.acc_copies = acc_sets(tactic.splits, tactic.split_mode, tactic.accum)
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self, a_dtype, b_dtype, c_dtype, a_layout, b_layout, c_layout):
@@ -535,6 +544,10 @@ class HopperFp8GemmKernel:
             acc_sum = acc
             if cutlass.const_expr(self.split_serial or self.exact):
                 acc_sum = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
+            # a serial exact split: each range's promoted sum, added into acc_sum
+            acc_range = acc
+            if cutlass.const_expr(self.split_serial and self.exact):
+                acc_range = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
             # epilogue partitions: registers -> smem (stmatrix) -> gmem (TMA); swap_ab and
             # wg_n = 2 store from registers (epilogue_direct) and need none of them
             tiled_r2s = tRS_sC = tRS_acc = tRS_rF = tRS_rC = store_pipe = None
@@ -607,25 +620,41 @@ class HopperFp8GemmKernel:
                             order_wait.arrive_and_wait()
                     acc_sum.fill(0.0)
                     for seg in range(self.splits):
-                        read_state, release_state = self.mainloop(
-                            ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
-                            seg * k_tiles // self.splits, (seg + 1) * k_tiles // self.splits,
-                            True,
-                        )
+                        seg_begin = seg * k_tiles // self.splits
+                        seg_end = (seg + 1) * k_tiles // self.splits
+                        if cutlass.const_expr(self.exact):
+                            read_state, release_state = self.mainloop_promoted(
+                                ab_pipe, tiled_mma, acc, acc_range, tCrA, tCrB, read_state,
+                                release_state, seg_begin, seg_end, mC,
+                                gcC[(None, None, crd[0], crd[1])], thr_c, mAScale, mBScale)
+                        else:
+                            read_state, release_state = self.mainloop(
+                                ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state,
+                                release_state, seg_begin, seg_end, True,
+                            )
                         for v in cutlass.range_constexpr(frag):
-                            acc_sum[v] = acc_sum[v] + acc[v]
+                            acc_sum[v] = acc_sum[v] + acc_range[v]
                     if cutlass.const_expr(self.pingpong):
                         order_signal.arrive()
                     self.store_tile(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
                                     store_pipe, scale, sched.num_tiles_executed, warp_idx,
                                     mC, gcC, crd, thr_c, acc_sum, mAScale, mBScale)
                 elif cutlass.const_expr(self.split_cta):
+                    # the unit's partial: acc_sum (exact: promoted over its K range; fast:
+                    # acc_sum is acc)
                     split = crd[2]
-                    read_state, release_state = self.mainloop(
-                        ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
-                        split * k_tiles // self.splits, (split + 1) * k_tiles // self.splits,
-                        True,
-                    )
+                    k_begin = split * k_tiles // self.splits
+                    k_end = (split + 1) * k_tiles // self.splits
+                    if cutlass.const_expr(self.exact):
+                        read_state, release_state = self.mainloop_promoted(
+                            ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
+                            release_state, k_begin, k_end, mC,
+                            gcC[(None, None, crd[0], crd[1])], thr_c, mAScale, mBScale)
+                    else:
+                        read_state, release_state = self.mainloop(
+                            ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
+                            k_begin, k_end, True,
+                        )
                     if ws_ok:
                         tile_lin = crd[0] + crd[1] * tiles_m
                         # threads whose fragment lies wholly outside (M, N) skip the
@@ -639,7 +668,7 @@ class HopperFp8GemmKernel:
                         own = (tile_lin * self.splits + split) * slot_elems + ctid
                         if any_valid:
                             for v in cutlass.range_constexpr(frag):
-                                mWs[own + v * self.num_mma_threads] = acc[v]
+                                mWs[own + v * self.num_mma_threads] = acc_sum[v]
                         # release: the barrier orders every thread's partial before thread
                         # 0's acq_rel atomic (cumulativity); the last unit's atomic acquires
                         # them, and its barrier orders its threads' loads after that.
@@ -652,12 +681,12 @@ class HopperFp8GemmKernel:
                         self.epi_barrier.arrive_and_wait()
                         if sFlag[0] == self.splits - 1:
                             # last unit of this tile: sum the partials in split order
-                            acc.fill(0.0)
+                            acc_sum.fill(0.0)
                             if any_valid:
                                 for s in cutlass.range_constexpr(self.splits):
                                     base = (tile_lin * self.splits + s) * slot_elems + ctid
                                     for v in cutlass.range_constexpr(frag):
-                                        acc[v] = acc[v] + cute.arch.load(
+                                        acc_sum[v] = acc_sum[v] + cute.arch.load(
                                             mWs.iterator + (base + v * self.num_mma_threads),
                                             cutlass.Float32, cop="cg",
                                         )
@@ -674,7 +703,7 @@ class HopperFp8GemmKernel:
                     if cutlass.const_expr(self.exact):
                         read_state, release_state = self.mainloop_promoted(
                             ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
-                            release_state, k_tiles, mC, gcC[(None, None, crd[0], crd[1])],
+                            release_state, 0, k_tiles, mC, gcC[(None, None, crd[0], crd[1])],
                             thr_c, mAScale, mBScale)
                     else:
                         read_state, release_state = self.mainloop(
@@ -730,11 +759,12 @@ class HopperFp8GemmKernel:
 
     @cute.jit
     def mainloop_promoted(self, ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
-                          release_state, k_tiles, mC, gcC_t, thr_c, mAScale, mBScale):
-        """acc_sum = ((0 + t_0) + t_1) + ... over the K tiles, t_i = K tile i's four k32
-        wgmma from zero (ACCUMULATE off for the first); each tile's wgmma retires before
-        its stage is released and its sum added (block128: t_i times the element's block
-        scale product, module doc). Returns the pipeline states."""
+                          release_state, k_begin, k_end, mC, gcC_t, thr_c, mAScale, mBScale):
+        """acc_sum = ((0 + t_b) + t_b+1) + ... over the K tiles [k_begin, k_end) (0 for an
+        empty range), t_i = K tile i's four k32 wgmma from zero (ACCUMULATE off for the
+        first); each tile's wgmma retires before its stage is released and its sum added
+        (block128, never split so k_begin = 0: t_i times the element's block scale
+        product, module doc). Returns the pipeline states."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         acc_sum.fill(0.0)
         if cutlass.const_expr(self.block):
@@ -766,10 +796,10 @@ class HopperFp8GemmKernel:
             sets = [scales] + [cute.make_rmem_tensor((n_scales,), cutlass.Float32)
                                for _ in range(SCALE_SETS - 1)]
             row_at, col_at = self.scale_indices(keys, row_keys, col_keys, mC, gcC_t, thr_c)
-            last = k_tiles - 1
+            last = k_end - 1
             for j in cutlass.range_constexpr(SCALE_SETS):
                 self.load_block_scales(sets[j], cutlass.min(j, last), row_at, col_at, blk)
-            for kq in range(k_tiles // SCALE_SETS):
+            for kq in range(k_end // SCALE_SETS):
                 for j in cutlass.range_constexpr(SCALE_SETS):
                     prods = self.block_products(sets[j], blk)
                     read_state, release_state, tiled_mma = self.promoted_k_tile(
@@ -777,15 +807,20 @@ class HopperFp8GemmKernel:
                         release_state, num_k_blocks, prods, blk,
                         (sets[j], cutlass.min(SCALE_SETS * (kq + 1) + j, last), row_at,
                          col_at))
-            # the k_tiles % SCALE_SETS last K tiles, in sets 0, 1, ... (loaded last trip)
+            # the k_end % SCALE_SETS last K tiles, in sets 0, 1, ... (loaded last trip)
             for j in cutlass.range_constexpr(SCALE_SETS - 1):
-                if k_tiles % SCALE_SETS > j:
+                if k_end % SCALE_SETS > j:
                     tail_prods = self.block_products(sets[j], blk)
                     read_state, release_state, tiled_mma = self.promoted_k_tile(
                         ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
                         release_state, num_k_blocks, tail_prods, blk, None)
+        elif cutlass.const_expr(not self.block and (self.acc_copies + 1) * cute.size(acc)
+                                <= PREFETCH_REGS):
+            read_state, release_state, tiled_mma = self.promoted_overlapped(
+                ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state, release_state,
+                k_begin, k_end, num_k_blocks)
         else:
-            for kt in range(k_tiles):
+            for kt in range(k_begin, k_end):
                 if cutlass.const_expr(self.block):
                     rows_at, cols_at = self.scale_indices(keys, row_keys, col_keys, mC,
                                                           gcC_t, thr_c)
@@ -800,6 +835,54 @@ class HopperFp8GemmKernel:
                         release_state, num_k_blocks, None, None, None)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         return read_state, release_state
+
+    @cute.jit
+    def promoted_overlapped(self, ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
+                            release_state, k_begin, k_end, num_k_blocks: cutlass.Constexpr):
+        """mainloop_promoted's sum, bitwise, two K tiles at a time: tile i's wgmma into
+        ``acc`` and tile i+1's into a second accumulator are issued together, tile i is
+        added (its stage released) once it retired while tile i+1 still runs, then tile
+        i+1; an odd last tile alone. The adds stay in K-tile order, and no wgmma is in
+        flight across the loop's back edge (ptxas would serialize every wgmma to copy a
+        loop-carried accumulator). Returns the pipeline states and tiled_mma."""
+        acc_b = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+        n = k_end - k_begin
+        for _kp in range(n // 2):
+            read_state, tiled_mma = self.issue_k_tile(ab_pipe, tiled_mma, acc, tCrA, tCrB,
+                                                      read_state, num_k_blocks)
+            read_state, tiled_mma = self.issue_k_tile(ab_pipe, tiled_mma, acc_b, tCrA, tCrB,
+                                                      read_state, num_k_blocks)
+            release_state = self.retire_k_tile(ab_pipe, release_state, acc, acc_sum, 1)
+            release_state = self.retire_k_tile(ab_pipe, release_state, acc_b, acc_sum, 0)
+        if n % 2 == 1:
+            read_state, tiled_mma = self.issue_k_tile(ab_pipe, tiled_mma, acc, tCrA, tCrB,
+                                                      read_state, num_k_blocks)
+            release_state = self.retire_k_tile(ab_pipe, release_state, acc, acc_sum, 0)
+        return read_state, release_state, tiled_mma
+
+    def issue_k_tile(self, ab_pipe, tiled_mma, dst, tCrA, tCrB, read_state, num_k_blocks):
+        """Wait for the next stage and issue its four k32 wgmma into ``dst`` from zero
+        (ACCUMULATE off for the first), one commit group. Traced inline."""
+        ab_pipe.consumer_wait(read_state)
+        cute.nvgpu.warpgroup.fence()
+        for kb in range(num_k_blocks):
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+            kc = (None, None, kb, read_state.index)
+            cute.gemm(tiled_mma, dst, tCrA[kc], tCrB[kc], dst)
+        cute.nvgpu.warpgroup.commit_group()
+        read_state.advance()
+        return read_state, tiled_mma
+
+    def retire_k_tile(self, ab_pipe, release_state, src, acc_sum, pending):
+        """Wait until at most ``pending`` wgmma groups are in flight (the oldest, whose
+        accumulator is ``src``, has retired), release its stage, acc_sum += src. Traced
+        inline."""
+        cute.nvgpu.warpgroup.wait_group(pending)
+        ab_pipe.consumer_release(release_state)
+        release_state.advance()
+        for v in range(cute.size(src)):
+            acc_sum[v] = acc_sum[v] + src[v]
+        return release_state
 
     def block_products(self, scales, blk):
         """The block128 scale product of each pair of blk.pairs from a thread's scale

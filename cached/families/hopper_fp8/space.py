@@ -37,6 +37,7 @@ from .tactic import (
     TILE_M_CHOICES,
     TILE_N_CHOICES,
     HopperFp8Tactic,
+    acc_sets,
     max_stages_for,
     tile_is_feasible,
 )
@@ -92,8 +93,8 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
     814 in all.
 
     Other schemes (scheme_space): ``scales="token"`` lists the same tactics with that
-    scheme; ``accum="exact"`` the S = 1 tactics whose two accumulator copies fit, in the
-    scheme (none for splits > 1).
+    scheme; ``accum="exact"`` the S = 1 and (per-tensor and per-token) split tactics whose
+    accumulator copies (tactic.acc_sets) fit, in the scheme.
     """
     if scales != "tensor" or accum != "fast":
         return scheme_space(tactic_space(out_dtype, ab_dtype, splits), scales, accum)
@@ -151,9 +152,10 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
 def scheme_space(base: list[HopperFp8Tactic], scales: str, accum: str
                  ) -> list[HopperFp8Tactic]:
     """The tactics of ``base`` (per-tensor, fast) in scale scheme ``scales`` and
-    accumulation ``accum``: every one for fast; for exact the S = 1 ones whose promoted sum
-    fits beside the wgmma accumulator (tile_is_feasible with two copies). ValueError for
-    an unknown scheme or mode."""
+    accumulation ``accum``: every one for fast; for exact the S = 1 ones and (not block128)
+    the splits, whose promoted sum fits beside the wgmma accumulator (and a serial split's
+    running sum: tile_is_feasible with acc_sets copies). ValueError for an unknown scheme
+    or mode."""
     if scales not in SCALE_SCHEMES:
         raise ValueError(f"scales must be one of {SCALE_SCHEMES}, got {scales!r}")
     if accum not in ACCUM_MODES:
@@ -162,8 +164,10 @@ def scheme_space(base: list[HopperFp8Tactic], scales: str, accum: str
         raise ValueError("scales 'block128' are applied at the promotion: it needs accum='exact'")
     out = []
     for t in base:
-        if accum == "exact" and (t.splits != 1 or not tile_is_feasible(
-                t.tile_m, t.tile_n, t.out_dtype, 2, t.swap_ab, t.wg_n, t.pingpong)[0]):
+        if accum == "exact" and ((t.splits != 1 and scales == "block128") or not
+                                 tile_is_feasible(t.tile_m, t.tile_n, t.out_dtype,
+                                                  acc_sets(t.splits, t.split_mode, accum),
+                                                  t.swap_ab, t.wg_n, t.pingpong)[0]):
             continue
         if scales == "block128" and not block_scale_shared(t):
             continue

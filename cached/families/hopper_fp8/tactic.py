@@ -89,8 +89,11 @@ tile accumulate into one wgmma accumulator for the whole K range, so the tensor 
 reduced-precision accumulation runs over all of K) or ``"exact"`` (``prom128``: the wgmma
 accumulator starts from zero at every K tile and is added, after the tile's wgmma retired,
 into a second fp32 register accumulator in K-tile order, ((0 + t_0) + t_1) + ...; the
-promotion CUTLASS and DeepGEMM use, which reaches the bf16 floor). Exact takes S = 1 only
-and tiles whose two accumulator copies fit the registers.
+promotion CUTLASS and DeepGEMM use, which reaches the bf16 floor). Exact takes tiles whose
+accumulator copies fit the registers (two; three for a serial split, whose running sum
+is the third), S = 1 or (per-tensor and per-token) a split: each K range is promoted
+from zero on its own and the S promoted partials are summed in split order from zero, as
+the fast classes sum theirs. block128 is S = 1.
 """
 
 from __future__ import annotations
@@ -244,10 +247,10 @@ def tile_epilogue(tile_n: int, wg_n: int, swap_ab: bool = False) -> bool:
 
 
 def acc_sets(splits: int, split_mode: str, accum: str = "fast") -> int:
-    """fp32 accumulator copies a consumer thread holds: 2 for a serial split (the
-    running sum beside the current range's partial) and for exact accumulation (the
-    promoted sum beside the K tile's wgmma accumulator), else 1."""
-    return 2 if (splits > 1 and split_mode == "serial") or accum == "exact" else 1
+    """fp32 accumulator copies a consumer thread holds: one, plus one for a serial split
+    (the running sum beside the current range's partial), plus one for exact accumulation
+    (the promoted sum beside the K tile's wgmma accumulator)."""
+    return 1 + (splits > 1 and split_mode == "serial") + (accum == "exact")
 
 
 def reduction_class_id(splits: int, accum: str = "fast", scales: str = "tensor") -> str:
@@ -262,7 +265,10 @@ def reduction_class_id(splits: int, accum: str = "fast", scales: str = "tensor")
 REDUCTION_CLASSES = (tuple(reduction_class_id(s) for s in SPLIT_CHOICES)
                      + tuple(reduction_class_id(s, "fast", "token") for s in SPLIT_CHOICES)
                      # block128 has exact accumulation only (its scales go in at the promotion)
-                     + tuple(reduction_class_id(1, "exact", sc) for sc in SCALE_SCHEMES))
+                     + tuple(reduction_class_id(1, "exact", sc) for sc in SCALE_SCHEMES)
+                     # exact splits (per-tensor and per-token)
+                     + tuple(reduction_class_id(s, "exact", sc) for sc in ("tensor", "token")
+                             for s in SPLIT_CHOICES if s > 1))
 
 
 def class_scheme(class_id: str) -> tuple[int, str, str]:
@@ -430,6 +436,10 @@ class HopperFp8Tactic:
     def reduction_order(self) -> str:
         scheme = {"tensor": "", "token": ",scale=per_token_a_x_per_channel_b",
                   "block128": ",scale=block128_a_1x128_x_b_128x128_at_promotion"}[self.scales]
+        if self.accum == "exact" and self.splits > 1:  # either split mode
+            return (f"k_tile={TILE_K},wgmma_k={WGMMA_K},splits={self.splits}:balanced_k_tile_"
+                    f"ranges,wgmma_acc_per_k_tile_promoted_to_fp32_in_k_order_per_range,"
+                    f"fp32_sum_in_split_order_from_zero,scale_after{scheme}")
         if self.accum == "exact":
             return (f"k_tile={TILE_K},wgmma_k={WGMMA_K},full_k_per_cta,"
                     f"wgmma_acc_per_k_tile_promoted_to_fp32_in_k_order"
@@ -511,8 +521,9 @@ class HopperFp8Tactic:
             bad(f"scales must be one of {SCALE_SCHEMES}, got {self.scales!r}")
         if self.accum not in ACCUM_MODES:
             bad(f"accum must be one of {ACCUM_MODES}, got {self.accum!r}")
-        if self.accum == "exact" and self.splits != 1:
-            bad("accum 'exact' (promotion every K tile) takes splits=1 only")
+        if self.accum == "exact" and self.splits != 1 and self.scales == "block128":
+            bad("accum 'exact' with scales 'block128' takes splits=1 only (block128 is not "
+                "split)")
         if self.scales == "block128" and self.accum != "exact":
             bad("scales 'block128' are applied at the promotion: it needs accum='exact'")
         if self.tile_n in NARROW_TILE_N and not self.swap_ab:
