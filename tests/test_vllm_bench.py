@@ -1,6 +1,8 @@
 """The vLLM GPU bench's checkpoint (bench/gpu/vllm_fp8.py ckpt), written here on the CPU with
 vLLM 0.33.0's environment: the block scheme is the format vLLM's Fp8Config reads as block
-FP8, and a bad scheme is refused before anything is written."""
+FP8, the token scheme what its compressed-tensors config reads as FP8-dynamic (per-channel
+weights, dynamic per-token activations), and a bad scheme is refused before anything is
+written."""
 
 from __future__ import annotations
 
@@ -68,11 +70,75 @@ def test_the_block_checkpoint_is_what_vllm_reads_as_block_fp8(tmp_path):
         assert v["block_absmax"] == [448.0, 448.0], name
 
 
+CHECK_TOKEN = r"""
+import json, sys
+import torch
+from safetensors import safe_open
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+    CompressedTensorsConfig)
+
+d = sys.argv[1]
+cfg = json.load(open(f"{d}/config.json"))
+qc = CompressedTensorsConfig.from_config(cfg["quantization_config"])
+out = {"layers": {}, "linears": {}}
+for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj", "lm_head"):
+    sd = qc.get_scheme_dict(torch.nn.Linear(8, 8), name)
+    if sd is None:
+        out["layers"][name] = None
+        continue
+    w, a = sd["weights"], sd["input_activations"]
+    out["layers"][name] = {"w": [w.num_bits, str(w.type), str(w.strategy),
+                                 w.dynamic], "a": [a.num_bits, str(a.type),
+                                                   str(a.strategy), a.dynamic],
+                           "fp8_w8a8": qc._is_fp8_w8a8(w, a)}
+f = safe_open(f"{d}/model.safetensors", "pt")
+keys = set(f.keys())
+out["input_scales"] = sorted(k for k in keys if k.endswith("input_scale"))
+for k in sorted(keys):
+    if not k.endswith(".weight_scale"):
+        continue
+    name = k[: -len(".weight_scale")]
+    w, s = f.get_tensor(name + ".weight"), f.get_tensor(k)
+    rows = w.float().abs().amax(dim=1)
+    out["linears"][name.split(".")[-1]] = {
+        "weight": list(w.shape), "dtype": str(w.dtype), "scale": list(s.shape),
+        "scale_dtype": str(s.dtype), "row_absmax": [rows.min().item(), rows.max().item()],
+        "scales_positive": bool((s > 0).all())}
+print(json.dumps(out))
+"""
+
+
+@needs_vllm
+def test_the_token_checkpoint_is_what_vllm_reads_as_fp8_dynamic(tmp_path):
+    ck = tmp_path / "ck"
+    proc = subprocess.run([str(VLLM_PYTHON), str(BENCH), "ckpt", str(ck), "--layers", "1",
+                           "--vocab", "256", "--scheme", "token"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(subprocess.run([str(VLLM_PYTHON), "-c", CHECK_TOKEN, str(ck)], check=True,
+                                    capture_output=True, text=True, timeout=600
+                                    ).stdout.splitlines()[-1])
+    fp8_dynamic = {"w": [8, "float", "channel", False], "a": [8, "float", "token", True],
+                   "fp8_w8a8": True}
+    assert res["layers"] == {"model.layers.0.self_attn.q_proj": fp8_dynamic,
+                             "model.layers.0.mlp.down_proj": fp8_dynamic, "lm_head": None}
+    assert res["input_scales"] == []  # dynamic per-token activations: none stored
+    assert sorted(res["linears"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
+                                      "up_proj", "v_proj"]
+    for name, v in res["linears"].items():
+        n, _ = v["weight"]
+        assert v["dtype"] == "torch.float8_e4m3fn" and v["scale_dtype"] == "torch.float32"
+        assert v["scale"] == [n, 1] and v["scales_positive"], name
+        # each row is scaled by its own absmax / 448: its largest element is e4m3's 448
+        assert v["row_absmax"] == [448.0, 448.0], name
+
+
 @needs_vllm
 def test_an_unknown_scheme_is_refused_and_writes_nothing(tmp_path):
     ck = tmp_path / "ck"
     proc = subprocess.run([str(VLLM_PYTHON), str(BENCH), "ckpt", str(ck), "--layers", "1",
                            "--scheme", "blocks"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "invalid choice: 'blocks'" in proc.stderr and "'tensor', 'block'" in proc.stderr
+    assert "invalid choice: 'blocks'" in proc.stderr
+    assert "'tensor', 'block', 'token'" in proc.stderr
     assert not ck.exists()

@@ -7,14 +7,17 @@
 # machine (each within 30 s of the last; /tmp survives between them):
 #   here:  bench/gpu/run_vllm.sh build        -> .dev/vllm-h200/{A,B,C} (git-ignored)
 #   there: bash .dev/vllm-h200/A/run_vllm.sh A (carry [".dev/vllm-h200/A"]): vLLM's
-#          _C_stable_libtorch.abi3.so, first half (xz), and the DSL runtime (xz)
+#          _C_stable_libtorch.abi3.so, first half (xz)
 #          bash .dev/vllm-h200/B/run_vllm.sh B (carry [".dev/vllm-h200/B"]): second half,
 #          cp312 wheels (vLLM's missing pure deps, TVM-FFI, the daemon's deps)
 #          bash .dev/vllm-h200/C/run_vllm.sh gpu (carry [".dev/vllm-h200/C"]): vLLM's
-#          Python sources, the store, this code; runs everything, prints the tables last.
+#          Python sources, the DSL runtime (xz), the store, this code; runs everything,
+#          prints the tables last.
 # Each folder holds a copy of this script. SCHEME=block (build): a block-FP8 checkpoint
 # (128x128 weight blocks, dynamic 1x128 activation groups, DeepSeek-V3's format) and the
-# store's block128 kernels instead of per-tensor ones; the gpu call reads it from C/scheme.
+# store's block128 kernels instead of per-tensor ones; SCHEME=token: an FP8-dynamic
+# checkpoint (compressed-tensors: per-channel weight scales, dynamic per-token activations)
+# and the store's per-token kernels; the gpu call reads the scheme from C/scheme.
 set -euo pipefail
 SHAPES=(6144,4096 4096,4096 28672,4096 4096,14336)  # Llama-3.1-8B's qkv, o, gate_up, down
 MAX_M=8192
@@ -31,9 +34,10 @@ if [[ $mode == build ]]; then
   rm -rf "$D" && mkdir -p "$D/A" "$D/B/wheels" "$D/C/src/client"
   # the store: every kernel the client's plans pick for the four shapes, M up to MAX_M
   scheme=${SCHEME:-tensor}
-  [[ $scheme == tensor || $scheme == block ]] || { echo "SCHEME is tensor or block"; exit 2; }
+  case $scheme in tensor) scales=tensor ;; block) scales=block128 ;; token) scales=token ;;
+    *) echo "SCHEME is tensor, block or token, not $scheme"; exit 2 ;; esac
   echo "$scheme" > "$D/C/scheme"
-  SCALES=$([[ $scheme == block ]] && echo block128 || echo tensor) \
+  SCALES=$scales \
     CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/gemm_plan_bundle.py "$D/C/store" "$MAX_M" \
     "${SHAPES[@]}" | tee "$D/C/build.log"
   rm -rf "$D/C/store/tmp" "$D/C/store/index.sqlite-wal" "$D/C/store/index.sqlite-shm"
@@ -44,7 +48,7 @@ if [[ $mode == build ]]; then
   split -b 33M "$tmp/c.so.xz" "$tmp/c.so.xz." && rm "$tmp/c.so.xz"
   mv "$tmp/c.so.xz.aa" "$D/A/" && mv "$tmp/c.so.xz.ab" "$D/B/" && rmdir "$tmp"
   xz -T2 -6 -c "$("$PY" -c 'from cached.compiler_stack import runtime_library_path as p; print(p())')" \
-    > "$D/A/dslrt.xz"
+    > "$D/C/dslrt.xz"
   # vLLM's Python sources: no .so (flash-attn's: vllm_site_patch.py), no vendored
   # third_party packages, no Rust
   tar -C "$SITE" --exclude='__pycache__' --exclude='*.so' --exclude='vllm/third_party/*/' \
@@ -84,7 +88,6 @@ X=/tmp/vx  # what the three calls leave on the machine
 if [[ $mode == A ]]; then
   D=$(cd "$(dirname "$0")/.." && pwd)
   mkdir -p $X && cp "$D/A/c.so.xz.aa" $X/
-  xz -d -c "$D/A/dslrt.xz" > $X/libcute_dsl_runtime.so
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv || true
   ls -la $X
   exit 0
@@ -111,6 +114,7 @@ if [[ $mode == gpu ]]; then
       --target /tmp/site "$C/wheels"/*.whl
   fi
   tar -C /tmp/site -xJf "$C/vllm.txz" && python3 "$C/vllm_site_patch.py" /tmp/site
+  xz -d -c "$C/dslrt.xz" > $X/libcute_dsl_runtime.so
   cp $X/_C_stable_libtorch.abi3.so /tmp/site/vllm/
   # the client's vLLM plugin entry point, as its wheel would install it
   mkdir -p /tmp/site/cached_client-0.1.0.dist-info

@@ -7,8 +7,10 @@ Subcommands:
   vocabulary, random weights (seeded), saved as an FP8 checkpoint vLLM loads
   (``quant_method: fp8``; ``--scheme tensor``: per-tensor weight scales, static per-tensor
   activation scales; ``--scheme block``: DeepSeek-V3's block FP8, one ``weight_scale_inv``
-  per 128x128 weight block, dynamic 1x128 activation groups), with a word-level tokenizer
-  built by ``tokenizers`` covering every id.
+  per 128x128 weight block, dynamic 1x128 activation groups; ``--scheme token``: an
+  "FP8-dynamic" checkpoint in compressed-tensors' format, one weight scale per output
+  channel, dynamic per-token activation scales), with a word-level tokenizer built by
+  ``tokenizers`` covering every id.
 * ``engine DIR --mode a|b|c``: ``vllm.LLM`` offline generate (in-process engine core), mode
   ``a`` vLLM's default FP8 path, ``b`` ``VLLM_BATCH_INVARIANT=1`` with vLLM's own FP8
   choice, ``c`` ``VLLM_BATCH_INVARIANT=1`` with ``--linear-backend cached``. Records: model
@@ -55,17 +57,26 @@ MAX_BATCHED = 8192
 # -- the checkpoint -------------------------------------------------------------------------
 
 
-SCHEMES = ("tensor", "block")
+SCHEMES = ("tensor", "block", "token")
 BLOCK = 128  # the block scheme's weight block (rows and columns) and activation group
 
 
 def llama_config(layers: int, vocab: int, scheme: str = "tensor") -> dict:
-    """Llama-3.1-8B's config.json with ``layers`` layers, ``vocab`` words and vLLM's FP8
-    format: static per-tensor activation scales, or (``block``) 128x128 weight blocks with
-    dynamic activation groups."""
-    quant = ({"quant_method": "fp8", "activation_scheme": "static"} if scheme == "tensor"
-             else {"quant_method": "fp8", "activation_scheme": "dynamic",
-                   "weight_block_size": [BLOCK, BLOCK]})
+    """Llama-3.1-8B's config.json with ``layers`` layers, ``vocab`` words and an FP8 format
+    vLLM reads: static per-tensor activation scales, (``block``) 128x128 weight blocks with
+    dynamic activation groups, or (``token``) compressed-tensors' FP8-dynamic scheme."""
+    quant = {"tensor": {"quant_method": "fp8", "activation_scheme": "static"},
+             "block": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                       "weight_block_size": [BLOCK, BLOCK]},
+             "token": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                       "quantization_status": "compressed", "ignore": ["lm_head"],
+                       "config_groups": {"group_0": {
+                           "targets": ["Linear"],
+                           "weights": {"num_bits": 8, "type": "float", "symmetric": True,
+                                       "strategy": "channel", "dynamic": False},
+                           "input_activations": {"num_bits": 8, "type": "float",
+                                                 "symmetric": True, "strategy": "token",
+                                                 "dynamic": True}}}}}[scheme]
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": HIDDEN, "intermediate_size": INTER, "num_attention_heads": HEADS,
@@ -99,7 +110,9 @@ def write_checkpoint(d: Path, layers: int, vocab: int, seed: int,
     """Random weights (Gaussian, std 1/sqrt(K)), each linear's weight quantized to e4m3 with
     its own per-tensor scale (so vLLM requantizes fused shards to their max) and a static
     activation scale per linear; or (``block``) with one scale per 128x128 block
-    (``weight_scale_inv``, absmax / 448) and no activation scale."""
+    (``weight_scale_inv``, absmax / 448) and no activation scale; or (``token``) one scale
+    per output channel (``weight_scale`` (N, 1), row absmax / 448) and no activation
+    scale."""
     import torch
     from safetensors.torch import save_file
 
@@ -119,6 +132,11 @@ def write_checkpoint(d: Path, layers: int, vocab: int, seed: int,
             q = blocks / scale[:, None, :, None]
             t[f"{name}.weight"] = q.reshape(n, k).clamp(-448, 448).to(torch.float8_e4m3fn).cpu()
             t[f"{name}.weight_scale_inv"] = scale.float().cpu()
+            return
+        if scheme == "token":
+            scale = w.abs().amax(dim=1, keepdim=True) / 448.0  # (N, 1)
+            t[f"{name}.weight"] = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn).cpu()
+            t[f"{name}.weight_scale"] = scale.float().cpu()
             return
         scale = w.abs().max() / 448.0
         t[f"{name}.weight"] = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn).cpu()
@@ -167,12 +185,19 @@ def fillers(seed: int, vocab: int, count: int) -> tuple[list[list[int]], list[in
 # -- the engine -----------------------------------------------------------------------------
 
 
+def _fp8_kernel(mod):
+    """The FP8 linear kernel vLLM chose for a layer: on its quant method (fp8) or its
+    compressed-tensors scheme; None for a layer without one."""
+    kern = getattr(getattr(mod, "quant_method", None), "fp8_linear", None)
+    return kern if kern is not None else getattr(getattr(mod, "scheme", None),
+                                                 "fp8_linear", None)
+
+
 def _kernels(model) -> dict:
     """Per linear layer class: the FP8 kernel vLLM chose (counted), and the plan lines."""
     out: dict = {}
     for _name, mod in model.named_modules():
-        qm = getattr(mod, "quant_method", None)
-        kern = getattr(qm, "fp8_linear", None)
+        kern = _fp8_kernel(mod)
         if kern is None:
             continue
         key = f"{type(mod).__name__}:{type(kern).__name__}"
@@ -202,20 +227,23 @@ def _layer_check(model) -> dict:
         block = getattr(mod, "weight_scale_inv", None) is not None
         w = mod.weight
         ws = mod.weight_scale_inv if block else mod.weight_scale
-        xs = None if block else mod.input_scale
+        xs = None if block else getattr(mod, "input_scale", None)  # None: dynamic per token
         # the weight as (K, N) float64, dequantized (a kernel may keep (N, K) or its
-        # transpose, and the block scales either way round)
+        # transpose, and the block scales either way round; per-channel scales (N, 1) or
+        # (1, N))
         if block:
             n_out, k_in = mod.output_size_per_partition, mod.input_size_per_partition
             wnk = w if tuple(w.shape) == (n_out, k_in) else w.t()
             snk = ws if tuple(ws.shape) == (-(-n_out // BLOCK), k_in // BLOCK) else ws.t()
             wd = _block_dequant(wnk, snk).t()
+        elif ws.numel() > 1:
+            wd = w.double() * ws.double().reshape(1, -1)
         else:
             wd = w.double() * ws.double().reshape(-1)[0]
         k = wd.shape[0]
         r = {"weight_shape": list(w.shape), "weight_stride": list(w.stride()),
              "weight_scale_shape": list(ws.shape),
-             "kernel": type(mod.quant_method.fp8_linear).__name__}
+             "kernel": type(_fp8_kernel(mod)).__name__}
         errs = {}
         x_all = torch.randn(512, k, generator=g, device="cuda", dtype=torch.bfloat16) * 0.5
         with torch.no_grad():
@@ -231,6 +259,10 @@ def _layer_check(model) -> dict:
                     sx = (g_.abs().amax(dim=2, keepdim=True) / 448.0).clamp(min=1e-10)
                     xq = (g_ / sx).clamp(-448, 448).to(torch.float8_e4m3fn)
                     xd = (xq.double() * sx.double()).reshape(m, k)
+                elif xs is None:  # dynamic per-token scales, absmax / 448
+                    sx = (x.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-10)
+                    xq = (x.float() / sx).clamp(-448, 448).to(torch.float8_e4m3fn)
+                    xd = xq.double() * sx.double()
                 else:
                     xq = (x.float() / xs.float()).clamp(-448, 448).to(torch.float8_e4m3fn)
                     xd = xq.double() * xs.double()
