@@ -46,16 +46,22 @@ print(json.dumps(out))
 """
 
 
-@needs_vllm
-def test_the_block_checkpoint_is_what_vllm_reads_as_block_fp8(tmp_path):
+def write_and_read_back(tmp_path: Path, scheme: str, check: str) -> dict:
+    """Write a 1-layer checkpoint of ``scheme`` with the bench script, then run ``check``
+    on it in vLLM's environment: the JSON it prints last."""
     ck = tmp_path / "ck"
     proc = subprocess.run([str(VLLM_PYTHON), str(BENCH), "ckpt", str(ck), "--layers", "1",
-                           "--vocab", "256", "--scheme", "block"], capture_output=True,
+                           "--vocab", "256", "--scheme", scheme], capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    res = json.loads(subprocess.run([str(VLLM_PYTHON), "-c", CHECK, str(ck)], check=True,
-                                    capture_output=True, text=True, timeout=600
-                                    ).stdout.splitlines()[-1])
+    return json.loads(subprocess.run([str(VLLM_PYTHON), "-c", check, str(ck)], check=True,
+                                     capture_output=True, text=True, timeout=600
+                                     ).stdout.splitlines()[-1])
+
+
+@needs_vllm
+def test_the_block_checkpoint_is_what_vllm_reads_as_block_fp8(tmp_path):
+    res = write_and_read_back(tmp_path, "block", CHECK)
     assert res["block"] == [128, 128] and res["activation"] == "dynamic"
     assert res["input_scales"] == []  # dynamic activation groups: none stored
     want = {"q_proj": [4096, 4096], "k_proj": [1024, 4096], "v_proj": [1024, 4096],
@@ -110,14 +116,7 @@ print(json.dumps(out))
 
 @needs_vllm
 def test_the_token_checkpoint_is_what_vllm_reads_as_fp8_dynamic(tmp_path):
-    ck = tmp_path / "ck"
-    proc = subprocess.run([str(VLLM_PYTHON), str(BENCH), "ckpt", str(ck), "--layers", "1",
-                           "--vocab", "256", "--scheme", "token"], capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    res = json.loads(subprocess.run([str(VLLM_PYTHON), "-c", CHECK_TOKEN, str(ck)], check=True,
-                                    capture_output=True, text=True, timeout=600
-                                    ).stdout.splitlines()[-1])
+    res = write_and_read_back(tmp_path, "token", CHECK_TOKEN)
     fp8_dynamic = {"w": [8, "float", "channel", False], "a": [8, "float", "token", True],
                    "fp8_w8a8": True}
     assert res["layers"] == {"model.layers.0.self_attn.q_proj": fp8_dynamic,

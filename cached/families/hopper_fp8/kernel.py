@@ -622,16 +622,10 @@ class HopperFp8GemmKernel:
                     for seg in range(self.splits):
                         seg_begin = seg * k_tiles // self.splits
                         seg_end = (seg + 1) * k_tiles // self.splits
-                        if cutlass.const_expr(self.exact):
-                            read_state, release_state = self.mainloop_promoted(
-                                ab_pipe, tiled_mma, acc, acc_range, tCrA, tCrB, read_state,
-                                release_state, seg_begin, seg_end, mC,
-                                gcC[(None, None, crd[0], crd[1])], thr_c, mAScale, mBScale)
-                        else:
-                            read_state, release_state = self.mainloop(
-                                ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state,
-                                release_state, seg_begin, seg_end, True,
-                            )
+                        read_state, release_state = self.range_sum(
+                            ab_pipe, tiled_mma, acc, acc_range, tCrA, tCrB, read_state,
+                            release_state, seg_begin, seg_end, True, mC,
+                            gcC[(None, None, crd[0], crd[1])], thr_c, mAScale, mBScale)
                         for v in cutlass.range_constexpr(frag):
                             acc_sum[v] = acc_sum[v] + acc_range[v]
                     if cutlass.const_expr(self.pingpong):
@@ -645,16 +639,10 @@ class HopperFp8GemmKernel:
                     split = crd[2]
                     k_begin = split * k_tiles // self.splits
                     k_end = (split + 1) * k_tiles // self.splits
-                    if cutlass.const_expr(self.exact):
-                        read_state, release_state = self.mainloop_promoted(
-                            ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
-                            release_state, k_begin, k_end, mC,
-                            gcC[(None, None, crd[0], crd[1])], thr_c, mAScale, mBScale)
-                    else:
-                        read_state, release_state = self.mainloop(
-                            ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
-                            k_begin, k_end, True,
-                        )
+                    read_state, release_state = self.range_sum(
+                        ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
+                        release_state, k_begin, k_end, True, mC,
+                        gcC[(None, None, crd[0], crd[1])], thr_c, mAScale, mBScale)
                     if ws_ok:
                         tile_lin = crd[0] + crd[1] * tiles_m
                         # threads whose fragment lies wholly outside (M, N) skip the
@@ -700,16 +688,10 @@ class HopperFp8GemmKernel:
                     if cutlass.const_expr(self.pingpong):
                         if wg_idx == 2 or own_tiles > 0:
                             order_wait.arrive_and_wait()
-                    if cutlass.const_expr(self.exact):
-                        read_state, release_state = self.mainloop_promoted(
-                            ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
-                            release_state, 0, k_tiles, mC, gcC[(None, None, crd[0], crd[1])],
-                            thr_c, mAScale, mBScale)
-                    else:
-                        read_state, release_state = self.mainloop(
-                            ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
-                            0, k_tiles, False,
-                        )
+                    read_state, release_state = self.range_sum(
+                        ab_pipe, tiled_mma, acc, acc_sum, tCrA, tCrB, read_state,
+                        release_state, 0, k_tiles, False, mC,
+                        gcC[(None, None, crd[0], crd[1])], thr_c, mAScale, mBScale)
                     if cutlass.const_expr(self.pingpong):
                         order_signal.arrive()
                     self.store_tile(tma_c, sC, gC_t, tRS_acc, tRS_rF, tRS_rC, tRS_sC, tiled_r2s,
@@ -755,6 +737,23 @@ class HopperFp8GemmKernel:
             read_state, release_state = self.k_loop(
                 ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state,
                 k_begin, k_end, num_k_blocks)
+        return read_state, release_state
+
+    @cute.jit
+    def range_sum(self, ab_pipe, tiled_mma, acc, dst, tCrA, tCrB, read_state, release_state,
+                  k_begin, k_end, may_be_empty: cutlass.Constexpr, mC, gcC_t, thr_c, mAScale,
+                  mBScale):
+        """dst = the sum over K tiles [k_begin, k_end): exact, promoted (mainloop_promoted,
+        dst another tensor than acc); fast, in the wgmma accumulator (mainloop; dst is acc).
+        Returns the pipeline states."""
+        if cutlass.const_expr(self.exact):
+            read_state, release_state = self.mainloop_promoted(
+                ab_pipe, tiled_mma, acc, dst, tCrA, tCrB, read_state, release_state, k_begin,
+                k_end, mC, gcC_t, thr_c, mAScale, mBScale)
+        else:
+            read_state, release_state = self.mainloop(
+                ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state, release_state, k_begin, k_end,
+                may_be_empty)
         return read_state, release_state
 
     @cute.jit
