@@ -17,6 +17,8 @@
     bi: the seeds' method (x[:M] against the first M rows of the largest M's output,
       bitwise) for every kernel and for each scheme's per-M plan mix; eager against a
       CUDA-graph replay, bitwise, for every kernel.
+    alts (--phases ...,alts): ALTERNATIVES, other tactics of a short point's class (and of
+      S = 1), timed beside the plan's first choice and cuBLAS without fast accumulation.
     perf: CUDA-event medians of CUDA-graph replays (inputs rotated past the L2): the plan's
       first choice per scheme against torch._scaled_mm of the same scheme (per-tensor or
       rowwise, fast accumulation on and off) and vLLM's cutlass_scaled_mm (--vllm-so,
@@ -54,6 +56,14 @@ NUM_SMS = 132
 BLOCK_SHAPES = SHAPES + [(2112, 7168), (576, 7168), (24576, 1536), (7168, 18432),
                          (36864, 7168), (4608, 7168), (7168, 2048)]
 BLOCK_MS = [1, 16, 128, 512, 2048, 8192]
+# exact per-tensor on a shape the plan's first choices leave short (docs/benchmarks.md,
+# exact run 3): other tactics of its class (S = 4, both split modes) and the S = 1 class's
+# 128 x 128, timed beside the first choice (the alts phase)
+ALTERNATIVES = [{"n": 1024, "k": 16384, "ms": [512, 2048, 8192], "scales": "tensor", "tactics": [
+    dict(tile_m=tm, tile_n=tn, splits=4, split_mode=mode)
+    for mode, tiles in (("cta", ((64, 64), (64, 128), (64, 192), (128, 128))),
+                        ("serial", ((64, 64), (64, 128), (128, 64), (128, 128))))
+    for tm, tn in tiles] + [dict(tile_m=128, tile_n=128)]}]
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
@@ -193,6 +203,15 @@ def build(out: str, jobs: int, schemes: list[str] | None = None) -> None:
         {"tile_m": 64, "tile_n": 128, "wg_n": 2},
         {"tile_m": 64, "tile_n": 48},
         {"tile_m": 128, "tile_n": 128, "out_dtype": "float16", "ab_dtype": "e5m2"})]
+    alts = []
+    for alt in ALTERNATIVES:
+        if scheme_name(alt["scales"], "exact") not in schemes:
+            continue
+        ts = [HopperFp8Tactic(scales=alt["scales"], accum="exact", **kw).normalized()
+              for kw in alt["tactics"]]
+        extra += ts
+        alts.append({**{x: alt[x] for x in ("n", "k", "ms", "scales")},
+                     "names": [t.name for t in ts]})
     for t in extra:
         if scheme_name(t.scales, t.accum) not in schemes:
             continue
@@ -212,7 +231,11 @@ def build(out: str, jobs: int, schemes: list[str] | None = None) -> None:
     tmp = os.path.join(out, "obj")
     os.makedirs(tmp, exist_ok=True)
     t0 = time.perf_counter()
-    todo = [e for e in entries if not os.path.exists(os.path.join(out, e["so"] + ".ok"))]
+    def built(e):  # by an earlier build into this folder, from the same params
+        ok = os.path.join(out, e["so"] + ".ok")
+        return os.path.exists(ok) and open(ok).read() == json.dumps(e["params"], sort_keys=True)
+
+    todo = [e for e in entries if not built(e)]
     running: list = []
     import tvm_ffi
 
@@ -255,6 +278,7 @@ def build(out: str, jobs: int, schemes: list[str] | None = None) -> None:
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump({"kernels": entries, "plan": p, "shapes": SHAPES, "ms": MS,
                    "block_plan": bp, "block_shapes": BLOCK_SHAPES, "block_ms": BLOCK_MS,
+                   "alts": alts,
                    "source_sha256": HopperFp8().source_sha256(),
                    "compiled_now": len(todo),
                    "compile_wall_seconds": round(time.perf_counter() - t0, 1), **digests}, f,
@@ -510,6 +534,72 @@ class Runner:
             samples.append(e0.elapsed_time(e1) * 1e3 / iters)
         return statistics.median(samples)
 
+    def _time(self, impls, nsets, iters, skipped="perf_skipped", label=""):
+        """({name: median us}, {name: us per round}) of launch functions ``impls`` (each
+        takes an input set's index), CUDA-graph replays in 5 interleaved rounds, the order
+        rotated; one that cannot be captured is left out (res[skipped], its name + label)."""
+        graphs = {}
+        for key, fn in impls.items():
+            try:
+                graphs[key] = self._graph(fn, nsets, iters)
+            except Exception as ex:  # noqa: BLE001 -- e.g. a scheme torch lacks
+                self.res.setdefault(skipped, {})[key + label] = str(ex)[:200]
+                self.t.cuda.synchronize()
+        keys = list(graphs)
+        samples = {key: [] for key in keys}
+        for r in range(5):
+            for j in range(len(keys)):
+                key = keys[(j + r) % len(keys)]
+                samples[key].append(self._us(graphs[key], iters, 5))
+        return {key: statistics.median(v) for key, v in samples.items()}, samples
+
+    def _inputs(self, m, n, k):
+        """(nsets, iters, A, B, S): input sets rotated past the L2 (about 200 MB in all)."""
+        per = m * k + n * k + 2 * m * n
+        nsets = max(1, min(16, -(-(200 << 20) // per)))
+        A, B, S = [], [], []
+        for i in range(nsets):
+            a, b, sc = self.data(m, n, k, seed=1000 + i)
+            A.append(a)
+            B.append(b)
+            S.append(sc)
+        return nsets, 20 if m * n * k < (1 << 36) else 6, A, B, S
+
+    def alts(self, deadline):
+        """The manifest's alternatives (ALTERNATIVES) beside the plan's first choice and
+        cuBLAS without fast accumulation, at each of their M: us per kernel."""
+        t = self.t
+        rows = []
+        for alt in self.man.get("alts", []):
+            n, k, scales = alt["n"], alt["k"], alt["scales"]
+            first = self.man["plan"][scheme_name(scales, "exact")][f"{n}x{k}"]["by_m"]
+            for m in alt["ms"]:
+                if time.time() > deadline:
+                    self.res["alts_truncated"] = True
+                    break
+                nsets, iters, A, B, S = self._inputs(m, n, k)
+                C = [t.empty(m, n, dtype=t.bfloat16, device=self.dev) for _ in range(nsets)]
+                impls = {}
+                for name in dict.fromkeys([first[str(m)], *alt["names"]]):
+                    if not self.fits(name, m, n):
+                        continue
+                    fn = self.fns[name]
+
+                    def ours(i, fn=fn, A=A, B=B, C=C, S=S, scales=scales):
+                        sa, sb = S[i][scales]
+                        fn(A[i], B[i], C[i], sa.reshape(-1), sb.reshape(-1), self.ws, self.cnt)
+                    impls[name] = ours
+
+                def cublas(i, A=A, B=B, S=S, scales=scales):
+                    sa, sb = S[i][scales]
+                    self.torch_mm(A[i], B[i], sa, sb, False, scales)
+                impls["torch fast0"] = cublas
+                res, _ = self._time(impls, nsets, iters)
+                del A, B, C, S
+                rows.append(dict(n=n, k=k, m=m, scales=scales, first=first[str(m)], us=res))
+                self.p(f"alts M={m} {n}x{k}: " + " ".join(f"{a}={b:.1f}" for a, b in res.items()))
+        self.res["alts"] = rows
+
     def perf(self, deadline):
         t = self.t
         rows = []
@@ -521,16 +611,8 @@ class Runner:
                     self.res["perf_truncated"] = True
                     self.res["perf"] = rows
                     return
-                per = m * k + n * k + 2 * m * n
-                nsets = max(1, min(16, -(-(200 << 20) // per)))
-                A, B, S = [], [], []
-                for i in range(nsets):
-                    a, b, sc = self.data(m, n, k, seed=1000 + i)
-                    A.append(a)
-                    B.append(b)
-                    S.append(sc)
+                nsets, iters, A, B, S = self._inputs(m, n, k)
                 C = [t.empty(m, n, dtype=t.bfloat16, device=self.dev) for _ in range(nsets)]
-                iters = 20 if m * n * k < (1 << 36) else 6
                 impls = {}
                 for sch, p in plan.items():
                     name = p[f"{n}x{k}"]["by_m"][str(m)]
@@ -552,22 +634,8 @@ class Runner:
                             sa, sb = S[i][scales]
                             self.vllm_mm(A[i], B[i], sa, sb, C[i])
                         impls[f"vllm {scales}"] = vm
-                graphs = {}
-                for key, fn in impls.items():
-                    try:
-                        graphs[key] = self._graph(fn, nsets, iters)
-                    except Exception as ex:  # noqa: BLE001 -- e.g. a scheme torch lacks
-                        self.res.setdefault("perf_skipped", {})[key] = str(ex)[:200]
-                        t.cuda.synchronize()
-                res = {}
-                keys = list(graphs)
-                samples = {key: [] for key in keys}
-                for r in range(5):  # interleaved rounds, the order rotated
-                    for j in range(len(keys)):
-                        key = keys[(j + r) % len(keys)]
-                        samples[key].append(self._us(graphs[key], iters, 5))
-                res = {key: statistics.median(v) for key, v in samples.items()}
-                del graphs, A, B, C, S
+                res, samples = self._time(impls, nsets, iters)
+                del A, B, C, S
                 rows.append(dict(m=m, n=n, k=k, us=res, rounds_us=samples,
                                  first={sch: p[f"{n}x{k}"]["by_m"][str(m)]
                                         for sch, p in plan.items()}))
@@ -743,21 +811,8 @@ class BlockRunner:
                     impls["triton"] = lambda i, D=D, C=C: self.triton(*D[i], C[i])
                 if r.vllm:
                     impls["vllm_cutlass"] = lambda i, D=D, C=C: self.cutlass(*D[i], C[i])
-                graphs = {}
-                for key, f in impls.items():
-                    try:
-                        graphs[key] = r._graph(f, nsets, iters)
-                    except Exception as ex:  # noqa: BLE001 -- reported
-                        r.res.setdefault("bperf_skipped", {})[f"{key} {m} {n}x{k}"] = str(ex)[:200]
-                        t.cuda.synchronize()
-                keys = list(graphs)
-                samples = {key: [] for key in keys}
-                for rnd in range(5):
-                    for j in range(len(keys)):
-                        key = keys[(j + rnd) % len(keys)]
-                        samples[key].append(r._us(graphs[key], iters, 5))
-                res = {key: statistics.median(v) for key, v in samples.items()}
-                del graphs, D, C
+                res, _ = r._time(impls, nsets, iters, "bperf_skipped", f" {m} {n}x{k}")
+                del D, C
                 rows.append(dict(m=m, n=n, k=k, us=res, first=name))
                 r.p(f"bperf M={m} {n}x{k}: " + " ".join(f"{a}={b:.1f}" for a, b in res.items()))
 
@@ -866,6 +921,19 @@ def tables(res) -> None:
                 print("   " + " ".join(line))
 
 
+def alt_tables(res) -> None:
+    """The alts phase: per (shape, M), each kernel's us and cuBLAS exact's / its."""
+    if not res.get("alts"):
+        return
+    print("\n## alternatives (us; cuBLAS exact us / ours in parentheses; * = first choice)")
+    for r in res["alts"]:
+        ref = r["us"].get("torch fast0")
+        cells = [f"{'*' if name == r['first'] else ''}{name}={us:.1f}"
+                 + (f" ({ref / us:.2f})" if ref and name != "torch fast0" else "")
+                 for name, us in sorted(r["us"].items(), key=lambda x: x[1])]
+        print(f"M={r['m']} {r['n']}x{r['k']}: " + ", ".join(cells))
+
+
 RIVALS = {"ours token-fast": ["torch token fast1", "vllm token"],
           "ours tensor-exact": ["torch tensor fast0"],
           "ours token-exact": ["torch token fast0"]}
@@ -913,6 +981,7 @@ def run(bundle, out, phases, vllm_so, budget):
     br = BlockRunner(r, bundle) if any(x.startswith("b") for x in phases) else None
     for phase, fn in (("correct", r.correct), ("bi", r.bi),
                       ("perf", lambda: r.perf(t0 + budget)),
+                      ("alts", lambda: r.alts(t0 + budget)),
                       ("bcorrect", lambda: br.correct()), ("bbi", lambda: br.bi()),
                       ("bperf", lambda: br.perf(t0 + budget))):
         if phase not in phases:
@@ -926,6 +995,7 @@ def run(bundle, out, phases, vllm_so, budget):
         with open(path, "w") as f:
             json.dump(r.res, f, indent=1, default=str)
     tables(r.res)
+    alt_tables(r.res)
     block_tables(r.res)
 
 
@@ -961,6 +1031,7 @@ def main():
             markdown(res)
         else:
             tables(res)
+        alt_tables(res)
         block_tables(res)
 
 
