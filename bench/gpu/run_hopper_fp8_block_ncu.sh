@@ -7,7 +7,9 @@
 #   1. set-up: the cp312 tvm-ffi wheel -> $SITE, PYTHONPATH (each profile process unpacks
 #      the DSL runtime into its own mkdtemp directory and checks its digest: bundle_natives.py)
 #   2. kernel time without ncu (CUDA events, eager launches through the client's launcher)
-#   3. ncu on each kernel, one launch after two warm-up launches (hopper_fp8_ncu.sh)
+#   3. ncu on each kernel, one launch after two warm-up launches (hopper_fp8_ncu.sh);
+#      NCU_CUBLAS="cublas_fast0" profiles cuBLAS without fast accumulation too (default none)
+# MNK and KERNELS (space-separated names in the bundle) pick another point and kernels.
 # Built here with (worktree ncu27):
 #   PYTHON=/work/main/.venv/bin/python bash bench/gpu/run_hopper_fp8.sh build final \
 #     .dev/ncu27 --kernels m128n128_c1x1_rm_s1_st6_e4m3_bfloat16_b128_ex,m128n128_c1x1_rm_s1_st6_e4m3_bfloat16_ex
@@ -96,7 +98,7 @@ done
 echo "=== ncu, M,N,K = $MNK, --metrics $metrics"
 points=()
 for k in $KERNELS; do points+=("$MNK,$k"); done
-NCU_CUBLAS="" NCU_EXPORT="$OUT/ncu27" NCU_METRICS="$metrics" \
+NCU_CUBLAS="${NCU_CUBLAS-}" NCU_EXPORT="$OUT/ncu27" NCU_METRICS="$metrics" \
 NCU_SECTIONS="SpeedOfLight MemoryWorkloadAnalysis MemoryWorkloadAnalysis_Tables InstructionStats LaunchStats Occupancy WarpStateStats SchedulerStats ComputeWorkloadAnalysis SourceCounters" \
   bash "$B/hopper_fp8_ncu.sh" "${points[@]}"
 
