@@ -390,8 +390,8 @@ class HopperFp8Tactic:
                        the promotion, accum "exact" only); part of the class (module doc). Left out
                        of to_params() at "tensor".
       accum            "fast" or "exact" (the wgmma accumulator promoted into fp32
-                       registers every K tile; S = 1 only); part of the class. Left out
-                       of to_params() at "fast".
+                       registers every K tile; block128: S = 1 only); part of the class.
+                       Left out of to_params() at "fast".
     """
 
     tile_m: int = 128
