@@ -292,7 +292,7 @@ def _scheme_variants() -> list[HopperFp8Tactic]:
     ping-pong with both (each warpgroup's own MMA slice), wg_n = 2 per-token, a 'cta' split
     per-token (the last unit's sum scaled), exact 'cta' splits on swap_ab per-token and on
     the TMA epilogue per-tensor (each unit's promoted sum is its partial), an exact serial
-    split with three accumulator copies (128 x 128) and one per-token in two wgmma
+    split with three accumulator copies (128 x 128, and ping-pong) and one per-token in two wgmma
     accumulators (64 x 64), exact with two
     wgmma accumulators in turn (64 x 80, swap_ab; kernel.promoted_overlapped), the 128-row tile
     exact in e5m2 / fp16, and
@@ -308,6 +308,7 @@ def _scheme_variants() -> list[HopperFp8Tactic]:
         H(16, 64, swap_ab=True, splits=4, split_mode="cta", scales="token", accum="exact"),
         H(64, 128, splits=2, split_mode="cta", accum="exact"),
         H(128, 128, splits=4, accum="exact"),
+        H(64, 128, splits=2, pingpong=True, accum="exact"),
         H(64, 64, splits=4, scales="token", accum="exact"),
         H(64, 80, accum="exact"),
         H(128, 128, out_dtype="float16", ab_dtype="e5m2", accum="exact"),

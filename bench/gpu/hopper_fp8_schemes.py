@@ -192,7 +192,10 @@ def build(out: str, jobs: int, schemes: list[str] | None = None) -> None:
         {"tile_m": 64, "tile_n": 48, "scales": "token", "accum": "exact"},
         {"tile_m": 128, "tile_n": 128, "out_dtype": "float16", "ab_dtype": "e5m2",
          "scales": "token", "accum": "exact"},
-        {"tile_m": 64, "tile_n": 128, "splits": 2, "split_mode": "cta", "accum": "exact"})]
+        {"tile_m": 64, "tile_n": 128, "splits": 2, "split_mode": "cta", "accum": "exact"},
+        {"tile_m": 64, "tile_n": 128, "splits": 2, "pingpong": True, "accum": "exact"},
+        {"tile_m": 64, "tile_n": 64, "splits": 2, "wg_n": 2, "scales": "token",
+         "accum": "exact"})]
     # block128's code paths beyond the plan's picks: ping-pong, swap_ab, wg_n = 2, a narrow
     # tile (tile_n 48: weight blocks split across tiles), one scale per 8 columns loaded per
     # K tile (tile_n 192, outside the block space), e5m2 / fp16
