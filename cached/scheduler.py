@@ -269,7 +269,8 @@ class Scheduler:
         family_name = m.family
         planner = self.toolchains.planner(family, m.identity)
         payload = {"family": m.family, "shape": list(m.shape), "arch": m.arch,
-                   "sm_count": m.sm_count or DEFAULT_SM_COUNT[m.arch], "options": m.options}
+                   "sm_count": m.sm_count or DEFAULT_SM_COUNT[m.arch], "options": m.options,
+                   "limit": m.limit}
         if self.pool.size == 0:
             return await asyncio.get_running_loop().run_in_executor(
                 None, _plan_here, family, payload)
@@ -537,7 +538,7 @@ def _plan_here(family: Family, payload: dict) -> list[dict]:
                                payload["options"])
     except ImportError as exc:
         raise InvalidTactic(f"planning {family.name} needs its toolchain here: {exc}") from None
-    return [r.to_wire() for r in requests]
+    return [r.to_wire() for r in requests[:payload.get("limit")]]
 
 
 def _resolve_key(request: KernelRequest, identity: p.Identity | None) -> tuple | None:

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
                 family = families.get(payload["family"])
                 requests = family.plan(tuple(payload["shape"]), payload["arch"],
                                        payload["sm_count"], payload.get("options", {}))
-                result = [r.to_wire() for r in requests]
+                result = [r.to_wire() for r in requests[:payload.get("limit")]]
             else:
                 raise ValueError(f"unknown job kind {kind!r}")
             reply: dict = {"ok": result}

@@ -105,8 +105,12 @@ def test_tactic_per_bucket_one_class_with_shared_winners_of_that_class(daemon):
         assert c.autotune_put(AutotunePutRequest(
             op_name="linear", n=n, k=k, dtype="fp8", arch="sm_90a", device=H200,
             bucket=bucket, kernel=HOPPER, tactic=dict(req.params), time_us=10.0))
-    tuned = policy.choose_tactics(c, HOPPER, n, k, "sm_90a", buckets=ups, sm_count=132,
+    rec = Recording(daemon.socket, timeout=60, fallback=False)
+    tuned = policy.choose_tactics(rec, HOPPER, n, k, "sm_90a", buckets=ups, sm_count=132,
                                   device=H200)
+    # each bucket's first tactic alone; the whole plan only where a winner is to be found
+    asked = [(r.shape[0], r.limit) for op, r in rec.ops if op == "plan"]
+    assert asked == [(u, 1) for u in ups] + [(16, None), (64, None)]
     by_upper = {b.upper: b for b in tuned.buckets}
     assert by_upper[16].source == "autotune" and by_upper[16].request == same
     assert by_upper[64].source == "plan order" and by_upper[64].reduction_class == cls
@@ -121,6 +125,24 @@ def test_tactic_per_bucket_one_class_with_shared_winners_of_that_class(daemon):
             policy.choose_tactics(c, HOPPER, n, k, "sm_90a", buckets=bad)
 
 
+def test_plan_limit_gives_the_plans_first_requests_and_bad_limits_are_refused(daemon):
+    c = daemon.client(timeout=60)
+    opts = {"batch_invariant": True}
+    full = c.plan_reply(HOPPER, (16, 4096, 4096), "sm_90a", 132, opts)
+    assert len(full.requests) > 5
+    for limit in (1, 5):
+        part = c.plan_reply(HOPPER, (16, 4096, 4096), "sm_90a", 132, opts, limit=limit)
+        assert part.requests == full.requests[:limit] and part.classes == full.classes[:limit]
+    assert c.plan_reply(HOPPER, (16, 4096, 4096), "sm_90a", 132, opts,
+                        limit=1 << 20).requests == full.requests
+    for bad in (0, -3, "2", 1 << 21):
+        with pytest.raises(InvalidArgument, match="limit must be an integer in"):
+            c.plan_reply(HOPPER, (16, 4096, 4096), "sm_90a", 132, opts, limit=bad)
+    # and the daemon still answers
+    assert c.plan_reply(HOPPER, (16, 4096, 4096), "sm_90a", 132, opts,
+                        limit=1).requests == full.requests[:1]
+
+
 def test_plan_gemm_asks_plans_then_one_prefetch_and_nothing_else(daemon):
     c = Recording(daemon.socket, timeout=60, fallback=False)
     plan = gemm_plan.plan_gemm(c, 2688, 4096, arch="sm_90a", sm_count=132, device=H200,
@@ -128,6 +150,8 @@ def test_plan_gemm_asks_plans_then_one_prefetch_and_nothing_else(daemon):
     ops = [op for op, _ in c.ops]
     assert ops[-1] == "prefetch" and ops.count("prefetch") == 1 and "get" not in ops
     assert ops.count("plan") == len(gemm_plan.buckets_up_to(2048)) == 12
+    # no shared winners for this shape: every bucket asks for its first tactic alone
+    assert {r.limit for op, r in c.ops if op == "plan"} == {1}
     sent = c.ops[-1][1].requests
     assert len(sent) == len(plan.requests) >= 1
     assert [b.upper for b in plan.choice.buckets] == list(gemm_plan.buckets_up_to(2048))

@@ -193,6 +193,11 @@ def test_scheme_options_through_the_daemon_and_the_client_plan(daemon):
                                accumulation="exact")
     assert plan.choice.reduction_class == "k128.prom128.s1.fixed.token"
     assert plan.key.scales == "token" and plan.key.accumulation == "exact"
+    # a plan's first requests alone (planned in a worker: the limit travels with the job)
+    opts = {"batch_invariant": True, "scales": "token", "accumulation": "exact"}
+    full = client.plan_reply("cached.hopper_fp8", (16, 4096, 4096), "sm_90a", 132, opts)
+    assert client.plan_reply("cached.hopper_fp8", (16, 4096, 4096), "sm_90a", 132, opts,
+                             limit=2).requests == full.requests[:2]
     assert {b.request.params["accum"] for b in plan.choice.buckets} == {"exact"}
     with pytest.raises(ValueError, match="scales must be one of"):
         gemm_plan.plan_gemm(client, 4096, 4096, arch="sm_90a", scales="block",

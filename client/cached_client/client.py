@@ -366,11 +366,13 @@ class Client:
 
     def plan_reply(
         self, family: str, shape: tuple[int, int, int], arch: str, sm_count: int | None = None,
-        options: dict | None = None, timeout: float | None = None,
+        options: dict | None = None, timeout: float | None = None, limit: int | None = None,
     ) -> p.PlanReply:
-        """:meth:`plan` with each request's reduction-order class (``reply.classes``)."""
+        """:meth:`plan` with each request's reduction-order class (``reply.classes``); with
+        ``limit``, at most that many of the plan's first requests (an older daemon may
+        answer all)."""
         request = p.PlanRequest(family=family, shape=list(shape), arch=arch,
-                                sm_count=sm_count, options=options or {})
+                                sm_count=sm_count, options=options or {}, limit=limit)
         return self._call("plan", request, p.PlanReply, timeout)
 
     def prefetch(self, requests: Iterable[KernelRequest],

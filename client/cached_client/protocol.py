@@ -436,6 +436,9 @@ class PlanRequest(Message):
     sm_count: int | None = wire(Optional(Int(1, 1 << 16)), None)
     options: dict = wire(Obj(64), {})
     identity: Identity | None = IdentityField()
+    limit: int | None = wire(Optional(Int(1, 1 << 20)), None,
+                             "at most this many requests: the plan's first ones (null: all; a "
+                             "daemon that predates the field answers all)")
 
     def __post_init__(self) -> None:
         if len(self.shape) != 3:

@@ -34,7 +34,7 @@ Importing this module imports nothing heavy; the daemon is asked only when a cli
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -356,15 +356,11 @@ def choose_tactics(client: Any, family: str, n: int, k: int, arch: str, *,
     opts = dict(options or {})
     if batch_invariant:
         opts["batch_invariant"] = True
-    plans = {u: client.plan_reply(family, (u, n, k), arch, sm_count, opts, timeout=60)
-             for u in ups}
-    for u, reply in plans.items():
-        if not reply.requests:
-            raise ValueError(f"{family} plans no tactic for (M, N, K)=({u}, {n}, {k}) on {arch}")
-    class_of = {}
-    for reply in plans.values():
-        classes = reply.classes or [None] * len(reply.requests)
-        class_of.update(zip(reply.requests, classes, strict=True))
+    # each bucket's first tactic (limit 1: a reply of the whole space per bucket made
+    # planning most of a model's load); a bucket with a shared winner gets its whole reply,
+    # which says whether the winner is a tactic of the plan
+    plans = {u: _plan(client, family, u, n, k, arch, sm_count, opts, 1) for u in ups}
+    class_of = _classes(plans.values())
     cls = None
     if batch_invariant:
         cls = one_class(class_of.items())
@@ -376,11 +372,16 @@ def choose_tactics(client: Any, family: str, n: int, k: int, arch: str, *,
             if r.get("kernel") == family and not (
                     batch_invariant and r.get("reduction_class") not in ("", None, cls)):
                 winners[int(r["bucket"])] = r["tactic"]
-    by_params = {_params_key(r.params): r for r in class_of}
+    whole = {u: _plan(client, family, u, n, k, arch, sm_count, opts, None)
+             for u in ups if u in winners}
+    class_of.update(_classes(whole.values()))
+    if batch_invariant:
+        one_class(class_of.items())
     chosen, warnings = [], []
     for u in ups:
         request, source = plans[u].requests[0], "plan order"
         if u in winners:
+            by_params = {_params_key(r.params): r for r in whole[u].requests}
             hit = by_params.get(_params_key(winners[u]))
             if hit is not None:
                 request, source = hit, "autotune"
@@ -397,6 +398,26 @@ def choose_tactics(client: Any, family: str, n: int, k: int, arch: str, *,
     else:
         reason = "without batch invariance: the fastest tactic per M bucket"
     return TacticChoice(family, n, k, arch, batch_invariant, chosen, cls, reason, warnings)
+
+
+def _plan(client: Any, family: str, m: int, n: int, k: int, arch: str, sm_count: int | None,
+          options: dict, limit: int | None) -> Any:
+    """The daemon's plan reply for (M, N, K), at most ``limit`` requests (None: all);
+    ValueError when it plans nothing."""
+    reply = client.plan_reply(family, (m, n, k), arch, sm_count, options, timeout=60,
+                              limit=limit)
+    if not reply.requests:
+        raise ValueError(f"{family} plans no tactic for (M, N, K)=({m}, {n}, {k}) on {arch}")
+    return reply
+
+
+def _classes(replies: Iterable[Any]) -> dict:
+    """request -> its reduction-order class (None where the family declares none)."""
+    out = {}
+    for reply in replies:
+        out.update(zip(reply.requests, reply.classes or [None] * len(reply.requests),
+                       strict=True))
+    return out
 
 
 def _params_key(params: Any) -> str:
