@@ -356,9 +356,9 @@ def choose_tactics(client: Any, family: str, n: int, k: int, arch: str, *,
     opts = dict(options or {})
     if batch_invariant:
         opts["batch_invariant"] = True
-    # each bucket's first tactic (limit 1: a reply of the whole space per bucket made
-    # planning most of a model's load); a bucket with a shared winner gets its whole reply,
-    # which says whether the winner is a tactic of the plan
+    # each bucket's first tactic alone (limit 1: the whole space is hundreds of requests a
+    # bucket); a bucket with a shared winner gets its whole reply, which says whether the
+    # winner is a tactic of the plan
     plans = {u: _plan(client, family, u, n, k, arch, sm_count, opts, 1) for u in ups}
     class_of = _classes(plans.values())
     cls = None
