@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 # the seed shapes, a small N with a large K (and the held-out K = 18944 of issue 27), a very
 # large N: (N, K)
@@ -235,8 +236,8 @@ def build(out: str, jobs: int, schemes: list[str] | None = None) -> None:
     os.makedirs(tmp, exist_ok=True)
     t0 = time.perf_counter()
     def built(e):  # by an earlier build into this folder, from the same params
-        ok = os.path.join(out, e["so"] + ".ok")
-        return os.path.exists(ok) and open(ok).read() == json.dumps(e["params"], sort_keys=True)
+        ok = Path(out, e["so"] + ".ok")
+        return ok.exists() and ok.read_text() == json.dumps(e["params"], sort_keys=True)
 
     todo = [e for e in entries if not built(e)]
     running: list = []

@@ -847,21 +847,25 @@ class HopperFp8GemmKernel:
         acc_b = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
         n = k_end - k_begin
         for _kp in range(n // 2):
-            read_state, tiled_mma = self.issue_k_tile(ab_pipe, tiled_mma, acc, tCrA, tCrB,
-                                                      read_state, num_k_blocks)
-            read_state, tiled_mma = self.issue_k_tile(ab_pipe, tiled_mma, acc_b, tCrA, tCrB,
-                                                      read_state, num_k_blocks)
+            tiled_mma = self.issue_k_tile(ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state,
+                                          num_k_blocks)
+            read_state.advance()
+            tiled_mma = self.issue_k_tile(ab_pipe, tiled_mma, acc_b, tCrA, tCrB, read_state,
+                                          num_k_blocks)
+            read_state.advance()
             release_state = self.retire_k_tile(ab_pipe, release_state, acc, acc_sum, 1)
             release_state = self.retire_k_tile(ab_pipe, release_state, acc_b, acc_sum, 0)
         if n % 2 == 1:
-            read_state, tiled_mma = self.issue_k_tile(ab_pipe, tiled_mma, acc, tCrA, tCrB,
-                                                      read_state, num_k_blocks)
+            tiled_mma = self.issue_k_tile(ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state,
+                                          num_k_blocks)
+            read_state.advance()
             release_state = self.retire_k_tile(ab_pipe, release_state, acc, acc_sum, 0)
         return read_state, release_state, tiled_mma
 
     def issue_k_tile(self, ab_pipe, tiled_mma, dst, tCrA, tCrB, read_state, num_k_blocks):
-        """Wait for the next stage and issue its four k32 wgmma into ``dst`` from zero
-        (ACCUMULATE off for the first), one commit group. Traced inline."""
+        """Wait for the stage ``read_state`` names and issue its four k32 wgmma into ``dst``
+        from zero (ACCUMULATE off for the first), one commit group; the caller advances
+        read_state. Traced inline. Returns tiled_mma (the caller rebinds it)."""
         ab_pipe.consumer_wait(read_state)
         cute.nvgpu.warpgroup.fence()
         for kb in range(num_k_blocks):
@@ -869,8 +873,7 @@ class HopperFp8GemmKernel:
             kc = (None, None, kb, read_state.index)
             cute.gemm(tiled_mma, dst, tCrA[kc], tCrB[kc], dst)
         cute.nvgpu.warpgroup.commit_group()
-        read_state.advance()
-        return read_state, tiled_mma
+        return tiled_mma
 
     def retire_k_tile(self, ab_pipe, release_state, src, acc_sum, pending):
         """Wait until at most ``pending`` wgmma groups are in flight (the oldest, whose
@@ -904,13 +907,8 @@ class HopperFp8GemmKernel:
         it, so the DSL carries it through the K loop)."""
         if load is not None:
             self.load_block_scales(*load, blk)
-        ab_pipe.consumer_wait(read_state)
-        cute.nvgpu.warpgroup.fence()
-        for kb in range(num_k_blocks):
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
-            kc = (None, None, kb, read_state.index)
-            cute.gemm(tiled_mma, acc, tCrA[kc], tCrB[kc], acc)
-        cute.nvgpu.warpgroup.commit_group()
+        tiled_mma = self.issue_k_tile(ab_pipe, tiled_mma, acc, tCrA, tCrB, read_state,
+                                      num_k_blocks)
         cute.nvgpu.warpgroup.wait_group(0)
         ab_pipe.consumer_release(release_state)
         release_state.advance()

@@ -375,7 +375,7 @@ def choose_tactics(client: Any, family: str, n: int, k: int, arch: str, *,
     whole = {u: _plan(client, family, u, n, k, arch, sm_count, opts, None)
              for u in ups if u in winners}
     class_of.update(_classes(whole.values()))
-    if batch_invariant:
+    if batch_invariant and whole:  # the whole replies' classes too
         one_class(class_of.items())
     chosen, warnings = [], []
     for u in ups:
