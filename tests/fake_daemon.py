@@ -5,8 +5,9 @@ cached_client.protocol only).
 CONFIG: ``socket`` (its directory is created when missing, as this process's uid),
 ``log`` (one JSON line per request received: op, transfer), ``capabilities`` (what its
 hello states), ``library`` (the file served as a ``get``'s object and library, by path or
-as descriptors), ``runtime_path`` (the runtime library it names), ``override`` (artifact
-fields to replace; a null value leaves the field out, as an older daemon would). Every
+as descriptors; ``by_tag``: another file for the requests whose ``tag`` param it names),
+``runtime_path`` (the runtime library it names), ``override`` (artifact fields to
+replace; a null value leaves the field out, as an older daemon would). Every
 ``get`` is answered with an artifact that echoes the request and the identity it states,
 as a daemon built for that environment would, unless overridden. It writes ``ready`` next
 to the log once it listens, and serves until killed.
@@ -24,11 +25,17 @@ import threading
 from cached_client import protocol as p
 
 
+def library(request: dict, config: dict) -> str:
+    """The file served for ``request``: ``by_tag`` names one per request tag."""
+    tag = (request.get("request") or {}).get("params", {}).get("tag")
+    return config.get("by_tag", {}).get(str(tag), config["library"])
+
+
 def artifact(request: dict, config: dict) -> dict:
     kernel = request["request"]
     identity = request.get("identity") or {}
-    sha = hashlib.sha256(open(config["library"], "rb").read()).hexdigest()
-    size = os.path.getsize(config["library"])
+    sha = hashlib.sha256(open(library(request, config), "rb").read()).hexdigest()
+    size = os.path.getsize(library(request, config))
     out = {"key": "f" * 64, "family": kernel["family"], "kernel_name": "planted",
            "symbol": config.get("symbol", "planted"), "library_sha256": sha,
            "object_sha256": sha, "library_size": size, "object_size": size,
@@ -65,11 +72,11 @@ def serve(conn: socket.socket, config: dict) -> None:
             elif request.get("op") == "get":
                 reply["artifact"] = artifact(request, config)
                 if request.get("transfer") == "fd":
-                    fds = [os.open(config["library"], os.O_RDONLY) for _ in range(2)]
+                    fds = [os.open(library(request, config), os.O_RDONLY) for _ in range(2)]
                     reply["fds"] = ["object", "library"]
                 else:
-                    reply["artifact"]["library_path"] = config["library"]
-                    reply["artifact"]["object_path"] = config["library"]
+                    reply["artifact"]["library_path"] = library(request, config)
+                    reply["artifact"]["object_path"] = library(request, config)
             elif request.get("op") == "lease":
                 reply |= {"state": "hit", "artifact": artifact(request, config)}
             elif request.get("op") == "stats":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -160,7 +162,9 @@ def test_a_load_is_passed_and_copies_only_the_library_and_checks_a_kept_copy(
         daemon, mm_fp4_requests, tmp_path, monkeypatch):
     """``load`` asks for the library's descriptor alone (``get.blobs``) and copies it, hashed
     as it is copied; FlashInfer's hook asks for the object alone. A copy already in the
-    scratch directory is hashed again at load: one whose bytes changed is refused."""
+    scratch directory whose bytes changed is never loaded nor handed out: ``load`` copies
+    what the daemon passed again, and ``get`` keeps a copy only when its bytes hash
+    right."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     scratch = tmp_path / f"cached-client-{os.getuid()}"
     client = daemon.client()
@@ -174,10 +178,14 @@ def test_a_load_is_passed_and_copies_only_the_library_and_checks_a_kept_copy(
     assert obj.library_path is None and obj.object_path == str(
         scratch / f"{obj.object_sha256}.o")
     assert not (scratch / f"{obj.library_sha256}.so").exists()
-    kept = scratch / f"{obj.library_sha256}.so"  # planted: the right size, other bytes
+    kept = scratch / f"{obj.library_sha256}.so"  # changed: the right size, other bytes
     kept.write_bytes(b"\0" * obj.library_size)
-    with pytest.raises(IntegrityError, match="not loading"):
-        daemon.client(fallback=False).load(mm_fp4_requests[3])
+    assert callable(daemon.client(fallback=False).load(mm_fp4_requests[3]))
+    assert hashlib.sha256(kept.read_bytes()).hexdigest() == obj.library_sha256  # replaced
+    kept.write_bytes(b"\0" * obj.library_size)
+    again = daemon.client(fallback=False).get(mm_fp4_requests[3], blobs=("library",))
+    assert hashlib.sha256(Path(again.library_path).read_bytes()).hexdigest() == \
+        obj.library_sha256
     # a get naming no blob, or one twice, is refused by the client and by the daemon
     for blobs in ([], ["library", "library"]):
         with pytest.raises(InvalidArgument, match="get.blobs"):

@@ -401,3 +401,258 @@ def test_a_lease_hit_built_for_another_environment_is_never_handed_to_write_back
     finally:
         good.stop()
         other.stop()
+
+
+# -- issue 37: the client's own files (scratch directory, identity cache) ------------------------
+
+BENIGN_C = """#include <stdint.h>
+__attribute__((used)) static const unsigned char pad[256 << 10] = {1};
+int __tvm_ffi_planted(void* self, const void* args, int32_t n, void* result) { return 0; }
+"""
+"""A kernel-sized shared object (more than a pipe holds) whose TVM-FFI function ``planted``
+does nothing."""
+
+# Issue 37 case 1, as the hostile user did it: the scratch directory was removed (a tmp
+# cleaner) and made again by this uid; it watches for the client's copy to be renamed into
+# place (learning how the client names the temporary file it writes first), then sets a
+# trap on that name for the next kernel's copy (its digest is what the daemon tells anyone
+# who asks): a link to a FIFO, renamed over by its planted library once the client has
+# opened the FIFO to write and filled the pipe, so the client's own bytes hash right and
+# the name it loads is the planted library.
+SWAP_TRAP = r"""
+import ctypes, fcntl, os, select, struct, sys, termios, time
+scratch, planted, trap, out, next_name = sys.argv[1:6]
+os.mkdir(scratch)
+os.chmod(scratch, 0o777)
+mine = os.path.join(trap, "mine.so")
+with open(planted, "rb") as src, open(mine, "wb") as dst:
+    dst.write(src.read())
+libc = ctypes.CDLL(None, use_errno=True)
+ifd = libc.inotify_init1(0)
+libc.inotify_add_watch(ifd, scratch.encode(), 0x40)  # IN_MOVED_FROM
+open(os.path.join(out, "ready"), "w").close()
+if not select.select([ifd], [], [], 60)[0]:
+    sys.exit(0)  # the client never wrote here
+data = os.read(ifd, 4096)
+size = struct.unpack_from("iIII", data)[3]
+seen = data[16:16 + size].rstrip(b"\0").decode()
+suffix = seen[seen.index(".tmp."):]  # the client's temporary name: <final>.tmp.<pid>.<tid>
+fifo = os.path.join(trap, "x")
+os.mkfifo(fifo, 0o666)
+os.symlink(fifo, os.path.join(scratch, next_name + suffix))
+open(os.path.join(out, "armed"), "w").close()
+fd = os.open(fifo, os.O_RDONLY)  # returns once the client opened the name to write
+while int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), "little") < 65536:
+    time.sleep(0.001)  # the pipe is full: the client waits in its write
+os.rename(mine, fifo)
+while os.read(fd, 1 << 16):
+    pass
+open(os.path.join(out, "sprung"), "w").close()
+"""
+
+
+def fault_request(tag: int) -> KernelRequest:
+    return KernelRequest("cached.test.fault", {"action": "build", "tag": str(tag)}, "sm_100a",
+                         148, 148)
+
+
+@pytest.fixture
+def benign(workdir: Path) -> Path:
+    """A shared object exporting the TVM-FFI function ``planted`` that does nothing."""
+    source = workdir / "benign.c"
+    source.write_text(BENIGN_C)
+    library = workdir / "libbenign.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    os.chmod(library, 0o644)
+    return library
+
+
+@pytest.fixture
+def shared_tmpdir(workdir: Path, monkeypatch) -> Path:
+    """A directory like /tmp (root's, mode 1777) as this process's TMPDIR."""
+    base = workdir / "tmp"
+    base.mkdir()
+    os.chmod(base, 0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    return base
+
+
+@as_root
+def test_a_scratch_directory_remade_by_another_uid_never_runs_its_code(
+        workdir, shared_tmpdir, other, planted, benign, caplog):
+    """Issue 37 case 1: a long-lived client loaded a kernel; a tmp cleaner removed its scratch
+    directory; another uid made it again and trapped the name of the client's next copy (see
+    SWAP_TRAP). The directory is checked at every use, so the client never writes or loads
+    there: one warning naming the owner, a fresh private directory, the benign kernel every
+    time, and the planted constructor never runs."""
+    library, marker = planted
+    scratch = shared_tmpdir / f"cached-client-{os.getuid()}"
+    trap = workdir / "trap"
+    trap.mkdir()
+    os.chown(trap, other.pw_uid, other.pw_gid)
+    other_kernel = workdir / "libbenign2.so"  # the next kernel: other bytes, other digest
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(other_kernel), "-x", "c", "-"],
+                   input=BENIGN_C + "int variant = 2;\n", text=True, check=True)
+    os.chmod(other_kernel, 0o644)
+    fake = Fake(workdir, workdir / "fake.sock", benign, by_tag={"2": str(other_kernel)})
+    client = Client(str(workdir / "fake.sock"), fallback=False, timeout=10)
+    attacker = None
+    try:
+        assert client.load(fault_request(0))() is None
+        assert os.stat(scratch).st_uid == 0 and (scratch / f"{sha256_of(benign)}.so").exists()
+        shutil.rmtree(scratch)  # the tmp cleaner
+        attacker = subprocess.Popen(
+            [PEER_PY, "-c", SWAP_TRAP, str(scratch), str(library), str(trap), str(trap),
+             f"{sha256_of(other_kernel)}.so"],
+            user=other.pw_uid, group=other.pw_gid, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while not (trap / "ready").exists():
+            assert attacker.poll() is None and time.monotonic() < deadline, attacker.stderr
+            time.sleep(0.02)
+        with caplog.at_level(logging.WARNING, logger="cached_client"):
+            assert client.load(fault_request(1))() is None
+            deadline = time.monotonic() + 3  # the attacker arms once it saw a copy made
+            while not (trap / "armed").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            try:
+                fn = client.load(fault_request(2))
+            finally:  # the code before: the planted library is what loads
+                assert not marker.exists(), "the planted constructor ran as root"
+            assert fn() is None
+            art = client.get(fault_request(3), blobs=("object",))  # FlashInfer's hook's copy
+        assert not marker.exists()
+        assert not (trap / "armed").exists() and os.listdir(scratch) == []
+        warned = [r.getMessage() for r in caplog.records if str(scratch) in r.getMessage()]
+        assert len(warned) == 1 and f"belongs to uid {other.pw_uid}" in warned[0]
+        fresh = Path(art.object_path).parent
+        assert fresh != scratch and fresh.parent == shared_tmpdir
+        st = os.lstat(fresh)
+        assert st.st_uid == 0 and oct(st.st_mode & 0o777) == "0o700"
+        assert sha256_of(Path(art.object_path)) == sha256_of(benign)
+    finally:
+        if attacker is not None:
+            attacker.kill()
+            attacker.wait()
+        fake.stop()
+
+
+def sha256_of(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@as_root
+def test_a_scratch_directory_another_uid_made_first_is_a_warning_never_an_error(
+        workdir, shared_tmpdir, other, planted, benign, caplog):
+    """Issue 37 case 7: another uid makes this user's scratch directory before its first use.
+    Every load still works (from the daemon, and through the in-process fallback, whose
+    output directory is the fresh private one): one warning for the process, never an
+    exception, nothing written into the other uid's directory."""
+    library, marker = planted
+    scratch = shared_tmpdir / f"cached-client-{os.getuid()}"
+    subprocess.run([PEER_PY, "-c", f"import os; os.mkdir({str(scratch)!r}, 0o755)"],
+                   user=other.pw_uid, group=other.pw_gid, check=True)
+    fake = Fake(workdir, workdir / "fake.sock", benign)
+    built: list[str] = []
+
+    def fallback(request: KernelRequest, directory: str) -> p.Artifact:
+        """An in-process compiler: gcc into the directory the client hands it."""
+        built.append(directory)
+        out = Path(directory) / "benign.so"
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(out), "-x", "c", "-"],
+                       input=BENIGN_C, text=True, check=True)
+        sha = sha256_of(out)
+        return p.Artifact(key="0" * 64, family=request.family, kernel_name="benign",
+                          symbol="planted", library_sha256=sha, object_sha256=sha,
+                          toolchain="", runtime_library={}, library_path=str(out))
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="cached_client"):
+            for i in range(2):  # two clients of one process
+                client = Client(str(workdir / "fake.sock"), fallback=False, timeout=10)
+                assert client.load(fault_request(10 + i))() is None
+            offline = Client(str(workdir / "absent.sock"), fallback=fallback, timeout=5)
+            assert offline.load(fault_request(12))() is None
+        assert len(built) == 1 and Path(built[0]).parent != scratch
+        assert os.stat(built[0]).st_uid == 0
+        warned = [r.getMessage() for r in caplog.records if str(scratch) in r.getMessage()]
+        assert len(warned) == 1 and "fresh private directory" in warned[0]
+        assert os.listdir(scratch) == [] and not marker.exists()
+    finally:
+        fake.stop()
+
+
+# Issue 37 case 2: while root's scratch directory does not exist, another uid flips a
+# directory holding a forged identity cache into that name and out again, as fast as it can.
+FLIP = r"""
+import os, sys
+forged, name, stop = sys.argv[1:4]
+while not os.path.exists(stop):
+    os.rename(forged, name)
+    os.rename(name, forged)
+"""
+
+
+@as_root
+def test_an_identity_cache_another_uid_planted_is_never_trusted(
+        workdir, shared_tmpdir, other, monkeypatch):
+    """Issue 37 case 2: the forged cache names this environment's RECORD files with their
+    real stamps and made-up components. Fresh root processes (the cache is read once per
+    process: here as many as 3 s allow, by clearing it) never take one: the directory is
+    checked through the descriptor the file is read from, so the forgery costs a
+    recompute."""
+    from cached_client import identity
+
+    monkeypatch.delenv(identity.IDENTITY_CACHE_ENV, raising=False)
+    scratch = shared_tmpdir / f"cached-client-{os.getuid()}"
+    dists = [d for n, d in identity.distributions().items()
+             if n in identity.STACK_NAMES or n.startswith(identity.STACK_PREFIX)]
+    assert dists, "no stack distribution to forge"
+    forged = shared_tmpdir / "forged"
+    forged.mkdir()
+    components = {str(d.path / "RECORD"): [identity._stamp(os.stat(d.path / "RECORD")),
+                                           f"{d.name}==0.0:forged"] for d in dists}
+    (forged / "stack-digests.json").write_text(json.dumps({"version": 1,
+                                                           "components": components}))
+    for path in (forged, forged / "stack-digests.json"):
+        os.chown(path, other.pw_uid, other.pw_gid)
+    os.chmod(forged, 0o755)
+    stop = workdir / "stop"
+    flipper = subprocess.Popen([PEER_PY, "-c", FLIP, str(forged), str(scratch), str(stop)],
+                               user=other.pw_uid, group=other.pw_gid)
+    taken = tries = 0
+    try:
+        deadline = time.monotonic() + 10
+        while not scratch.exists() and time.monotonic() < deadline:
+            pass  # flipping
+        deadline = time.monotonic() + 3
+        while not taken and time.monotonic() < deadline:  # the code before: taken at once
+            identity._component_cache.cache_clear()
+            cache = identity._component_cache()
+            taken += any("forged" in c for _, c in cache.components.values())
+            tries += 1
+    finally:
+        stop.touch()
+        flipper.wait(10)
+        identity._component_cache.cache_clear()
+    assert flipper.returncode == 0 and tries > 100
+    assert taken == 0
+
+
+def test_a_deeply_nested_identity_cache_is_a_recompute_with_a_warning(tmp_path, caplog):
+    """Issue 37, low: this uid's own cache file, nested too deeply for the JSON parser, is
+    read as no cache (one warning), never a RecursionError out of the identity."""
+    from cached_client import identity
+
+    directory = tmp_path / "scratch"
+    directory.mkdir(mode=0o700)
+    path = directory / "stack-digests.json"
+    path.write_text("[" * 200_000 + "]" * 200_000)
+    with caplog.at_level(logging.WARNING, logger="cached_client"):
+        cache = identity.ComponentCache(str(path))
+    assert cache.components == {}
+    assert any("nested too deeply" in r.getMessage() for r in caplog.records)
+    cache.put(str(path), [1, 2, 3, 4], "x==1:y")  # and it is rewritten well-formed
+    assert identity.ComponentCache(str(path)).components == {str(path): ([1, 2, 3, 4],
+                                                                         "x==1:y")}

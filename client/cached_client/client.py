@@ -60,8 +60,8 @@ from .errors import (
     error_from_wire,
 )
 from .keys import KernelRequest
-from .loader import copy_verified, load_bytes, load_library, private_dir
-from .paths import SOCKET_ENV, default_socket_path, scratch_dir
+from .loader import Scratch, load_library, place
+from .paths import SOCKET_ENV, default_socket_path
 from .protocol import BLOB_SUFFIXES, Artifact
 from .transport import ConnectFailed, Connection, DaemonSilent
 
@@ -173,9 +173,7 @@ class Client:
         self._next_id = 0
         self._loaded: dict[KernelRequest, Any] = {}
         self._fallbacks: dict[str, int] = {}  # in-process compiles not yet reported
-        self._scratch = scratch_dir()
-        self._scratch_checked = False
-        self._hashed_copies: dict[str, str] = {}  # private copy -> sha256 hashed copying it
+        self._scratch = Scratch()  # checked at every use (cached_client.loader)
         _clients.add(self)
 
     def close(self) -> None:
@@ -390,9 +388,22 @@ class Client:
         The daemon is given a slightly shorter deadline than the socket, so that a
         kernel still compiling comes back as its typed DeadlineExceeded answer. With
         transfer ``fd`` the returned paths are this user's private copies (their digests
-        checked), so nothing the daemon evicts can break loading them; only the ``blobs``
-        asked for are copied (the others' paths are None).
+        checked as they were copied), so nothing the daemon evicts can break reading them;
+        only the ``blobs`` asked for are copied (the others' paths are None). A path is a
+        name, not a promise: whatever loads one hashes what it opened
+        (cached_client.loader).
         """
+        artifact, passed = self._fetch(request, timeout, priority, blobs)
+        if passed is None:
+            return artifact
+        return self._private_copies(artifact, passed, blobs)
+
+    def _fetch(
+        self, request: KernelRequest, timeout: float | None, priority: str,
+        blobs: tuple[str, ...],
+    ) -> tuple[Artifact, dict[str, int] | None]:
+        """:meth:`get`'s round trip and checks: the artifact, and for transfer ``fd`` the
+        descriptors passed for ``blobs`` (kind -> fd; the caller closes them)."""
         timeout = self.timeout if timeout is None else timeout
         caps = self.capabilities(timeout)
         why = trust.too_old(caps, self.socket_path)
@@ -418,15 +429,17 @@ class Client:
                                f"received), not one for each of {list(blobs)!r}")
             raise self._mismatch(artifact, found)
         if transfer == "fd":
-            return self._private_copies(artifact, dict(zip(reply.fds, fds, strict=True)),
-                                        blobs)
+            passed = dict(zip(reply.fds, fds, strict=True))
+            for kind in set(passed) - set(blobs):
+                _close(passed.pop(kind))
+            return artifact, passed
         for fd in fds:
             _close(fd)
         if transfer == "bytes":
             if payload is None:
                 raise BadReply("the daemon sent no library bytes for a 'bytes' transfer")
             artifact = dataclasses.replace(artifact, library_bytes=payload)
-        return artifact
+        return artifact, None
 
     def _mismatch(self, artifact: Artifact, found: dict[str, str]) -> ArtifactMismatch:
         """The error for an artifact not built for this process; warned once per socket
@@ -444,22 +457,18 @@ class Client:
     def _private_copies(self, artifact: Artifact, passed: dict[str, int],
                         blobs: tuple[str, ...]) -> Artifact:
         """Copy the ``blobs`` the daemon passed as descriptors (kind -> fd) into the private
-        scratch directory, checking each digest; closes every descriptor passed. A library
-        whose bytes were hashed as they were copied is loaded without hashing them again
-        (:meth:`_load_artifact`); one found already copied is hashed at load."""
+        scratch directory, through a descriptor of it checked now, each hashed as it is
+        copied (cached_client.loader.place); closes every descriptor passed."""
         paths: dict[str, str | None] = {"object": None, "library": None}
         try:
-            if not self._scratch_checked:  # once per client: made 0700, ours alone
-                private_dir(self._scratch)
-                self._scratch_checked = True
-            for kind in blobs:
-                sha256 = getattr(artifact, f"{kind}_sha256")
-                path, hashed = copy_verified(
-                    passed[kind], sha256, getattr(artifact, f"{kind}_size"),
-                    os.path.join(self._scratch, sha256 + BLOB_SUFFIXES[kind]))
-                paths[kind] = path
-                if hashed and kind == "library":
-                    self._hashed_copies[path] = sha256
+            dir_fd = self._scratch.open()
+            try:
+                for kind in blobs:
+                    name = getattr(artifact, f"{kind}_sha256") + BLOB_SUFFIXES[kind]
+                    place(dir_fd, name, getattr(artifact, f"{kind}_sha256"), passed[kind])
+                    paths[kind] = os.path.join(self._scratch.path, name)
+            finally:
+                os.close(dir_fd)
         finally:
             for fd in passed.values():
                 _close(fd)
@@ -544,34 +553,42 @@ class Client:
         if fn is not None:
             return fn
         try:
-            artifact = self.get(request, timeout, blobs=("library",))
+            artifact, passed = self._fetch(request, timeout, "interactive", ("library",))
         except (DaemonUnavailable, DeadlineExceeded, Overloaded) as exc:
             if self.fallback is False:
                 raise
             artifact = self._fallback_build(request, exc)
+            passed = None
         else:
             if self._fallbacks:
                 self._report_fallbacks()
-        fn = self._load_artifact(artifact)
+        try:
+            fn = self._load_artifact(artifact, None if passed is None else passed["library"])
+        finally:
+            for fd in (passed or {}).values():
+                _close(fd)
         self._loaded[request] = fn
         return fn
 
-    def _load_artifact(self, artifact: Artifact) -> Any:
+    def _load_artifact(self, artifact: Artifact, fd: int | None = None) -> Any:
         """Load a library this process has already checked: the daemon's uid and socket
         directory at connect (transport), the artifact's stated identity against this
         process's own in ``get``/``lease`` (trust.check: ArtifactMismatch, never a load), and
-        its sha256 again as it is read (loader); the runtime it links is this process's own.
-        A forged one is refused in tests/test_client_trust.py
+        its sha256 again as it is copied into the private scratch directory it is loaded
+        from (cached_client.loader.load_library); the runtime it links is this process's
+        own. The library is the descriptor ``fd`` the daemon passed, else its bytes, else
+        its path. Forgeries refused: tests/test_client_trust.py
         (``test_an_artifact_built_for_another_environment_is_a_miss_never_a_load``,
-        ``test_the_runtime_library_a_daemon_names_is_never_loaded``)."""
-        if artifact.library_bytes is not None:
-            return load_bytes(artifact.library_bytes, artifact.symbol, artifact.library_sha256,
-                              self._scratch)
-        if artifact.library_path is None:
+        ``test_the_runtime_library_a_daemon_names_is_never_loaded``,
+        ``test_a_scratch_directory_remade_by_another_uid_never_runs_its_code``)."""
+        source: str | int | bytes | None = fd
+        if source is None:
+            source = artifact.library_bytes
+        if source is None:
+            source = artifact.library_path
+        if source is None:
             raise BadReply("the daemon's answer named no library path and sent no bytes")
-        hashed = self._hashed_copies.pop(artifact.library_path, None) == artifact.library_sha256
-        return load_library(artifact.library_path, artifact.symbol, artifact.library_sha256,
-                            hashed_as_copied=hashed)
+        return load_library(source, artifact.symbol, artifact.library_sha256, self._scratch)
 
     def _fallback_build(self, request: KernelRequest, reason: CachedError) -> Artifact:
         if isinstance(reason, ArtifactMismatch):
@@ -589,7 +606,7 @@ class Client:
                 "installed here (install the 'cached' package to compile in-process, or "
                 "start the daemon: make serve)"
             ) from None
-        artifact = build(request, self._scratch)
+        artifact = build(request, self._scratch.directory())
         self._fallbacks[request.family] = self._fallbacks.get(request.family, 0) + 1
         monitor.outside(request.family, artifact.kernel_name, "compiled")
         return artifact

@@ -37,6 +37,7 @@ import functools
 import hashlib
 import importlib.machinery
 import json
+import logging
 import os
 import re
 import sys
@@ -48,7 +49,13 @@ from pathlib import Path
 
 from . import flashinfer_sources
 from .errors import IntegrityError
-from .loader import RUNTIME_LIBRARY_ENV, is_private, private_dir, runtime_library_path
+from .loader import (
+    RUNTIME_LIBRARY_ENV,
+    open_private_dir,
+    open_private_file,
+    runtime_library_path,
+    write_private_file,
+)
 from .paths import scratch_dir
 
 STACK_NAMES = ("torch", "apache-tvm-ffi")
@@ -57,6 +64,7 @@ FLASHINFER_DIST = "flashinfer-python"
 VERSION_NAMES = ("flashinfer-python", "nvidia-cutlass-dsl", "apache-tvm-ffi", "torch")
 IDENTITY_CACHE_ENV = "CACHED_IDENTITY_CACHE"
 _SYSCONFIG_LOCK = threading.Lock()
+logger = logging.getLogger("cached_client")
 _DIST_INFO = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)\.dist-info$")
 
 
@@ -145,12 +153,17 @@ class ComponentCache:
 
     Invariants: an entry is used only while its RECORD's stamp is unchanged (pip writes a
     new RECORD on every install); at most MAX_ENTRIES entries; the file is read once per
-    process and written atomically; a file that is not a well-formed cache, or a directory
-    that is not private to this user, is ignored (the components are computed), never an
-    error."""
+    process and written atomically, both through a descriptor of its directory checked at
+    that moment (cached_client.loader.open_private_dir: a real directory of this uid that
+    only it can write) and only as a regular file of this uid (no link). Absence, a
+    directory or file that fails the check, one over MAX_BYTES, or one that is not a
+    well-formed cache (too deeply nested to parse included) costs a recompute, never an
+    error and never trust (tests/test_client_trust.py,
+    ``test_an_identity_cache_another_uid_planted_is_never_trusted``)."""
 
     VERSION = 1
     MAX_ENTRIES = 256
+    MAX_BYTES = 1 << 20
 
     def __init__(self, path: str | None) -> None:
         self.path = path
@@ -161,10 +174,31 @@ class ComponentCache:
 
     @staticmethod
     def _read(path: str) -> dict[str, tuple[list[int], str]]:
+        directory, name = os.path.split(path)
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError):
+            dir_fd = open_private_dir(directory or ".", create=False)
+        except (OSError, IntegrityError):
+            return {}  # absent, or not ours alone: computed
+        try:
+            fd = open_private_file(dir_fd, name)
+        finally:
+            os.close(dir_fd)
+        if fd is None:
+            return {}
+        try:
+            with os.fdopen(fd, "rb") as f:
+                raw = f.read(ComponentCache.MAX_BYTES + 1)
+        except OSError:
+            return {}
+        if len(raw) > ComponentCache.MAX_BYTES:
+            return {}
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            return {}
+        except RecursionError:
+            logger.warning("cached: the identity cache %s is nested too deeply to read; "
+                           "computing this environment's identity instead", path)
             return {}
         out: dict[str, tuple[list[int], str]] = {}
         if not isinstance(data, dict) or data.get("version") != ComponentCache.VERSION:
@@ -190,32 +224,28 @@ class ComponentCache:
                 self.components = dict(list(alive.items())[-self.MAX_ENTRIES:])
             data = {"version": self.VERSION,
                     "components": {k: [v[0], v[1]] for k, v in self.components.items()}}
-            tmp = f"{self.path}.tmp.{os.getpid()}.{threading.get_ident()}"
+            directory, name = os.path.split(self.path)
             try:
-                private_dir(os.path.dirname(self.path))
-                with open(tmp, "w", encoding="utf-8") as f:
-                    json.dump(data, f)
-                os.replace(tmp, self.path)
+                dir_fd = open_private_dir(directory or ".")
             except (OSError, IntegrityError):
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+                return  # not ours alone now: not written
+            try:
+                write_private_file(dir_fd, name, [json.dumps(data).encode()])
+            except OSError:
+                pass
+            finally:
+                os.close(dir_fd)
 
 
 @functools.cache
 def _component_cache() -> ComponentCache:
     """This process's component cache: $CACHED_IDENTITY_CACHE when set ("" turns it off),
-    else ``stack-digests.json`` in the client's private scratch directory (paths.scratch_dir)."""
+    else ``stack-digests.json`` in the client's private scratch directory (paths.scratch_dir;
+    whether that is ours alone is checked at each read and write, not here)."""
     configured = os.environ.get(IDENTITY_CACHE_ENV)
     if configured == "":
         return ComponentCache(None)
-    path = configured or os.path.join(scratch_dir(), "stack-digests.json")
-    try:
-        private = is_private(os.lstat(os.path.dirname(path)))
-    except OSError:
-        private = True  # absent: created private on the first write
-    return ComponentCache(path if private else None)  # not ours alone: not used
+    return ComponentCache(configured or os.path.join(scratch_dir(), "stack-digests.json"))
 
 
 @functools.cache

@@ -2,25 +2,49 @@
 
 Needs only TVM-FFI and the CuTe-DSL runtime library (``libcute_dsl_runtime.so``), not the
 compiler and not FlashInfer. Both are imported or opened on first use, never at import.
+
+The client's private files (copies of served blobs, the identity cache) live in this uid's
+scratch directory (paths.scratch_dir), which sits in a shared ``$TMPDIR``: any user may
+create that name while it is absent (after a boot, after a tmp cleaner). So the directory
+is never trusted by its path: every use opens it (:func:`open_private_dir`) and checks the
+descriptor at that moment (a real directory, no link, owned by this uid and writable by it
+alone), then reaches its files through that descriptor only (``openat``-style). A library is
+copied into it, hashed as it is copied (or, a copy found there, hashed after it is opened
+through the descriptor), and dlopened as ``/proc/self/fd/<directory>/<sha256>.so``: a name
+resolved in the checked directory itself, which no other uid can write, so nothing between
+the hash and the dlopen can change what runs (the name carries the digest, so the loader's
+per-name reuse of an opened library can only give the same bytes). An object is loaded
+from a sealed memfd holding the bytes hashed (:func:`sealed_copy`). A scratch directory
+that fails the check is warned once and replaced, for this process, by a fresh private one
+(:class:`Scratch`): never an exception, never a use.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import hashlib
 import importlib.util
+import logging
 import os
 import stat
+import tempfile
 import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .errors import IntegrityError
+from .paths import scratch_dir
 
 RUNTIME_LIBRARY_ENV = "CACHED_DSL_RUNTIME"
 RUNTIME_LIBRARY_NAME = "libcute_dsl_runtime.so"
 _opened_runtimes: dict[str, ctypes.CDLL] = {}
 _lock = threading.Lock()
+logger = logging.getLogger("cached_client")
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -28,6 +52,16 @@ def sha256_file(path: str | os.PathLike) -> str:
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sha256_fd(fd: int) -> str:
+    """The sha256 of the open file ``fd``, read from offset 0 (its offset is left alone)."""
+    digest = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        digest.update(chunk)
+        offset += len(chunk)
     return digest.hexdigest()
 
 
@@ -69,87 +103,232 @@ def open_runtime() -> None:
         _opened_runtimes[RUNTIME_LIBRARY_NAME] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 
 
-def load_library(path: str, symbol: str, sha256: str, hashed_as_copied: bool = False) -> Any:
-    """The function ``symbol`` of the shared library at ``path``, after checking its digest
-    (the DSL runtime it needs is this process's own: :func:`open_runtime`).
-
-    What is checked before native code is loaded: the daemon's uid at connect (transport,
-    SO_PEERCRED against paths.trusted_uids), the artifact's stated identity against this
-    process's (trust.mismatches, in ``Client.get``), and here the file's sha256.
-    ``hashed_as_copied`` skips only the last, and only for a private copy that
-    :func:`copy_verified` wrote in this process after the bytes it hashed matched, inside
-    the 0700 scratch directory of this uid (``Client._load_artifact``); a copy found there
-    from before is hashed here. Refused forgeries: tests/test_client_trust.py
-    (``test_an_artifact_built_for_another_environment_is_a_miss_never_a_load``), the
-    changed library of tests/test_client.py
-    (``test_client_refuses_a_library_whose_digest_changed``) and the changed kept copy of
-    ``test_a_load_is_passed_and_copies_only_the_library_and_checks_a_kept_copy``."""
-    if not hashed_as_copied:
-        actual = sha256_file(path)
-        if actual != sha256:
-            raise IntegrityError(f"{path} has sha256 {actual}, expected {sha256}; not "
-                                 "loading it")
+def _load_at(dir_fd: int, name: str, symbol: str) -> Any:
+    """dlopen ``name`` as resolved in the directory ``dir_fd`` (not by any path of it)."""
     open_runtime()
     import tvm_ffi
 
-    return tvm_ffi.load_module(path)[symbol]
+    return tvm_ffi.load_module(f"/proc/self/fd/{dir_fd}/{name}")[symbol]
+
+
+def load_library(source: str | int | bytes, symbol: str, sha256: str,
+                 scratch: Scratch | None = None) -> Any:
+    """The function ``symbol`` of the shared library ``source`` (a path, an open file read
+    from offset 0, or its bytes) whose bytes must hash to ``sha256``: copied (always: what
+    loads is what ``source`` holds now) into the private scratch directory through a
+    descriptor checked now, hashed as it is copied, and loaded through that descriptor
+    (see the module doc); the DSL runtime it needs is this process's own
+    (:func:`open_runtime`). IntegrityError when the bytes differ; FileNotFoundError for a
+    path that is gone.
+
+    What else is checked before native code is loaded: the daemon's uid at connect
+    (transport, SO_PEERCRED against paths.trusted_uids) and the artifact's stated identity
+    against this process's (trust.mismatches, in ``Client.get``). Refused forgeries:
+    tests/test_client_trust.py (``test_an_artifact_built_for_another_environment_is_a_miss_
+    never_a_load``, ``test_a_scratch_directory_remade_by_another_uid_never_runs_its_code``),
+    tests/test_client.py (``test_client_refuses_a_library_whose_digest_changed``)."""
+    scratch = scratch or Scratch()
+    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC) if isinstance(source, str) else None
+    try:
+        dir_fd = scratch.open()
+        try:
+            name = f"{sha256}.so"
+            what = source if isinstance(source, str) else "the library the daemon passed"
+            place(dir_fd, name, sha256, source if src is None else src, what, keep=False)
+            return _load_at(dir_fd, name, symbol)
+        finally:
+            os.close(dir_fd)
+    finally:
+        if src is not None:
+            os.close(src)
 
 
 def is_private(st: os.stat_result) -> bool:
-    """Whether ``st`` (an lstat) is a real directory that only this user can write."""
+    """Whether ``st`` (an lstat or fstat) is a real directory that only this user can
+    write."""
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
+def open_private_dir(directory: str, create: bool = True) -> int:
+    """A descriptor of ``directory`` checked now: a real directory (its last component no
+    link), owned by this uid and writable by it alone; made 0700 (with its parents) when
+    absent and ``create``. IntegrityError naming the owner and mode when it is not;
+    FileNotFoundError when absent and not ``create``."""
+    try:
+        fd = os.open(directory, DIR_FLAGS)
+    except FileNotFoundError:
+        if not create:
+            raise
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        return open_private_dir(directory, create=False)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise IntegrityError(f"{directory} is not a directory (a link?); remove it or "
+                                 "point TMPDIR elsewhere") from None
+        raise
+    st = os.fstat(fd)
+    if not is_private(st):
+        os.close(fd)
+        raise IntegrityError(f"{directory} is not a private directory of uid {os.getuid()} "
+                             f"(it belongs to uid {st.st_uid}, mode "
+                             f"{oct(st.st_mode & 0o777)}); remove it or point TMPDIR "
+                             "elsewhere")
+    return fd
+
+
 def private_dir(directory: str) -> str:
-    """``directory``, created 0700; refused unless it is a real directory that only this
-    user can write (a planted directory in /tmp could otherwise swap a library)."""
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    if not is_private(os.lstat(directory)):
-        raise IntegrityError(f"{directory} is not a private directory of uid {os.getuid()}; "
-                             "remove it or point TMPDIR elsewhere")
+    """``directory``, created 0700; refused (IntegrityError) unless it is now a real
+    directory that only this user can write (:func:`open_private_dir`)."""
+    os.close(open_private_dir(directory))
     return directory
 
 
-def copy_verified(fd: int, sha256: str, size: int, path: str) -> tuple[str, bool]:
-    """``path`` holding the bytes of the open file ``fd`` (read from offset 0), written
-    atomically once they match ``sha256``; IntegrityError otherwise. Returns the path and
-    whether its bytes were hashed here: a file already at ``path`` with ``size`` bytes is
-    kept unhashed (loading it must check its digest)."""
+def open_private_file(dir_fd: int, name: str) -> int | None:
+    """``name`` in the checked directory ``dir_fd``, opened for reading when it is a regular
+    file (no link) of this uid that only it can write; None when absent or not so."""
     try:
-        if os.stat(path).st_size == size:
-            return path, False
+        fd = os.open(name, FILE_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
+            or st.st_mode & 0o022):
+        os.close(fd)
+        return None
+    return fd
+
+
+def write_private_file(dir_fd: int, name: str, chunks: Iterable[bytes]) -> None:
+    """Write ``chunks`` (bytes) to ``name`` in the checked directory ``dir_fd``, atomically
+    (a new 0600 file renamed over it within that directory). The iterable may raise to
+    abandon the write; nothing is left behind then."""
+    tmp = f".{name}.tmp.{os.getpid()}.{threading.get_ident()}"
+    try:
+        os.unlink(tmp, dir_fd=dir_fd)  # a leftover of a thread of a dead process
     except FileNotFoundError:
         pass
-    digest = hashlib.sha256()
-    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+    out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                  0o600, dir_fd=dir_fd)
     try:
-        with open(tmp, "wb") as out:
-            offset = 0
-            while chunk := os.pread(fd, 1 << 20, offset):
-                digest.update(chunk)
-                out.write(chunk)
-                offset += len(chunk)
-        actual = digest.hexdigest()
-        if actual != sha256:
-            raise IntegrityError(f"the daemon passed a file with sha256 {actual}, expected "
-                                 f"{sha256}; not loading it")
-        os.replace(tmp, path)
+        with os.fdopen(out, "wb", closefd=False) as f:
+            for chunk in chunks:
+                f.write(chunk)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path, True
+        os.close(out)
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
 
 
-def load_bytes(data: bytes, symbol: str, sha256: str, directory: str) -> Any:
-    """Write verified library bytes to a private file under ``directory`` and load it."""
-    actual = hashlib.sha256(data).hexdigest()
+def _verified_chunks(source: int | bytes, sha256: str, what: str) -> Iterator[bytes]:
+    """The bytes of ``source`` (an open file read from offset 0, or bytes) in chunks,
+    raising IntegrityError after the last when they do not hash to ``sha256``."""
+    digest = hashlib.sha256()
+    for chunk in [source] if isinstance(source, bytes) else _pread_all(source):
+        digest.update(chunk)
+        yield chunk
+    actual = digest.hexdigest()
     if actual != sha256:
-        raise IntegrityError(f"received library has sha256 {actual}, expected {sha256}")
-    private_dir(directory)
-    path = os.path.join(directory, f"{sha256}.so")
-    if not os.path.exists(path):
-        tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    return load_library(path, symbol, sha256)
+        raise IntegrityError(f"{what} has sha256 {actual}, expected {sha256}; not loading it")
+
+
+def _pread_all(fd: int) -> Iterator[bytes]:
+    offset = 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        offset += len(chunk)
+        yield chunk
+
+
+def place(dir_fd: int, name: str, sha256: str, source: int | bytes,
+          what: str = "the file the daemon passed", keep: bool = True) -> None:
+    """Make ``name`` in the checked directory ``dir_fd`` hold bytes hashing to ``sha256``:
+    with ``keep``, a copy already there (this uid's, no link) is kept when its bytes, read
+    through the descriptor, hash to it; otherwise ``source`` (an open file read from offset
+    0, or bytes) is written there, hashed as it is written. IntegrityError naming ``what``
+    when ``source`` differs (nothing is left behind)."""
+    kept = open_private_file(dir_fd, name) if keep else None
+    if kept is not None:
+        try:
+            if sha256_fd(kept) == sha256:
+                return
+        finally:
+            os.close(kept)
+    write_private_file(dir_fd, name, _verified_chunks(source, sha256, what))
+
+
+def sealed_copy(source: str | int, sha256: str) -> int:
+    """A sealed memfd (no write, grow or shrink) holding the bytes of ``source`` (a path, or
+    an open file read from offset 0), hashed after sealing; IntegrityError when they do not
+    hash to ``sha256``. Load it as ``/proc/self/fd/N``: what was hashed is what is read.
+    The caller closes it."""
+    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC) if isinstance(source, str) else source
+    fd = os.memfd_create(f"cached-{sha256[:16]}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        for chunk in _pread_all(src):
+            os.write(fd, chunk)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW
+                    | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+        actual = sha256_fd(fd)
+        if actual != sha256:
+            raise IntegrityError(f"{source if isinstance(source, str) else 'the file'} has "
+                                 f"sha256 {actual}, expected {sha256}; not loading it")
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        if src is not source:
+            os.close(src)
+    return fd
+
+
+_replacements: dict[str, str] = {}
+"""Preferred scratch directory -> the fresh private one this process uses instead."""
+_scratch_lock = threading.Lock()
+
+
+class Scratch:
+    """This uid's private scratch directory (paths.scratch_dir, or ``preferred``), checked
+    every time it is opened, never once per process. When the preferred directory fails the
+    check (another uid made it first, a link, writable by others), a warning (once per
+    process) and a fresh private directory (mkdtemp, 0700) beside it serve this process
+    instead; one that vanished or was replaced is made again. Safe to share between
+    threads and across fork."""
+
+    def __init__(self, preferred: str | None = None) -> None:
+        self.preferred = preferred or scratch_dir()
+
+    @property
+    def path(self) -> str:
+        """The directory in use now (by path: only for what cannot take a descriptor, such
+        as a compiler's output directory)."""
+        return _replacements.get(self.preferred, self.preferred)
+
+    def open(self) -> int:
+        """A descriptor of the directory in use, checked now (:func:`open_private_dir`); the
+        caller closes it."""
+        with _scratch_lock:
+            fresh = _replacements.get(self.preferred)
+            if fresh is None:
+                try:
+                    return open_private_dir(self.preferred)
+                except (IntegrityError, PermissionError) as exc:
+                    why = exc.message if isinstance(exc, IntegrityError) else str(exc)
+                    logger.warning("cached: not using the scratch directory %s (%s); this "
+                                   "process uses a fresh private directory instead",
+                                   self.preferred, why)
+            else:
+                try:
+                    return open_private_dir(fresh, create=False)
+                except (OSError, IntegrityError):
+                    pass  # removed (a tmp cleaner) or replaced: another fresh one
+            parent = os.path.dirname(self.preferred) or "."
+            fresh = tempfile.mkdtemp(prefix=os.path.basename(self.preferred) + "-", dir=parent)
+            _replacements[self.preferred] = fresh
+            return open_private_dir(fresh, create=False)
+
+    def directory(self) -> str:
+        """The path of the directory in use, checked now (for a compiler's output)."""
+        os.close(self.open())
+        return self.path

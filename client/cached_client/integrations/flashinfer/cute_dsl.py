@@ -73,7 +73,7 @@ from cached_client.flashinfer_names import (
 )
 from cached_client.gemm import plan as gemm_plan
 from cached_client.keys import ARCHES, DEFAULT_SM_COUNT, KernelRequest
-from cached_client.loader import sha256_file
+from cached_client.loader import sealed_copy
 from cached_client.protocol import Artifact
 
 from ..jit.hook import unreachable
@@ -299,15 +299,19 @@ def _export(spec: Any, path: str) -> None:
 
 
 def _load(spec: Any, artifact: Artifact) -> Any:
-    """Load a stored object as FlashInfer loads its own disk artifacts, after its digest."""
+    """Load a stored object as FlashInfer loads its own disk artifacts, from a sealed copy
+    of its bytes hashed after sealing (cached_client.loader.sealed_copy): the path is read
+    once, so nothing renamed over it afterwards is what loads."""
     if artifact.symbol != spec.symbol or artifact.object_path is None:
         raise CachedError(f"the daemon's artifact exports {artifact.symbol!r}, FlashInfer "
                           f"expects {spec.symbol!r}")
-    if sha256_file(artifact.object_path) != artifact.object_sha256:
-        raise CachedError(f"{artifact.object_path} does not match its sha256; not loading it")
     import cutlass.cute as cute
 
-    module = cute.runtime.load_module(artifact.object_path, enable_tvm_ffi=_tvm_ffi(spec))
+    fd = sealed_copy(artifact.object_path, artifact.object_sha256)
+    try:
+        module = cute.runtime.load_module(f"/proc/self/fd/{fd}", enable_tvm_ffi=_tvm_ffi(spec))
+    finally:
+        os.close(fd)
     return getattr(module, spec.symbol)
 
 
