@@ -656,3 +656,72 @@ def test_a_deeply_nested_identity_cache_is_a_recompute_with_a_warning(tmp_path, 
     cache.put(str(path), [1, 2, 3, 4], "x==1:y")  # and it is rewritten well-formed
     assert identity.ComponentCache(str(path)).components == {str(path): ([1, 2, 3, 4],
                                                                          "x==1:y")}
+
+
+# Issue 37 case 1, FlashInfer's hook: the object's path lies in a directory another uid
+# controls (a remade scratch directory); it makes the name a link to a FIFO, and once the
+# client has opened it to read, renames its planted object over it before writing the real
+# bytes: the bytes hashed are the real ones, and a second open of the name is the planted.
+READ_TRAP = r"""
+import os, sys
+directory, benign, planted, out = sys.argv[1:5]
+fifo = os.path.join(directory, "x")
+os.mkfifo(fifo, 0o666)
+os.symlink(fifo, os.path.join(directory, "kernel.o"))
+mine = os.path.join(directory, "mine.o")
+with open(planted, "rb") as src, open(mine, "wb") as dst:
+    dst.write(src.read())
+data = open(benign, "rb").read()
+open(os.path.join(out, "ready"), "w").close()
+fd = os.open(fifo, os.O_WRONLY)  # returns once the client opened the name to read
+os.rename(mine, fifo)
+os.write(fd, data)
+os.close(fd)
+"""
+
+
+@as_root
+def test_the_flashinfer_hook_loads_the_object_bytes_it_hashed(workdir, other, planted):
+    """Issue 37 case 1 (FlashInfer's hook): the hook reads the object once, into a sealed
+    memfd hashed after sealing, and loads that: the planted object renamed over the name
+    after the hash never loads (its function would create the marker)."""
+    pytest.importorskip("cutlass")
+    from types import SimpleNamespace
+
+    from cached_client.integrations.flashinfer import cute_dsl
+
+    _, marker = planted
+    objects = {}
+    for name, body in (("benign", "return 0;"), ("planted", MARK.format(marker=marker))):
+        source = "#include <stdint.h>\n#include <fcntl.h>\n#include <unistd.h>\n" \
+            "int __tvm_ffi_planted(void* s, const void* a, int32_t n, void* r) {" + body + "}\n"
+        objects[name] = workdir / f"{name}.o"
+        subprocess.run(["gcc", "-c", "-fPIC", "-O1", "-o", str(objects[name]), "-x", "c", "-"],
+                       input=source, text=True, check=True)
+        os.chmod(objects[name], 0o644)
+    theirs = workdir / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, other.pw_uid, other.pw_gid)
+    attacker = subprocess.Popen(
+        [PEER_PY, "-c", READ_TRAP, str(theirs), str(objects["benign"]),
+         str(objects["planted"]), str(theirs)], user=other.pw_uid, group=other.pw_gid)
+    try:
+        deadline = time.monotonic() + 30
+        while not (theirs / "ready").exists():
+            assert attacker.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        sha = sha256_of(objects["benign"])
+        artifact = p.Artifact(key="0" * 64, family="flashinfer.mm_fp4", kernel_name="k",
+                              symbol="planted", library_sha256=sha, object_sha256=sha,
+                              toolchain="", runtime_library={},
+                              object_path=str(theirs / "kernel.o"))
+        spec = SimpleNamespace(symbol="planted", enable_tvm_ffi=True)  # what _load reads
+        fn = cute_dsl._load(spec, artifact)
+        assert fn() is None
+        assert not marker.exists()
+    finally:
+        attacker.kill()
+        attacker.wait()
+
+
+MARK = 'int fd = open("{marker}", O_WRONLY | O_CREAT, 0666); if (fd >= 0) close(fd); return 0;'

@@ -235,8 +235,18 @@ def _verified_chunks(source: int | bytes, sha256: str, what: str) -> Iterator[by
 
 
 def _pread_all(fd: int) -> Iterator[bytes]:
+    """The bytes of ``fd`` from offset 0 (a pipe or FIFO: from where it is)."""
     offset = 0
-    while chunk := os.pread(fd, 1 << 20, offset):
+    while True:
+        try:
+            chunk = os.pread(fd, 1 << 20, offset)
+        except OSError as exc:
+            if exc.errno != errno.ESPIPE or offset:
+                raise
+            yield from iter(lambda: os.read(fd, 1 << 20), b"")
+            return
+        if not chunk:
+            return
         offset += len(chunk)
         yield chunk
 
