@@ -725,3 +725,40 @@ def test_the_flashinfer_hook_loads_the_object_bytes_it_hashed(workdir, other, pl
 
 
 MARK = 'int fd = open("{marker}", O_WRONLY | O_CREAT, 0666); if (fd >= 0) close(fd); return 0;'
+
+
+PUT_WINNER = """
+import sys
+from cached_client import Client
+from cached_client import protocol as p
+client = Client(sys.argv[1], fallback=False, timeout=30)
+print(client.autotune_put(p.AutotunePutRequest(
+    op_name="linear", n=4096, k=4096, dtype="fp8", arch="sm_100a", device="NVIDIA B200",
+    bucket=64, kernel=sys.argv[2], tactic=["x", 1], time_us=0.001)))
+"""
+
+
+@as_root
+def test_select_never_recommends_a_kernel_a_peer_made_up(workdir, other):
+    """Issue 37, low: a peer allowed to publish files a tuning winner naming a kernel that
+    does not exist; ``python -m cached_client select`` still names a kernel it knows (the
+    default backend), with a warning that it ignored the record."""
+    daemon = DaemonProcess(workdir, workers=1, extra_args=[
+        "--socket-mode", "666", "--publish-uid", str(other.pw_uid)])
+    try:
+        put = subprocess.run([PEER_PY, "-c", PUT_WINNER, daemon.socket, "made.up.kernel"],
+                             user=other.pw_uid, group=other.pw_gid, capture_output=True,
+                             text=True, env={"PYTHONPATH": str(ROOT / "client")}, timeout=60)
+        assert put.returncode == 0, put.stderr[-2000:]
+        out = subprocess.run(
+            [sys.executable, "-m", "cached_client", "select", "--op", "linear", "--quant",
+             "fp8", "--arch", "sm_100a", "--socket", daemon.socket, "--n", "4096", "--k",
+             "4096", "--device", "NVIDIA B200", "--json"], capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT / "client")}, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        selection = json.loads(out.stdout)
+        assert selection["kernel"] == "flashinfer"
+        if put.stdout.strip() == "True":  # the daemon filed it where root's select reads
+            assert any("'made.up.kernel'" in w for w in selection["warnings"])
+    finally:
+        daemon.stop()

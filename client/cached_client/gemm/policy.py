@@ -51,6 +51,11 @@ FLASHINFER_BI_ARCHES = ("sm_100a", "sm_103a", "sm_107a")
 DEFAULT_BACKEND = {"fp8": "flashinfer", "nvfp4-w4a4": "flashinfer.mm_fp4",
                    "nvfp4-w4a16": "flashinfer-cutedsl"}
 NO_PREFERENCE = (None, "", "auto")
+KNOWN_KERNELS = frozenset({*DEFAULT_BACKEND.values(), "cutlass", "humming",
+                           "flashinfer.bi.bmm_fp8", "flashinfer.bi.mm_fp4", "cached.hopper_fp8"})
+"""The kernels and backends a selection may name without a daemon: the ones this module
+itself chooses. A shared autotune result naming anything else (another peer's record) is
+taken only when the daemon's ``hello`` lists it as a family it builds."""
 
 
 @dataclass
@@ -233,6 +238,13 @@ def _select_tuned(op: str, quant: str, arch: str, backend: str | None, client: A
         sel.reason += " (pass n, k and device to use the node's shared autotune results)"
         return sel
     results = autotune_results(client, op, n, k, quant, arch, device)
+    known = KNOWN_KERNELS | {kernel} | set(daemon_families(client) or ())
+    unknown = sorted({str(r.get("kernel"))[:40] for r in results if r.get("kernel") not in known})
+    if unknown:
+        sel.warnings.append(f"ignored shared autotune results naming {len(unknown)} kernel(s) "
+                            f"neither this client nor the daemon knows "
+                            f"({', '.join(map(repr, unknown[:3]))})")
+    results = [r for r in results if r.get("kernel") in known]
     mine = [r for r in results if r.get("kernel") == kernel] or results
     if mine:
         sel.per_bucket = {int(r["bucket"]): r["tactic"] for r in mine}
