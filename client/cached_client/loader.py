@@ -114,10 +114,11 @@ def _load_at(dir_fd: int, name: str, symbol: str) -> Any:
 def load_library(source: str | int | bytes, symbol: str, sha256: str,
                  scratch: Scratch | None = None) -> Any:
     """The function ``symbol`` of the shared library ``source`` (a path, an open file read
-    from offset 0, or its bytes) whose bytes must hash to ``sha256``: copied (always: what
-    loads is what ``source`` holds now) into the private scratch directory through a
-    descriptor checked now, hashed as it is copied, and loaded through that descriptor
-    (see the module doc); the DSL runtime it needs is this process's own
+    from offset 0, or its bytes) whose bytes must hash to ``sha256``: copied into the
+    private scratch directory through a descriptor checked now, hashed as it is copied, and
+    loaded through that descriptor (see the module doc; for a descriptor or bytes, a copy
+    already there whose bytes hash right is loaded instead; a path is always copied, so
+    what loads is what it holds now); the DSL runtime it needs is this process's own
     (:func:`open_runtime`). IntegrityError when the bytes differ; FileNotFoundError for a
     path that is gone.
 
@@ -134,7 +135,7 @@ def load_library(source: str | int | bytes, symbol: str, sha256: str,
         try:
             name = f"{sha256}.so"
             what = source if isinstance(source, str) else "the library the daemon passed"
-            place(dir_fd, name, sha256, source if src is None else src, what, keep=False)
+            place(dir_fd, name, sha256, source if src is None else src, what, keep=src is None)
             return _load_at(dir_fd, name, symbol)
         finally:
             os.close(dir_fd)
