@@ -299,6 +299,15 @@ _replacements: dict[str, str] = {}
 _scratch_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    global _scratch_lock
+    _scratch_lock = threading.Lock()  # another thread may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Scratch:
     """This uid's private scratch directory (paths.scratch_dir, or ``preferred``), checked
     every time it is opened, never once per process. When the preferred directory fails the
