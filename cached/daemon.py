@@ -122,12 +122,12 @@ class Daemon:
         self.leases = Leases(self.scheduler, self.access, self.stats, served,
                              settings.lease_max_hold)
         self.uploads = Uploads(self.leases, settings.upload_timeout)
-        autotune = Autotune(self.store, self.remote)
+        autotune = Autotune(self.store, self.remote, self.access)
         service = Service(self.scheduler, served, self.access, self.stats, self.snapshot,
                           self.quota, on_plan=autotune.note_plan)
         self.server = Server({**service.ops(), **self.leases.ops(), **self.uploads.ops(),
                               **autotune.ops(),
-                              **Certifications(self.store).ops()},
+                              **Certifications(self.store, self.access).ops()},
                              self.access, self.stats, Limits.from_settings(settings))
         self.http_address = ""
         self._http: Any = None

@@ -27,6 +27,10 @@ Bounds (what a peer can make the daemon hold; docs/reliability.md):
   than :data:`MAX_UNSENT_PER_CONNECTION` bytes of its replies wait for it to read them;
 - a connection with nothing in flight and no byte received for ``Limits.idle_timeout``
   seconds is closed, and so is one whose peer reads none of a reply for that long;
+- the requests of :data:`DROPPED_WHEN_GONE` ops (``plan``) are cancelled, their queued
+  jobs dropped, once their peer has hung up entirely (checked every
+  :data:`HANGUP_CHECK_S` while they wait; a peer that only shut its sending side still
+  gets every answer);
 - payloads are never buffered: a library sent as bytes streams from its file
   (``sendfile``), and descriptors pass with SCM_RIGHTS;
 - decoded ``get`` frames are remembered (:class:`DecodedFrameCache`): at most
@@ -42,6 +46,7 @@ import json
 import logging
 import os
 import re
+import select
 import socket
 import struct
 import time
@@ -80,6 +85,10 @@ REFUSAL_READ_S = 2.0
 MAX_REFUSING = 64
 """Refused connections whose first request is read (to echo its id) at once."""
 LOG_EVERY_S = 10.0
+DROPPED_WHEN_GONE = frozenset({"plan"})
+"""Ops whose requests are cancelled when their peer hangs up (nothing else depends on
+them finishing; a ``get``'s compilation is shared and goes on anyway)."""
+HANGUP_CHECK_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -310,6 +319,7 @@ class _Connection:
         self.inflight = 0
         self.unsent = 0
         self.tasks: set[asyncio.Task] = set()
+        self.droppable: set[asyncio.Task] = set()  # DROPPED_WHEN_GONE requests in flight
         self.write_lock = asyncio.Lock()
         self.changed = asyncio.Event()
         self.last_active = time.monotonic()
@@ -335,6 +345,21 @@ class _Connection:
             self.unwatch()
         elif not self._waiter.done():
             self._waiter.set_result(None)
+
+    def hung_up(self) -> bool:
+        """Whether the peer has closed its end entirely (it can read no answer)."""
+        poller = select.poll()
+        poller.register(self.fd, select.POLLRDHUP)
+        return any(events & (select.POLLHUP | select.POLLERR | select.POLLNVAL)
+                   for _, events in poller.poll(0))
+
+    def drop_if_gone(self) -> bool:
+        """Cancel the DROPPED_WHEN_GONE requests of a peer that hung up; whether it has."""
+        if not self.hung_up():
+            return False
+        for task in self.droppable:
+            task.cancel()
+        return True
 
     def unwatch(self) -> None:
         """Unregister the reader (before the socket closes)."""
@@ -463,8 +488,11 @@ class Server:
         self._open.add(c)
         try:
             await self._read_requests(c)
-            if c.tasks:  # the peer stopped sending; it may still read its answers
-                await asyncio.wait(set(c.tasks))
+            while c.tasks:  # the peer stopped sending; it may still read its answers
+                if c.droppable and c.drop_if_gone():
+                    await asyncio.wait(set(c.tasks))
+                    break
+                await asyncio.wait(set(c.tasks), timeout=HANGUP_CHECK_S)
         except OSError:
             pass
         finally:
@@ -514,7 +542,11 @@ class Server:
             while (c.inflight >= MAX_INFLIGHT_PER_CONNECTION
                    or c.unsent > MAX_UNSENT_PER_CONNECTION):
                 c.changed.clear()  # back-pressure: nothing more is read until it moves
-                await c.changed.wait()
+                try:
+                    await asyncio.wait_for(c.changed.wait(), HANGUP_CHECK_S)
+                except TimeoutError:
+                    if c.droppable and c.drop_if_gone():
+                        return
             start = await self._frame_start(c)
             if not start:
                 return
@@ -564,6 +596,9 @@ class Server:
             task = loop.create_task(self._answer(frame, c, reserved))
             c.tasks.add(task)
             task.add_done_callback(c.tasks.discard)
+            if _op_name(frame) in DROPPED_WHEN_GONE:
+                c.droppable.add(task)
+                task.add_done_callback(c.droppable.discard)
 
     def _parse(self, body: bytearray) -> _Frame:
         """A frame's request: remembered (:class:`DecodedFrameCache`), else parsed (MalformedFrame
@@ -712,6 +747,10 @@ def _is_version(value: Any) -> bool:
     """Whether ``value`` is a protocol version this daemon speaks: a JSON integer (``true``
     and ``1.0`` equal 1 in Python but are not version 1)."""
     return type(value) is int and value in p.SUPPORTED_VERSIONS
+
+
+def _op_name(frame: _Frame) -> Any:
+    return frame.decoded[0].name if frame.decoded is not None else frame.message.get("op")
 
 
 def _unknown_op(frame: _Frame) -> MalformedFrame | None:

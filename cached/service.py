@@ -15,11 +15,13 @@ compilations one uid without publish rights can have queued or running.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from cached_client import protocol as p
@@ -50,23 +52,24 @@ def reduction_classes() -> dict[str, dict]:
 
 
 class QueueQuota:
-    """Compilations each uid without publish rights may have queued or running: at most
-    ``limit`` (0: no limit). A uid's count is the keys it caused to be queued that are still
-    in flight; a key already queued by anyone costs nothing more. Peers allowed to publish
-    (the operator's warm-ups) are not counted."""
+    """Compilations and plan jobs each uid without publish rights may have queued or
+    running: at most ``limit`` in all (0: no limit). A uid's count is the keys it caused to
+    be queued that are still in flight (a key already queued by anyone costs nothing more)
+    and its plan requests being answered. Peers allowed to publish (the operator's
+    warm-ups) are not counted."""
 
     def __init__(self, scheduler: Scheduler, access: Access, limit: int) -> None:
         self.scheduler = scheduler
         self.access = access
         self.limit = limit
         self._keys: dict[int, set[str]] = {}
+        self._plans: Counter[int] = Counter()
 
     def held(self, uid: int) -> int:
         keys = self._keys.get(uid)
-        if not keys:
-            return 0
-        keys.intersection_update(self.scheduler.inflight)
-        return len(keys)
+        if keys:
+            keys.intersection_update(self.scheduler.inflight)
+        return len(keys or ()) + self._plans[uid]
 
     def admit(self, peer: Peer, keys: list[str | None]) -> list[bool]:
         """Which of ``keys`` (None: a request the scheduler will refuse anyway) ``peer`` may
@@ -89,15 +92,33 @@ class QueueQuota:
             out.append(True)
         return out
 
+    @contextlib.contextmanager
+    def planning(self, peer: Peer) -> Iterator[None]:
+        """Count one plan request of ``peer`` against its limit while it is answered
+        (Overloaded at once when the limit is reached)."""
+        if not self.limit or self.access.may_publish(peer):
+            yield
+            return
+        if self.held(peer.uid) >= self.limit:
+            raise self.refusal(peer)
+        self._plans[peer.uid] += 1
+        try:
+            yield
+        finally:
+            self._plans[peer.uid] -= 1
+            if not self._plans[peer.uid]:
+                del self._plans[peer.uid]
+
     def refusal(self, peer: Peer) -> Overloaded:
-        return Overloaded(f"uid {peer.uid} has {self.limit} compilations queued or running, "
-                          "its limit (max_queued_per_uid); wait for them or ask an operator")
+        return Overloaded(f"uid {peer.uid} has {self.limit} compilations or plans queued or "
+                          "running, its limit (max_queued_per_uid); wait for them or ask an "
+                          "operator")
 
 
 class Service:
     def __init__(self, scheduler: Scheduler, served: Served, access: Access, stats: Stats,
                  snapshot: Callable[[], DaemonSnapshot], quota: QueueQuota | None = None,
-                 on_plan: Callable[[p.PlanRequest], None] | None = None) -> None:
+                 on_plan: Callable[[p.PlanRequest, Peer], None] | None = None) -> None:
         self.on_plan = on_plan  # told of every answered plan (cached tune --planned)
         self.scheduler = scheduler
         self.served = served
@@ -200,11 +221,15 @@ class Service:
         return p.PrefetchReply(**report)
 
     async def plan(self, m: p.PlanRequest, peer: Peer) -> p.PlanReply:
-        wires = await self.scheduler.plan(m)
+        """The family's tactic space for ``m``, computed in a worker; counted against the
+        peer's queue limit while it waits (a plan whose requester hangs up is dropped from
+        the queue: cached.server cancels its request)."""
+        with self.quota.planning(peer):
+            wires = await self.scheduler.plan(m)
         requests = [p.Kernel()(w, "requests") for w in wires]
         family = families.get(m.family)
         if self.on_plan is not None:
-            self.on_plan(m)
+            self.on_plan(m, peer)
         return p.PlanReply(requests=requests,
                            classes=[family.reduction_class(r.params) for r in requests])
 

@@ -248,7 +248,7 @@ def test_a_locked_index_never_holds_up_hits(tmp_path):
         def put() -> None:
             results["put"] = d.client(timeout=60).autotune_put(p.AutotunePutRequest(
                 op_name="mm", n=1, k=1, dtype="fp8", arch="sm_100a", device="d", bucket=1,
-                kernel="k", time_us=1.0))
+                kernel="k", time_us=1.0, toolchain="t", reduction_class="c"))
 
         def recompile() -> None:  # drops the bad row, recompiles, waits to publish
             results["bad"] = d.client(timeout=60, fallback=False, transfer="path").get(
@@ -295,7 +295,7 @@ def test_a_vanished_or_replaced_index_is_rebuilt_and_no_blob_is_deleted(tmp_path
             client.get(kernel(tag))
         client.autotune_put(p.AutotunePutRequest(
             op_name="mm", n=8, k=8, dtype="fp8", arch="sm_100a", device="d", bucket=1,
-            kernel="k", time_us=2.0))
+            kernel="k", time_us=2.0, toolchain="t", reduction_class="c"))
         blobs = blob_files(d.store)
         assert len(blobs) == 6
         for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
