@@ -64,7 +64,7 @@ PLANNED = "planned_shapes"
 PLANNED_COLUMNS = {"id": str, "family": str, "n": int, "k": int, "arch": str, "sm_count": int,
                    "options": str, "first_seen": float}
 MAX_PLANNED = 4096  # distinct shapes remembered (a client cannot grow the table past it)
-MAX_PLANNED_PER_UID = 256  # of them, those one uid without publish rights may add
+MAX_PLANNED_PER_UID = 256  # of them, those one uid (not root's, not the daemon's) may add
 
 
 def row_id(row: dict) -> str:
@@ -241,8 +241,8 @@ class Autotune:
 
     def note_plan(self, m: p.PlanRequest, peer: Peer | None = None) -> None:
         """Remember (family, N, K, arch, sm_count, options) of a plan request, once; off the
-        event loop, never failing the plan (called by Service.plan). A uid without publish
-        rights adds at most MAX_PLANNED_PER_UID shapes, so no peer fills the table."""
+        event loop, never failing the plan (called by Service.plan). A uid other than root
+        and the daemon's adds at most MAX_PLANNED_PER_UID shapes: no peer fills the table."""
         _, n, k = m.shape
         options = {k_: v for k_, v in m.options.items() if k_ in ("ab_dtype", "out_dtype")}
         row = {"family": m.family, "n": n, "k": k, "arch": m.arch,
@@ -253,7 +253,7 @@ class Autotune:
                                         ).encode()).hexdigest()
         if rid in self._planned_seen or len(self._planned_seen) >= MAX_PLANNED:
             return
-        uid = None if peer is None or self.access.may_publish(peer) else peer.uid
+        uid = None if peer is None or self.access.group(peer) is None else peer.uid
         if uid is not None:
             if self._planned_by_uid.get(uid, 0) >= MAX_PLANNED_PER_UID:
                 return
