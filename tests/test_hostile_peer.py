@@ -13,6 +13,7 @@ import json
 import os
 import sqlite3
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -228,3 +229,61 @@ def test_a_peer_adds_at_most_its_share_of_planned_shapes(node, peer_uid):  # noq
     wait_for(lambda: 99999 in fault_shapes())
     peers = fault_shapes() - before - {99999}
     assert len(peers) <= MAX_PLANNED_PER_UID
+
+
+HOLD_LOCKS = r"""
+import fcntl, json, os, sys
+held = []
+for path in sys.argv[1:]:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.append(path)
+    except OSError as exc:
+        pass
+print(json.dumps(held), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_reader_of_the_store_cannot_hold_its_lock_and_a_refusal_names_the_holder(
+        shared_dir, peer_uid):  # noqa: F811
+    """The attack: any user who can read the store held flock on daemon.lock through a
+    read-only descriptor, and the daemon could not restart (the refusal named the dead
+    daemon's pid). Now the lock is in a directory only the daemon's user can open: the
+    peer holds nothing that matters (the earlier versions' lock file, which it may hold,
+    is ignored when another user holds it) and the daemon restarts; a process of the
+    daemon's own uid holding that old lock is named in the refusal by its pid."""
+    d = DaemonProcess(shared_dir, workers=1, extra_args=["--socket-mode", "666"])
+    legacy = d.store / "daemon.lock"
+    try:
+        if not legacy.exists():  # a store an earlier version served
+            legacy.write_text('{"pid": 1, "command": "serve"}\n')
+            legacy.chmod(0o644)
+        assert oct(os.stat(d.store).st_mode & 0o777) == "0o755"  # the peer reads the store
+        locks = [str(d.store / ".lock" / "daemon.lock"), str(legacy)]
+        d.stop()  # the peer takes what it can while no daemon runs
+        peer = subprocess.Popen([PEER_PY, "-c", HOLD_LOCKS, *locks], user=peer_uid,
+                                group=peer_uid, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)
+        try:
+            assert json.loads(peer.stdout.readline()) == [str(legacy)]
+            d = DaemonProcess(shared_dir, workers=1, extra_args=["--socket-mode", "666"])
+            assert d.stats()["workers_ready"] == 1  # restarted, the peer's lock held
+        finally:
+            peer.communicate("", timeout=30)
+        d.stop()
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCKS, str(legacy)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert json.loads(holder.stdout.readline()) == [str(legacy)]
+            refused = subprocess.run(
+                [sys.executable, "-m", "cached", "serve", "--store", str(d.store), "--socket",
+                 str(shared_dir / "other.sock"), "--workers", "1"], capture_output=True,
+                text=True, timeout=120, env={**os.environ, "CACHED_TEST_FAMILIES": "1"})
+            assert refused.returncode == 2, refused.stderr
+            assert f"is in use by pid {holder.pid} (uid {os.getuid()}" in refused.stderr
+        finally:
+            holder.communicate("", timeout=30)
+    finally:
+        d.stop()
