@@ -214,7 +214,10 @@ class Daemon:
         configured = self.settings.http_address
         app = make_app(self.snapshot, self.healthy, make_metrics(self),
                        (bound_host, bound_port), [configured[0]] if configured else [])
-        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
+        from .view.httpguard import config_options
+
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                                **config_options())
         self._http = uvicorn.Server(config)
         threading.Thread(target=self._http.run, kwargs={"sockets": [sock]}, name="http",
                          daemon=True).start()
