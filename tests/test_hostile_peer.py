@@ -71,6 +71,10 @@ elif action == "plans":  # plans queued on one connection, one more, then hang u
         reply, _ = extra.request({"id": 99, "op": "plan", **arg["plan"]}, deadline)
     out["extra"] = "ok" if reply["ok"] else reply["error"]["code"]
     s.close()  # hang up, every plan of it still queued or running
+elif action == "report":  # the same big report, again and again
+    for _ in range(arg["times"]):
+        client.call("report", p.ReportRequest(fallbacks={arg["family"]: 1_000_000},
+                                              outside={arg["family"]: 1_000_000}))
 elif action == "planned":  # distinct shapes planned, one at a time
     for i in range(arg["shapes"]):
         client.plan("cached.test.fault", (1, 64 + i, 64), "sm_100a", 148)

@@ -259,6 +259,22 @@ def test_plans_count_in_the_peers_queue_and_are_dropped_when_it_hangs_up(
     assert len(lines) <= 2, lines  # at most one of the peer's ran (it had started)
 
 
+def test_a_peers_reports_add_a_bounded_count_and_log_a_line_or_two(limited, peer_uid):  # noqa: F811
+    """Issue 37 case 10: any peer's ``report`` pushed the counters behind two documented
+    alerts to 4e9 and wrote about 26 MB/s of log. Now a uid adds at most REPORT_BUDGET
+    (1000) a counter and family a minute, the rest counted as reports_clipped, and its
+    report lines are logged once every 10 s."""
+    family = "cached.test.fault"
+    hostile(peer_uid, limited.socket, "report", family=family, times=300)
+    stats = limited.stats()
+    assert stats["client_fallbacks"] <= 1000
+    assert stats["client_outside_kernels"] <= 1000
+    lines = [line for line in limited.log_path.read_text().splitlines()
+             if "client.fallbacks_reported" in line or "client.outside_kernels" in line]
+    assert 1 <= len(lines) <= 4
+    assert sum(len(line) for line in lines) < 20_000
+
+
 def test_connections_per_uid_are_capped(shared_dir, peer_uid):  # noqa: F811
     """Item 9: one uid may hold max_connections_per_uid connections (4 here); the next is
     answered overloaded and closed; other uids are unaffected."""
