@@ -10,7 +10,9 @@ slow or hostile client costs only itself; replies on one connection are written 
 at a time; every well-formed request gets its reply, also after the peer has shut its
 sending side; a malformed or oversize frame gets an error reply and closes that connection
 only (the well-formed requests before it are answered first); any other failure of a
-request becomes a typed error reply, ``internal`` only for a daemon bug.
+request becomes a typed error reply, ``internal`` only for a daemon bug; a request whose
+strings are not text (a lone UTF-16 surrogate escaped in its JSON) is
+``invalid_argument`` before its op sees it.
 
 Bounds (what a peer can make the daemon hold; docs/reliability.md):
 - connections: at most ``Limits.max_connections`` in all and
@@ -60,6 +62,7 @@ from cached_client.errors import (
     CachedError,
     DeadlineExceeded,
     InternalError,
+    InvalidArgument,
     MalformedFrame,
     NotAllowed,
     Overloaded,
@@ -301,11 +304,35 @@ _LEADING_ID = re.compile(rb'\{"id":(0|[1-9][0-9]{0,15}),')
 @dataclass(slots=True)
 class _Frame:
     """One request frame: its parsed object (only ``id`` and ``op`` when remembered), its
-    remembered (op, request), and its bytes while its request may be remembered."""
+    remembered (op, request), its bytes while its request may be remembered, and whether
+    its JSON escapes a UTF-16 surrogate (its strings are checked to be text)."""
 
     message: dict
     decoded: tuple[p.Op, p.Message] | None = None
     body: bytes | None = None
+    surrogates: bool = False
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _check_text(value: Any, where: str = "request") -> None:
+    """InvalidArgument naming the first string (or key) of ``value`` that is no text: one
+    holding a lone UTF-16 surrogate (an escape ``\\ud800``-``\\udfff`` not in a pair)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgument(f"{where[:200]} holds a lone UTF-16 surrogate (a \\ud800-"
+                                  "\\udfff escape not in a pair): it is not text; nothing was "
+                                  "done") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, f"a key of {where}")
+            _check_text(item, f"{where}.{key}" if key.isascii() else where)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(item, f"{where}[{i}]")
 
 
 class _Connection:
@@ -608,7 +635,8 @@ class Server:
             request_id, op, request = recalled
             return _Frame({"id": request_id, "op": op.name}, (op, request))
         return _Frame(p.decode_body(body), None,
-                      bytes(body) if len(body) <= DecodedFrameCache.LONGEST else None)
+                      bytes(body) if len(body) <= DecodedFrameCache.LONGEST else None,
+                      _SURROGATE_ESCAPE.search(body) is not None)
 
     async def _frame_start(self, c: _Connection) -> bytes:
         """The first bytes (1 to 4) of the next frame's header, whenever they come (the
@@ -729,6 +757,8 @@ class Server:
             raise NotAllowed(f"uid {peer.uid} gid {peer.gid} may not use {op.name!r}; the "
                              "daemon's --publish-uid/--publish-gid lists who may")
         if request is None:
+            if frame.surrogates:
+                _check_text({k: v for k, v in m.items() if k not in ("id", "op", "v")})
             request = op.request.from_wire(m)
             if op.remember and frame.body is not None:
                 self.decoded_frames.remember(frame.body, m, op, request)
