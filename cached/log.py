@@ -17,6 +17,8 @@ from typing import Any
 
 request_pid: ContextVar[int | None] = ContextVar("cached_request_pid", default=None)
 """The pid of the peer whose request is being handled (set by cached.server), for events."""
+request_uid: ContextVar[int | None] = ContextVar("cached_request_uid", default=None)
+"""The uid of that peer (set by cached.server), for what is bounded per uid."""
 
 
 class _Formatter(logging.Formatter):

@@ -70,7 +70,7 @@ from cached_client.errors import (
 )
 
 from . import trust
-from .log import event, request_pid
+from .log import event, request_pid, request_uid
 from .view.stats import Stats
 
 log = logging.getLogger("cached.server")
@@ -763,6 +763,7 @@ class Server:
             if op.remember and frame.body is not None:
                 self.decoded_frames.remember(frame.body, m, op, request)
         request_pid.set(peer.pid)
+        request_uid.set(peer.uid)
         return await self.handlers[op.name](request, peer)
 
     def _log_sometimes(self, what: tuple[str, int], name: str, **fields: Any) -> None:

@@ -20,7 +20,7 @@ import pytest
 from cached_client import protocol as p
 from cached_client.errors import InvalidArgument
 from cached_client.gemm import policy
-from conftest import ROOT, DaemonProcess, wait_for
+from conftest import ROOT, DaemonProcess, raw_call, wait_for
 from test_access import PEER_PY, peer_uid, shared_dir  # noqa: F401 -- fixtures
 
 from cached import families, trust, tune
@@ -31,7 +31,7 @@ from cached_client import Client
 from cached_client import protocol as p
 from cached_client.errors import CachedError
 from cached_client.transport import Connection
-sock, action, arg = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+sock, action, arg = sys.argv[1], sys.argv[2], json.loads(sys.stdin.read())
 client = Client(sock, timeout=60, fallback=False, identity=False)
 out = {}
 def code(call):
@@ -75,6 +75,13 @@ elif action == "report":  # the same big report, again and again
     for _ in range(arg["times"]):
         client.call("report", p.ReportRequest(fallbacks={arg["family"]: 1_000_000},
                                               outside={arg["family"]: 1_000_000}))
+elif action == "unknown":  # gets from environments made up, one a fingerprint
+    for i, ident in enumerate(arg["identities"]):
+        deadline = time.monotonic() + 30
+        with Connection(sock, deadline) as conn:
+            reply, _ = conn.request({"id": i, "op": "get", "request": arg["request"],
+                                     "identity": ident}, deadline)
+        out.setdefault("codes", []).append(reply.get("error", {}).get("code"))
 elif action == "planned":  # distinct shapes planned, one at a time
     for i in range(arg["shapes"]):
         client.plan("cached.test.fault", (1, 64 + i, 64), "sm_100a", 148)
@@ -83,10 +90,9 @@ print(json.dumps(out))
 
 
 def as_peer(uid: int, sock: str, action: str, **arg) -> dict:
-    out = subprocess.run([PEER_PY, "-c", PEER, sock, action, json.dumps(arg)], user=uid,
-                         group=uid, env={"PYTHONPATH": str(ROOT / "client"),
-                                         "PATH": "/usr/bin:/bin"},
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([PEER_PY, "-c", PEER, sock, action], user=uid, group=uid,
+                         env={"PYTHONPATH": str(ROOT / "client"), "PATH": "/usr/bin:/bin"},
+                         input=json.dumps(arg), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -215,6 +221,32 @@ def test_a_peers_winners_stop_at_its_cap_and_every_reply_fits_a_frame(
     db.close()
     assert held[1] <= held[0] <= MAX_GROUP_BYTES
     assert node.client(timeout=30).autotune_get(p.AutotuneGetRequest(op_name="flood")) == []
+
+
+def test_made_up_environments_stay_few_and_small_and_a_real_one_is_still_shown(
+        node, peer_uid, mm_fp4_requests):  # noqa: F811
+    """Issue 37 (low): 40 made-up environments grew /stats to 2.4 MB and pushed real unknown
+    environments off the page and out of the log. Now one uid adds at most 4, each keeps at
+    most 24 distributions, and an environment asked for after them is still shown and
+    logged."""
+    from cached_client import identity
+
+    base = identity.for_families(["flashinfer.mm_fp4"])
+    fake = [{**base, "toolchain": f"cpython-311;fake{i};" + ";".join(
+        f"pkg{j}x{i}==1.{j}:{'0' * 64}" for j in range(600))} for i in range(40)]
+    got = as_peer(peer_uid, node.socket, "unknown", request=mm_fp4_requests[0].to_wire(),
+                  identities=fake)
+    assert set(got["codes"]) == {"unknown_toolchain"}
+    real = {**base, "toolchain": "cpython-311;real;vllm==0.33.0:" + "1" * 64}
+    reply = raw_call(node.socket, {"op": "get", "request": mm_fp4_requests[0].to_wire(),
+                                   "identity": real})
+    assert reply["error"]["code"] == "unknown_toolchain"
+    stats = node.stats()
+    shown = {u["fingerprint"] for u in stats["unknown_environments"]}
+    assert identity.digest(real["toolchain"]) in shown
+    assert len(shown & {identity.digest(f["toolchain"]) for f in fake}) <= 4
+    assert len(json.dumps(stats)) < 100_000
+    assert identity.digest(real["toolchain"]) in node.log_path.read_text()
 
 
 def test_a_peer_adds_at_most_its_share_of_planned_shapes(node, peer_uid):  # noqa: F811
