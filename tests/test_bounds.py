@@ -308,6 +308,36 @@ def test_a_toolchain_whose_workers_die_at_start_fails_requests_at_once_and_backs
         d.stop()
 
 
+SPEWS = """#!/bin/sh
+case "$2" in
+  *cached.worker*) (yes "a broken toolchain's worker says this again and again" \
+                    | head -c 400000000 >&2) &;;
+esac
+exec {python} "$@"
+"""
+
+
+def test_a_toolchain_whose_workers_flood_stderr_gets_a_bounded_share_of_the_log(tmp_path):
+    """Issue 37 (low): a broken toolchain's stderr was forwarded without limit (333 MB in
+    30 s). Now each toolchain's workers get STDERR_BYTES (64 KiB) of the daemon's log every
+    10 s, the rest drained and dropped, said in one line; the worker still serves."""
+    from cached_client import KernelRequest
+
+    wrapper = _interpreter(tmp_path / "spews.sh", SPEWS.format(python=sys.executable))
+    d = DaemonProcess(tmp_path, workers=1, extra_args=["--toolchain", f"spews={wrapper}"])
+    try:
+        request = KernelRequest("cached.test.fault", {"action": "build", "tag": "spew"},
+                                "sm_100a", 148, 148)
+        assert d.client(timeout=60, fallback=False).get(request).origin == "compiled"
+        time.sleep(3)  # the worker has written far more than a window's share by now
+        size = d.log_path.stat().st_size
+        assert size < 300_000, size  # a window's 64 KiB or two, and the daemon's own lines
+        assert '"worker.stderr_dropped"' in d.log_path.read_text()
+        assert d.stats()["workers_alive"] == 1
+    finally:
+        d.stop()
+
+
 FAILS_AT_FIRST = """#!/bin/sh
 n=$(cat {count} 2>/dev/null || echo 0); echo $((n + 1)) > {count}
 [ "$n" -lt {fails} ] && {{ echo "start $n failed" >&2; exit 1; }}
