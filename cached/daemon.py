@@ -122,12 +122,12 @@ class Daemon:
         self.leases = Leases(self.scheduler, self.access, self.stats, served,
                              settings.lease_max_hold)
         self.uploads = Uploads(self.leases, settings.upload_timeout)
-        autotune = Autotune(self.store, self.remote)
+        autotune = Autotune(self.store, self.remote, self.access)
         service = Service(self.scheduler, served, self.access, self.stats, self.snapshot,
                           self.quota, on_plan=autotune.note_plan)
         self.server = Server({**service.ops(), **self.leases.ops(), **self.uploads.ops(),
                               **autotune.ops(),
-                              **Certifications(self.store).ops()},
+                              **Certifications(self.store, self.access).ops()},
                              self.access, self.stats, Limits.from_settings(settings))
         self.http_address = ""
         self._http: Any = None
@@ -214,7 +214,10 @@ class Daemon:
         configured = self.settings.http_address
         app = make_app(self.snapshot, self.healthy, make_metrics(self),
                        (bound_host, bound_port), [configured[0]] if configured else [])
-        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
+        from .view.httpguard import config_options
+
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                                **config_options())
         self._http = uvicorn.Server(config)
         threading.Thread(target=self._http.run, kwargs={"sockets": [sock]}, name="http",
                          daemon=True).start()

@@ -17,6 +17,8 @@ from typing import Any
 
 request_pid: ContextVar[int | None] = ContextVar("cached_request_pid", default=None)
 """The pid of the peer whose request is being handled (set by cached.server), for events."""
+request_uid: ContextVar[int | None] = ContextVar("cached_request_uid", default=None)
+"""The uid of that peer (set by cached.server), for what is bounded per uid."""
 
 
 class _Formatter(logging.Formatter):
@@ -59,6 +61,34 @@ def setup(level: str = "info", as_json: bool | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+class RateLimited(logging.Filter):
+    """Pass each message (logger and format string) at most once every ``every`` seconds;
+    the next one that passes says how many were dropped in between (``dropped``)."""
+
+    MOST = 1024  # distinct messages remembered (then it starts over)
+
+    def __init__(self, every: float = 10.0) -> None:
+        super().__init__()
+        self.every = every
+        self._last: dict[tuple[str, Any], list[float]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.msg if isinstance(record.msg, str) else type(record.msg))
+        now = time.monotonic()
+        seen = self._last.get(key)
+        if seen is not None and now - seen[0] < self.every:
+            seen[1] += 1
+            return False
+        if len(self._last) >= self.MOST:
+            self._last.clear()
+        if seen is not None and seen[1]:
+            fields = dict(getattr(record, "fields", {}))
+            fields["dropped"] = int(seen[1])
+            record.fields = fields
+        self._last[key] = [now, 0]
+        return True
 
 
 def event(log: logging.Logger, level: int, name: str, **fields: Any) -> None:

@@ -49,6 +49,31 @@ RETRY = (1.0, 60.0)
 """Seconds before a worker that died while starting is started again: the first, and the
 most it doubles to."""
 TAIL_BYTES = 4096
+STDERR_BYTES = 64 << 10
+"""Bytes of workers' stderr forwarded per toolchain per STDERR_WINDOW_S; the rest is read
+(the worker never blocks on it) and dropped, and how much is logged once a window."""
+STDERR_WINDOW_S = 10.0
+_stderr_windows: dict[str, list[float]] = {}  # toolchain -> [window start, sent, dropped]
+
+
+def _stderr_room(toolchain: str, n: int) -> int:
+    """How many of ``n`` more bytes of ``toolchain``'s workers' stderr may be forwarded now;
+    the first bytes dropped in a window are logged (``worker.stderr_dropped``, with what the
+    window before dropped), once."""
+    now = time.monotonic()
+    window = _stderr_windows.get(toolchain)
+    before = 0
+    if window is None or now - window[0] >= STDERR_WINDOW_S:
+        before = int(window[2]) if window is not None else 0
+        window = _stderr_windows[toolchain] = [now, 0, 0]
+    room = max(0, min(n, STDERR_BYTES - int(window[1])))
+    if room < n and not window[2]:
+        event(log, logging.WARNING, "worker.stderr_dropped", toolchain=toolchain,
+              limit=f"{STDERR_BYTES} bytes a {STDERR_WINDOW_S:g} s",
+              dropped_before=before, hint="the rest of this window's stderr is dropped")
+    window[1] += room
+    window[2] += n - room
+    return room
 """How much of a worker's latest stderr is kept to say why it died."""
 
 
@@ -79,7 +104,8 @@ class Launcher:
 
 class _Worker:
     """One worker process; started on the event loop's thread, whose loop forwards its
-    stderr to the daemon's (keeping the last TAIL_BYTES to say why it died)."""
+    stderr to the daemon's (at most STDERR_BYTES per STDERR_WINDOW_S per toolchain; keeping
+    the last TAIL_BYTES to say why it died)."""
 
     def __init__(self, launcher: Launcher) -> None:
         self.toolchain = launcher.toolchain
@@ -117,6 +143,7 @@ class _Worker:
                 self.process.stderr.close()
                 return
             self.tail = (self.tail + data)[-TAIL_BYTES:]
+            data = data[:_stderr_room(self.toolchain, len(data))]
             with contextlib.suppress(OSError):
                 while data:
                     data = data[os.write(2, data):]

@@ -383,7 +383,8 @@ class Scheduler:
         heap = self._heaps[name]
         while heap:
             priority, _, job = heap[0]
-            if job.state == "queued" and job.priority == priority:
+            if job.state == "queued" and job.priority == priority and not (
+                    job.plan is not None and job.future.done()):  # a plan nobody awaits
                 return job
             heapq.heappop(heap)
         return None
@@ -436,9 +437,12 @@ class Scheduler:
 
     async def _run_plan(self, worker: Any, job: Job) -> None:
         try:
-            job.future.set_result(await self.pool.run_on(worker, "plan", job.plan or {}))
+            result = await self.pool.run_on(worker, "plan", job.plan or {})
+            if not job.future.done():  # its requester may have gone meanwhile
+                job.future.set_result(result)
         except Exception as exc:  # noqa: BLE001 -- the planner hears why
-            job.future.set_exception(exc)
+            if not job.future.done():
+                job.future.set_exception(exc)
         finally:
             job.state = "done"
 

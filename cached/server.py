@@ -10,7 +10,9 @@ slow or hostile client costs only itself; replies on one connection are written 
 at a time; every well-formed request gets its reply, also after the peer has shut its
 sending side; a malformed or oversize frame gets an error reply and closes that connection
 only (the well-formed requests before it are answered first); any other failure of a
-request becomes a typed error reply, ``internal`` only for a daemon bug.
+request becomes a typed error reply, ``internal`` only for a daemon bug; a request whose
+strings are not text (a lone UTF-16 surrogate escaped in its JSON) is
+``invalid_argument`` before its op sees it.
 
 Bounds (what a peer can make the daemon hold; docs/reliability.md):
 - connections: at most ``Limits.max_connections`` in all and
@@ -27,6 +29,10 @@ Bounds (what a peer can make the daemon hold; docs/reliability.md):
   than :data:`MAX_UNSENT_PER_CONNECTION` bytes of its replies wait for it to read them;
 - a connection with nothing in flight and no byte received for ``Limits.idle_timeout``
   seconds is closed, and so is one whose peer reads none of a reply for that long;
+- the requests of :data:`DROPPED_WHEN_GONE` ops (``plan``) are cancelled, their queued
+  jobs dropped, once their peer has hung up entirely (checked every
+  :data:`HANGUP_CHECK_S` while they wait; a peer that only shut its sending side still
+  gets every answer);
 - payloads are never buffered: a library sent as bytes streams from its file
   (``sendfile``), and descriptors pass with SCM_RIGHTS;
 - decoded ``get`` frames are remembered (:class:`DecodedFrameCache`): at most
@@ -42,6 +48,7 @@ import json
 import logging
 import os
 import re
+import select
 import socket
 import struct
 import time
@@ -55,6 +62,7 @@ from cached_client.errors import (
     CachedError,
     DeadlineExceeded,
     InternalError,
+    InvalidArgument,
     MalformedFrame,
     NotAllowed,
     Overloaded,
@@ -62,7 +70,7 @@ from cached_client.errors import (
 )
 
 from . import trust
-from .log import event, request_pid
+from .log import event, request_pid, request_uid
 from .view.stats import Stats
 
 log = logging.getLogger("cached.server")
@@ -80,6 +88,10 @@ REFUSAL_READ_S = 2.0
 MAX_REFUSING = 64
 """Refused connections whose first request is read (to echo its id) at once."""
 LOG_EVERY_S = 10.0
+DROPPED_WHEN_GONE = frozenset({"plan"})
+"""Ops whose requests are cancelled when their peer hangs up (nothing else depends on
+them finishing; a ``get``'s compilation is shared and goes on anyway)."""
+HANGUP_CHECK_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -292,11 +304,35 @@ _LEADING_ID = re.compile(rb'\{"id":(0|[1-9][0-9]{0,15}),')
 @dataclass(slots=True)
 class _Frame:
     """One request frame: its parsed object (only ``id`` and ``op`` when remembered), its
-    remembered (op, request), and its bytes while its request may be remembered."""
+    remembered (op, request), its bytes while its request may be remembered, and whether
+    its JSON escapes a UTF-16 surrogate (its strings are checked to be text)."""
 
     message: dict
     decoded: tuple[p.Op, p.Message] | None = None
     body: bytes | None = None
+    surrogates: bool = False
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _check_text(value: Any, where: str = "request") -> None:
+    """InvalidArgument naming the first string (or key) of ``value`` that is no text: one
+    holding a lone UTF-16 surrogate (an escape ``\\ud800``-``\\udfff`` not in a pair)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgument(f"{where[:200]} holds a lone UTF-16 surrogate (a \\ud800-"
+                                  "\\udfff escape not in a pair): it is not text; nothing was "
+                                  "done") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, f"a key of {where}")
+            _check_text(item, f"{where}.{key}" if key.isascii() else where)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(item, f"{where}[{i}]")
 
 
 class _Connection:
@@ -310,6 +346,7 @@ class _Connection:
         self.inflight = 0
         self.unsent = 0
         self.tasks: set[asyncio.Task] = set()
+        self.droppable: set[asyncio.Task] = set()  # DROPPED_WHEN_GONE requests in flight
         self.write_lock = asyncio.Lock()
         self.changed = asyncio.Event()
         self.last_active = time.monotonic()
@@ -335,6 +372,21 @@ class _Connection:
             self.unwatch()
         elif not self._waiter.done():
             self._waiter.set_result(None)
+
+    def hung_up(self) -> bool:
+        """Whether the peer has closed its end entirely (it can read no answer)."""
+        poller = select.poll()
+        poller.register(self.fd, select.POLLRDHUP)
+        return any(events & (select.POLLHUP | select.POLLERR | select.POLLNVAL)
+                   for _, events in poller.poll(0))
+
+    def drop_if_gone(self) -> bool:
+        """Cancel the DROPPED_WHEN_GONE requests of a peer that hung up; whether it has."""
+        if not self.hung_up():
+            return False
+        for task in self.droppable:
+            task.cancel()
+        return True
 
     def unwatch(self) -> None:
         """Unregister the reader (before the socket closes)."""
@@ -463,8 +515,11 @@ class Server:
         self._open.add(c)
         try:
             await self._read_requests(c)
-            if c.tasks:  # the peer stopped sending; it may still read its answers
-                await asyncio.wait(set(c.tasks))
+            while c.tasks:  # the peer stopped sending; it may still read its answers
+                if c.droppable and c.drop_if_gone():
+                    await asyncio.wait(set(c.tasks))
+                    break
+                await asyncio.wait(set(c.tasks), timeout=HANGUP_CHECK_S)
         except OSError:
             pass
         finally:
@@ -514,7 +569,11 @@ class Server:
             while (c.inflight >= MAX_INFLIGHT_PER_CONNECTION
                    or c.unsent > MAX_UNSENT_PER_CONNECTION):
                 c.changed.clear()  # back-pressure: nothing more is read until it moves
-                await c.changed.wait()
+                try:
+                    await asyncio.wait_for(c.changed.wait(), HANGUP_CHECK_S)
+                except TimeoutError:
+                    if c.droppable and c.drop_if_gone():
+                        return
             start = await self._frame_start(c)
             if not start:
                 return
@@ -564,6 +623,9 @@ class Server:
             task = loop.create_task(self._answer(frame, c, reserved))
             c.tasks.add(task)
             task.add_done_callback(c.tasks.discard)
+            if _op_name(frame) in DROPPED_WHEN_GONE:
+                c.droppable.add(task)
+                task.add_done_callback(c.droppable.discard)
 
     def _parse(self, body: bytearray) -> _Frame:
         """A frame's request: remembered (:class:`DecodedFrameCache`), else parsed (MalformedFrame
@@ -573,7 +635,8 @@ class Server:
             request_id, op, request = recalled
             return _Frame({"id": request_id, "op": op.name}, (op, request))
         return _Frame(p.decode_body(body), None,
-                      bytes(body) if len(body) <= DecodedFrameCache.LONGEST else None)
+                      bytes(body) if len(body) <= DecodedFrameCache.LONGEST else None,
+                      _SURROGATE_ESCAPE.search(body) is not None)
 
     async def _frame_start(self, c: _Connection) -> bytes:
         """The first bytes (1 to 4) of the next frame's header, whenever they come (the
@@ -694,10 +757,13 @@ class Server:
             raise NotAllowed(f"uid {peer.uid} gid {peer.gid} may not use {op.name!r}; the "
                              "daemon's --publish-uid/--publish-gid lists who may")
         if request is None:
+            if frame.surrogates:
+                _check_text({k: v for k, v in m.items() if k not in ("id", "op", "v")})
             request = op.request.from_wire(m)
             if op.remember and frame.body is not None:
                 self.decoded_frames.remember(frame.body, m, op, request)
         request_pid.set(peer.pid)
+        request_uid.set(peer.uid)
         return await self.handlers[op.name](request, peer)
 
     def _log_sometimes(self, what: tuple[str, int], name: str, **fields: Any) -> None:
@@ -712,6 +778,10 @@ def _is_version(value: Any) -> bool:
     """Whether ``value`` is a protocol version this daemon speaks: a JSON integer (``true``
     and ``1.0`` equal 1 in Python but are not version 1)."""
     return type(value) is int and value in p.SUPPORTED_VERSIONS
+
+
+def _op_name(frame: _Frame) -> Any:
+    return frame.decoded[0].name if frame.decoded is not None else frame.message.get("op")
 
 
 def _unknown_op(frame: _Frame) -> MalformedFrame | None:

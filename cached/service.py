@@ -15,11 +15,13 @@ compilations one uid without publish rights can have queued or running.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from cached_client import protocol as p
@@ -37,6 +39,21 @@ from .view.stats import Stats
 
 log = logging.getLogger("cached.service")
 
+REPORT_BUDGET = 1000
+"""Counts one uid may add to one report counter of one family per REPORT_WINDOW_S."""
+REPORT_WINDOW_S = 60.0
+REPORT_LOG_S = 10.0
+
+
+def _short_fields(value: Any) -> Any:
+    """A reported field as logged: a family map's first 16 entries, names cut to 300."""
+    if isinstance(value, dict):
+        return {str(k)[:200]: v for k, v in list(value.items())[:16]}
+    if isinstance(value, list):
+        return [str(v)[:300] for v in value[:16]]
+    return value
+
+
 LIST_FIELDS = ("key", "family", "kernel_name", "arch", "sm_count", "max_active_clusters",
                "params", "size", "compile_seconds", "created", "last_used", "hits", "toolchain",
                "kind")
@@ -50,23 +67,24 @@ def reduction_classes() -> dict[str, dict]:
 
 
 class QueueQuota:
-    """Compilations each uid without publish rights may have queued or running: at most
-    ``limit`` (0: no limit). A uid's count is the keys it caused to be queued that are still
-    in flight; a key already queued by anyone costs nothing more. Peers allowed to publish
-    (the operator's warm-ups) are not counted."""
+    """Compilations and plan jobs each uid without publish rights may have queued or
+    running: at most ``limit`` in all (0: no limit). A uid's count is the keys it caused to
+    be queued that are still in flight (a key already queued by anyone costs nothing more)
+    and its plan requests being answered. Peers allowed to publish (the operator's
+    warm-ups) are not counted."""
 
     def __init__(self, scheduler: Scheduler, access: Access, limit: int) -> None:
         self.scheduler = scheduler
         self.access = access
         self.limit = limit
         self._keys: dict[int, set[str]] = {}
+        self._plans: Counter[int] = Counter()
 
     def held(self, uid: int) -> int:
         keys = self._keys.get(uid)
-        if not keys:
-            return 0
-        keys.intersection_update(self.scheduler.inflight)
-        return len(keys)
+        if keys:
+            keys.intersection_update(self.scheduler.inflight)
+        return len(keys or ()) + self._plans[uid]
 
     def admit(self, peer: Peer, keys: list[str | None]) -> list[bool]:
         """Which of ``keys`` (None: a request the scheduler will refuse anyway) ``peer`` may
@@ -89,15 +107,33 @@ class QueueQuota:
             out.append(True)
         return out
 
+    @contextlib.contextmanager
+    def planning(self, peer: Peer) -> Iterator[None]:
+        """Count one plan request of ``peer`` against its limit while it is answered
+        (Overloaded at once when the limit is reached)."""
+        if not self.limit or self.access.may_publish(peer):
+            yield
+            return
+        if self.held(peer.uid) >= self.limit:
+            raise self.refusal(peer)
+        self._plans[peer.uid] += 1
+        try:
+            yield
+        finally:
+            self._plans[peer.uid] -= 1
+            if not self._plans[peer.uid]:
+                del self._plans[peer.uid]
+
     def refusal(self, peer: Peer) -> Overloaded:
-        return Overloaded(f"uid {peer.uid} has {self.limit} compilations queued or running, "
-                          "its limit (max_queued_per_uid); wait for them or ask an operator")
+        return Overloaded(f"uid {peer.uid} has {self.limit} compilations or plans queued or "
+                          "running, its limit (max_queued_per_uid); wait for them or ask an "
+                          "operator")
 
 
 class Service:
     def __init__(self, scheduler: Scheduler, served: Served, access: Access, stats: Stats,
                  snapshot: Callable[[], DaemonSnapshot], quota: QueueQuota | None = None,
-                 on_plan: Callable[[p.PlanRequest], None] | None = None) -> None:
+                 on_plan: Callable[[p.PlanRequest, Peer], None] | None = None) -> None:
         self.on_plan = on_plan  # told of every answered plan (cached tune --planned)
         self.scheduler = scheduler
         self.served = served
@@ -106,6 +142,8 @@ class Service:
         self.stats = stats
         self.snapshot = snapshot
         self.quota = quota or QueueQuota(scheduler, access, 0)
+        self._reported: dict[tuple[int, str, str], list[float]] = {}
+        self._report_logged: dict[tuple[int, str], list[float]] = {}
 
     async def hello(self, m: p.Empty, peer: Peer) -> p.HelloReply:
         """Who the daemon is: its default toolchain's identity (``toolchain``, ``versions``,
@@ -200,11 +238,15 @@ class Service:
         return p.PrefetchReply(**report)
 
     async def plan(self, m: p.PlanRequest, peer: Peer) -> p.PlanReply:
-        wires = await self.scheduler.plan(m)
+        """The family's tactic space for ``m``, computed in a worker; counted against the
+        peer's queue limit while it waits (a plan whose requester hangs up is dropped from
+        the queue: cached.server cancels its request)."""
+        with self.quota.planning(peer):
+            wires = await self.scheduler.plan(m)
         requests = [p.Kernel()(w, "requests") for w in wires]
         family = families.get(m.family)
         if self.on_plan is not None:
-            self.on_plan(m)
+            self.on_plan(m, peer)
         return p.PlanReply(requests=requests,
                            classes=[family.reduction_class(r.params) for r in requests])
 
@@ -227,7 +269,10 @@ class Service:
         """Counts a client tells of its own process: ``fallbacks`` (kernels it compiled while
         this daemon was unusable to it) and ``outside`` (kernels it built or loaded outside
         this daemon while serving, cached_client.monitor). Families must be registered
-        (UnknownFamily, nothing counted): the counters' rows stay bounded."""
+        (UnknownFamily, nothing counted): the counters' rows stay bounded. Each uid adds at
+        most REPORT_BUDGET to a counter of a family per REPORT_WINDOW_S (the rest is counted
+        as ``reports_clipped``), and its report lines are logged at most once every
+        REPORT_LOG_S (the next says how many were not)."""
         known = set(families.names())
         for name in ("fallbacks", "outside"):
             unknown = sorted(set(getattr(m, name)) - known)
@@ -235,19 +280,56 @@ class Service:
                 raise UnknownFamily(f"report: {name} names families this daemon does not "
                                     f"have: {', '.join(f[:80] for f in unknown[:4])}; "
                                     f"nothing was counted")
-        for family, count in m.fallbacks.items():
-            self.stats.count("client_fallbacks", family, count)
-        for family, count in m.outside.items():
-            self.stats.count("client_outside_kernels", family, count)
+        fallbacks = {f: self._budget(peer, "client_fallbacks", f, n)
+                     for f, n in m.fallbacks.items()}
+        outside = {f: self._budget(peer, "client_outside_kernels", f, n)
+                   for f, n in m.outside.items()}
+        for family, count in fallbacks.items():
+            if count:
+                self.stats.count("client_fallbacks", family, count)
+        for family, count in outside.items():
+            if count:
+                self.stats.count("client_outside_kernels", family, count)
         if m.outside:
             self.stats.note_outside(peer.pid, m.outside_kernels)
         if m.fallbacks:
-            event(log, logging.WARNING, "client.fallbacks_reported", pid=peer.pid,
-                  uid=peer.uid, fallbacks=m.fallbacks)
+            self._log_report(peer, "client.fallbacks_reported", fallbacks=m.fallbacks)
         if m.outside:
-            event(log, logging.WARNING, "client.outside_kernels_reported", pid=peer.pid,
-                  uid=peer.uid, outside=m.outside, kernels=m.outside_kernels)
+            self._log_report(peer, "client.outside_kernels_reported", outside=m.outside,
+                             kernels=m.outside_kernels)
         return p.Empty()
+
+    def _budget(self, peer: Peer, counter: str, family: str, n: int) -> int:
+        """How much of ``n`` the uid of ``peer`` may still add to ``counter`` of ``family``
+        in this window; the rest is counted as ``reports_clipped``."""
+        now = time.monotonic()
+        key = (peer.uid, counter, family)
+        window = self._reported.get(key)
+        if window is None or now - window[0] >= REPORT_WINDOW_S:
+            if len(self._reported) >= 4096:
+                self._reported.clear()
+            window = self._reported[key] = [now, 0]
+        allowed = max(0, min(n, REPORT_BUDGET - int(window[1])))
+        window[1] += allowed
+        if allowed < n:
+            self.stats.count("reports_clipped", None, n - allowed)
+        return allowed
+
+    def _log_report(self, peer: Peer, name: str, **fields: Any) -> None:
+        """``name`` for ``peer``'s uid at most once every REPORT_LOG_S."""
+        now = time.monotonic()
+        key = (peer.uid, name)
+        last = self._report_logged.get(key)
+        if last is not None and now - last[0] < REPORT_LOG_S:
+            last[1] += 1
+            return
+        if len(self._report_logged) >= 4096:
+            self._report_logged.clear()
+        dropped = last[1] if last is not None else 0
+        self._report_logged[key] = [now, 0]
+        event(log, logging.WARNING, name, pid=peer.pid, uid=peer.uid,
+              **({"not_logged": dropped} if dropped else {}),
+              **{k: _short_fields(v) for k, v in fields.items()})
 
     async def gc(self, m: p.GcRequest, peer: Peer) -> p.GcReply:
         limits: dict[str, Any] = {k: v for k, v in (("max_bytes", m.max_bytes),

@@ -58,7 +58,7 @@ import cached
 
 from .config import ConfigError
 from .families.base import Family
-from .log import event, one_line, request_pid
+from .log import event, one_line, request_pid, request_uid
 
 log = logging.getLogger("cached.toolchains")
 
@@ -68,6 +68,11 @@ PROBE_TIMEOUT_S = 120.0
 PROBE = "from cached_client.identity import main; main()"
 MAX_UNKNOWN = 32
 """Unknown environments remembered (each logged once); more are counted, not kept."""
+MAX_UNKNOWN_PER_UID = 4
+"""Of them, those one uid other than root's and the daemon's may add (a peer making up
+environments cannot push the real ones out)."""
+MAX_VERSIONS = 24
+"""Distributions kept of an unknown environment's fingerprint."""
 
 
 class ToolchainError(ConfigError):
@@ -245,6 +250,7 @@ class Toolchains:
         self.live = live
         self._daemon_sources = dict(daemon_sources or {})
         self.unknown_environments: dict[str, dict] = {}
+        self._unknown_by_uid: dict[int, int] = {}
         """Fingerprint digest -> what the daemon knows of an environment it has no
         toolchain for (:meth:`note_unknown`)."""
 
@@ -365,6 +371,11 @@ class Toolchains:
             return
         if len(self.unknown_environments) >= MAX_UNKNOWN:
             return
+        uid = request_uid.get()
+        if uid is not None and uid not in (0, os.getuid()):
+            if self._unknown_by_uid.get(uid, 0) >= MAX_UNKNOWN_PER_UID:
+                return
+            self._unknown_by_uid[uid] = self._unknown_by_uid.get(uid, 0) + 1
         pid = request_pid.get()
         python = interpreter_of(pid) if pid else None
         versions = versions_of(identity.toolchain)
@@ -437,6 +448,8 @@ def versions_of(fingerprint: str) -> dict[str, str]:
         name, sep, rest = part.partition("==")
         if sep and name:
             out[name[:64]] = rest.split(":", 1)[0][:64]
+            if len(out) >= MAX_VERSIONS:
+                break
     return out
 
 

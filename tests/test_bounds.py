@@ -60,6 +60,39 @@ def test_an_unknown_op_is_malformed_and_closes_the_connection(quick):
     assert raw_call(quick.socket, {"op": "hello"})["ok"] is True  # it serves on
 
 
+def test_a_lone_surrogate_is_invalid_argument_on_every_op_and_nothing_is_queued(quick):
+    """Issue 37 (low): lone UTF-16 surrogates got ``internal`` on six ops (and reached a
+    worker through get and prefetch). Now a request whose strings are not text is
+    invalid_argument naming the field, before its op sees it; the connection stays and a
+    surrogate pair (real text) is taken."""
+    bad = "\ud800x"
+    req = {"family": "cached.test.fault", "arch": "sm_100a", "sm_count": 148,
+           "max_active_clusters": 148, "params": {"action": "build", "tag": bad}}
+    put = {"op_name": bad, "n": 1, "k": 1, "dtype": "a", "arch": "b", "device": "c",
+           "bucket": 1, "kernel": "k", "tactic": {bad: 1}, "time_us": 1.0, "toolchain": "t",
+           "reduction_class": "c"}
+    frames = [{"op": "get", "request": req}, {"op": "prefetch", "requests": [req]},
+              {"op": "plan", "family": "cached.test.fault", "shape": [1, 2, 3],
+               "arch": "sm_100a", "options": {"ab_dtype": bad}},
+              {"op": "report", "fallbacks": {bad: 1}}, {"op": "autotune_put", **put},
+              {"op": "autotune_get", "device": bad}, {"op": "planned", "family": bad},
+              {"op": "certify_record", "record": {"family": bad}},
+              {"op": "certifications", "family": bad}, {"op": "lease", "request": req},
+              {"op": "flashinfer_artifacts", "family": bad}]
+    bodies = [json.dumps({"id": i, **f}).encode() for i, f in enumerate(frames)]
+    replies, closed = _frames(quick.socket, bodies + [b'{"id":99,"op":"hello"}'])
+    assert not closed and len(replies) == len(frames) + 1
+    by_id = {r["id"]: r for r in replies}
+    for i, f in enumerate(frames):
+        error = by_id[i].get("error") or {}
+        assert error.get("code") == "invalid_argument", (f["op"], by_id[i])
+        assert "lone UTF-16 surrogate" in error["message"]
+    assert by_id[99]["ok"] is True
+    assert quick.stats()["in_flight"] == 0  # nothing reached the queue
+    pair = raw_call(quick.socket, {"op": "planned", "family": "\ud83d\ude00"})
+    assert pair["ok"] is True and pair["shapes"] == []
+
+
 @pytest.mark.parametrize("version", [True, 1.0, "1", [1]])
 def test_a_version_that_only_equals_1_in_python_is_not_version_1(quick, version):
     """``"v": true`` and ``"v": 1.0`` passed as version 1 (``True == 1.0 == 1``): each is
@@ -271,6 +304,36 @@ def test_a_toolchain_whose_workers_die_at_start_fails_requests_at_once_and_backs
                    if '"worker.start_failed"' in line]
         assert retries[:3] == [1.0, 2.0, 4.0], retries  # 2 s each, for ever, before
         assert stats["worker_restarts"] == len(retries) <= 4, (stats, retries)
+    finally:
+        d.stop()
+
+
+SPEWS = """#!/bin/sh
+case "$2" in
+  *cached.worker*) (yes "a broken toolchain's worker says this again and again" \
+                    | head -c 400000000 >&2) &;;
+esac
+exec {python} "$@"
+"""
+
+
+def test_a_toolchain_whose_workers_flood_stderr_gets_a_bounded_share_of_the_log(tmp_path):
+    """Issue 37 (low): a broken toolchain's stderr was forwarded without limit (333 MB in
+    30 s). Now each toolchain's workers get STDERR_BYTES (64 KiB) of the daemon's log every
+    10 s, the rest drained and dropped, said in one line; the worker still serves."""
+    from cached_client import KernelRequest
+
+    wrapper = _interpreter(tmp_path / "spews.sh", SPEWS.format(python=sys.executable))
+    d = DaemonProcess(tmp_path, workers=1, extra_args=["--toolchain", f"spews={wrapper}"])
+    try:
+        request = KernelRequest("cached.test.fault", {"action": "build", "tag": "spew"},
+                                "sm_100a", 148, 148)
+        assert d.client(timeout=60, fallback=False).get(request).origin == "compiled"
+        time.sleep(3)  # the worker has written far more than a window's share by now
+        size = d.log_path.stat().st_size
+        assert size < 300_000, size  # a window's 64 KiB or two, and the daemon's own lines
+        assert '"worker.stderr_dropped"' in d.log_path.read_text()
+        assert d.stats()["workers_alive"] == 1
     finally:
         d.stop()
 

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from cached_client import protocol as p
 from conftest import DaemonProcess
 from cryptography.hazmat.primitives.asymmetric.ec import SECP256R1, generate_private_key
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -31,6 +32,7 @@ from cryptography.hazmat.primitives.serialization import (
     PrivateFormat,
     PublicFormat,
 )
+from test_access import peer_uid, shared_dir  # noqa: F401 -- fixtures
 
 from cached.fleet import envelope, redis_tier
 from cached.fleet.envelope import (
@@ -643,3 +645,46 @@ def test_serve_refuses_a_bad_key_file_in_one_line_before_binding_anything(
 
 def test_redacted_url_hides_the_password():
     assert redis_tier.redacted("redis://u:secret@h:1/0") == "redis://u:***@h:1/0"
+
+
+def test_a_peers_winners_cross_the_fleet_under_its_group_and_junk_is_one_line(
+        redis_server, fleet, shared_dir, peer_uid):  # noqa: F811
+    """Issue 37 case 3, through the fleet tier: a --publish-uid user's winner on node A
+    reached root on a read-only node B. Now the signed record carries its trust group: on
+    B it is served to that uid's group only, while root's winner on A is served to every
+    peer of B; a signed record naming no group, and junk records, are refused, logged in
+    one line a fetch (not one line a record)."""
+    from test_hostile_peer import as_peer
+
+    from cached.ops.autotune import group_id
+
+    share = ("--socket-mode", "666", "--publish-uid", "0", "--publish-uid", str(peer_uid))
+    a = Node(shared_dir / "a", redis_server.url, *publishing(fleet), *share).ready()
+    b = Node(shared_dir / "b", redis_server.url, *read_only(fleet.pub), *share).ready()
+    try:
+        where = dict(op_name="linear", n=64, k=64, dtype="fp8", arch="sm_100a", device="D")
+        put = dict(where, kernel="k", tactic={"t": 1}, time_us=2.0, toolchain="T",
+                   reduction_class="c")
+        assert as_peer(peer_uid, a.socket, "put", winners=[{**put, "bucket": 1}]) == {
+            "put": ["ok"]}
+        a.client(timeout=30).autotune_put(p.AutotunePutRequest(**put, bucket=2))
+        a.wait_tier(lambda t: t["records_published"] == 2)
+        group = group_id({**where, "op": "linear"})
+        unattributed = {k: v for k, v in {**put, "op": "linear", "bucket": 3}.items()
+                        if k != "op_name"} | {"tactic": '{"t": 1}'}
+        junk = {f"junk{i}": b"CKR2" + os.urandom(80) for i in range(50)}
+        junk["legacy"] = envelope.pack_record(group, "legacy", unattributed, fleet.signer())
+        redis_server.client().hset(redis_tier.RECORD_PREFIX + group, mapping=junk)
+        root = b.client(timeout=30).autotune_get(p.AutotuneGetRequest(**where))
+        assert [(r["bucket"], r["trust_group"], r["source"]) for r in root] == [
+            (2, "trusted", "fleet")]
+        mine = as_peer(peer_uid, b.socket, "get", where=where)["get"]
+        assert sorted((r["bucket"], r["trust_group"]) for r in mine) == [
+            (1, f"uids:{peer_uid}"), (2, "trusted")]
+        text = b.log_path.read_text()
+        assert text.count('"remote.rejected"') == 2  # two fetches, 50 records each
+        assert text.count('"autotune.fleet_rejected"') <= 2  # the legacy record's
+        assert len(text) < 50_000
+    finally:
+        a.stop()
+        b.stop()

@@ -101,16 +101,19 @@ def test_tactic_per_bucket_one_class_with_shared_winners_of_that_class(daemon):
     same = c.plan_reply(HOPPER, (16, n, k), "sm_90a", 132, {"reduction_class": cls}).requests[3]
     other = c.plan_reply(HOPPER, (64, n, k), "sm_90a", 132,
                          {"reduction_class": other_cls}).requests[0]
-    for bucket, req in ((16, same), (64, other)):
+    toolchain = c.hello().toolchain
+    for bucket, req, req_cls in ((16, same, cls), (64, other, other_cls)):
         assert c.autotune_put(AutotunePutRequest(
             op_name="linear", n=n, k=k, dtype="fp8", arch="sm_90a", device=H200,
-            bucket=bucket, kernel=HOPPER, tactic=dict(req.params), time_us=10.0))
+            bucket=bucket, kernel=HOPPER, tactic=dict(req.params), time_us=10.0,
+            toolchain=toolchain, reduction_class=req_cls))
     rec = Recording(daemon.socket, timeout=60, fallback=False)
     tuned = policy.choose_tactics(rec, HOPPER, n, k, "sm_90a", buckets=ups, sm_count=132,
                                   device=H200)
-    # each bucket's first tactic alone; the whole plan only where a winner is to be found
+    # each bucket's first tactic alone; the whole plan only where a winner of the class is
+    # to be found
     asked = [(r.shape[0], r.limit) for op, r in rec.ops if op == "plan"]
-    assert asked == [(u, 1) for u in ups] + [(16, None), (64, None)]
+    assert asked == [(u, 1) for u in ups] + [(16, None)]
     by_upper = {b.upper: b for b in tuned.buckets}
     assert by_upper[16].source == "autotune" and by_upper[16].request == same
     assert by_upper[64].source == "plan order" and by_upper[64].reduction_class == cls

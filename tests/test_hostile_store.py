@@ -248,7 +248,7 @@ def test_a_locked_index_never_holds_up_hits(tmp_path):
         def put() -> None:
             results["put"] = d.client(timeout=60).autotune_put(p.AutotunePutRequest(
                 op_name="mm", n=1, k=1, dtype="fp8", arch="sm_100a", device="d", bucket=1,
-                kernel="k", time_us=1.0))
+                kernel="k", time_us=1.0, toolchain="t", reduction_class="c"))
 
         def recompile() -> None:  # drops the bad row, recompiles, waits to publish
             results["bad"] = d.client(timeout=60, fallback=False, transfer="path").get(
@@ -295,7 +295,7 @@ def test_a_vanished_or_replaced_index_is_rebuilt_and_no_blob_is_deleted(tmp_path
             client.get(kernel(tag))
         client.autotune_put(p.AutotunePutRequest(
             op_name="mm", n=8, k=8, dtype="fp8", arch="sm_100a", device="d", bucket=1,
-            kernel="k", time_us=2.0))
+            kernel="k", time_us=2.0, toolchain="t", reduction_class="c"))
         blobs = blob_files(d.store)
         assert len(blobs) == 6
         for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
@@ -691,3 +691,38 @@ def test_a_relative_store_and_socket_are_taken_from_the_daemons_directory(tmp_pa
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_autotune_put_on_a_full_disk_is_overloaded_naming_the_disk_and_stores_nothing(
+        tmp_path, tmpfs):
+    """Issue 37 (low): autotune_put on a full disk answered ``internal``. Now it is
+    overloaded, naming the store's disk; the daemon serves on, and once there is room the
+    same winner is stored."""
+    disk = tmpfs("disk", "size=12m")
+    d = DaemonProcess(tmp_path, workers=1, store=disk / "store", ready_workers=0)
+    try:
+        client = d.client(timeout=30)
+        winner = dict(op_name="mm", n=1, k=1, dtype="fp8", arch="sm_100a", device="d",
+                      kernel="k", tactic={"pad": "x" * 4000}, time_us=1.0, toolchain="t",
+                      reduction_class="c")
+        client.autotune_put(p.AutotunePutRequest(**winner, bucket=1))
+        filler = disk / "filler"
+        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)
+        codes, message = [], ""
+        for bucket in range(2, 400):
+            try:
+                client.autotune_put(p.AutotunePutRequest(**winner, bucket=bucket))
+                codes.append("ok")
+            except CachedError as exc:
+                codes.append(exc.code)
+                message = exc.message
+                break
+        assert codes[-1] == "overloaded", codes
+        assert "full" in message and str(d.store) in message
+        stored = {r["bucket"] for r in client.autotune_get(p.AutotuneGetRequest(op_name="mm"))}
+        assert stored == {1, *range(2, len(codes) + 1)}  # the refused one is not there
+        assert client.hello().v == 1
+        filler.unlink()
+        assert client.autotune_put(p.AutotunePutRequest(**winner, bucket=len(codes) + 1))
+    finally:
+        d.stop()

@@ -24,6 +24,7 @@ from cached_client import InvalidArgument, KernelRequest
 from cached_client import protocol as p
 from conftest import ROOT, DaemonProcess, fault, wait_for
 from test_access import PEER_PY, peer_uid, shared_dir  # noqa: F401 -- fixtures
+from test_hostile_peer import as_peer as hostile
 
 MIB = 1024
 
@@ -227,6 +228,51 @@ def test_a_peer_without_publish_rights_gets_at_most_its_quota_compiled(shared_di
         assert d.stats()["in_flight"] == 2
     finally:
         d.stop()
+
+
+@pytest.fixture
+def limited(shared_dir):  # noqa: F811
+    """A daemon any uid may reach (none but root may publish); a uid's queue holds 4 jobs."""
+    d = DaemonProcess(shared_dir, workers=1, extra_args=["--socket-mode", "666",
+                                                         "--max-queued-per-uid", "4"])
+    yield d
+    d.stop()
+
+
+def test_plans_count_in_the_peers_queue_and_are_dropped_when_it_hangs_up(
+        limited, peer_uid, shared_dir):  # noqa: F811
+    """The attack: 600 plans queued, then the requester hung up; they ran anyway and root's
+    next compile waited 39.6 s. Now a uid's plans count against max_queued_per_uid (the
+    fifth is overloaded), and once it hangs up its queued plans never run: root's plan
+    right after finds at most the one that was running ahead of it."""
+    mark = shared_dir / "plans-run"
+    mark.touch()
+    os.chmod(mark, 0o666)
+    plan = {"family": "cached.test.fault", "shape": [1, 64, 64], "arch": "sm_100a",
+            "options": {"mark": str(mark), "seconds": 1.0}}
+    assert hostile(peer_uid, limited.socket, "plans", queued=4, plan=plan) == {
+        "extra": "overloaded"}
+    limited.client(timeout=60).plan("cached.test.fault", (2, 64, 64), "sm_100a", 148,
+                                 {"mark": str(mark)})
+    lines = mark.read_text().splitlines()
+    assert lines[-1] == "(2, 64, 64)"
+    assert len(lines) <= 2, lines  # at most one of the peer's ran (it had started)
+
+
+def test_a_peers_reports_add_a_bounded_count_and_log_a_line_or_two(limited, peer_uid):  # noqa: F811
+    """Issue 37 case 10: any peer's ``report`` pushed the counters behind two documented
+    alerts to 4e9 and wrote about 26 MB/s of log. Now a uid adds at most REPORT_BUDGET
+    (1000) a counter and family a minute, the rest counted as reports_clipped, and its
+    report lines are logged once every 10 s."""
+    family = "cached.test.fault"
+    hostile(peer_uid, limited.socket, "report", family=family, times=300)
+    stats = limited.stats()
+    assert stats["client_fallbacks"] <= 1000
+    assert stats["client_outside_kernels"] <= 1000
+    lines = [line for line in limited.log_path.read_text().splitlines()
+             if "client.fallbacks_reported" in line or "client.outside_kernels" in line]
+    assert 1 <= len(lines) <= 4
+    assert sum(len(line) for line in lines) < 20_000
 
 
 def test_connections_per_uid_are_capped(shared_dir, peer_uid):  # noqa: F811

@@ -367,3 +367,42 @@ def test_every_view_renders_the_same_snapshot(tmp_path):
         assert _sample(metrics, "cached_store_entries") == 2
     finally:
         d.stop()
+
+
+def test_idle_http_connections_are_closed_and_capped_and_health_still_answers(tmp_path):
+    """Issue 37 case 9: 20,000 idle HTTP connections from one local user were never
+    closed, took the daemon's descriptors and wrote 333 MB of log. Now at most
+    httpguard.MAX_CONNECTIONS (64) are open (each new one closes the longest idle), /healthz
+    answers amid them, every idle one (no request, half a request, or idle after a response)
+    is closed within IDLE_S (10 s), and the log holds a line or two about it."""
+    import socket
+
+    d = DaemonProcess(tmp_path, workers=1)
+    try:
+        host, port = d.stats()["http"].rsplit(":", 1)
+        conns = []
+        for i in range(400):
+            s = socket.create_connection((host, int(port)), timeout=5)
+            if i % 3 == 1:
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHo")  # half a request
+            conns.append(s)
+        with urllib.request.urlopen(f"http://{host}:{port}/healthz", timeout=10) as r:
+            assert r.status == 200
+
+        def closed(s: socket.socket) -> bool:
+            s.setblocking(False)
+            try:
+                return s.recv(1 << 16) == b""
+            except BlockingIOError:
+                return False
+            except OSError:
+                return True
+
+        wait_for(lambda: sum(not closed(s) for s in conns) <= 64, 10)
+        wait_for(lambda: all(closed(s) for s in conns), 30)
+        for s in conns:
+            s.close()
+        assert len(re.findall("http.over_limit", d.log_path.read_text())) <= 3
+        assert d.stats()["workers_alive"] == 1
+    finally:
+        d.stop()

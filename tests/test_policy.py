@@ -138,9 +138,13 @@ def test_one_process_tunes_the_others_reuse_the_winner(tmp_path):
     try:
         tuner = d.client()
         args = ("linear", 4096, 4096, "fp8", "sm_100a", "NVIDIA B200")
-        assert policy.publish_autotune(tuner, *args, 64, "flashinfer", ["cutlass", 3], 12.5)
-        assert policy.publish_autotune(tuner, *args, 2048, "flashinfer", ["cublas", 0], 80.0)
-        assert not policy.publish_autotune(tuner, *args, 64, "flashinfer", ["cudnn", 1], 20.0)
+        cls = {"reduction_class": "flashinfer.autotuned"}
+        assert policy.publish_autotune(tuner, *args, 64, "flashinfer", ["cutlass", 3], 12.5,
+                                       **cls)
+        assert policy.publish_autotune(tuner, *args, 2048, "flashinfer", ["cublas", 0], 80.0,
+                                       **cls)
+        assert not policy.publish_autotune(tuner, *args, 64, "flashinfer", ["cudnn", 1], 20.0,
+                                           **cls)
         other = d.client()  # another process on the node
         sel = policy.select("linear", "fp8", "sm_100a", False, client=other, n=4096, k=4096,
                             device="NVIDIA B200")

@@ -55,6 +55,14 @@ class FaultFamily(Family):
         return "0" * 64
 
     def plan(self, shape, arch, sm_count, options) -> list[KernelRequest]:
+        """No tactics; options ``mark`` (a file: one line appended per plan run) and
+        ``seconds`` (how long the plan takes, at most 10) let tests see plans run."""
+        if isinstance(options.get("mark"), str):
+            with open(options["mark"], "a") as f:
+                f.write(f"{shape}\n")
+        seconds = options.get("seconds", 0)
+        if isinstance(seconds, (int, float)) and 0 < seconds <= 10:
+            time.sleep(seconds)
         return []
 
     def build(self, request: KernelRequest, workdir: Path) -> BuiltObject:

@@ -301,16 +301,21 @@ class RedisTier:
                       error=f"{type(exc).__name__}: {exc}"[:300])
             return []
         self._ok(write=False)
-        out = []
+        out, rejected, reasons, first = [], 0, set(), ""
         for field, data in list(raw.items())[:MAX_RECORDS]:
             rid = field.decode(errors="replace") if isinstance(field, bytes) else str(field)
             try:
                 out.append((rid, unpack_record(group, rid, bytes(data), self.keys)))
             except (Rejected, ValueError, TypeError) as exc:
-                self._count("rejected")
-                event(log, logging.WARNING, "remote.rejected", key=rid[:16], bytes=len(data),
-                      reason=str(exc)[:300] if isinstance(exc, Rejected)
-                      else f"malformed: {type(exc).__name__}")
+                rejected += 1
+                first = first or rid[:16]
+                if len(reasons) < 4:
+                    reasons.add(str(exc)[:120] if isinstance(exc, Rejected)
+                                else f"malformed: {type(exc).__name__}")
+        if rejected:  # one line a fetch, however many records fail
+            self._count("rejected", rejected)
+            event(log, logging.WARNING, "remote.rejected", group=group[:16], records=rejected,
+                  first=first, reasons=sorted(reasons))
         self._count("record_hits", len(out))
         return out
 

@@ -660,12 +660,12 @@ class Store:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield self.db
+                if conn.in_transaction:
+                    conn.execute("COMMIT")  # a full disk may refuse it: rolled back below
             except BaseException:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
-            if conn.in_transaction:
-                conn.execute("COMMIT")
 
     @contextlib.contextmanager
     def read(self) -> Iterator[sqlite_utils.Database]:

@@ -133,11 +133,13 @@ def certified(client: Any, family: str, n: int | None, k: int | None,
 
 
 def _zero(rows: Any) -> bool:
+    """Whether a certification's counts say no row differed: an empty count is no
+    measurement, never "0 rows differ"."""
     if isinstance(rows, dict):
-        return all(v == 0 for v in rows.values())
+        return bool(rows) and all(v == 0 for v in rows.values())
     if isinstance(rows, list):
-        return all(v == 0 for v in rows)
-    return rows == 0
+        return bool(rows) and all(v == 0 for v in rows)
+    return type(rows) is int and rows == 0
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -258,9 +260,10 @@ def _select_tuned(op: str, quant: str, arch: str, backend: str | None, client: A
 
 def autotune_results(client: Any, op: str, n: int, k: int, dtype: str, arch: str,
                      device: str, toolchain: str | None = None) -> list[dict]:
-    """The node's shared winners for (op, N, K, dtype, arch, device); with ``toolchain``,
-    only those timed with kernels of that toolchain or not saying which (``cached tune``
-    states it: a winner timed with another compiler's kernels is not this one's)."""
+    """The node's shared winners for (op, N, K, dtype, arch, device) this process may be
+    served (the daemon's trusted ones and its own trust group's); with ``toolchain``, only
+    those timed with kernels of that toolchain. A winner that states no toolchain or no
+    reduction-order class is never taken."""
     if client is None:
         return []
     try:
@@ -268,17 +271,23 @@ def autotune_results(client: Any, op: str, n: int, k: int, dtype: str, arch: str
             op_name=op, n=n, k=k, dtype=dtype, arch=arch, device=device), timeout=5)
     except CachedError:
         return []
-    return [r for r in results if r.get("op") == op
-            and (toolchain is None or r.get("toolchain", "") in ("", toolchain))]
+    return [r for r in results if r.get("op") == op and r.get("toolchain")
+            and r.get("reduction_class")
+            and (toolchain is None or r.get("toolchain") == toolchain)]
 
 
 def publish_autotune(client: Any, op: str, n: int, k: int, dtype: str, arch: str, device: str,
-                     bucket: int, kernel: str, tactic: Any, time_us: float) -> bool:
-    """Share one tuning winner with the other processes on the node; True when stored (a
-    slower result than the one already recorded is not)."""
+                     bucket: int, kernel: str, tactic: Any, time_us: float, *,
+                     reduction_class: str, toolchain: str | None = None) -> bool:
+    """Share one tuning winner with the other processes of this trust group on the node
+    (the daemon's trusted group when root or the daemon's uid publishes); True when stored
+    (a slower result than the one already recorded is not). ``reduction_class``: the
+    tactic's reduction-order class; ``toolchain``: the stack that compiled the kernels timed
+    (default: the daemon's, from ``hello``)."""
     return client.autotune_put(AutotunePutRequest(
         op_name=op, n=n, k=k, dtype=dtype, arch=arch, device=device, bucket=bucket,
-        kernel=kernel, tactic=tactic, time_us=time_us), timeout=10)
+        kernel=kernel, tactic=tactic, time_us=time_us, reduction_class=reduction_class,
+        toolchain=toolchain or client.hello(timeout=10).toolchain), timeout=10)
 
 
 # -- tactics per M bucket for one (N, K) -----------------------------------------------------
@@ -377,12 +386,16 @@ def choose_tactics(client: Any, family: str, n: int, k: int, arch: str, *,
     if batch_invariant:
         cls = one_class(class_of.items())
     winners: dict[int, Any] = {}
+    foreign: dict[int, dict] = {}  # winners filed under another class than the plan's
     if device is not None:
         toolchain = client.hello(timeout=10).toolchain
         for r in autotune_results(client, op, n, k, dtype, arch, device, toolchain):
+            if r.get("kernel") != family:
+                continue
             # under batch invariance a winner filed under another class is not a candidate
-            if r.get("kernel") == family and not (
-                    batch_invariant and r.get("reduction_class") not in ("", None, cls)):
+            if batch_invariant and r.get("reduction_class") != cls:
+                foreign[int(r["bucket"])] = r
+            else:
                 winners[int(r["bucket"])] = r["tactic"]
     whole = {u: _plan(client, family, u, n, k, arch, sm_count, opts, None)
              for u in ups if u in winners}
@@ -400,6 +413,10 @@ def choose_tactics(client: Any, family: str, n: int, k: int, arch: str, *,
             elif batch_invariant:
                 warnings.append(f"M<={u}: the shared autotune winner {winners[u]!r} is not a "
                                 f"tactic of the class {cls}; using the plan's first")
+        elif u in foreign:
+            warnings.append(f"M<={u}: the shared autotune winner {foreign[u]['tactic']!r} is "
+                            f"not a tactic of the class {cls} (it is filed under "
+                            f"{foreign[u]['reduction_class']}); using the plan's first")
         chosen.append(BucketChoice(u, request, class_of.get(request), source))
     if batch_invariant:
         one_class(chosen)
