@@ -16,7 +16,6 @@ from cached_client import Client, KernelRequest
 from cached_client import protocol as p
 from cached_client.errors import CachedError, InvalidArgument
 from cached_client.gemm import plan as gemm_plan
-from cached_client.transport import Connection
 
 from .. import families, manifests
 from . import argtypes, progress
@@ -167,7 +166,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
         print(json.dumps(summary) if args.json else f"{args.family}: {len(requests)} kernels "
               f"over {len(args.shape)} shapes on {', '.join(args.arch)}")
         return 0
-    counts = warm(client.socket_path, requests, args.timeout, _progress(args, len(requests)),
+    counts = warm(client, requests, args.timeout, _progress(args, len(requests)),
                   identity=client.identity)
     counts["seconds"] = round(time.monotonic() - started, 3)
     return report_warm(counts, args.json)
@@ -205,7 +204,7 @@ def warm_requests(args: argparse.Namespace) -> int:
     if args.limit is not None:
         requests = requests[: args.limit]
     client = client_for(args)
-    counts = warm(client.socket_path, requests, args.timeout, _progress(args, len(requests)),
+    counts = warm(client, requests, args.timeout, _progress(args, len(requests)),
                   identity=client.identity)
     counts["seconds"] = round(time.monotonic() - started, 3)
     return report_warm(counts, args.json)
@@ -272,7 +271,7 @@ def warm_manifest(args: argparse.Namespace) -> int:
             for pending in summary["pending"]:
                 print(f"  pending (no family yet): {pending}")
         return 0
-    counts = warm(client.socket_path, requests, args.timeout, _progress(args, len(requests)),
+    counts = warm(client, requests, args.timeout, _progress(args, len(requests)),
                   identity=client.identity)
     counts.update(summary, seconds=round(time.monotonic() - started, 3))
     return report_warm(counts, args.json, f"{manifest.model}: ")
@@ -291,17 +290,20 @@ def report_warm(counts: dict, as_json: bool, label: str = "") -> int:
     return 1 if counts["failed"] else 0
 
 
-def warm(socket_path: str, requests: list[KernelRequest], timeout: float,
+def warm(client: Client | str, requests: list[KernelRequest], timeout: float,
          shown: progress.Progress | None = None, identity: Any = None) -> dict:
-    """Ask for every request at pre-warm priority on one pipelined connection and wait;
+    """Ask for every request at pre-warm priority on one pipelined connection of
+    ``client``'s (a Client, or a socket path: the same socket search and trust checks as
+    its calls) and wait;
     ``shown`` hears of each reply and is closed at the end; ``identity`` (a protocol
     Identity): the environment they are for (None: the daemon's default toolchain)."""
     identity = identity if isinstance(identity, p.Identity) else None
+    client = Client(client) if isinstance(client, str) else client
     deadline = time.monotonic() + timeout
     counts: dict = {"compiled": 0, "cached": 0, "remote": 0, "failed": 0, "errors": []}
     deadline_ms = min(p.MAX_DEADLINE_MS, int(timeout * 1000))
     try:
-        with Connection(socket_path, deadline) as conn:
+        with client.connect(deadline) as conn:
             for i, request in enumerate(requests):
                 body = p.GetRequest(request=request, priority="prewarm",
                                     deadline_ms=deadline_ms, identity=identity)

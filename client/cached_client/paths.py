@@ -4,8 +4,9 @@ A client trusts a daemon process running as root, as its own uid (which can alre
 anything to it), or as the configured daemon uid ($CACHED_DAEMON_UID; unset: the system user
 ``cached`` that deploy/ and the image create, when this machine has one: only root makes
 users); every connect checks
-the server's uid (SO_PEERCRED) against them, and the default socket's directory too
-(cached_client.transport).
+the server's uid (SO_PEERCRED) against them, and a default socket's directory too
+(cached_client.transport). With no path and no $CACHED_SOCKET a client tries the per-user
+socket, then the system one (:func:`socket_candidates`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ SOCKET_ENV = "CACHED_SOCKET"
 DAEMON_UID_ENV = "CACHED_DAEMON_UID"
 DAEMON_USER = "cached"
 """The daemon's system user as deploy/cached.sysusers.conf and the Dockerfile name it."""
+SYSTEM_SOCKET = "/run/cached/cached.sock"
+"""The socket deploy/cached.socket (systemd) and the image listen on."""
 
 
 def runtime_dir() -> str:
@@ -36,9 +39,47 @@ def scratch_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"cached-client-{os.getuid()}")
 
 
+def user_socket_path() -> str:
+    """cached.sock under :func:`runtime_dir`: where ``cached serve`` listens by default."""
+    return os.path.join(runtime_dir(), "cached.sock")
+
+
+def socket_candidates() -> tuple[str, ...]:
+    """The sockets a client with no path tries, in order: $CACHED_SOCKET alone when set;
+    else the per-user one (:func:`user_socket_path`), then :data:`SYSTEM_SOCKET`."""
+    named = os.environ.get(SOCKET_ENV)
+    if named:
+        return (named,)
+    return (user_socket_path(), SYSTEM_SOCKET)
+
+
+def is_default_socket(path: str) -> bool:
+    """Whether ``path`` is one of the default sockets (not named by $CACHED_SOCKET): a
+    client checks such a socket's directory at every connect (cached_client.transport)."""
+    return not os.environ.get(SOCKET_ENV) and path in socket_candidates()
+
+
+def find_socket() -> str | None:
+    """The first of :func:`socket_candidates` that is a socket file now, or None."""
+    for path in socket_candidates():
+        try:
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                return path
+        except OSError:
+            continue
+    return None
+
+
 def default_socket_path() -> str:
-    """$CACHED_SOCKET, else cached.sock under :func:`runtime_dir` (the daemon's default)."""
-    return os.environ.get(SOCKET_ENV) or os.path.join(runtime_dir(), "cached.sock")
+    """The socket a client with no path would use now: :func:`find_socket`, else the first
+    candidate (nothing runs yet)."""
+    return find_socket() or socket_candidates()[0]
+
+
+def daemon_socket_path() -> str:
+    """Where the daemon listens by default: $CACHED_SOCKET, else :func:`user_socket_path`
+    (the system socket is systemd's, passed to the daemon by cached.socket)."""
+    return os.environ.get(SOCKET_ENV) or user_socket_path()
 
 
 def trusted_uids() -> frozenset[int]:
