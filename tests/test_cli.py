@@ -152,8 +152,7 @@ def test_no_daemon_says_how_to_start_one(tmp_path):
         result = run_cli(*command, "--socket", str(tmp_path / "none.sock"), check=False)
         assert result.returncode == 2
         assert f"no daemon is running on {tmp_path / 'none.sock'}" in result.stderr
-        for way in ("cached serve", "make serve", "systemctl start cached.socket"):
-            assert way in result.stderr
+        assert f"cached serve --socket {tmp_path / 'none.sock'}" in result.stderr
         assert "[Errno" not in result.stderr
     stale = socket.socket(socket.AF_UNIX)  # a socket file nobody listens on any more
     stale.bind(str(tmp_path / "stale.sock"))

@@ -218,6 +218,83 @@ def test_the_shipped_units_serve_under_systemd_with_their_hardening(booted):
     assert '"daemon.stopped"' in booted.journal("cached.service")
 
 
+# Nothing set, as a member of the group who reads no docs: no --socket, no $CACHED_SOCKET,
+# no runtime directory (a service's environment).
+AS_SET_UP = ("env", "-u", "CACHED_SOCKET", "-u", "XDG_RUNTIME_DIR", "-u", "JOURNAL_STREAM",
+             "LD_LIBRARY_PATH=/opt/python/lib", f"PYTHONPATH={ROOT}:{ROOT}/client",
+             booted_systemd.PYTHON)
+STALE = """
+import os, socket
+d = f"/tmp/cached-{os.getuid()}"
+os.makedirs(d, mode=0o700, exist_ok=True)
+s = socket.socket(socket.AF_UNIX)
+s.bind(d + "/cached.sock")
+s.close()
+"""
+PLUGIN = """
+import logging, sys
+from importlib.metadata import entry_points
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
+plugins = {ep.name: ep for ep in entry_points(group="vllm.general_plugins")}
+plugins["cached"].load()()
+from cached_client.integrations.vllm.state import daemon
+print("hello" if daemon().hello is not None else "none", daemon().socket)
+"""
+
+
+def test_with_nothing_set_the_cli_and_the_vllm_plugin_find_the_units_socket(booted):
+    """The unit listens on /run/cached/cached.sock; a member runs `cached stats` with
+    nothing set: the per-user socket (/tmp/cached-UID) is not there, so the system one is
+    used, its directory and server checked (was: 'no daemon is running on
+    /tmp/cached-UID/cached.sock'). A stale per-user socket is passed over; the vLLM plugin
+    finds the same daemon (was: nothing installed without $CACHED_SOCKET)."""
+    for stale in (False, True):
+        if stale:
+            booted.run(*AS_SET_UP, "-c", STALE, user=MEMBER)
+        stats = booted.run(*AS_SET_UP, "-m", "cached", "stats", "--json", user=MEMBER,
+                           check=False)
+        assert stats.returncode == 0, (stale, stats.stderr)
+        assert json_line(stats)["socket"] == SOCK, stats.stdout
+    plugin = booted.run(*AS_SET_UP, "-c", PLUGIN, user=MEMBER).stdout
+    assert f"daemon at {SOCK} (toolchain" in plugin, plugin
+    assert plugin.strip().splitlines()[-1] == f"hello {SOCK}", plugin
+    # an outsider is told the right fix: the group, not `systemctl start cached.socket`
+    outsider = booted.run(*AS_SET_UP, "-m", "cached", "stats", user=OUTSIDER, check=False)
+    assert outsider.returncode == 2 and f"cannot connect to {SOCK}: Permission denied" \
+        in outsider.stderr and "usermod -aG cached-clients" in outsider.stderr, \
+        outsider.stderr
+    assert "systemctl" not in outsider.stderr and "Traceback" not in outsider.stderr
+
+
+def test_journalctl_priority_separates_errors_from_info(booted):
+    """The daemon's lines reach the journal with their syslog priority (<N> prefixes on the
+    journal's stream): `journalctl -p warning` shows a failed reload and no INFO line
+    (was: every line at the stream's default, info, so -p warning showed nothing)."""
+    booted.run(*AS_SET_UP, "-m", "cached", "stats", "--json", user=MEMBER)  # started
+    booted.run("sh", "-c", "cp /etc/cached/cached.toml /run/cached.toml.orig && "
+               "echo 'not = = toml' >> /etc/cached/cached.toml")
+    try:
+        booted.systemctl("reload", "cached.service")
+        deadline = time.monotonic() + 30
+        while "daemon.reload_failed" not in booted.journal("cached.service"):
+            assert time.monotonic() < deadline, booted.journal("cached.service")[-3000:]
+            time.sleep(0.2)
+        warned = booted.run("journalctl", "--no-pager", "-o", "cat", "-u", "cached.service",
+                            "-p", "warning").stdout
+        assert '"daemon.reload_failed"' in warned and '"daemon.listening"' not in warned, \
+            warned
+        assert '"level": "info"' not in warned and not warned.startswith("<"), warned
+        entries = [json.loads(line) for line in booted.run(
+            "journalctl", "--no-pager", "-o", "json", "-u", "cached.service").stdout.splitlines()]
+        by_event = {json.loads(e["MESSAGE"])["event"]: e["PRIORITY"] for e in entries
+                    if isinstance(e.get("MESSAGE"), str) and e["MESSAGE"].startswith("{")}
+        assert by_event["daemon.listening"] == "6" and by_event["daemon.reload_failed"] == "3", \
+            by_event
+    finally:
+        booted.run("cp", "/run/cached.toml.orig", "/etc/cached/cached.toml")
+        booted.systemctl("reload", "cached.service")
+
+
 def test_directives_left_out_of_the_unit_would_break_it(booted):
     booted.write_dropin("cached.service", "zz-left-out.conf",
                         "[Service]\nMemoryDenyWriteExecute=yes\nPrivateUsers=yes\n")

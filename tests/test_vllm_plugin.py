@@ -53,9 +53,30 @@ def test_without_a_live_daemon_one_log_line_and_nothing_else(tmp_path, socket):
     if socket == "FILE":
         socket = str(tmp_path / "not-a-socket")
         open(socket, "w").close()
-    result, logs = _run({"CACHED_SOCKET": socket})
+    # XDG_RUNTIME_DIR: no default socket either (the per-user one under it, /run/cached's)
+    result, logs = _run({"CACHED_SOCKET": socket, "XDG_RUNTIME_DIR": str(tmp_path)})
     assert result == {"installed_before": False, "flashinfer_imported": False}
     assert len(logs.splitlines()) == 1 and "in-process" in logs
+    if not socket:
+        assert f"no daemon socket exists at {tmp_path}/cached/cached.sock or " \
+            "/run/cached/cached.sock" in logs, logs
+
+
+def test_with_nothing_set_the_plugin_uses_the_default_socket(tmp_path):
+    """No $CACHED_SOCKET: the plugin finds the daemon on the default socket, as Client() and
+    the CLI do (was: nothing installed); the system socket: tests/test_ops_deploy.py."""
+    (tmp_path / "cached").mkdir(mode=0o700)
+    d = DaemonProcess(tmp_path / "cached", workers=1, ready_workers=0,
+                      extra_env={"XDG_RUNTIME_DIR": str(tmp_path)})
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "CACHED_SOCKET"}
+        proc = subprocess.run([sys.executable, "-c", LOADER], capture_output=True, text=True,
+                              env={**env, "XDG_RUNTIME_DIR": str(tmp_path)}, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"daemon at {tmp_path}/cached/cached.sock (toolchain" in proc.stderr, \
+            proc.stderr[-3000:]
+    finally:
+        d.stop()
 
 
 def test_with_a_live_daemon_flashinfer_is_hooked_when_first_imported(tmp_path):

@@ -96,13 +96,13 @@ def unreachable_hint(named: str | None) -> str | None:
     codes = {exc.errno for _, exc in failed if exc is not None}
     if not codes <= {errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK, errno.EACCES}:
         return None
-    lines = [f"no daemon is running on {path} ({exc.strerror or type(exc).__name__})"
+    lines = [f"cannot connect to {path}: {exc.strerror}: this user may not use the daemon's "
+             "socket" if exc.errno == errno.EACCES else
+             f"no daemon is running on {path} ({exc.strerror or type(exc).__name__})"
              for path, exc in failed if exc is not None]
-    denied = [path for path, exc in failed if exc is not None and exc.errno == errno.EACCES]
-    if denied:
-        lines.append(f"  this user may not use {denied[0]}: join the daemon's group "
-                     "(cached-clients under systemd: usermod -aG cached-clients USER, then "
-                     "log in again)")
+    if errno.EACCES in codes:
+        lines.append("  join the daemon's group (cached-clients under systemd: usermod -aG "
+                     "cached-clients USER, then log in again)")
         return "\n".join(lines)
     unit = any(os.path.exists(os.path.join(d, "cached.socket")) for d in UNIT_DIRS)
     fixes: list[tuple[str, str]] = []

@@ -12,7 +12,7 @@ import sys
 from cached_client import Client
 
 from .. import tune
-from . import argtypes
+from . import argtypes, gpu
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -78,6 +78,10 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    why = gpu.why_not("tune")
+    if why:
+        print(why, file=sys.stderr)
+        return 2
     client = Client(args.socket, timeout=600)
     shapes = tune.shapes_to_tune(client, args.weight, args.manifest, args.planned)
     if not shapes:
@@ -88,9 +92,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     from ..tune_cuda import CudaTimer
 
-    if not torch.cuda.is_available():
-        print("cached tune: no CUDA device here; run it on a GPU node", file=sys.stderr)
-        return 2
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     arch = f"sm_{props.major}{props.minor}a"
     if arch != tune.ARCH:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import pwd
+import socket
 import stat
 import tempfile
 
@@ -59,15 +60,32 @@ def is_default_socket(path: str) -> bool:
     return not os.environ.get(SOCKET_ENV) and path in socket_candidates()
 
 
-def find_socket() -> str | None:
-    """The first of :func:`socket_candidates` that is a socket file now, or None."""
+def find_socket(connect: bool = False) -> str | None:
+    """The first of :func:`socket_candidates` that is a socket file now, or None; with
+    ``connect``, the first that accepts a connection before the first that merely exists
+    (a daemon that stopped may leave its socket file behind). Whom it reached is not
+    checked here: every client connect checks that (cached_client.transport)."""
+    sockets = []
     for path in socket_candidates():
         try:
             if stat.S_ISSOCK(os.lstat(path).st_mode):
-                return path
+                sockets.append(path)
         except OSError:
             continue
-    return None
+    if connect:
+        for path in sockets:
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                probe.settimeout(0.5)
+                probe.connect(path)
+                return path
+            except (BlockingIOError, TimeoutError):
+                return path  # a full backlog: something listens there
+            except OSError:
+                continue
+            finally:
+                probe.close()
+    return sockets[0] if sockets else None
 
 
 def default_socket_path() -> str:

@@ -2,7 +2,7 @@
 imports nothing heavy).
 
 :func:`daemon` is made once per process: at ``$CACHED_SOCKET`` (whether or not a daemon
-listens there yet), else at the first default socket that exists now
+listens there yet), else at the first default socket that answers now, or exists
 (cached_client.paths.find_socket: the per-user one, then the system one), it starts that
 socket's prober (cached_client.liveness) and waits at most ``START_WAIT_S`` for its first
 answer, so a stopped or hung daemon costs a starting process that long, not a probe's
@@ -72,7 +72,7 @@ def daemon() -> Daemon:
 
 
 def _make() -> Daemon:
-    path = os.environ.get(paths.SOCKET_ENV) or paths.find_socket()
+    path = os.environ.get(paths.SOCKET_ENV) or paths.find_socket(connect=True)
     if not path:
         return Daemon(None, None, None, f"{paths.SOCKET_ENV} is not set and no daemon socket "
                       f"exists at {' or '.join(paths.socket_candidates())}")
