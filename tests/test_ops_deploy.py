@@ -392,6 +392,38 @@ def test_image_installs_torchs_cpu_build_and_the_pins_without_cuda_wheels(tmp_pa
         assert not [n for n in step if CUDA_TORCH_DEPS.match(n)], sorted(step)
 
 
+def test_a_gpu_nodes_install_gets_torchs_cuda_build_and_the_same_pins(tmp_path):
+    """TORCH_BUILD=cuda (docs/operations.md, "Certify and tune on a GPU node"), run as the
+    docs say into a fresh virtualenv with --dry-run --report: torch at exactly the pinned
+    version without the +cpu label (this machine holds the +cpu wheel in pip's find-links:
+    it is not taken), with its CUDA wheels, and every other pin as the CPU install has it.
+    A value that is neither cpu nor cuda is refused before pip runs."""
+    refused = subprocess.run(["sh", str(ROOT / "deploy" / "install-deps.sh"), "false"],
+                             capture_output=True, text=True, env={**os.environ,
+                                                                  "TORCH_BUILD": "gpu"})
+    assert refused.returncode == 2 and "must be cpu or cuda" in refused.stderr
+    try:
+        socket.getaddrinfo("pypi.org", 443)
+    except OSError:
+        pytest.skip("no route to the package index: torch's CUDA build cannot be resolved")
+    pins = dict(line.split("==") for line in (ROOT / "requirements.txt").read_text().split()
+                if "==" in line)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    result = subprocess.run(
+        ["sh", str(ROOT / "deploy" / "install-deps.sh"), str(venv / "bin" / "pip"),
+         "--dry-run", "--quiet", "--report", "-"], capture_output=True, text=True,
+        env={**os.environ, "TORCH_BUILD": "cuda"}, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = {_canonical(i["metadata"]["name"]): i["metadata"]
+              for i in json.loads(result.stdout)["install"]}
+    assert report["torch"]["version"] == pins["torch"].removesuffix("+cpu"), report["torch"]
+    assert [n for n in report if CUDA_TORCH_DEPS.match(n)], sorted(report)
+    for name, version in pins.items():
+        if name != "torch":
+            assert report[_canonical(name)]["version"] == version, name
+
+
 def test_image_apt_packages_resolve_on_debian_12():
     dockerfile = _instructions((ROOT / "Dockerfile").read_text())
     assert "bookworm" in dockerfile["FROM"][0]  # Debian 12

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -287,6 +288,31 @@ def test_the_kernels_custom_op_traces_with_fake_tensors(vllm_runs):
 def test_linear_backend_cached_is_accepted_by_vllms_cli(vllm_runs):
     assert vllm_runs["90"][0]["cli"] == "cached"
     assert vllm_runs["90-vllm"][0]["cli"] == "refused"  # vLLM alone does not know the name
+
+
+VLLM_CLI = ROOT / ".venv-vllm" / "bin" / "vllm"
+
+
+@needs_vllm
+def test_vllm_serve_parses_linear_backend_cached(tmp_path):
+    """The console script `vllm serve` of the vLLM environment, as a user runs it (not the
+    harness): its command line accepts --linear-backend cached from the plugin and goes on
+    to load the model (absent here); an unknown backend is refused by vLLM's parser. (Was:
+    `vllm serve` could not start: no uvicorn in .venv-vllm.)"""
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT / "client"), "XDG_RUNTIME_DIR": str(tmp_path)}
+    env.pop("CACHED_SOCKET", None)
+    model = str(tmp_path / "no-model-here")
+    ran = {backend: subprocess.run([str(VLLM_CLI), "serve", model, "--linear-backend", backend],
+                                   capture_output=True, text=True, env=env, timeout=300,
+                                   cwd=tmp_path)
+           for backend in ("cached", "nonsense")}
+    out = ran["cached"].stdout + ran["cached"].stderr
+    missing = set(re.findall(r"No module named '([\w.]+)'", out)) - {"vllm._C"}  # CPU build
+    assert not missing and "'linear_backend': 'cached'" in out, out[-3000:]
+    refused = ran["nonsense"]
+    assert refused.returncode == 2 and "invalid choice: 'nonsense'" in refused.stderr
+    assert "'cached'" in refused.stderr  # among the choices vLLM lists
 
 
 @needs_vllm
