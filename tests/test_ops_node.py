@@ -333,3 +333,130 @@ def _wait(needle: str, proc: subprocess.Popen, log: Path, timeout: float = 60) -
     while needle not in log.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.1)
+
+
+# -- packages: names of ours, installable from a checkout and from wheels ------------------
+
+
+def _venv_seeing(path: Path, site_of: Path) -> Path:
+    """A fresh virtualenv whose interpreter also sees ``site_of``'s site-packages (the
+    dependencies, pip and setuptools included, already installed there): only the
+    project's packages are installed into it; ``bin/pip`` is that pip."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True,
+                   timeout=120)
+    sp = next((path / "lib").glob("python3.*/site-packages"))
+    theirs = next((site_of / "lib").glob("python3.*/site-packages")).resolve()
+    (sp / "zz-deps.pth").write_text(f"import site; site.addsitedir({str(theirs)!r})\n")
+    (path / "bin" / "pip").write_text(f"#!{path / 'bin' / 'python'}\nimport sys\n"
+                                      "from pip._internal.cli.main import main\n"
+                                      "sys.exit(main())\n")
+    (path / "bin" / "pip").chmod(0o755)
+    return path
+
+
+def _checkout(tmp: Path) -> Path:
+    """A copy of the checkout's packages (pip builds in the source tree: build/ and
+    *.egg-info land in the copy, never in the checkout)."""
+    src = tmp / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+    for part in ("client", "cached"):
+        shutil.copytree(ROOT / part, src / part, ignore=ignore)
+    shutil.copy(ROOT / "pyproject.toml", src / "pyproject.toml")
+    return src
+
+
+def _clean_env(venv: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CACHED_SOCKET")}
+    env["PATH"] = f"{venv / 'bin'}:{env['PATH']}"
+    return env
+
+
+METADATA = """
+import json, sys
+from importlib import metadata
+out = {}
+for name in ("cached-kernel-daemon", "cached-kernel-client"):
+    d = metadata.distribution(name)
+    out[name] = {"requires": d.requires or [], "files": [str(f) for f in d.files or []],
+                 "location": str(d.locate_file(""))}
+print(json.dumps(out))
+"""
+
+
+def test_the_packages_install_from_a_checkout_and_from_wheels(tmp_path):
+    """`pip install ./client .` in a fresh environment (offline: every dependency is already
+    there, so the metadata alone must resolve), then wheels of both installed by name from a
+    wheelhouse: the names are ours (not `cached`, another project's on the index, nor
+    `cached-client`, which the index lacks), the daemon requires the client by its name,
+    the metadata states ranges, not pins, and the installed `cached` command runs."""
+    src = _checkout(tmp_path)
+    venv = _venv_seeing(tmp_path / "checkout", ROOT / ".venv")
+    offline = ["--no-index", "--no-build-isolation", "-q"]
+    pip = [str(venv / "bin" / "pip")]
+    done = subprocess.run([*pip, "install", *offline, "./client", "."], cwd=src,
+                          env=_clean_env(venv), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    wheels = tmp_path / "wheels"
+    built = subprocess.run([*pip, "wheel", *offline, "--no-deps", "-w", str(wheels),
+                            "./client", "."], cwd=src, env=_clean_env(venv),
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert sorted(w.name.split("-")[0] for w in wheels.glob("*.whl")) == [
+        "cached_kernel_client", "cached_kernel_daemon"]
+    from_wheels = _venv_seeing(tmp_path / "wheel", ROOT / ".venv")
+    done = subprocess.run([str(from_wheels / "bin" / "pip"), "install", "--no-index", "-q",
+                           "--find-links", str(wheels), "cached-kernel-daemon"],
+                          env=_clean_env(from_wheels), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for env in (venv, from_wheels):
+        meta = json.loads(subprocess.run([str(env / "bin" / "python"), "-c", METADATA],
+                                         capture_output=True, text=True, check=True,
+                                         cwd=tmp_path, env=_clean_env(env)).stdout)
+        daemon = meta["cached-kernel-daemon"]
+        assert any(r.startswith("cached-kernel-client") for r in daemon["requires"]), daemon
+        assert not [r for r in daemon["requires"] if "==" in r], daemon["requires"]
+        assert Path(daemon["location"]).resolve().is_relative_to(env.resolve())
+        assert any(f.endswith("hopper_fp8/data/winners.json") or "hopper_fp8/data/" in f
+                   for f in daemon["files"]), "the family's data files are installed"
+        version = subprocess.run([str(env / "bin" / "cached"), "--version"], cwd=tmp_path,
+                                 env=_clean_env(env), capture_output=True, text=True,
+                                 timeout=120)
+        assert version.returncode == 0 and version.stdout.startswith("cached 0.1.0"), \
+            version.stdout + version.stderr[-2000:]
+
+
+def _sh_block(markdown: str, marker: str) -> list[str]:
+    """The commands of the ``sh`` block after ``marker`` (comments stripped)."""
+    after = markdown.split(marker, 1)[1]
+    block = after.split("```sh\n", 1)[1].split("```", 1)[0]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_integration_md_set_up_runs_as_written(tmp_path):
+    """docs/integration.md's set-up: its pip line, as written, in a fresh environment of
+    vLLM 0.33.0's (the vLLM environment's packages, nothing of the project's): the plugin's
+    entry point is then installed, from this checkout (was: `pip install cached-client`,
+    which finds nothing on the index)."""
+    vllm_env = ROOT / ".venv-vllm"
+    if not (vllm_env / "bin" / "python").exists():
+        pytest.skip("the vLLM environment: make setup-vllm")
+    commands = _sh_block((ROOT / "docs" / "integration.md").read_text(), "<!-- set-up:")
+    pip_lines = [c for c in commands if c.startswith("pip ")]
+    assert pip_lines == ["pip install ./client"], commands
+    venv = _venv_seeing(tmp_path / "vllm-user", vllm_env)
+    env = _clean_env(venv)
+    src = _checkout(tmp_path)
+    for line in pip_lines:
+        done = subprocess.run(["sh", "-c", line], cwd=src, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, (line, done.stderr[-3000:])
+    code = ("import json; from importlib.metadata import entry_points, distribution; "
+            "ep = {e.name: e.value for e in entry_points(group='vllm.general_plugins')}; "
+            "d = distribution('cached-kernel-client'); "
+            "print(json.dumps([ep.get('cached'), str(d.locate_file(''))]))")
+    plugin, where = json.loads(subprocess.run([str(venv / "bin" / "python"), "-c", code],
+                                              env=env, cwd=tmp_path, capture_output=True,
+                                              text=True, check=True).stdout)
+    assert plugin == "cached_client.integrations.vllm.plugin:register"
+    assert Path(where).resolve().is_relative_to(venv.resolve()), where

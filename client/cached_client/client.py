@@ -612,8 +612,8 @@ class Client:
         if build is None:
             raise DaemonUnavailable(
                 f"{reason.message}; and no in-process compiler for {request.family!r} is "
-                "installed here (install the 'cached' package to compile in-process, or "
-                "start the daemon: make serve)"
+                "installed here (install the daemon's package, cached-kernel-daemon, to compile "
+                "in-process, or start the daemon: make serve)"
             ) from None
         artifact = build(request, self._scratch)
         self._fallbacks[request.family] = self._fallbacks.get(request.family, 0) + 1
