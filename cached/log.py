@@ -103,6 +103,31 @@ def setup(level: str = "info", as_json: bool | None = None) -> None:
     root.setLevel(level.upper())
 
 
+class _CommandFormatter(logging.Formatter):
+    """A command's own lines: ``cached COMMAND: event key=value ...`` (no time, no level
+    word unless it is an error)."""
+
+    def __init__(self, command: str) -> None:
+        super().__init__()
+        self.command = command
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = getattr(record, "fields", {})
+        kv = " ".join(f"{k}={_short(v)}" for k, v in fields.items())
+        severity = "error: " if record.levelno >= logging.ERROR else ""
+        return f"cached {self.command}: {severity}{record.getMessage()} {kv}".rstrip()
+
+
+def setup_command(command: str, level: str = "warning") -> None:
+    """Log lines of a command working on a store itself (``gc --store``, ``verify
+    --store``): warnings and errors on stderr as readable lines, not bare event names."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_CommandFormatter(command))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
 def event(log: logging.Logger, level: int, name: str, **fields: Any) -> None:
     if log.isEnabledFor(level):
         log.log(level, name, extra={"fields": fields})

@@ -270,7 +270,7 @@ def test_journalctl_priority_separates_errors_from_info(booted):
     """The daemon's lines reach the journal with their syslog priority (<N> prefixes on the
     journal's stream): `journalctl -p warning` shows a failed reload and no INFO line
     (was: every line at the stream's default, info, so -p warning showed nothing)."""
-    booted.run(*AS_SET_UP, "-m", "cached", "stats", "--json", user=MEMBER)  # started
+    booted.run(*AS_SET_UP, "-m", "cached", "stats", "--socket", SOCK, user=MEMBER)  # started
     booted.run("sh", "-c", "cp /etc/cached/cached.toml /run/cached.toml.orig && "
                "echo 'not = = toml' >> /etc/cached/cached.toml")
     try:

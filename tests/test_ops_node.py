@@ -460,3 +460,36 @@ def test_integration_md_set_up_runs_as_written(tmp_path):
                                               text=True, check=True).stdout)
     assert plugin == "cached_client.integrations.vllm.plugin:register"
     assert Path(where).resolve().is_relative_to(venv.resolve()), where
+
+
+# -- gc and verify without a daemon --------------------------------------------------------
+
+
+def test_gc_and_verify_without_a_daemon_point_at_store_and_say_readable_lines(tmp_path):
+    """With no daemon answering, gc and verify name --store with the store a daemon here
+    would use; offline verify of a store with a tampered entry prints its report and
+    readable lines (command, event, fields), not bare event names on stderr."""
+    env = env_without_socket(tmp_path, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    for command in ("gc", "verify"):
+        result = run(["-m", "cached", command], env)
+        assert result.returncode == 2, result.stderr
+        assert (f"on the store itself: cached {command} --store {tmp_path / 'cache' / 'cached'}"
+                in result.stderr), result.stderr
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_store import publish
+
+    from cached.store.store import Store
+
+    store = Store(tmp_path / "store")
+    publish(store, "good", b"g")
+    bad = publish(store, "bad", b"b")
+    store.close()
+    bad.library_path.chmod(0o644)
+    bad.library_path.write_bytes(b"tampered")
+    result = run(["-m", "cached", "verify", "--store", str(tmp_path / "store")], env)
+    assert result.returncode == 1 and result.stdout.startswith("1/2 entries verified"), \
+        result.stdout
+    lines = result.stderr.splitlines()
+    assert lines and all(line.startswith("cached verify: ") for line in lines), lines
+    dropped = next(line for line in lines if "store.entry_dropped" in line)
+    assert "reason=" in dropped and "key=" in dropped, dropped

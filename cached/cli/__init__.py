@@ -19,7 +19,7 @@ import sys
 from cached_client.errors import CachedError, DaemonUnavailable
 from cached_client.paths import SOCKET_ENV, SYSTEM_SOCKET, socket_candidates, user_socket_path
 
-from .. import compiler_stack
+from .. import compiler_stack, config
 from ..config import ConfigError
 from . import certify, serve, store, toolchains, tune, warm
 
@@ -69,6 +69,21 @@ def build_parser() -> argparse.ArgumentParser:
     for module in MODULES:
         module.add_parsers(sub, common)
     return parser
+
+
+OFFLINE = ("gc", "verify")
+"""Commands that also work on a store no daemon serves (``--store DIR``)."""
+
+
+def offline_hint(command: str) -> str:
+    """How to run ``command`` on the store itself, naming the store a daemon started here
+    would use."""
+    try:
+        store = config.resolve(config_flag=None).store
+    except ConfigError:
+        store = "DIR"
+    return (f"  or, with no daemon serving it, on the store itself: cached {command} --store "
+            f"{store}")
 
 
 def _probe(path: str) -> OSError | None:
@@ -137,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         hint = None
         if isinstance(exc, DaemonUnavailable) and exc.message.startswith("cannot connect"):
             hint = unreachable_hint(getattr(args, "socket", None))
+        if hint and args.command in OFFLINE:
+            hint += "\n" + offline_hint(args.command)
         if hint:
             print(f"cached {args.command}: {hint}", file=sys.stderr)
         else:

@@ -283,8 +283,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
             max_bytes=args.max_bytes, max_files=args.max_files, grace=args.grace))
         report = reply.to_wire()
     else:
+        from .. import log
         from ..store.store import Store
 
+        log.setup_command("gc")
         settings = config.resolve(config_flag=args.config)
         lock = storelock.take(args.store, "gc", hint=THROUGH_THE_DAEMON.format("gc"))
         store = Store(args.store)
@@ -313,8 +315,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.store is None:
         report = dataclasses.asdict(Client(args.socket, timeout=3600).verify())
     else:
+        from .. import log
         from ..store.store import Store
 
+        log.setup_command("verify")
         if not (Path(args.store) / "index.sqlite").exists():
             print(f"cached verify: no store at {args.store}", file=sys.stderr)
             return 2
