@@ -493,3 +493,65 @@ def test_gc_and_verify_without_a_daemon_point_at_store_and_say_readable_lines(tm
     assert lines and all(line.startswith("cached verify: ") for line in lines), lines
     dropped = next(line for line in lines if "store.entry_dropped" in line)
     assert "reason=" in dropped and "key=" in dropped, dropped
+
+
+# -- flags: one meaning each ---------------------------------------------------------------
+
+
+def _options() -> list[tuple[str, object]]:
+    from cached.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return [(name, action) for name, command in sub.choices.items()
+            for action in command._actions]
+
+
+def test_every_json_flag_prints_and_seconds_are_spelled_seconds():
+    """--json on every subcommand prints one JSON document (tune's too: `--json PATH`, its
+    old form, still writes a file, with a deprecation line); an option taking seconds says
+    SECONDS, and a spelling with a unit suffix (`--budget-s`) is the deprecated alias of
+    one that does not."""
+    from cached.cli import build_parser
+
+    for name, action in _options():
+        if "--json" in action.option_strings:
+            assert action.nargs == 0 or (action.nargs == "?" and action.const == "-"), name
+            assert "print" in (action.help or ""), (name, action.help)
+        if any(o.endswith("-s") for o in action.option_strings):
+            assert "old spelling" in (action.help or ""), (name, action.option_strings)
+    args = build_parser().parse_args(["tune", "--weight", "64,64", "--json"])
+    assert args.json == "-"
+    args = build_parser().parse_args(["tune", "--weight", "64,64", "--budget", "5"])
+    assert args.budget == 5.0
+
+
+def test_tune_accepts_the_old_budget_spelling_with_a_line_saying_so(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible here")
+    result = run(["-m", "cached", "tune", "--weight", "64,64", "--budget-s", "5", "--socket",
+                  str(tmp_path / "none.sock")], env_without_socket(tmp_path))
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and len(lines) == 2, result.stderr
+    assert lines[0] == "cached tune: --budget-s is deprecated: use --budget SECONDS"
+    assert "CPU build" in lines[1] or "no CUDA device" in lines[1]
+
+
+def test_limit_counts_kernels_and_a_manifest_plans_the_nodes_own_targets(user_daemon):
+    """`warm --manifest M --limit 4` plans 4 kernels in all (was: 4 per build and target,
+    20 for the Llama manifest); on a node where nvidia-smi names no GPU (this one) every
+    target is planned and the line says so; the compute capabilities nvidia-smi prints map
+    to the targets a node with those GPUs plans."""
+    from cached.cli.warm import targets_of
+
+    xdg, _ = user_daemon
+    result = run(["-m", "cached", "warm", "--manifest", "llama-3.1-8b", "--limit", "4",
+                  "--plan-only", "--json", "--skip-missing"], env_without_socket(xdg), check=True)
+    plan = json.loads(result.stdout)
+    assert plan["total"] == 4 and sum(plan["kernels"].values()) == 4, plan["kernels"]
+    assert len(plan["requests"]) >= 2  # from more than one build: the first 4 in order
+    if shutil.which("nvidia-smi") is None:
+        assert "no GPU found here (nvidia-smi): every target of the manifest" in result.stderr
+    assert targets_of(["9.0", "10.0", "10.0", "n/a", ""]) == {"sm_90a", "sm_100a"}

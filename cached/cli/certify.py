@@ -39,7 +39,7 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     certify.add_argument("--no-record", action="store_true",
                          help="measure only; do not record the result in the daemon")
     certify.add_argument("--json", action="store_true",
-                         help="one JSON object per shape")
+                         help="print one JSON object per shape on stdout")
     certify.set_defaults(run=cmd_certify)
 
 

@@ -24,7 +24,7 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                           "answers on the socket, the settings that daemon runs with (after "
                           "its last SIGHUP) and which of them differ.")
     config.add_flags(show)
-    show.add_argument("--json", action="store_true", help="one JSON object")
+    show.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     show.set_defaults(run=cmd_config)
 
 
