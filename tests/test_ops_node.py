@@ -555,3 +555,43 @@ def test_limit_counts_kernels_and_a_manifest_plans_the_nodes_own_targets(user_da
     if shutil.which("nvidia-smi") is None:
         assert "no GPU found here (nvidia-smi): every target of the manifest" in result.stderr
     assert targets_of(["9.0", "10.0", "10.0", "n/a", ""]) == {"sm_90a", "sm_100a"}
+
+
+# -- drift: what the daemon exposes and prints, as the docs say it ------------------------
+
+
+def test_metrics_have_no_created_series_and_every_family_is_documented(user_daemon):
+    """/metrics has no `_created` series (there were 163), and every metric family it
+    exposes is named in docs/operations.md's metrics table."""
+    _, d = user_daemon
+    with urllib.request.urlopen(f"http://{d.stats()['http']}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    assert not [line for line in text.splitlines() if "_created" in line.split(" ")[0]]
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    families = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            families[name] = kind
+    assert len(families) > 20, families
+    missing = [name for name, kind in families.items()
+               if f"`{name}_total" not in doc and f"`{name}" not in doc
+               and f" `{name}`" not in doc and f"{name}," not in doc]
+    assert not missing, missing
+
+
+def test_the_status_example_uses_the_units_the_daemon_prints():
+    """The `systemctl status` example in operations.md shows the shipped budget
+    (deploy/cached.toml's max_bytes) as size_text prints it (was: "20.0 GiB" for 20G,
+    which the daemon prints "20 GB")."""
+    import tomllib
+
+    from cached.config import parse_size, size_text
+
+    budget = size_text(parse_size(tomllib.loads(
+        (ROOT / "deploy" / "cached.toml").read_text())["max_bytes"]))
+    doc = " ".join((ROOT / "docs" / "operations.md").read_text().split())
+    example = re.search(r"`serving: \d+ kernels \(([^)]*)\)", doc).group(1)
+    used, _, of = example.partition(" of ")
+    assert of == budget, (example, budget)
+    assert re.fullmatch(r"\d+\.\d (KiB|MiB|GiB)|\d+ [kMGT]?B", used), used
