@@ -595,3 +595,30 @@ def test_the_status_example_uses_the_units_the_daemon_prints():
     used, _, of = example.partition(" of ")
     assert of == budget, (example, budget)
     assert re.fullmatch(r"\d+\.\d (KiB|MiB|GiB)|\d+ [kMGT]?B", used), used
+
+
+def test_one_backoff_doubles_to_its_ceiling_jitters_and_starts_over():
+    """cached_client.backoff.Backoff, which the prober, a connect to a full backlog, the
+    pool's worker restarts and the fleet tier all use: first, doubling, capped; jitter
+    within its bounds; reset starts over; nonsense bounds refused."""
+    from cached_client.backoff import Backoff
+
+    b = Backoff(0.5, 3.0)
+    assert [b.next() for _ in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    b.reset()
+    assert b.upcoming == 0.5 and b.next() == 0.5
+    j = Backoff(1.0, 60.0, jitter=0.2)
+    for expected in (1.0, 2.0, 4.0, 8.0):
+        assert expected * 0.8 <= j.next() <= expected * 1.2
+    for bad in ((0, 1), (2, 1), (1, 2, 1.0)):
+        with pytest.raises(ValueError, match="backoff"):
+            Backoff(*bad)
+    import inspect
+
+    from cached_client import liveness, transport
+
+    from cached import pool
+    from cached.fleet import redis_tier
+    for module in (liveness, transport, pool, redis_tier):
+        source = inspect.getsource(module)
+        assert "Backoff(" in source and "* 2, " not in source, module.__name__
