@@ -255,6 +255,8 @@ def test_with_nothing_set_the_cli_and_the_vllm_plugin_find_the_units_socket(boot
                            check=False)
         assert stats.returncode == 0, (stale, stats.stderr)
         assert json_line(stats)["socket"] == SOCK, stats.stdout
+    shown = booted.run(*AS_SET_UP, "-m", "cached", "config", user=MEMBER).stdout
+    assert f"the daemon running on {SOCK}:" in shown, shown[-2000:]  # what a client finds
     plugin = booted.run(*AS_SET_UP, "-c", PLUGIN, user=MEMBER).stdout
     assert f"daemon at {SOCK} (toolchain" in plugin, plugin
     assert plugin.strip().splitlines()[-1] == f"hello {SOCK}", plugin
@@ -290,9 +292,9 @@ def test_journalctl_priority_separates_errors_from_info(booted):
                     if isinstance(e.get("MESSAGE"), str) and e["MESSAGE"].startswith("{")}
         assert by_event["daemon.listening"] == "6" and by_event["daemon.reload_failed"] == "3", \
             by_event
-    finally:
+    finally:  # as the first test left it: the shipped file, the service stopped
         booted.run("cp", "/run/cached.toml.orig", "/etc/cached/cached.toml")
-        booted.systemctl("reload", "cached.service")
+        booted.systemctl("stop", "cached.service")
 
 
 def test_directives_left_out_of_the_unit_would_break_it(booted):
