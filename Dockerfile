@@ -35,6 +35,9 @@ WORKDIR /opt/cached
 # torch is the CUDA build, gigabytes of nvidia-* wheels the daemon never uses), then the rest
 # (deploy/install-deps.sh; --build-arg TORCH_INDEX=URL for a mirror of the CPU index).
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# --build-arg TORCH_BUILD=cuda: torch's CUDA build instead, for an image that runs
+# `cached certify` and `cached tune` on the node's GPU (docker run --gpus ...).
+ARG TORCH_BUILD=cpu
 COPY requirements.txt ./
 COPY deploy/install-deps.sh deploy/
 RUN sh deploy/install-deps.sh pip

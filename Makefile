@@ -27,6 +27,7 @@ $(STAMP): requirements.txt deploy/install-deps.sh pyproject.toml client/pyprojec
 	@command -v gcc >/dev/null || (apt-get update -qq && apt-get install -y -qq gcc)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	sh deploy/install-deps.sh $(BIN)/pip -q
+	$(BIN)/pip uninstall -q -y cached cached-client 2>/dev/null || true  # the names before 0.1's rename
 	$(BIN)/pip install -q --no-deps -e client -e .
 	touch $(STAMP)
 
@@ -41,7 +42,7 @@ $(TEST_STAMP): $(STAMP) requirements-dev.txt
 	touch $(TEST_STAMP)
 
 # The second environment, as a vLLM 0.33.0 user has it: vLLM's pins of FlashInfer, the DSL
-# and TVM-FFI, vLLM itself without its GPU dependencies, and cached-client as the only
+# and TVM-FFI, vLLM itself without its GPU dependencies, and cached-kernel-client as the only
 # project package. requirements-vllm.txt is a complete lock (hence --no-deps); the import
 # at the end checks it.
 $(VLLM_STAMP): requirements-vllm.txt client/pyproject.toml
@@ -49,6 +50,7 @@ $(VLLM_STAMP): requirements-vllm.txt client/pyproject.toml
 	$(VLLM_BIN)/pip install -q torch==2.13.0
 	$(VLLM_BIN)/pip install -q --no-deps -r requirements-vllm.txt
 	$(VLLM_BIN)/pip install -q --no-deps vllm==0.33.0
+	$(VLLM_BIN)/pip uninstall -q -y cached-client 2>/dev/null || true  # the client's name before
 	$(VLLM_BIN)/pip install -q --no-deps -e client
 	$(VLLM_BIN)/python -c "import vllm.plugins, vllm.model_executor.kernels.linear" >/dev/null
 	touch $(VLLM_STAMP)

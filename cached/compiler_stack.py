@@ -34,12 +34,21 @@ def fingerprint_digest(value: str | None = None) -> str:
     return identity.digest(value or fingerprint())
 
 
+DAEMON_DIST = "cached-kernel-daemon"
+"""The daemon's distribution (pyproject.toml; its import package is ``cached``)."""
+
+
 def daemon_version() -> str:
-    """This daemon's own version, from the ``cached`` distribution's metadata."""
-    try:
-        return importlib.metadata.version("cached")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (not installed)"
+    """This daemon's own version, from the metadata of the distribution that installed the
+    ``cached`` package (:data:`DAEMON_DIST`, or an install of the same code under an
+    earlier name)."""
+    names = [DAEMON_DIST, *importlib.metadata.packages_distributions().get("cached", [])]
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown (not installed)"
 
 
 def versions() -> dict[str, str]:

@@ -18,6 +18,7 @@ Bottom layer: imports nothing of the daemon (only the client's default paths).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 import os
 import re
@@ -28,7 +29,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from cached_client.paths import runtime_dir
+from cached_client.paths import user_socket_path
 
 SYSTEM_CONFIG = Path("/etc/cached/cached.toml")
 MAX_WORKERS = 256
@@ -169,6 +170,25 @@ def _ids(value: Any) -> tuple[int, ...]:
     return ids
 
 
+def _host_names(value: Any) -> tuple[str, ...]:
+    """Host names (DNS names or IP literals, no port), lower case, without a trailing dot."""
+    items = value if isinstance(value, (list, tuple)) else str(value).replace(",", " ").split()
+    names: list[str] = []
+    for item in items:
+        name = str(item).strip().lower().rstrip(".")
+        bare = name[1:-1] if name.startswith("[") and name.endswith("]") else name
+        try:
+            ipaddress.ip_address(bare)
+        except ValueError:
+            if not name or len(name) > 253 or not all(
+                    label and len(label) <= 63 and label.replace("-", "").replace("_", "")
+                    .isalnum() and label.isascii() for label in name.split(".")):
+                raise ConfigError(f"expected a host name (letters, digits, '-', '.'; no "
+                                  f"port), got {item!r}") from None
+        names.append(bare)
+    return tuple(dict.fromkeys(names))
+
+
 def _trust_groups(value: Any) -> tuple[tuple[int, ...], ...]:
     """Groups of uids whose written-back kernels are served to each other: a list of groups
     (each ``"1001,1002"`` or a list of uids), or one string of groups separated by ``;`` or
@@ -247,7 +267,7 @@ def _path(value: Any) -> str:
 
 def default_socket() -> str:
     """cached.sock in the runtime directory ($CACHED_SOCKET is this option's variable)."""
-    return os.path.join(runtime_dir(), "cached.sock")
+    return user_socket_path()
 
 
 def default_store() -> str:
@@ -288,6 +308,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("http", _http, lambda: "127.0.0.1:8377",
            "HOST:PORT of the HTTP endpoint (port 0 picks one), or off", metavar="HOST:PORT",
            aliases=(("--no-http", "off"),)),
+    Option("http_allow_host", _host_names, tuple,
+           "also answer HTTP requests whose Host names NAME (repeatable): a DNS alias or the "
+           "node's name a Prometheus scrapes by; others get 421 (DNS-rebinding guard)",
+           kind="list", metavar="NAME"),
     Option("workers", _workers, lambda: None,
            f"compile workers, 1 to {MAX_WORKERS} (auto: from cores and memory)", metavar="N"),
     Option("job_timeout", _positive_seconds, lambda: 300.0,
@@ -378,6 +402,7 @@ class Settings:
     socket: str
     store: str
     http: str
+    http_allow_host: tuple[str, ...]
     workers: int | None
     job_timeout: float
     log_level: str

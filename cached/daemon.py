@@ -212,8 +212,9 @@ class Daemon:
         from .view.httpapp import make_app
 
         configured = self.settings.http_address
+        names = ([configured[0]] if configured else []) + list(self.settings.http_allow_host)
         app = make_app(self.snapshot, self.healthy, make_metrics(self),
-                       (bound_host, bound_port), [configured[0]] if configured else [])
+                       (bound_host, bound_port), names)
         from .view.httpguard import config_options
 
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",

@@ -27,7 +27,7 @@ import os
 import socket
 import stat
 
-from cached_client.paths import check_socket_dir, default_socket_path
+from cached_client.paths import check_socket_dir, daemon_socket_path
 
 from .config import ConfigError
 from .log import event
@@ -126,7 +126,7 @@ class UnixListener:
                                f"at most {MAX_SOCKET_PATH}: pick a shorter --socket")
         if size == 0:
             raise StartRefused("the socket path is empty: give --socket PATH")
-        default = path == default_socket_path()
+        default = path == daemon_socket_path()
         _make_directory(os.path.dirname(os.path.abspath(path)), 0o700 if default else 0o755)
         if default and (why := check_socket_dir(path)):
             raise StartRefused(f"refusing to listen: {why}")

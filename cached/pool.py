@@ -39,6 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from cached_client.backoff import Backoff
+
 from .log import event, one_line
 from .worker import recv_frame, send_frame
 
@@ -238,7 +240,7 @@ class Pool:
         self._closing = False
         self._tasks: set[asyncio.Task] = set()
         self.retry = retry
-        self._retry_in = {name: self.retry[0] for name in self.launchers}
+        self._backoff = {name: Backoff(*self.retry) for name in self.launchers}
         self.broken: dict[str, str] = {}
         """Toolchain name -> why it has no worker (its last start failed, none is ready)."""
 
@@ -282,12 +284,16 @@ class Pool:
         self._all.add(w)
         self._task(self._await_ready(w))
 
+    @property
+    def _retry_in(self) -> dict[str, float]:
+        """Seconds before the next start of each toolchain's worker, should one fail now."""
+        return {name: b.upcoming for name, b in self._backoff.items()}
+
     def _start_failed(self, name: str, reason: str, pid: int | None = None) -> None:
         """A worker of ``name`` died before it was ready: count it, start another after the
         back-off, and if none of ``name`` is ready, fail its waiters now with ``reason``."""
         self.restarts += 1
-        delay = self._retry_in[name]
-        self._retry_in[name] = min(delay * 2, self.retry[1])
+        delay = self._backoff[name].next()
         event(log, logging.ERROR, "worker.start_failed", pid=pid, toolchain=name,
               reason=reason, retry_in_s=delay)
         if not any(w.toolchain == name and w.is_alive() for w in self._ready):
@@ -326,7 +332,7 @@ class Pool:
               seconds=round(time.monotonic() - started, 2))
         self._ready.add(w)
         self.broken.pop(w.toolchain, None)
-        self._retry_in[w.toolchain] = self.retry[0]
+        self._backoff[w.toolchain].reset()
         self._release(w)
 
     def _release(self, w: _Worker) -> None:

@@ -6,7 +6,6 @@ against one real daemon (one worker, CACHED_TEST_FAMILIES=1)."""
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import pwd
@@ -122,7 +121,7 @@ def test_each_flag_means_one_thing_across_commands():
 
 def test_version_names_cached_and_its_toolchain():
     out = run_cli("--version").stdout.splitlines()
-    assert out[0] == f"cached {importlib.metadata.version('cached')}"
+    assert out[0] == f"cached {compiler_stack.daemon_version()}"
     for name, version in compiler_stack.versions().items():
         assert f"{name} {version}" in out[1]
 
@@ -152,8 +151,7 @@ def test_no_daemon_says_how_to_start_one(tmp_path):
         result = run_cli(*command, "--socket", str(tmp_path / "none.sock"), check=False)
         assert result.returncode == 2
         assert f"no daemon is running on {tmp_path / 'none.sock'}" in result.stderr
-        for way in ("cached serve", "make serve", "systemctl start cached.socket"):
-            assert way in result.stderr
+        assert f"cached serve --socket {tmp_path / 'none.sock'}" in result.stderr
         assert "[Errno" not in result.stderr
     stale = socket.socket(socket.AF_UNIX)  # a socket file nobody listens on any more
     stale.bind(str(tmp_path / "stale.sock"))
@@ -299,7 +297,7 @@ def test_stats_reads_like_ccache(warmed):
     assert _field(text, "  Store") == str(d.store)
     assert _field(text, "  Socket") == d.socket
     assert _field(text, "  HTTP") == s["http"]
-    assert _field(text, "Version") == f"cached {importlib.metadata.version('cached')}"
+    assert _field(text, "Version") == f"cached {compiler_stack.daemon_version()}"
     for name, version in compiler_stack.versions().items():
         assert f"{name} {version}" in _field(text, "Toolchain")
     assert s["toolchain"] in _field(text, "Toolchain")

@@ -218,6 +218,85 @@ def test_the_shipped_units_serve_under_systemd_with_their_hardening(booted):
     assert '"daemon.stopped"' in booted.journal("cached.service")
 
 
+# Nothing set, as a member of the group who reads no docs: no --socket, no $CACHED_SOCKET,
+# no runtime directory (a service's environment).
+AS_SET_UP = ("env", "-u", "CACHED_SOCKET", "-u", "XDG_RUNTIME_DIR", "-u", "JOURNAL_STREAM",
+             "LD_LIBRARY_PATH=/opt/python/lib", f"PYTHONPATH={ROOT}:{ROOT}/client",
+             booted_systemd.PYTHON)
+STALE = """
+import os, socket
+d = f"/tmp/cached-{os.getuid()}"
+os.makedirs(d, mode=0o700, exist_ok=True)
+s = socket.socket(socket.AF_UNIX)
+s.bind(d + "/cached.sock")
+s.close()
+"""
+PLUGIN = """
+import logging, sys
+from importlib.metadata import entry_points
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
+plugins = {ep.name: ep for ep in entry_points(group="vllm.general_plugins")}
+plugins["cached"].load()()
+from cached_client.integrations.vllm.state import daemon
+print("hello" if daemon().hello is not None else "none", daemon().socket)
+"""
+
+
+def test_with_nothing_set_the_cli_and_the_vllm_plugin_find_the_units_socket(booted):
+    """The unit listens on /run/cached/cached.sock; a member runs `cached stats` with
+    nothing set: the per-user socket (/tmp/cached-UID) is not there, so the system one is
+    used, its directory and server checked (was: 'no daemon is running on
+    /tmp/cached-UID/cached.sock'). A stale per-user socket is passed over; the vLLM plugin
+    finds the same daemon (was: nothing installed without $CACHED_SOCKET)."""
+    for stale in (False, True):
+        if stale:
+            booted.run(*AS_SET_UP, "-c", STALE, user=MEMBER)
+        stats = booted.run(*AS_SET_UP, "-m", "cached", "stats", "--json", user=MEMBER,
+                           check=False)
+        assert stats.returncode == 0, (stale, stats.stderr)
+        assert json_line(stats)["socket"] == SOCK, stats.stdout
+    shown = booted.run(*AS_SET_UP, "-m", "cached", "config", user=MEMBER).stdout
+    assert f"the daemon running on {SOCK}:" in shown, shown[-2000:]  # what a client finds
+    plugin = booted.run(*AS_SET_UP, "-c", PLUGIN, user=MEMBER).stdout
+    assert f"daemon at {SOCK} (toolchain" in plugin, plugin
+    assert plugin.strip().splitlines()[-1] == f"hello {SOCK}", plugin
+    # an outsider is told the right fix: the group, not `systemctl start cached.socket`
+    outsider = booted.run(*AS_SET_UP, "-m", "cached", "stats", user=OUTSIDER, check=False)
+    assert outsider.returncode == 2 and f"cannot connect to {SOCK}: Permission denied" \
+        in outsider.stderr and "usermod -aG cached-clients" in outsider.stderr, \
+        outsider.stderr
+    assert "systemctl" not in outsider.stderr and "Traceback" not in outsider.stderr
+
+
+def test_journalctl_priority_separates_errors_from_info(booted):
+    """The daemon's lines reach the journal with their syslog priority (<N> prefixes on the
+    journal's stream): `journalctl -p warning` shows a failed reload and no INFO line
+    (was: every line at the stream's default, info, so -p warning showed nothing)."""
+    booted.run(*AS_SET_UP, "-m", "cached", "stats", "--socket", SOCK, user=MEMBER)  # started
+    booted.run("sh", "-c", "cp /etc/cached/cached.toml /run/cached.toml.orig && "
+               "echo 'not = = toml' >> /etc/cached/cached.toml")
+    try:
+        booted.systemctl("reload", "cached.service")
+        deadline = time.monotonic() + 30
+        while "daemon.reload_failed" not in booted.journal("cached.service"):
+            assert time.monotonic() < deadline, booted.journal("cached.service")[-3000:]
+            time.sleep(0.2)
+        warned = booted.run("journalctl", "--no-pager", "-o", "cat", "-u", "cached.service",
+                            "-p", "warning").stdout
+        assert '"daemon.reload_failed"' in warned and '"daemon.listening"' not in warned, \
+            warned
+        assert '"level": "info"' not in warned and not warned.startswith("<"), warned
+        entries = [json.loads(line) for line in booted.run(
+            "journalctl", "--no-pager", "-o", "json", "-u", "cached.service").stdout.splitlines()]
+        by_event = {json.loads(e["MESSAGE"])["event"]: e["PRIORITY"] for e in entries
+                    if isinstance(e.get("MESSAGE"), str) and e["MESSAGE"].startswith("{")}
+        assert by_event["daemon.listening"] == "6" and by_event["daemon.reload_failed"] == "3", \
+            by_event
+    finally:  # as the first test left it: the shipped file, the service stopped
+        booted.run("cp", "/run/cached.toml.orig", "/etc/cached/cached.toml")
+        booted.systemctl("stop", "cached.service")
+
+
 def test_directives_left_out_of_the_unit_would_break_it(booted):
     booted.write_dropin("cached.service", "zz-left-out.conf",
                         "[Service]\nMemoryDenyWriteExecute=yes\nPrivateUsers=yes\n")
@@ -313,6 +392,38 @@ def test_image_installs_torchs_cpu_build_and_the_pins_without_cuda_wheels(tmp_pa
         assert rest_step[_canonical(name)]["version"] == version, name
     for step in reports:
         assert not [n for n in step if CUDA_TORCH_DEPS.match(n)], sorted(step)
+
+
+def test_a_gpu_nodes_install_gets_torchs_cuda_build_and_the_same_pins(tmp_path):
+    """TORCH_BUILD=cuda (docs/operations.md, "Certify and tune on a GPU node"), run as the
+    docs say into a fresh virtualenv with --dry-run --report: torch at exactly the pinned
+    version without the +cpu label (this machine holds the +cpu wheel in pip's find-links:
+    it is not taken), with its CUDA wheels, and every other pin as the CPU install has it.
+    A value that is neither cpu nor cuda is refused before pip runs."""
+    refused = subprocess.run(["sh", str(ROOT / "deploy" / "install-deps.sh"), "false"],
+                             capture_output=True, text=True, env={**os.environ,
+                                                                  "TORCH_BUILD": "gpu"})
+    assert refused.returncode == 2 and "must be cpu or cuda" in refused.stderr
+    try:
+        socket.getaddrinfo("pypi.org", 443)
+    except OSError:
+        pytest.skip("no route to the package index: torch's CUDA build cannot be resolved")
+    pins = dict(line.split("==") for line in (ROOT / "requirements.txt").read_text().split()
+                if "==" in line)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    result = subprocess.run(
+        ["sh", str(ROOT / "deploy" / "install-deps.sh"), str(venv / "bin" / "pip"),
+         "--dry-run", "--quiet", "--report", "-"], capture_output=True, text=True,
+        env={**os.environ, "TORCH_BUILD": "cuda"}, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = {_canonical(i["metadata"]["name"]): i["metadata"]
+              for i in json.loads(result.stdout)["install"]}
+    assert report["torch"]["version"] == pins["torch"].removesuffix("+cpu"), report["torch"]
+    assert [n for n in report if CUDA_TORCH_DEPS.match(n)], sorted(report)
+    for name, version in pins.items():
+        if name != "torch":
+            assert report[_canonical(name)]["version"] == version, name
 
 
 def test_image_apt_packages_resolve_on_debian_12():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -53,9 +54,30 @@ def test_without_a_live_daemon_one_log_line_and_nothing_else(tmp_path, socket):
     if socket == "FILE":
         socket = str(tmp_path / "not-a-socket")
         open(socket, "w").close()
-    result, logs = _run({"CACHED_SOCKET": socket})
+    # XDG_RUNTIME_DIR: no default socket either (the per-user one under it, /run/cached's)
+    result, logs = _run({"CACHED_SOCKET": socket, "XDG_RUNTIME_DIR": str(tmp_path)})
     assert result == {"installed_before": False, "flashinfer_imported": False}
     assert len(logs.splitlines()) == 1 and "in-process" in logs
+    if not socket:
+        assert f"no daemon socket exists at {tmp_path}/cached/cached.sock or " \
+            "/run/cached/cached.sock" in logs, logs
+
+
+def test_with_nothing_set_the_plugin_uses_the_default_socket(tmp_path):
+    """No $CACHED_SOCKET: the plugin finds the daemon on the default socket, as Client() and
+    the CLI do (was: nothing installed); the system socket: tests/test_ops_deploy.py."""
+    (tmp_path / "cached").mkdir(mode=0o700)
+    d = DaemonProcess(tmp_path / "cached", workers=1, ready_workers=0,
+                      extra_env={"XDG_RUNTIME_DIR": str(tmp_path)})
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "CACHED_SOCKET"}
+        proc = subprocess.run([sys.executable, "-c", LOADER], capture_output=True, text=True,
+                              env={**env, "XDG_RUNTIME_DIR": str(tmp_path)}, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"daemon at {tmp_path}/cached/cached.sock (toolchain" in proc.stderr, \
+            proc.stderr[-3000:]
+    finally:
+        d.stop()
 
 
 def test_with_a_live_daemon_flashinfer_is_hooked_when_first_imported(tmp_path):
@@ -266,6 +288,31 @@ def test_the_kernels_custom_op_traces_with_fake_tensors(vllm_runs):
 def test_linear_backend_cached_is_accepted_by_vllms_cli(vllm_runs):
     assert vllm_runs["90"][0]["cli"] == "cached"
     assert vllm_runs["90-vllm"][0]["cli"] == "refused"  # vLLM alone does not know the name
+
+
+VLLM_CLI = ROOT / ".venv-vllm" / "bin" / "vllm"
+
+
+@needs_vllm
+def test_vllm_serve_parses_linear_backend_cached(tmp_path):
+    """The console script `vllm serve` of the vLLM environment, as a user runs it (not the
+    harness): its command line accepts --linear-backend cached from the plugin and goes on
+    to load the model (absent here); an unknown backend is refused by vLLM's parser. (Was:
+    `vllm serve` could not start: no uvicorn in .venv-vllm.)"""
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT / "client"), "XDG_RUNTIME_DIR": str(tmp_path)}
+    env.pop("CACHED_SOCKET", None)
+    model = str(tmp_path / "no-model-here")
+    ran = {backend: subprocess.run([str(VLLM_CLI), "serve", model, "--linear-backend", backend],
+                                   capture_output=True, text=True, env=env, timeout=300,
+                                   cwd=tmp_path)
+           for backend in ("cached", "nonsense")}
+    out = ran["cached"].stdout + ran["cached"].stderr
+    missing = set(re.findall(r"No module named '([\w.]+)'", out)) - {"vllm._C"}  # CPU build
+    assert not missing and "'linear_backend': 'cached'" in out, out[-3000:]
+    refused = ran["nonsense"]
+    assert refused.returncode == 2 and "invalid choice: 'nonsense'" in refused.stderr
+    assert "'cached'" in refused.stderr  # among the choices vLLM lists
 
 
 @needs_vllm

@@ -77,19 +77,19 @@ if [[ $mode == gpu ]]; then
   for s in "${SHAPES[@]}"; do args+=(--weight "$s"); done
   t1=$(date +%s)
   python3 -m cached tune --socket /tmp/cached.sock "${args[@]}" --top "$TOP" --near "$NEAR" \
-    --rounds "$ROUNDS" --budget-s "$BUDGET" --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log"
+    --rounds "$ROUNDS" --budget "$BUDGET" --json 2> >(tee "$OUT/tune.log" >&2) > "$OUT/tune.json"
   echo "cached tune: $(( $(date +%s) - t1 )) s in all"
   if [[ -n ${REPEAT:-} ]]; then  # again: every bucket is published, nothing is timed
     t1=$(date +%s)
-    python3 -m cached tune --socket /tmp/cached.sock "${args[@]}" --json "$OUT/tune_again.json" \
-      2>&1 | tee "$OUT/tune_again.log"
+    python3 -m cached tune --socket /tmp/cached.sock "${args[@]}" --json \
+      2> >(tee "$OUT/tune_again.log" >&2) > "$OUT/tune_again.json"
     echo "cached tune again: $(( $(date +%s) - t1 )) s in all"
   fi
   if [[ -n ${WIDE:-} ]]; then  # a wider search on one shape, replacing its winners
     python3 -m cached tune --socket /tmp/cached.sock --weight "$WIDE" --force \
       --buckets "${WIDE_BUCKETS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192}" \
-      --top "${WIDE_TOP:-16}" --near "${WIDE_NEAR:-3}" --rounds "$ROUNDS" --budget-s 60 \
-      --json "$OUT/tune_wide.json" 2>&1 | tee "$OUT/tune_wide.log"
+      --top "${WIDE_TOP:-16}" --near "${WIDE_NEAR:-3}" --rounds "$ROUNDS" --budget 60 \
+      --json 2> >(tee "$OUT/tune_wide.log" >&2) > "$OUT/tune_wide.json"
   fi
   python3 "$BUNDLE/tune_check.py" --socket /tmp/cached.sock --out "$OUT" --rounds "$ROUNDS" \
     "${SHAPES[@]}" 2>&1 | tee "$OUT/tune_check.log"

@@ -117,11 +117,11 @@ if [[ $mode == gpu ]]; then
   xz -d -c "$C/dslrt.xz" > $X/libcute_dsl_runtime.so
   cp $X/_C_stable_libtorch.abi3.so /tmp/site/vllm/
   # the client's vLLM plugin entry point, as its wheel would install it
-  mkdir -p /tmp/site/cached_client-0.1.0.dist-info
-  printf 'Metadata-Version: 2.1\nName: cached-client\nVersion: 0.1.0\n' \
-    > /tmp/site/cached_client-0.1.0.dist-info/METADATA
+  mkdir -p /tmp/site/cached_kernel_client-0.1.0.dist-info
+  printf 'Metadata-Version: 2.1\nName: cached-kernel-client\nVersion: 0.1.0\n' \
+    > /tmp/site/cached_kernel_client-0.1.0.dist-info/METADATA
   printf '[vllm.general_plugins]\ncached = cached_client.integrations.vllm.plugin:register\n' \
-    > /tmp/site/cached_client-0.1.0.dist-info/entry_points.txt
+    > /tmp/site/cached_kernel_client-0.1.0.dist-info/entry_points.txt
   export PYTHONPATH=/tmp/site:$C/src/client:$C/src PYTHONUNBUFFERED=1
   export CACHED_DSL_RUNTIME=$X/libcute_dsl_runtime.so
   # the daemon refuses a socket in a world-writable directory without the sticky bit (/tmp

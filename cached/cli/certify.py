@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from cached_client import Client
 
-from . import argtypes
+from . import argtypes, gpu
 
 
 def _shape_nk(text: str) -> tuple[int, int]:
@@ -38,11 +39,15 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     certify.add_argument("--no-record", action="store_true",
                          help="measure only; do not record the result in the daemon")
     certify.add_argument("--json", action="store_true",
-                         help="one JSON object per shape")
+                         help="print one JSON object per shape on stdout")
     certify.set_defaults(run=cmd_certify)
 
 
 def cmd_certify(args: argparse.Namespace) -> int:
+    why = gpu.why_not("certify")
+    if why:
+        print(why, file=sys.stderr)
+        return 2
     from cached_client.gemm.certify import certify
 
     records = certify(Client(args.socket, timeout=600), args.family, args.weight, args.limit,

@@ -24,7 +24,7 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                           "answers on the socket, the settings that daemon runs with (after "
                           "its last SIGHUP) and which of them differ.")
     config.add_flags(show)
-    show.add_argument("--json", action="store_true", help="one JSON object")
+    show.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     show.set_defaults(run=cmd_config)
 
 
@@ -57,7 +57,10 @@ def cmd_config(args: argparse.Namespace) -> int:
     settings = settings_from(args, "config")
     if settings is None:
         return 2
-    running = running_settings(settings.socket)
+    # a socket left at its default: the daemon a client would find (the per-user socket,
+    # else the system one), not only the one a new serve would take
+    asked = None if settings.sources.get("socket") == "default" else settings.socket
+    running, answered = running_settings(asked)
     if args.json:
         print(json.dumps({"file": str(settings.file) if settings.file else None,
                           "file_source": settings.file_source, "options": settings.rows(),
@@ -65,10 +68,10 @@ def cmd_config(args: argparse.Namespace) -> int:
         return 0
     print(config.format_table(settings))
     if running is None:
-        print(f"\nno daemon answers on {settings.socket}: the above is what cached serve "
+        print(f"\nno daemon answers on {answered}: the above is what cached serve "
               "would use")
         return 0
-    print(f"\nthe daemon running on {settings.socket}:")
+    print(f"\nthe daemon running on {answered}:")
     print(config.format_rows(running["options"], running["file"], running["file_source"]))
     new = {r["name"]: r["value"] for r in json.loads(json.dumps(settings.rows()))}
     differ = [r["name"] for r in running["options"] if new.get(r["name"]) != r["value"]]
@@ -76,14 +79,15 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def running_settings(socket_path: str) -> dict | None:
-    """The settings of the daemon answering on ``socket_path`` (file, file_source,
-    options as :meth:`config.Settings.rows`), or None when none answers (or it is too old
-    to say)."""
-    from cached_client import Client
+def running_settings(socket_path: str | None) -> tuple[dict | None, str]:
+    """The settings of the daemon answering on ``socket_path`` (None: the default sockets,
+    as a client searches them) as file, file_source and options (:meth:`config.Settings.rows`),
+    or None when none answers (or it is too old to say); and the socket(s) asked."""
+    from cached_client import Client, paths
     from cached_client.errors import CachedError
 
+    client = Client(socket_path, timeout=5, identity=False)
     try:
-        return Client(socket_path, timeout=5, identity=False).stats().get("settings")
+        return client.stats().get("settings"), client.socket_path
     except CachedError:
-        return None
+        return None, socket_path or " nor ".join(paths.socket_candidates())

@@ -32,7 +32,7 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                            "and uptime, and one row per family. Counts run from the daemon's "
                            "start or the last --zero.")
     stats.add_argument("--json", action="store_true",
-                       help="the daemon's statistics as one JSON object")
+                       help="print the daemon's statistics as one JSON object")
     stats.add_argument("--zero", action="store_true",
                        help="print the statistics, then start their counts from zero "
                             "(needs publish rights; /metrics counters go on)")
@@ -46,7 +46,7 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                          "(any other: left from an upgrade), a digest prefix as ls and stats "
                          "show it, or text in the toolchain, e.g. nvidia-cutlass-dsl==4.8.1")
     ls.add_argument("--json", action="store_true",
-                    help="a JSON list of the rows, params as objects")
+                    help="print a JSON list of the rows, params as objects")
     ls.set_defaults(run=cmd_ls)
     gc = sub.add_parser("gc", parents=[common], help="evict least recently used entries now",
                         description="Evict least recently used entries until the store is "
@@ -65,7 +65,8 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
         parser.add_argument("--store", type=Path, default=None, metavar="DIR",
                             help="work on this store directly instead of through the daemon "
                                  "(refused while a daemon serves it)")
-        parser.add_argument("--json", action="store_true", help="the report as one JSON object")
+        parser.add_argument("--json", action="store_true",
+                            help="print the report as one JSON object on stdout")
     gc.add_argument("--max-bytes", type=argtypes.size, default=None, metavar="SIZE",
                     help="budget for this run, e.g. 500MB or 2GiB (default: the daemon's, or "
                          "the configuration's with --store)")
@@ -91,7 +92,8 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     export.add_argument("--python", default=None, metavar="PYTHON",
                         help="the environment to export for (its interpreter; default: this "
                              "one): its artifacts, with the meta its FlashInfer accepts")
-    export.add_argument("--json", action="store_true", help="the report as one JSON object")
+    export.add_argument("--json", action="store_true",
+                            help="print the report as one JSON object on stdout")
     export.set_defaults(run=cmd_export)
 
 
@@ -283,8 +285,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
             max_bytes=args.max_bytes, max_files=args.max_files, grace=args.grace))
         report = reply.to_wire()
     else:
+        from .. import log
         from ..store.store import Store
 
+        log.setup_command("gc")
         settings = config.resolve(config_flag=args.config)
         lock = storelock.take(args.store, "gc", hint=THROUGH_THE_DAEMON.format("gc"))
         store = Store(args.store)
@@ -313,8 +317,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.store is None:
         report = dataclasses.asdict(Client(args.socket, timeout=3600).verify())
     else:
+        from .. import log
         from ..store.store import Store
 
+        log.setup_command("verify")
         if not (Path(args.store) / "index.sqlite").exists():
             print(f"cached verify: no store at {args.store}", file=sys.stderr)
             return 2

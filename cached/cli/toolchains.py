@@ -25,7 +25,7 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                             "readable versions, fingerprint digest, interpreter, workers and "
                             "the families it compiles.")
     parser.add_argument("--json", action="store_true",
-                        help="the toolchains as one JSON list")
+                        help="print the toolchains as one JSON list")
     parser.set_defaults(run=cmd_toolchains)
 
 

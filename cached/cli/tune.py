@@ -12,7 +12,7 @@ import sys
 from cached_client import Client
 
 from .. import tune
-from . import argtypes
+from . import argtypes, gpu
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -68,16 +68,34 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     t.add_argument("--margin", type=float, default=tune.DEFAULT_MARGIN, metavar="F",
                    help="a tactic replaces the plan's first choice only when faster by more "
                         f"than F in every round (default {tune.DEFAULT_MARGIN})")
-    t.add_argument("--budget-s", type=_positive_float, default=tune.DEFAULT_BUDGET_S,
-                   metavar="S", help="seconds per shape; buckets left over wait for the "
-                                     f"next run (default {tune.DEFAULT_BUDGET_S:g})")
+    t.add_argument("--budget", type=_positive_float, default=tune.DEFAULT_BUDGET_S,
+                   metavar="SECONDS", help="seconds per shape; buckets left over wait for "
+                   f"the next run (default {tune.DEFAULT_BUDGET_S:g})")
+    t.add_argument("--budget-s", type=_positive_float, dest="budget_deprecated",
+                   default=None, metavar="SECONDS", help="the old spelling of --budget")
     t.add_argument("--force", action="store_true",
                    help="time buckets whose winners are published already")
-    t.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    t.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="print the results as one JSON object on stdout, as every --json "
+                        "does (a PATH after it, the old form, writes that file instead)")
     t.set_defaults(run=cmd_tune)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    if args.budget_deprecated is not None:
+        print("cached tune: --budget-s is deprecated: use --budget SECONDS", file=sys.stderr)
+        args.budget = args.budget_deprecated
+    if args.json not in (None, "-"):
+        print(f"cached tune: --json PATH is deprecated: use --json > {args.json}",
+              file=sys.stderr)
+    if not (args.weight or args.manifest or args.planned):
+        print("cached tune: no shapes: give --weight, --manifest or --planned",
+              file=sys.stderr)
+        return 2
+    why = gpu.why_not("tune")
+    if why:
+        print(why, file=sys.stderr)
+        return 2
     client = Client(args.socket, timeout=600)
     shapes = tune.shapes_to_tune(client, args.weight, args.manifest, args.planned)
     if not shapes:
@@ -88,9 +106,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     from ..tune_cuda import CudaTimer
 
-    if not torch.cuda.is_available():
-        print("cached tune: no CUDA device here; run it on a GPU node", file=sys.stderr)
-        return 2
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     arch = f"sm_{props.major}{props.minor}a"
     if arch != tune.ARCH:
@@ -107,18 +122,21 @@ def cmd_tune(args: argparse.Namespace) -> int:
     try:
         tune.tune(client, shapes, timer, target, buckets=args.buckets, top=args.top,
                   near=args.near, rounds=args.rounds, margin=args.margin,
-                  budget_s=args.budget_s, force=args.force, progress=say, results=results)
+                  budget_s=args.budget, force=args.force, progress=say, results=results)
     except KeyboardInterrupt:
         say("cached tune: interrupted; the winners of finished buckets are published, and "
             "the next run starts where this one stopped")
         return 130
     finally:
-        if args.json:
+        report = {"device": target.device, "sm_count": target.sm_count,
+                  "shapes": [r.__dict__ | {"buckets": [b.__dict__ for b in r.buckets]}
+                             for r in results], "skipped": timer.skipped}
+        if args.json not in (None, "-"):
             with open(args.json, "w") as f:
-                json.dump({"device": target.device, "sm_count": target.sm_count,
-                           "shapes": [r.__dict__ | {"buckets": [b.__dict__ for b in r.buckets]}
-                                      for r in results],
-                           "skipped": timer.skipped}, f, indent=1)
+                json.dump(report, f, indent=1)
+    if args.json == "-":
+        print(json.dumps(report))
+        return 1 if any(r.unfinished for r in results) else 0
     for r in results:
         print(f"{r.n}x{r.k} {r.reduction_class}: {len(r.buckets)} tuned "
               f"({sum(b.changed for b in r.buckets)} changed), {len(r.skipped)} published "

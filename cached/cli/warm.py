@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import textwrap
 import time
@@ -16,7 +17,6 @@ from cached_client import Client, KernelRequest
 from cached_client import protocol as p
 from cached_client.errors import CachedError, InvalidArgument
 from cached_client.gemm import plan as gemm_plan
-from cached_client.transport import Connection
 
 from .. import families, manifests
 from . import argtypes, progress
@@ -99,8 +99,10 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                       help="family plan option, e.g. quant=mxfp4, out_dtype=float16 "
                            "(repeatable)")
     what.add_argument("--limit", type=argtypes.count(), default=None, metavar="N",
-                      help="only the first N tactics (of each shape's plan, or per manifest "
-                           "build)")
+                      help="at most N kernels in all, the first in plan order")
+    what.add_argument("--all-targets", action="store_true",
+                      help="with --manifest: every target it lists; without it (and without "
+                           "--arch) only this node's GPU's, where nvidia-smi names one")
     what.add_argument("--all-tactics", action="store_true",
                       help=f"with --family {gemm_plan.HOPPER_FAMILY}: its whole tactic space "
                            "for each shape (hundreds of kernels); without it, the tactic "
@@ -167,7 +169,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
         print(json.dumps(summary) if args.json else f"{args.family}: {len(requests)} kernels "
               f"over {len(args.shape)} shapes on {', '.join(args.arch)}")
         return 0
-    counts = warm(client.socket_path, requests, args.timeout, _progress(args, len(requests)),
+    counts = warm(client, requests, args.timeout, _progress(args, len(requests)),
                   identity=client.identity)
     counts["seconds"] = round(time.monotonic() - started, 3)
     return report_warm(counts, args.json)
@@ -205,7 +207,7 @@ def warm_requests(args: argparse.Namespace) -> int:
     if args.limit is not None:
         requests = requests[: args.limit]
     client = client_for(args)
-    counts = warm(client.socket_path, requests, args.timeout, _progress(args, len(requests)),
+    counts = warm(client, requests, args.timeout, _progress(args, len(requests)),
                   identity=client.identity)
     counts["seconds"] = round(time.monotonic() - started, 3)
     return report_warm(counts, args.json)
@@ -243,19 +245,24 @@ def warm_manifest(args: argparse.Namespace) -> int:
     except manifests.ManifestError as exc:
         print(f"cached warm: {exc}", file=sys.stderr)
         return 2
+    targets = set(args.arch) or None
+    if targets is None and not args.all_targets:
+        targets = node_targets(manifest)
     client = client_for(args)
     known = set(client.hello(timeout=30).families)
     try:
-        groups = manifests.plan(client, manifest, set(args.arch) or None,
+        groups = manifests.plan(client, manifest, targets,
                                 {args.family} if args.family else None, known,
                                 args.skip_missing)
     except manifests.ManifestError as exc:
         print(f"cached warm: {exc}", file=sys.stderr)
         return 2
-    if args.limit is not None:
-        groups = {g: r[: args.limit] for g, r in groups.items()}
-    kernels = {f"{family}@{target}": len(r) for (family, target), r in groups.items()}
     requests = list(dict.fromkeys(r for group in groups.values() for r in group))
+    if args.limit is not None:  # kernels in all, not per build
+        requests = requests[: args.limit]
+        kept = set(requests)
+        groups = {g: [r for r in rs if r in kept] for g, rs in groups.items()}
+    kernels = {f"{family}@{target}": len(r) for (family, target), r in groups.items()}
     summary: dict[str, Any] = {"model": manifest.model, "kernels": kernels,
                                "total": len(requests), "shapes": len(manifest.shapes()),
                                "pending": [p.get("family") for p in manifest.pending]}
@@ -272,10 +279,42 @@ def warm_manifest(args: argparse.Namespace) -> int:
             for pending in summary["pending"]:
                 print(f"  pending (no family yet): {pending}")
         return 0
-    counts = warm(client.socket_path, requests, args.timeout, _progress(args, len(requests)),
+    counts = warm(client, requests, args.timeout, _progress(args, len(requests)),
                   identity=client.identity)
     counts.update(summary, seconds=round(time.monotonic() - started, 3))
     return report_warm(counts, args.json, f"{manifest.model}: ")
+
+
+def targets_of(compute_caps: list[str]) -> set[str]:
+    """Compile targets of GPUs with these compute capabilities (nvidia-smi's ``9.0``,
+    ``10.0``: sm_90a, sm_100a); values that are not MAJOR.MINOR are skipped."""
+    out = set()
+    for cap in compute_caps:
+        major, _, minor = cap.strip().partition(".")
+        if major.isdigit() and minor.isdigit():
+            out.add(f"sm_{major}{minor}a")
+    return out
+
+
+def node_targets(manifest: manifests.Manifest) -> set[str] | None:
+    """The manifest's targets this node's GPUs run (nvidia-smi), said on stderr; None (every
+    target) where no GPU is found: a build node warms for its fleet."""
+    listed = sorted({t for b in manifest.builds for t in b.targets})
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        found = targets_of(out.stdout.splitlines()) if out.returncode == 0 else set()
+    except (OSError, subprocess.TimeoutExpired):
+        found = set()
+    if not found:
+        print(f"cached warm: no GPU found here (nvidia-smi): every target of the manifest "
+              f"({', '.join(listed)}); --arch ARCH for some", file=sys.stderr)
+        return None
+    mine = found & set(listed)
+    print(f"cached warm: this node's GPU targets {', '.join(sorted(found))}: "
+          f"{', '.join(sorted(mine)) or 'none of the manifest'} of {', '.join(listed)}; "
+          "--all-targets for every one", file=sys.stderr)
+    return mine or {"(none)"}
 
 
 def report_warm(counts: dict, as_json: bool, label: str = "") -> int:
@@ -291,17 +330,20 @@ def report_warm(counts: dict, as_json: bool, label: str = "") -> int:
     return 1 if counts["failed"] else 0
 
 
-def warm(socket_path: str, requests: list[KernelRequest], timeout: float,
+def warm(client: Client | str, requests: list[KernelRequest], timeout: float,
          shown: progress.Progress | None = None, identity: Any = None) -> dict:
-    """Ask for every request at pre-warm priority on one pipelined connection and wait;
+    """Ask for every request at pre-warm priority on one pipelined connection of
+    ``client``'s (a Client, or a socket path: the same socket search and trust checks as
+    its calls) and wait;
     ``shown`` hears of each reply and is closed at the end; ``identity`` (a protocol
     Identity): the environment they are for (None: the daemon's default toolchain)."""
     identity = identity if isinstance(identity, p.Identity) else None
+    client = Client(client) if isinstance(client, str) else client
     deadline = time.monotonic() + timeout
     counts: dict = {"compiled": 0, "cached": 0, "remote": 0, "failed": 0, "errors": []}
     deadline_ms = min(p.MAX_DEADLINE_MS, int(timeout * 1000))
     try:
-        with Connection(socket_path, deadline) as conn:
+        with client.connect(deadline) as conn:
             for i, request in enumerate(requests):
                 body = p.GetRequest(request=request, priority="prewarm",
                                     deadline_ms=deadline_ms, identity=identity)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
-import random
 import threading
 import time
 from collections import Counter
@@ -34,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
+
+from cached_client.backoff import Backoff
 
 from ..config import ConfigError
 from ..log import event
@@ -129,7 +130,7 @@ class RedisTier:
         self.executor = ThreadPoolExecutor(4, thread_name_prefix="remote-fetch")
         self._client: Any = None
         self._lock = threading.Lock()
-        self._delay = BACKOFF_MIN_S
+        self._backoff = Backoff(BACKOFF_MIN_S, BACKOFF_MAX_S, jitter=0.2)
         self._next_try = 0.0
         self._probing = False
         self._queue: queue.Queue = queue.Queue(queue_size)
@@ -181,14 +182,12 @@ class RedisTier:
             reason = f"{type(exc).__name__}: {exc}"[:300]
             self.last_error = reason
             if self.state != state:
-                self._delay = BACKOFF_MIN_S
+                self._backoff.reset()
                 self._set_state(state, reason)
-            elif self._probing:  # the one retry of this backoff period failed: wait longer
-                self._delay = min(self._delay * 2, BACKOFF_MAX_S)
-            else:  # an operation begun before the state changed; the backoff stands
-                return
+            elif not self._probing:  # an operation begun before the state changed: the
+                return               # backoff stands (a failed probe waits longer, below)
             self._probing = False
-            self._next_try = time.monotonic() + self._delay * random.uniform(0.8, 1.2)
+            self._next_try = time.monotonic() + self._backoff.next()
             if state == "down":
                 self._client = None  # reconnect (a cluster re-reads its slots) next time
 

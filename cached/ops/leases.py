@@ -149,7 +149,7 @@ class Leases:
         is none, when another process took it, or when it ended (TTL, holder gone)."""
         if not token:
             raise NotAllowed("this request carries no lease token: publish, renew and release "
-                             "need the token lease granted this process (a cached-client "
+                             "need the token lease granted this process (a client "
                              "older than this daemon sends none: update it); nothing was "
                              "stored")
         lease = self.held.get(key)

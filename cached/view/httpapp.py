@@ -13,10 +13,10 @@ Only requests addressed to the endpoint itself are answered (:class:`HostCheck`)
 in a browser on the node can make a name of its own resolve to 127.0.0.1 (DNS
 rebinding) and read what it is served, but its requests carry that name in ``Host``. A
 ``Host`` whose name is not the listening address (an IP literal of it, ``localhost`` on
-loopback, the configured host name; on a wildcard address any IP literal and this host's
-own names) gets ``421 Misdirected Request`` with a plain-text body saying why. The port is
-not compared: a name decides a rebinding, and a port mapped elsewhere (a container's
-``-p 127.0.0.1:9000:8377``) must still be served.
+loopback, the configured host name, a name of ``http_allow_host``; on a wildcard address any
+IP literal and this host's own names) gets ``421 Misdirected Request`` with a plain-text
+body saying why. The port is not compared: a name decides a rebinding, and a port mapped
+elsewhere (a container's ``-p 127.0.0.1:9000:8377``) must still be served.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def split_host(value: str) -> tuple[str, int | None] | None:
 
 class HostCheck:
     """ASGI middleware: answer only requests whose ``Host`` names the listening address
-    ``(host, port)`` or one of ``names`` (the configured host name), see the module doc;
-    others get 421 and why."""
+    ``(host, port)`` or one of ``names`` (the configured host name, ``http_allow_host``),
+    see the module doc; others get 421 and why."""
 
     def __init__(self, app: ASGIApp, address: tuple[str, int], names: Iterable[str] = ()
                  ) -> None:
@@ -72,6 +72,8 @@ class HostCheck:
         bound = _ip(self.host)
         self.wildcard = bound is not None and bound.is_unspecified
         self.names = {n.lower().rstrip(".") for n in names if _ip(n) is None}
+        self.ips = {ip for n in names if (ip := _ip(n)) is not None}
+        """IP literals admitted besides the bound address (``http_allow_host``)."""
         if bound is None or bound.is_loopback or self.wildcard:
             self.names.add("localhost")
         if self.wildcard:
@@ -88,7 +90,7 @@ class HostCheck:
         ip = _ip(name)
         if ip is None:
             return name in self.names
-        return self.wildcard or ip == self.bound
+        return self.wildcard or ip == self.bound or ip in self.ips
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -103,7 +105,8 @@ class HostCheck:
         body = (f"421 Misdirected Request: Host {told} is not this endpoint's address "
                 f"({shown}:{self.port}). cached answers only requests addressed to it (a web "
                 f"page reaching it through a name of its own, DNS rebinding, is refused); ask "
-                f"http://{shown}:{self.port}/ instead.\n").encode()
+                f"http://{shown}:{self.port}/ instead, or admit the name with "
+                f"--http-allow-host NAME (http_allow_host in the config file).\n").encode()
         await send({"type": "http.response.start", "status": 421, "headers": [
             (b"content-type", b"text/plain; charset=utf-8"),
             (b"content-length", str(len(body)).encode()), (b"cache-control", b"no-store")]})

@@ -116,8 +116,10 @@ class Stats:
         self._base: Counter[str] = Counter()
         self._base_family: dict[str, Counter[str]] = {}
         # here, not at the top: the commands import this module's helpers without it
-        from prometheus_client import CollectorRegistry, Histogram
+        from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics
         from prometheus_client import Counter as PromCounter
+
+        disable_created_metrics()  # no <counter>_created series: start_time_seconds says it
 
         self.registry = CollectorRegistry(auto_describe=True)
         self._family_metrics = {

@@ -23,7 +23,7 @@ toolchain, the sources of the families it names, its runtime), added here in one
 the daemon serves only artifacts whose key matches it (docs/keys.md).
 
 Trust: every connect checks whom it reached (cached_client.transport: the server's uid, and
-the default socket's directory); before the first ``get`` or ``lease`` on a connection the
+a default socket's directory); before the first ``get`` or ``lease`` on a connection the
 client reads the daemon's ``hello`` capabilities (refusing one too old to state what its
 artifacts were built with, and choosing the transfer), and every artifact a ``get`` or a
 ``lease`` hit returns is checked against this process's identity before anything is copied
@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from . import identity as env_identity
-from . import monitor, trust
+from . import monitor, paths, trust
 from . import protocol as p
 from .errors import (
     ArtifactMismatch,
@@ -61,7 +61,7 @@ from .errors import (
 )
 from .keys import KernelRequest
 from .loader import Scratch, load_library, place
-from .paths import SOCKET_ENV, default_socket_path
+from .paths import default_socket_path
 from .protocol import BLOB_SUFFIXES, Artifact
 from .transport import ConnectFailed, Connection, DaemonSilent
 
@@ -160,9 +160,13 @@ class Client:
         if transfer not in p.TRANSFERS:
             raise ValueError(f"transfer must be one of {', '.join(p.TRANSFERS)}")
         self.socket_path = socket_path or default_socket_path()
-        # the default socket may sit under a shared /tmp: its directory is checked at
-        # every connect; a named one (argument, $CACHED_SOCKET) gets the peer's uid check
-        self._check_dir = socket_path is None and not os.environ.get(SOCKET_ENV)
+        """The socket asked (with no path: the default that answered last)."""
+        # no path and no $CACHED_SOCKET: every new connection tries paths.socket_candidates()
+        # in order (the per-user socket, then the system one)
+        self._search = socket_path is None and not os.environ.get(paths.SOCKET_ENV)
+        # a default socket may sit under a shared /tmp: its directory is checked at every
+        # connect; one named by $CACHED_SOCKET gets the peer's uid check only
+        self._check_dir = self._search or paths.is_default_socket(socket_path or "")
         self.timeout = timeout
         self.transfer = transfer
         self.fallback = fallback
@@ -250,8 +254,7 @@ class Client:
             kept = conn is not None
             try:
                 if conn is None:
-                    conn = self._conn = Connection(self.socket_path, deadline,
-                                                   check_dir=self._check_dir)
+                    conn = self._conn = self.connect(deadline)
                 received = conn.received
                 conn.on_silence = self._daemon_answers  # only during the call: no cycle
                 try:
@@ -287,6 +290,30 @@ class Client:
             return reply, payload, fds
         raise AssertionError("unreachable")
 
+    def connect(self, deadline: float, connect_timeout: float | None = None) -> Connection:
+        """A new connection of the caller's own (to close), through the same trust checks as
+        every call's: to :attr:`socket_path`, or, with no path given, to the first default
+        socket that accepts (one with no file or no listener is passed over; any other
+        failure, an untrusted directory or server included, is raised as it is)."""
+        kw = {} if connect_timeout is None else {"connect_timeout": connect_timeout}
+        if not self._search:
+            return Connection(self.socket_path, deadline, check_dir=self._check_dir, **kw)
+        missed: list[tuple[str, ConnectFailed]] = []
+        for path in paths.socket_candidates():
+            try:
+                conn = Connection(path, deadline, check_dir=True, **kw)
+            except ConnectFailed as exc:
+                if exc.errno not in (errno.ENOENT, errno.ECONNREFUSED):
+                    raise
+                missed.append((path, exc))
+                continue
+            self.socket_path = path
+            return conn
+        self.socket_path = missed[0][0]
+        raise ConnectFailed("cannot connect to the daemon at " + " nor at ".join(
+            f"{path} ({os.strerror(exc.errno or 0)})" for path, exc in missed),
+            missed[0][1].errno)
+
     def _drop(self, conn: Connection | None) -> None:
         if conn is not None:
             conn.close()
@@ -300,8 +327,7 @@ class Client:
         listening but finishes what its connections wait for, and a dead one closes them."""
         deadline = time.monotonic() + PROBE_TIMEOUT_S
         try:
-            with Connection(self.socket_path, deadline, connect_timeout=PROBE_TIMEOUT_S,
-                            check_dir=self._check_dir) as probe:
+            with self.connect(deadline, PROBE_TIMEOUT_S) as probe:
                 reply, _ = probe.request({"v": p.PROTOCOL_VERSION, "id": 0, "op": "hello"},
                                          deadline)
         except ConnectFailed as exc:
@@ -603,8 +629,8 @@ class Client:
         if build is None:
             raise DaemonUnavailable(
                 f"{reason.message}; and no in-process compiler for {request.family!r} is "
-                "installed here (install the 'cached' package to compile in-process, or "
-                "start the daemon: make serve)"
+                "installed here (install the daemon's package, cached-kernel-daemon, to compile "
+                "in-process, or start the daemon: make serve)"
             ) from None
         artifact = build(request, self._scratch.directory())
         self._fallbacks[request.family] = self._fallbacks.get(request.family, 0) + 1

@@ -25,6 +25,7 @@ import threading
 from collections import Counter
 from typing import Any, Protocol
 
+from .backoff import Backoff
 from .errors import CachedError, DaemonUnavailable, DeadlineExceeded
 
 logger = logging.getLogger("cached_client.liveness")
@@ -134,18 +135,17 @@ class Liveness:
                         BACKOFF_MAX_S)
 
     def _run(self) -> None:
-        pid, delay = self._pid, BACKOFF_S
+        pid, delays = self._pid, Backoff(BACKOFF_S, BACKOFF_MAX_S)
         while pid == os.getpid():
             ok = self._probe()
             if ok:
-                delay = BACKOFF_S
+                delays.reset()
                 ok = self._report()
             with self._cond:
                 if ok:
                     self._cond.wait_for(lambda: self._wake)
                 else:
-                    self._cond.wait_for(lambda: self._wake, delay)
-                    delay = min(2 * delay, BACKOFF_MAX_S)
+                    self._cond.wait_for(lambda: self._wake, delays.next())
                 self._wake = False
 
     def _probe(self) -> bool:

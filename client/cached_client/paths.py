@@ -4,8 +4,9 @@ A client trusts a daemon process running as root, as its own uid (which can alre
 anything to it), or as the configured daemon uid ($CACHED_DAEMON_UID; unset: the system user
 ``cached`` that deploy/ and the image create, when this machine has one: only root makes
 users); every connect checks
-the server's uid (SO_PEERCRED) against them, and the default socket's directory too
-(cached_client.transport).
+the server's uid (SO_PEERCRED) against them, and a default socket's directory too
+(cached_client.transport). With no path and no $CACHED_SOCKET a client tries the per-user
+socket, then the system one (:func:`socket_candidates`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import pwd
+import socket
 import stat
 import tempfile
 
@@ -20,6 +22,8 @@ SOCKET_ENV = "CACHED_SOCKET"
 DAEMON_UID_ENV = "CACHED_DAEMON_UID"
 DAEMON_USER = "cached"
 """The daemon's system user as deploy/cached.sysusers.conf and the Dockerfile name it."""
+SYSTEM_SOCKET = "/run/cached/cached.sock"
+"""The socket deploy/cached.socket (systemd) and the image listen on."""
 
 
 def runtime_dir() -> str:
@@ -36,9 +40,64 @@ def scratch_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"cached-client-{os.getuid()}")
 
 
+def user_socket_path() -> str:
+    """cached.sock under :func:`runtime_dir`: where ``cached serve`` listens by default."""
+    return os.path.join(runtime_dir(), "cached.sock")
+
+
+def socket_candidates() -> tuple[str, ...]:
+    """The sockets a client with no path tries, in order: $CACHED_SOCKET alone when set;
+    else the per-user one (:func:`user_socket_path`), then :data:`SYSTEM_SOCKET`."""
+    named = os.environ.get(SOCKET_ENV)
+    if named:
+        return (named,)
+    return (user_socket_path(), SYSTEM_SOCKET)
+
+
+def is_default_socket(path: str) -> bool:
+    """Whether ``path`` is one of the default sockets (not named by $CACHED_SOCKET): a
+    client checks such a socket's directory at every connect (cached_client.transport)."""
+    return not os.environ.get(SOCKET_ENV) and path in socket_candidates()
+
+
+def find_socket(connect: bool = False) -> str | None:
+    """The first of :func:`socket_candidates` that is a socket file now, or None; with
+    ``connect``, the first that accepts a connection before the first that merely exists
+    (a daemon that stopped may leave its socket file behind). Whom it reached is not
+    checked here: every client connect checks that (cached_client.transport)."""
+    sockets = []
+    for path in socket_candidates():
+        try:
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                sockets.append(path)
+        except OSError:
+            continue
+    if connect:
+        for path in sockets:
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                probe.settimeout(0.5)
+                probe.connect(path)
+                return path
+            except (BlockingIOError, TimeoutError):
+                return path  # a full backlog: something listens there
+            except OSError:
+                continue
+            finally:
+                probe.close()
+    return sockets[0] if sockets else None
+
+
 def default_socket_path() -> str:
-    """$CACHED_SOCKET, else cached.sock under :func:`runtime_dir` (the daemon's default)."""
-    return os.environ.get(SOCKET_ENV) or os.path.join(runtime_dir(), "cached.sock")
+    """The socket a client with no path would use now: :func:`find_socket`, else the first
+    candidate (nothing runs yet)."""
+    return find_socket() or socket_candidates()[0]
+
+
+def daemon_socket_path() -> str:
+    """Where the daemon listens by default: $CACHED_SOCKET, else :func:`user_socket_path`
+    (the system socket is systemd's, passed to the daemon by cached.socket)."""
+    return os.environ.get(SOCKET_ENV) or user_socket_path()
 
 
 def trusted_uids() -> frozenset[int]:

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable
 
 from . import paths
+from .backoff import Backoff
 from .errors import BadReply, DaemonUnavailable, DeadlineExceeded, MalformedFrame, UntrustedDaemon
 from .protocol import HEADER, MAX_REPLY_FRAME, decode_body, encode_frame, frame_length
 
@@ -294,17 +295,16 @@ def _connect_trusted(sock: socket.socket, path: str, deadline: float, check_dir:
 
 def _connect(sock: socket.socket, path: str, deadline: float) -> None:
     """Connect by ``deadline``; a full accept backlog (EAGAIN) is waited out, not an error."""
-    pause = 0.002
+    pauses = Backoff(0.002, 0.1)
     while True:
         sock.settimeout(max(0.001, deadline - time.monotonic()))
         try:
             sock.connect(path)
             return
         except BlockingIOError:
-            if time.monotonic() + pause >= deadline:
+            if time.monotonic() + pauses.upcoming >= deadline:
                 raise TimeoutError() from None
-            time.sleep(pause)
-            pause = min(pause * 2, 0.1)
+            time.sleep(pauses.next())
 
 
 def _close_fd(fd: int) -> None:

@@ -1,13 +1,14 @@
 """vLLM general plugin (entry point group ``vllm.general_plugins``, name ``cached``).
 
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers).
-With ``$CACHED_SOCKET`` set it starts that socket's prober
-(cached_client.integrations.vllm.state: the daemon's first answer is waited for 0.25 s at most, then
-asked for in the background with backoff), logs one line through vLLM's logger saying what is true
-now, and attaches the rest to imports, so that it costs nothing where unused (no FlashInfer import,
-no CUDA call). The hooks are installed whether or not the daemon answered: they ask it only while
-the prober hears from it, so a daemon that is down or hung at start, or restarted later, is
-used again once it answers (and told how many kernels the process compiled meanwhile):
+At ``$CACHED_SOCKET``, or the default socket that answers (cached_client.paths.find_socket),
+it starts that socket's prober (cached_client.integrations.vllm.state: the daemon's first
+answer is waited for 0.25 s at most, then asked for in the background with backoff), logs
+one line through vLLM's logger saying what is true now, and attaches the rest to imports,
+so that it costs nothing where unused (no FlashInfer import, no CUDA call). The hooks are
+installed whether or not the daemon answered: they ask it only while the prober hears from
+it, so a daemon that is down or hung at start, or restarted later, is used again once it
+answers (and told how many kernels the process compiled meanwhile):
 
 * when FlashInfer is first imported: FlashInfer's CuTe-DSL kernels come from the daemon
   (:func:`cached_client.integrations.flashinfer.cute_dsl.install`), and its nvcc JIT

@@ -1,11 +1,13 @@
 """The daemon a vLLM process uses (shared by the plugin, its hooks and the kernel class;
 imports nothing heavy).
 
-:func:`daemon` is made once per process: with ``$CACHED_SOCKET`` set it starts that socket's
-prober (cached_client.liveness) and waits at most ``START_WAIT_S`` for its first answer, so a
-stopped or hung daemon costs a starting process that long, not a probe's timeout; the prober
-goes on asking in the background, and ``hello`` is whatever it last heard (None while the
-daemon does not answer).
+:func:`daemon` is made once per process: at ``$CACHED_SOCKET`` (whether or not a daemon
+listens there yet), else at the first default socket that answers now, or exists
+(cached_client.paths.find_socket: the per-user one, then the system one), it starts that
+socket's prober (cached_client.liveness) and waits at most ``START_WAIT_S`` for its first
+answer, so a stopped or hung daemon costs a starting process that long, not a probe's
+timeout; the prober goes on asking in the background, and ``hello`` is whatever it last
+heard (None while the daemon does not answer).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import threading
 from typing import Any
 
-from cached_client.paths import SOCKET_ENV
+from cached_client import paths
 
 START_WAIT_S = 0.25
 """How long a starting process waits for the daemon's first answer (a live one answers in
@@ -24,7 +26,8 @@ CLIENT_TIMEOUT_S = 600.0
 
 
 class Daemon:
-    """The daemon this process uses: ``socket`` None when ``$CACHED_SOCKET`` is unset;
+    """The daemon this process uses: ``socket`` None when ``$CACHED_SOCKET`` is unset and
+    no default socket exists;
     ``hello`` the daemon's last answer, None while it does not answer (``reason`` says why);
     ``client`` the hooks' client (None without a socket)."""
 
@@ -59,7 +62,8 @@ _lock = threading.Lock()
 
 
 def daemon() -> Daemon:
-    """The daemon at ``$CACHED_SOCKET`` for this process (made on first call)."""
+    """The daemon at ``$CACHED_SOCKET`` or the default socket for this process (made on
+    first call)."""
     global _daemon
     with _lock:
         if _daemon is None:
@@ -68,9 +72,10 @@ def daemon() -> Daemon:
 
 
 def _make() -> Daemon:
-    path = os.environ.get(SOCKET_ENV)
+    path = os.environ.get(paths.SOCKET_ENV) or paths.find_socket(connect=True)
     if not path:
-        return Daemon(None, None, None, f"{SOCKET_ENV} is not set")
+        return Daemon(None, None, None, f"{paths.SOCKET_ENV} is not set and no daemon socket "
+                      f"exists at {' or '.join(paths.socket_candidates())}")
     from cached_client import liveness
     from cached_client.client import Client
 
