@@ -44,7 +44,7 @@ from .state import ARCH_OF_CAPABILITY, capability, daemon, device_name
 
 logger = init_logger("vllm.cached")
 
-FAMILY = "cached.hopper_bf16"
+FAMILY = gemm_plan.HOPPER_BF16_FAMILY
 ARCH = "sm_90a"
 ATTR = "_cached_bf16"  # on a layer: the op's plan index (>= 0), or -1: vLLM's kernel
 OUT_ATTR = "_cached_bf16_out"  # on a served layer: the plan's output dtype
