@@ -1,5 +1,11 @@
 """Hopper (sm_90a) FP8 GEMM in CuTe-DSL: C = cvt((A @ B^T) * (a_scale * b_scale)).
 
+BF16 operands (tactic.ab_dtype = "bf16", scales = "none"; the family cached.hopper_bf16):
+the same kernel with bfloat16 A and B, a 64-element K tile (128 bytes a row, so the same
+shared-memory layouts and sizes), four wgmma k16 per K tile in place of FP8's four k32, no
+scale read (the epilogue rounds the fp32 sum as it is; the register epilogue multiplies it
+by a 1.0 known only at run time, see epilogue_direct), and bf16, fp16 or fp32 output.
+
 A (M, K), B (N, K): float8 (e4m3fn or e5m2), K-major. C (M, N): bf16/fp16, row-major.
 a_scale, b_scale: fp32 tensors of one element, read on the device (no host sync, so
 CUDA-graph safe); with tactic.scales = "token", a_scale (M,) and b_scale (N,): before the
@@ -1018,7 +1024,13 @@ class HopperFp8GemmKernel:
         tCcC_t = thr_c.partition_C(gcC_t)
         rC = cute.make_rmem_tensor(acc.shape, self.c_dtype)
         if cutlass.const_expr(self.no_scale):
-            rC.store(acc.load().to(self.c_dtype))
+            # times 1.0 known only at run time (min(M, 1), M >= 1): exact, and the bf16
+            # conversion then reads no wgmma accumulator register, which would make ptxas
+            # serialize every wgmma of the kernel (swap_ab, S = 1, bf16 output: one full
+            # wait per wgmma in the SASS; tests/test_hopper_bf16.py)
+            one = cutlass.Float32(cutlass.min(mC.shape[0], 1))
+            vals = acc.load() * one
+            rC.store(vals.to(self.c_dtype))
         else:
             vals = acc.load() * scale
             rC.store(vals.to(self.c_dtype))

@@ -159,12 +159,10 @@ def bf16_space(out_dtype: str = "bfloat16", ab_dtype: str = BF16, splits: int | 
                scales: str = NO_SCALES, accum: str = "fast") -> list[HopperFp8Tactic]:
     """The bf16 operands' space (cached.hopper_bf16): the per-tensor fast FP8 space's tiles
     (their stage bytes are the same: K_TILE_BYTES a row) with ab_dtype bf16 and scales
-    "none", less what bf16 cannot take: the narrow widths outside BF16_NARROW_TILE_N (the
-    compiler aborts) and, for a bf16 output, the swap_ab tactics with S = 1, whose wgmma
-    ptxas serializes (one full wait per wgmma in the SASS; the fp16 / fp32 outputs and the
-    splits compile unserialized: tests/test_hopper_bf16.py). The stage count is recomputed
-    for the output type (a float32 output takes more shared memory). ValueError for
-    anything but bf16 operands, scales "none" and accum "fast"."""
+    "none", less the narrow widths outside BF16_NARROW_TILE_N (the compiler aborts on
+    them). The stage count is recomputed for the output type (a float32 output takes more
+    shared memory). ValueError for anything but bf16 operands, scales "none" and accum
+    "fast"."""
     if ab_dtype != BF16 or scales != NO_SCALES or accum != "fast":
         raise ValueError(f"the bf16 space takes ab_dtype={BF16!r}, scales={NO_SCALES!r} and "
                          f"accum='fast', got {ab_dtype!r}, {scales!r}, {accum!r}")
@@ -173,8 +171,6 @@ def bf16_space(out_dtype: str = "bfloat16", ab_dtype: str = BF16, splits: int | 
     out = []
     for t in tactic_space("bfloat16", "e4m3", splits):
         if t.tile_n in NARROW_TILE_N and not t.swap_ab and t.tile_n not in BF16_NARROW_TILE_N:
-            continue
-        if t.swap_ab and t.splits == 1 and out_dtype == "bfloat16":
             continue
         if not tile_is_feasible(t.tile_m, t.tile_n, out_dtype, acc_sets(t.splits, t.split_mode),
                                 t.swap_ab, t.wg_n, t.pingpong)[0]:

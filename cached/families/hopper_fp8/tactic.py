@@ -4,7 +4,7 @@ and the reduction-order class it belongs to.
 
 C = cvt((A @ B^T) * (a_scale * b_scale)), A (M, K) and B (N, K) FP8 and K-major,
 a_scale / b_scale per-tensor fp32 scales held in 1-element device tensors, C (M, N)
-row-major bf16 or fp16.
+row-major bf16 or fp16; or (ab_dtype "bf16", below) C = cvt(A @ B^T) on bf16 operands.
 
 This module is imported by the daemon's main process: it must not import cutlass or
 torch. Which tactics a plan lists is space.py, how they are ranked cost.py and winners.py.
@@ -83,6 +83,14 @@ serves and N need not be a multiple of 128 (the last weight block is partial). R
 one scale group; the launcher refuses other K).
 The scheme is part of the class id (``.token`` / ``.block128`` appended; per-tensor ids
 have no suffix).
+
+BF16 operands (``ab_dtype="bf16"``, the family ``cached.hopper_bf16``): the same tactics on
+bfloat16 A and B with scales ``"none"`` (no scale is read: C = cvt(A @ B^T)) and fast
+accumulation only (the bf16 wgmma accumulates in fp32). The K tile is 64 elements, 128
+bytes of an operand row as FP8's 128, so every stage and shared-memory size is FP8's; each
+K tile issues four wgmma k16 (``tile_k`` / ``wgmma_k``). Output bfloat16, float16 or float32
+(BF16_OUT_DTYPES). Classes ``k64.acc1.s<S>.fixed`` (BF16_REDUCTION_CLASSES): K tiles of 64,
+the splits and their sum as above. The narrow widths are 48 only (BF16_NARROW_TILE_N).
 
 Accumulation (``accum``): ``"fast"`` (the default, ``acc1``: the four k32 wgmma of every K
 tile accumulate into one wgmma accumulator for the whole K range, so the tensor core's

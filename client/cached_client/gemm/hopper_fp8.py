@@ -146,6 +146,10 @@ def check_gemm_args(a, b, a_scale, b_scale, out_dtype, out=None,
         raise ValueError(
             f"a and b must both be float8_e4m3fn or both float8_e5m2, got {an} and {bn}"
         )
+    outs = _BF16_OUT_NAMES if bf16 else _OUT_NAMES
+    if _dtype_name(out_dtype) not in outs:
+        raise ValueError(f"out_dtype must be one of torch.{', torch.'.join(outs)}, got "
+                         f"{out_dtype}")
     m, k = a.shape
     n, kb = b.shape
     if kb != k:
@@ -187,10 +191,6 @@ def check_gemm_args(a, b, a_scale, b_scale, out_dtype, out=None,
     for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
         if s is not None and s.device != a.device:
             raise ValueError(f"{name} must be on {a.device}, got {s.device}")
-    outs = _BF16_OUT_NAMES if bf16 else _OUT_NAMES
-    if _dtype_name(out_dtype) not in outs:
-        raise ValueError(f"out_dtype must be one of torch.{', torch.'.join(outs)}, got "
-                         f"{out_dtype}")
     if out is not None:
         if out.shape != (m, n) or out.dtype != out_dtype or not out.is_contiguous():
             raise ValueError(
