@@ -162,3 +162,5 @@ def test_torch_compile_traces_the_op_into_one_graph_for_every_m(runs):
     (graph,) = compiled["graphs"]  # fullgraph, and M = 3 and 7 share it (M is dynamic)
     assert graph.count("cached.bf16_gemm") == 1 and "add_" in graph  # the bias, after
     assert compiled["y"] == [[[3, 256], "torch.bfloat16"], [[7, 256], "torch.bfloat16"]]
+    # registered straight with the dispatcher (a CUDA kernel and a fake), not a custom_op
+    assert result["op_direct"] == [True, True]

@@ -185,6 +185,12 @@ if bf16 is not None:
                      "buckets": [b.upper for b in g.plan.choice.buckets],
                      "loaded": sorted({type(f).__name__ for f in g._fns})}
                     for g in bf16._gemms]
+if bf16 is not None:
+    from torch._library import custom_ops
+
+    out["op_direct"] = [
+        "cached::bf16_gemm" not in custom_ops.OPDEFS,
+        torch._C._dispatch_has_kernel_for_dispatch_key("cached::bf16_gemm", "CUDA")]
 out["cuda_initialized"] = torch.cuda.is_initialized()
 sys.stdout.flush()
 print("RESULT " + json.dumps(out))

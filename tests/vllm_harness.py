@@ -162,6 +162,12 @@ if "cached_client.integrations.vllm.kernel" in sys.modules:
         s = torch.ones(1, dtype=torch.float32, device="cuda")
         y = torch.ops.cached.fp8_gemm(a, b, s, s, 0, torch.float16)
     out["custom_op_fake"] = [list(y.shape), str(y.dtype)]
+    from torch._library import custom_ops
+
+    # registered straight with the dispatcher: a CUDA kernel, not a custom_op's composite
+    out["custom_op_direct"] = [
+        "cached::fp8_gemm" not in custom_ops.OPDEFS,
+        torch._C._dispatch_has_kernel_for_dispatch_key("cached::fp8_gemm", "CUDA")]
 
 out["flashinfer_imported"] = "flashinfer" in sys.modules
 out["cuda_initialized"] = torch.cuda.is_initialized()
