@@ -324,7 +324,8 @@ def _fp8_gemm_us(kernels) -> float:
     return sum(t for name, t in kernels if any(m in name for m in FP8_GEMM_MARKS))
 
 
-def _gpu_profile(llm, vocab: int, SamplingParams) -> dict:  # noqa: N803 -- vLLM's class
+def _gpu_profile(llm, vocab: int, SamplingParams,  # noqa: N803 -- vLLM's class
+                 fp8_model: bool = True) -> dict:
     """Per decode step, at each batch of PERF_BATCHES: the GPU time of every kernel (us) and
     its launches, as the difference of two profiled generates (1 token, then
     1 + PROFILE_STEPS tokens: the same prefill) divided by PROFILE_STEPS. GEMM kernels are
@@ -357,7 +358,9 @@ def _gpu_profile(llm, vocab: int, SamplingParams) -> dict:  # noqa: N803 -- vLLM
         gemm = {k: v for k, v in kernels.items() if any(m in k for m in GEMM_MARKS)}
         attention = {k: v for k, v in kernels.items()
                      if k not in gemm and any(m in k for m in ATTENTION_MARKS)}
-        fp8 = _fp8_gemm_us((k, v[0]) for k, v in kernels.items())
+        # (the BF16 family's kernels share the FP8 family's kernel class, so its name: in a
+        # BF16 model every GEMM is a BF16 one)
+        fp8 = _fp8_gemm_us((k, v[0]) for k, v in kernels.items()) if fp8_model else 0.0
         gemm_us = sum(v[0] for v in gemm.values())
         res[b] = {"step_wall_us": (walls[PROFILE_STEPS + 1] - walls[1]) / PROFILE_STEPS * 1e6,
                   "step_gpu_us": sum(v[0] for v in kernels.values()),
@@ -705,11 +708,14 @@ def engine(args: argparse.Namespace) -> None:
             res["perf"] = _throughput(llm, vocab, SamplingParams, PERF_BATCHES)
             res["stage"] = "profile"
             save()
-            res["gpu_profile"] = _gpu_profile(llm, vocab, SamplingParams)
-            res["stage"] = "timeline"
-            save()
-            res["timeline"] = _timeline(llm, vocab, SamplingParams, args.mode, args.trace_dir)
-            res["perf_after"] = _throughput(llm, vocab, SamplingParams, (64, 256))
+            res["gpu_profile"] = _gpu_profile(llm, vocab, SamplingParams,
+                                              fp8_model="quantization_config" in cfg)
+            if not args.no_timeline:
+                res["stage"] = "timeline"
+                save()
+                res["timeline"] = _timeline(llm, vocab, SamplingParams, args.mode,
+                                            args.trace_dir)
+                res["perf_after"] = _throughput(llm, vocab, SamplingParams, (64, 256))
         res["stage"] = "done"
     except Exception as exc:  # noqa: BLE001 -- recorded: how far vLLM ran is the result
         res["errors"].append(f"{res['stage']}: {type(exc).__name__}: {exc}"[:4000])
@@ -957,7 +963,8 @@ def summarize(args: argparse.Namespace) -> None:
     def fp8_cell(p: dict) -> tuple[float, str]:
         # a run recorded before FP8_GEMM_MARKS named a kernel stored 0: its kernels are
         # counted again from the step's top kernels, with today's marks
-        us = p.get("step_fp8_gemm_us") or _fp8_gemm_us((n, t) for n, t, _ in p["top"])
+        us = (p["step_fp8_gemm_us"] if "step_bf16_gemm_us" in p  # split recorded
+              else p.get("step_fp8_gemm_us") or _fp8_gemm_us((n, t) for n, t, _ in p["top"]))
         return us, f"{us:.0f}"
 
     _ratio_table(runs, names, "perf", "tok/s (step ms)", "step", perf_cell)
@@ -1043,6 +1050,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true",
                    help="load, throughput, profile and timeline only (no layer check, "
                         "invariance or prompt logprobs)")
+    p.add_argument("--no-timeline", action="store_true",
+                   help="skip the host timeline and the throughput measured again after it")
     p.add_argument("--host", action="store_true",
                    help="load, throughput at the host profile's batch and the host "
                         "profile only")
