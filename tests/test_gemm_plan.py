@@ -5,6 +5,7 @@ method, float64 reference, timings) is bench/gpu/gemm_plan_check.py on the H200.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 
 import pytest
@@ -222,3 +223,30 @@ def test_sm100_is_not_offered_with_vllms_flashinfer_pin():
                          env={"PYTHONPATH": str(ROOT / "client")}).stdout
     assert "(False, 'FlashInfer 0.7.2.post1" in out and "no flashinfer.batch_invariant" in out
     assert "UNAVAILABLE no batch-invariant FP8 class for sm_100a" in out
+
+
+def test_loaded_bf16_plan_runs_without_per_call_checks_up_to_max_m(daemon):
+    """``HopperBf16Gemm.run`` (the vLLM op's call, its weight checked once at load) picks the
+    bucket, allocates the output and launches, with none of ``f(a, b)``'s checks (CPU tensors
+    here, which those refuse); above max_m, which the workspace was sized for, it takes the
+    checked path."""
+    torch = pytest.importorskip("torch")
+    c = daemon.client(timeout=120)
+    plan = gemm_plan.plan_gemm(c, 4096, 4096, arch="sm_90a", ab_dtype="bf16",
+                               out_dtype="float32", sm_count=132, max_m=64, prefetch=False)
+    calls: list = []
+    fns = [functools.partial(lambda i, *args: calls.append((i, args)), i)
+           for i in range(len(plan.choice.buckets))]
+    f = gemm_plan.HopperBf16Gemm(plan, fns, "cpu")
+    b = torch.empty(4096, 4096, dtype=torch.bfloat16)
+    for m, bucket in ((1, 0), (3, 2), (64, len(fns) - 1)):
+        a = torch.empty(m, 4096, dtype=torch.bfloat16)
+        out = f.run(a, b)
+        i, args = calls[-1]
+        assert i == bucket and args[0] is a and args[1] is b and args[2] is out
+        assert out.shape == (m, 4096) and out.dtype == torch.float32
+        assert args[5] is f.workspace and args[6] is f.counters
+        assert args[3].numel() == 1 and args[3].data_ptr() == f.workspace.data_ptr()
+    with pytest.raises(ValueError, match="CUDA"):
+        f.run(torch.empty(65, 4096, dtype=torch.bfloat16), b)  # the checked path
+    assert len(calls) == 3

@@ -329,8 +329,9 @@ NVDISASM = ROOT / ".venv-jit" / "triton" / "backends" / "nvidia" / "bin" / "nvdi
 
 def wgmma_waits(path: str) -> dict[str, int]:
     """Counts in the SASS of the sm_90a cubin inside a served object or library: wgmma
-    instructions (``GMMA``), waits for all of them (``wait0``, WARPGROUP.DEPBAR.LE gsb0,
-    0x0), for all but one (``wait1``), and local-memory loads (``spills``)."""
+    instructions (``GMMA``; ``bf16_wgmma``: those on bf16 operands, HGMMA ... F32.BF16),
+    waits for all of them (``wait0``, WARPGROUP.DEPBAR.LE gsb0, 0x0), for all but one
+    (``wait1``), and local-memory loads (``spills``)."""
     import re
     import subprocess
     import tempfile
@@ -345,7 +346,8 @@ def wgmma_waits(path: str) -> dict[str, int]:
                               text=True).stdout
     waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", sass)
     return {"GMMA": sass.count("GMMA"), "wait0": waits.count("0"), "wait1": waits.count("1"),
-            "spills": len(re.findall(r"\bLDL", sass))}
+            "spills": len(re.findall(r"\bLDL", sass)),
+            "bf16_wgmma": len(re.findall(r"HGMMA\.\S+\.F32\.BF16", sass))}
 
 
 def test_scheme_tactics_compile_for_sm90a_through_the_daemon(daemon):

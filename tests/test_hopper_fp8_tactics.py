@@ -184,7 +184,9 @@ def test_family_base_declares_no_class():
 def test_choose_split_depends_on_n_k_and_device_only():
     import inspect
 
-    assert list(inspect.signature(SPACE.choose_split).parameters) == ["n", "k", "sm_count"]
+    # no M: the class of a batch-invariant plan is fixed per (N, K, operand type, device)
+    assert list(inspect.signature(SPACE.choose_split).parameters) == ["n", "k", "sm_count",
+                                                                       "ab_dtype"]
     for n in (512, 1024, 2112, 2688, 4096, 4608, 7168, 8192, 14336, 28672, 57344):
         for k in (512, 1536, 2304, 4096, 7168, 14336, 28672):
             s = SPACE.choose_split(n, k, 132)
@@ -201,9 +203,12 @@ def test_choose_split_depends_on_n_k_and_device_only():
     # fewer SMs: fewer splits; a narrower N with a long K: more
     assert SPACE.choose_split(2112, 7168, 64) == 1
     assert SPACE.choose_split(1024, 28672, 132) == 4 and SPACE.choose_split(1024, 28672, 64) == 2
-    for bad in ((0, 4096, 132), (4096, 4096, 0), (4096.0, 4096, 132)):
+    for bad in ((0, 4096, 132), (4096, 4096, 0), (4096.0, 4096, 132), (4096, 4096, 132, "f8")):
         with pytest.raises(ValueError):
             SPACE.choose_split(*bad)
+    # bf16 operands: K counted in bytes of an operand row (the same 128-byte K tiles)
+    for n, k in ((2112, 7168), (1024, 28672), (1024, 14336), (4096, 4096)):
+        assert SPACE.choose_split(n, k, 132, "bf16") == SPACE.choose_split(n, 2 * k, 132)
 
 
 def test_enumeration_is_stable_and_shape_aware():

@@ -141,3 +141,28 @@ def test_an_unknown_scheme_is_refused_and_writes_nothing(tmp_path):
     assert "invalid choice: 'blocks'" in proc.stderr
     assert "'tensor', 'block', 'token'" in proc.stderr
     assert not ck.exists()
+
+
+CHECK_BF16 = r"""
+import json, sys
+from safetensors import safe_open
+
+d = sys.argv[1]
+cfg = json.load(open(f"{d}/config.json"))
+f = safe_open(f"{d}/model.safetensors", "pt")
+print(json.dumps({"quantized": "quantization_config" in cfg, "vocab": cfg["vocab_size"],
+                  "dtypes": sorted({str(f.get_tensor(k).dtype) for k in f.keys()}),
+                  "lm_head": list(f.get_tensor("lm_head.weight").shape),
+                  "keys": sorted(k.split(".")[-2] for k in f.keys() if ".layers.0." in k)}))
+"""
+
+
+@needs_vllm
+def test_the_bf16_checkpoint_is_unquantized_with_its_vocabulary(tmp_path):
+    """SCHEME=bf16 (issue 36): no quantization config, every tensor bfloat16, no scales, the
+    lm_head (vocab, hidden)."""
+    res = write_and_read_back(tmp_path, "bf16", CHECK_BF16)
+    assert res["quantized"] is False and res["vocab"] == 256
+    assert res["dtypes"] == ["torch.bfloat16"] and res["lm_head"] == [256, 4096]
+    assert res["keys"] == ["down_proj", "gate_proj", "input_layernorm", "k_proj", "o_proj",
+                           "post_attention_layernorm", "q_proj", "up_proj", "v_proj"]

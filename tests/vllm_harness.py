@@ -12,15 +12,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import types
 
 cap = int(sys.argv[1])
 scenarios = json.loads(sys.argv[2])
 START_BI = os.environ.get("VLLM_BATCH_INVARIANT", "0")
 
-# vllm/platforms/cuda.py imports its compiled extension at module level (needs libcuda.so.1)
-sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
-
+import vllm_cpu  # noqa: E402,I001  (before vLLM: its compiled extensions' stand-ins)
 import torch  # noqa: E402
 from vllm.config.logging import LoggingConfig  # noqa: E402
 from vllm.logger import configure_logging  # noqa: E402
@@ -31,16 +28,8 @@ from vllm.plugins import load_general_plugins  # noqa: E402
 
 load_general_plugins()  # VLLM_PLUGINS unset: every installed plugin
 
-# the compiled extension's capability queries, with the rules of vLLM's scaled_mm_entry.cu
-_lib = torch.library.Library("_C", "FRAGMENT")
-for _name, _min in (("cutlass_scaled_mm_supports_fp8", 89),
-                    ("cutlass_scaled_mm_supports_block_fp8", 90),
-                    ("cutlass_group_gemm_supported", 90),
-                    ("cutlass_scaled_mm_supports_fp4", 100)):
-    _lib.define(f"{_name}(int cuda_device_capability) -> bool")
-    _lib.impl(_name, (lambda m: lambda c: c >= m)(_min), "CompositeExplicitAutograd")
+vllm_cpu.capability_queries()
 
-import vllm.platforms as platforms  # noqa: E402
 import vllm.utils.flashinfer as fu  # noqa: E402
 from vllm.model_executor.kernels import linear as L  # noqa: E402
 from vllm.model_executor.layers.quantization import fp8 as fp8_method  # noqa: E402
@@ -52,17 +41,8 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (  # noqa:
     kFp8StaticChannelSym,
     kFp8StaticTensorSym,
 )
-from vllm.platforms.cuda import CudaPlatform  # noqa: E402
-from vllm.platforms.interface import DeviceCapability  # noqa: E402
 
-
-class PatchedCuda(CudaPlatform):
-    @classmethod
-    def get_device_capability(cls, device_id: int = 0):
-        return DeviceCapability(cap // 10, cap % 10)
-
-
-platforms.current_platform.__class__ = PatchedCuda
+vllm_cpu.patch_platform(cap)
 
 from vllm.config import KernelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 
@@ -182,6 +162,12 @@ if "cached_client.integrations.vllm.kernel" in sys.modules:
         s = torch.ones(1, dtype=torch.float32, device="cuda")
         y = torch.ops.cached.fp8_gemm(a, b, s, s, 0, torch.float16)
     out["custom_op_fake"] = [list(y.shape), str(y.dtype)]
+    from torch._library import custom_ops
+
+    # registered straight with the dispatcher: a CUDA kernel, not a custom_op's composite
+    out["custom_op_direct"] = [
+        "cached::fp8_gemm" not in custom_ops.OPDEFS,
+        torch._C._dispatch_has_kernel_for_dispatch_key("cached::fp8_gemm", "CUDA")]
 
 out["flashinfer_imported"] = "flashinfer" in sys.modules
 out["cuda_initialized"] = torch.cuda.is_initialized()

@@ -17,7 +17,10 @@
 # (128x128 weight blocks, dynamic 1x128 activation groups, DeepSeek-V3's format) and the
 # store's block128 kernels instead of per-tensor ones; SCHEME=token: an FP8-dynamic
 # checkpoint (compressed-tensors: per-channel weight scales, dynamic per-token activations)
-# and the store's per-token kernels; the gpu call reads the scheme from C/scheme.
+# and the store's per-token kernels; SCHEME=bf16: a BF16 checkpoint (no quantization, the
+# 128,256-word vocabulary unless VOCAB says otherwise) and the store's cached.hopper_bf16
+# kernels for the four linears and the lm_head (what the plugin's BF16 path plans under
+# VLLM_BATCH_INVARIANT=1); the gpu call reads the scheme and vocabulary from C/.
 set -euo pipefail
 SHAPES=(6144,4096 4096,4096 28672,4096 4096,14336)  # Llama-3.1-8B's qkv, o, gate_up, down
 MAX_M=8192
@@ -34,12 +37,14 @@ if [[ $mode == build ]]; then
   rm -rf "$D" && mkdir -p "$D/A" "$D/B/wheels" "$D/C/src/client"
   # the store: every kernel the client's plans pick for the four shapes, M up to MAX_M
   scheme=${SCHEME:-tensor}
+  vocab=${VOCAB:-32768} && shapes=("${SHAPES[@]}") && ab=e4m3
   case $scheme in tensor) scales=tensor ;; block) scales=block128 ;; token) scales=token ;;
-    *) echo "SCHEME is tensor, block or token, not $scheme"; exit 2 ;; esac
-  echo "$scheme" > "$D/C/scheme"
-  SCALES=$scales \
+    bf16) scales=none ab=bf16 vocab=${VOCAB:-128256} shapes+=("$vocab,4096") ;;  # + lm_head
+    *) echo "SCHEME is tensor, block, token or bf16, not $scheme"; exit 2 ;; esac
+  echo "$scheme" > "$D/C/scheme" && echo "$vocab" > "$D/C/vocab"
+  SCALES=$scales AB_DTYPE=$ab \
     CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/gemm_plan_bundle.py "$D/C/store" "$MAX_M" \
-    "${SHAPES[@]}" | tee "$D/C/build.log"
+    "${shapes[@]}" | tee "$D/C/build.log"
   rm -rf "$D/C/store/tmp" "$D/C/store/index.sqlite-wal" "$D/C/store/index.sqlite-shm"
   # vLLM's compiled ops (stripped: 79 MB, 60 MiB as xz) in two halves, the DSL runtime
   tmp=$(mktemp -d)
@@ -143,7 +148,8 @@ if [[ $mode == gpu ]]; then
   [[ -n ${PREFLIGHT:-} ]] && python3 "$C/vllm_fp8.py" preflight 2>&1 | grep -v "^W[0-9]" \
     | tee $L/preflight.log | tail -3
   python3 "$C/vllm_fp8.py" ckpt /tmp/ck --layers "${LAYERS:-4}" \
-    --scheme "$(cat "$C/scheme" 2>/dev/null || echo tensor)" 2>&1 | tee $L/ckpt.log
+    --scheme "$(cat "$C/scheme" 2>/dev/null || echo tensor)" \
+    --vocab "$(cat "$C/vocab" 2>/dev/null || echo 32768)" 2>&1 | tee $L/ckpt.log
   python3 -c "import importlib.util as u; print('cutlass (CuTe DSL compiler) importable:',
     u.find_spec('cutlass') is not None)" | tee $L/dsl.txt
   # the modes' processes start together: imports overlap; loads, then measurements, take
@@ -154,6 +160,7 @@ if [[ $mode == gpu ]]; then
     TRITON_CACHE_DIR=/tmp/triton_$m timeout "${MODE_TIMEOUT:-300}" python3 "$C/vllm_fp8.py" \
       engine /tmp/ck --mode "$m" --out $OUT/engine_$m.json --turns $T --order $ORDER \
       --compile-mode "${COMPILE_MODE:-0}" --trace-dir $L ${QUICK:+--quick} ${HOST:+--host} \
+      ${NO_TIMELINE:+--no-timeline} \
       > $OUT/engine_$m.log 2>&1 &  # under $OUT: back even if the call's limit stops it
     pids+=($!)
   done

@@ -50,6 +50,8 @@ GEMM_MARKS = ("cutlass", "gemm", "Gemm", "matmul", "nvjet", "cublas", "sm90_xmma
 # vLLM's CUTLASS per-tensor / per-token and blockwise FP8 GEMMs, ours
 FP8_GEMM_MARKS = ("cutlass_3x_gemm_sm90_fp8", "cutlass_3x_gemm_fp8_blockwise",
                   "HopperFp8GemmKernel")
+# attention: vLLM's Triton backend (kernel_unified_attention, reduce_segments), FlashAttention
+ATTENTION_MARKS = ("attention", "attn", "reduce_segments", "flash_fwd", "fmha")
 TARGET_LENS = (5, 17, 33, 64, 100, 128, 200, 257)
 MAX_BATCHED = 8192
 
@@ -57,15 +59,17 @@ MAX_BATCHED = 8192
 # -- the checkpoint -------------------------------------------------------------------------
 
 
-SCHEMES = ("tensor", "block", "token")
+SCHEMES = ("tensor", "block", "token", "bf16")
 BLOCK = 128  # the block scheme's weight block (rows and columns) and activation group
 
 
 def llama_config(layers: int, vocab: int, scheme: str = "tensor") -> dict:
     """Llama-3.1-8B's config.json with ``layers`` layers, ``vocab`` words and an FP8 format
     vLLM reads: static per-tensor activation scales, (``block``) 128x128 weight blocks with
-    dynamic activation groups, or (``token``) compressed-tensors' FP8-dynamic scheme."""
-    quant = {"tensor": {"quant_method": "fp8", "activation_scheme": "static"},
+    dynamic activation groups, or (``token``) compressed-tensors' FP8-dynamic scheme; or
+    (``bf16``) none: a BF16 model."""
+    quant = {"bf16": None,  # unquantized: every linear and the lm_head a BF16 GEMM
+             "tensor": {"quant_method": "fp8", "activation_scheme": "static"},
              "block": {"quant_method": "fp8", "activation_scheme": "dynamic",
                        "weight_block_size": [BLOCK, BLOCK]},
              "token": {"quant_method": "compressed-tensors", "format": "float-quantized",
@@ -77,7 +81,7 @@ def llama_config(layers: int, vocab: int, scheme: str = "tensor") -> dict:
                            "input_activations": {"num_bits": 8, "type": "float",
                                                  "symmetric": True, "strategy": "token",
                                                  "dynamic": True}}}}}[scheme]
-    return {
+    cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": HIDDEN, "intermediate_size": INTER, "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "num_hidden_layers": layers,
@@ -87,8 +91,10 @@ def llama_config(layers: int, vocab: int, scheme: str = "tensor") -> dict:
                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
         "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16",
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-        "quantization_config": quant,
     }
+    if quant is not None:
+        cfg["quantization_config"] = quant
+    return cfg
 
 
 def write_tokenizer(d: Path, vocab: int) -> None:
@@ -112,7 +118,7 @@ def write_checkpoint(d: Path, layers: int, vocab: int, seed: int,
     activation scale per linear; or (``block``) with one scale per 128x128 block
     (``weight_scale_inv``, absmax / 448) and no activation scale; or (``token``) one scale
     per output channel (``weight_scale`` (N, 1), row absmax / 448) and no activation
-    scale."""
+    scale; or (``bf16``) kept in bfloat16."""
     import torch
     from safetensors.torch import save_file
 
@@ -126,6 +132,9 @@ def write_checkpoint(d: Path, layers: int, vocab: int, seed: int,
 
     def fp8_linear(name: str, n: int, k: int, act_scale: float) -> None:
         w = rand(n, k, std=k ** -0.5)
+        if scheme == "bf16":
+            t[f"{name}.weight"] = w.bfloat16().cpu()
+            return
         if scheme == "block":
             blocks = w.reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
             scale = blocks.abs().amax(dim=(1, 3)) / 448.0  # (N/128, K/128)
@@ -194,9 +203,14 @@ def _fp8_kernel(mod):
 
 
 def _kernels(model) -> dict:
-    """Per linear layer class: the FP8 kernel vLLM chose (counted), and the plan lines."""
+    """Per linear layer class: the FP8 kernel vLLM chose (counted), and for BF16 layers
+    whether the plugin serves them (``cached.hopper_bf16``) or vLLM's kernel runs them."""
     out: dict = {}
     for _name, mod in model.named_modules():
+        served = getattr(mod, "_cached_bf16", None)  # cached_client.integrations.vllm.bf16
+        if served is not None:
+            key = f"{type(mod).__name__}:bf16:{'cached.hopper_bf16' if served >= 0 else 'vllm'}"
+            out[key] = out.get(key, 0) + 1
         kern = _fp8_kernel(mod)
         if kern is None:
             continue
@@ -310,7 +324,8 @@ def _fp8_gemm_us(kernels) -> float:
     return sum(t for name, t in kernels if any(m in name for m in FP8_GEMM_MARKS))
 
 
-def _gpu_profile(llm, vocab: int, SamplingParams) -> dict:  # noqa: N803 -- vLLM's class
+def _gpu_profile(llm, vocab: int, SamplingParams,  # noqa: N803 -- vLLM's class
+                 fp8_model: bool = True) -> dict:
     """Per decode step, at each batch of PERF_BATCHES: the GPU time of every kernel (us) and
     its launches, as the difference of two profiled generates (1 token, then
     1 + PROFILE_STEPS tokens: the same prefill) divided by PROFILE_STEPS. GEMM kernels are
@@ -341,10 +356,19 @@ def _gpu_profile(llm, vocab: int, SamplingParams) -> dict:  # noqa: N803 -- vLLM
             if (t - t0) > 0:
                 kernels[name] = [(t - t0) / PROFILE_STEPS, (c - c0) / PROFILE_STEPS]
         gemm = {k: v for k, v in kernels.items() if any(m in k for m in GEMM_MARKS)}
+        attention = {k: v for k, v in kernels.items()
+                     if k not in gemm and any(m in k for m in ATTENTION_MARKS)}
+        # (the BF16 family's kernels share the FP8 family's kernel class, so its name: in a
+        # BF16 model every GEMM is a BF16 one)
+        fp8 = _fp8_gemm_us((k, v[0]) for k, v in kernels.items()) if fp8_model else 0.0
+        gemm_us = sum(v[0] for v in gemm.values())
         res[b] = {"step_wall_us": (walls[PROFILE_STEPS + 1] - walls[1]) / PROFILE_STEPS * 1e6,
                   "step_gpu_us": sum(v[0] for v in kernels.values()),
-                  "step_gemm_us": sum(v[0] for v in gemm.values()),
-                  "step_fp8_gemm_us": _fp8_gemm_us((k, v[0]) for k, v in kernels.items()),
+                  "step_gemm_us": gemm_us,
+                  "step_fp8_gemm_us": fp8,
+                  # every GEMM that is not FP8: the BF16 ones, the lm_head's among them
+                  "step_bf16_gemm_us": gemm_us - fp8,
+                  "step_attention_us": sum(v[0] for v in attention.values()),
                   "step_launches": sum(v[1] for v in kernels.values()),
                   "top": sorted(([k[:200], round(v[0], 2), v[1]] for k, v in kernels.items()),
                                 key=lambda r: -r[1])[:14]}
@@ -617,6 +641,11 @@ def engine(args: argparse.Namespace) -> None:
     os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     os.environ["VLLM_BATCH_INVARIANT"] = "0" if args.mode == "a" else "1"
+    if args.mode != "c" and "quantization_config" not in json.loads(
+            (Path(args.ckpt) / "config.json").read_text()):
+        # a BF16 model: under batch invariance the plugin serves every BF16 GEMM by itself
+        # (no certification, no --linear-backend), so (a) and (b) run without the daemon
+        os.environ.pop("CACHED_SOCKET", None)
     res: dict = {"mode": args.mode, "stage": "import", "errors": []}
 
     def save() -> None:
@@ -630,6 +659,8 @@ def engine(args: argparse.Namespace) -> None:
         res["stage"] = "load"
         save()
         cfg = json.loads((Path(args.ckpt) / "config.json").read_text())
+        res["config"] = {k: cfg[k] for k in ("num_hidden_layers", "vocab_size",
+                                             "quantization_config") if k in cfg}
         vocab = cfg["vocab_size"]
         kw = dict(model=args.ckpt, dtype="bfloat16", max_model_len=1024, max_num_seqs=256,
                   max_num_batched_tokens=MAX_BATCHED, gpu_memory_utilization=0.25, seed=0,
@@ -657,7 +688,7 @@ def engine(args: argparse.Namespace) -> None:
             res["perf"] = _throughput(llm, vocab, SamplingParams, (HOST_BATCH,))
             res["host"] = _host_profile(llm, vocab, SamplingParams)
         else:
-            if not args.quick:
+            if not args.quick and "quantization_config" in cfg:  # FP8 layers to check
                 res["stage"] = "layers"
                 save()
                 try:
@@ -665,6 +696,7 @@ def engine(args: argparse.Namespace) -> None:
                 except Exception as exc:  # noqa: BLE001 -- recorded, the engine part goes on
                     res["errors"].append(f"layer_check: {type(exc).__name__}: {exc}"[:2000])
                     traceback.print_exc()
+            if not args.quick:
                 res["stage"] = "invariance"
                 save()
                 res["alone"], res["invariance"] = _invariance(llm, vocab, SamplingParams)
@@ -676,11 +708,14 @@ def engine(args: argparse.Namespace) -> None:
             res["perf"] = _throughput(llm, vocab, SamplingParams, PERF_BATCHES)
             res["stage"] = "profile"
             save()
-            res["gpu_profile"] = _gpu_profile(llm, vocab, SamplingParams)
-            res["stage"] = "timeline"
-            save()
-            res["timeline"] = _timeline(llm, vocab, SamplingParams, args.mode, args.trace_dir)
-            res["perf_after"] = _throughput(llm, vocab, SamplingParams, (64, 256))
+            res["gpu_profile"] = _gpu_profile(llm, vocab, SamplingParams,
+                                              fp8_model="quantization_config" in cfg)
+            if not args.no_timeline:
+                res["stage"] = "timeline"
+                save()
+                res["timeline"] = _timeline(llm, vocab, SamplingParams, args.mode,
+                                            args.trace_dir)
+                res["perf_after"] = _throughput(llm, vocab, SamplingParams, (64, 256))
         res["stage"] = "done"
     except Exception as exc:  # noqa: BLE001 -- recorded: how far vLLM ran is the result
         res["errors"].append(f"{res['stage']}: {type(exc).__name__}: {exc}"[:4000])
@@ -901,8 +936,10 @@ def _host_tables(runs: dict, names: dict) -> None:
 
 def summarize(args: argparse.Namespace) -> None:
     runs = {m: _load(p) for m, p in zip("abc", args.files, strict=False)}
-    names = {"a": "(a) vLLM default FP8", "b": "(b) vLLM batch-invariant",
-             "c": "(c) BI + cached kernels"}
+    bf16 = all("quantization_config" not in (r.get("config") or {"quantization_config": 1})
+               for r in runs.values())
+    names = {"a": f"(a) vLLM default {'BF16' if bf16 else 'FP8'}",
+             "b": "(b) vLLM batch-invariant", "c": "(c) BI + cached kernels"}
     print("\n| mode | reached | load s | FP8 kernels | errors |")
     print("|---|---|---|---|---|")
     for m, r in runs.items():
@@ -926,13 +963,25 @@ def summarize(args: argparse.Namespace) -> None:
     def fp8_cell(p: dict) -> tuple[float, str]:
         # a run recorded before FP8_GEMM_MARKS named a kernel stored 0: its kernels are
         # counted again from the step's top kernels, with today's marks
-        us = p.get("step_fp8_gemm_us") or _fp8_gemm_us((n, t) for n, t, _ in p["top"])
+        us = (p["step_fp8_gemm_us"] if "step_bf16_gemm_us" in p  # split recorded
+              else p.get("step_fp8_gemm_us") or _fp8_gemm_us((n, t) for n, t, _ in p["top"]))
         return us, f"{us:.0f}"
 
     _ratio_table(runs, names, "perf", "tok/s (step ms)", "step", perf_cell)
     _ratio_table(runs, names, "gpu_profile", "GPU us/step (all GEMMs us, launches)",
                  "GPU step", gpu_cell)
     _ratio_table(runs, names, "gpu_profile", "FP8 linears' GPU us/step", "FP8 GEMM", fp8_cell)
+    print("\n| mode | batch | GPU us/step | FP8 GEMMs | BF16 GEMMs (lm_head incl.) | attention | "
+          "the rest |")
+    print("|---|---|---|---|---|---|---|")
+    for m, r in runs.items():
+        for b, p in (r.get("gpu_profile") or {}).items():
+            if "step_attention_us" not in p:  # recorded before the split
+                continue
+            fp8 = p["step_fp8_gemm_us"]
+            rest = p["step_gpu_us"] - p["step_gemm_us"] - p["step_attention_us"]
+            print(f"| {names[m]} | {b} | {p['step_gpu_us']:.0f} | {fp8:.0f} | "
+                  f"{p['step_bf16_gemm_us']:.0f} | {p['step_attention_us']:.0f} | {rest:.0f} |")
     _host_tables(runs, names)
     print("\n| mode | batch | wall us/token (generate) | GPU busy us/step | GPU idle gaps > 20 us "
           "per step (us) | step ms, measured again after |")
@@ -1001,6 +1050,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true",
                    help="load, throughput, profile and timeline only (no layer check, "
                         "invariance or prompt logprobs)")
+    p.add_argument("--no-timeline", action="store_true",
+                   help="skip the host timeline and the throughput measured again after it")
     p.add_argument("--host", action="store_true",
                    help="load, throughput at the host profile's batch and the host "
                         "profile only")

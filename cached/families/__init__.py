@@ -16,6 +16,7 @@ from .base import Family
 _MODULES = {
     "flashinfer.mm_fp4": ("cached.families.flashinfer_mm_fp4", "FlashInferMmFp4"),
     "cached.hopper_fp8": ("cached.families.hopper_fp8.family", "HopperFp8"),
+    "cached.hopper_bf16": ("cached.families.hopper_bf16.family", "HopperBf16"),
     "flashinfer.bi.bmm_fp8": ("cached.families.flashinfer_bi", "FlashInferBiBmmFp8"),
     "flashinfer.bi.mm_fp4": ("cached.families.flashinfer_bi", "FlashInferBiMmFp4"),
     "flashinfer.jit": ("cached.families.flashinfer_jit", "FlashInferJit"),

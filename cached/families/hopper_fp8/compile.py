@@ -54,6 +54,8 @@ def compile_to_object(
       counters (C,) int32, C >= counter_elems(params, M, N) (split_mode "cta" only; any
                int32 tensor otherwise): zero-filled once when allocated, and left at zero
                by every launch (the last unit of a tile resets its counter)
+    bf16 (tactic.ab_dtype = "bf16", scales "none"): a and b bfloat16, c bfloat16 / float16 /
+    float32, a_scale and b_scale any (1,) float32 tensors (never read), c = cvt(a @ b.T).
     computing c = cvt((a @ b.T) * (a_scale * b_scale)) (per-token: the element (m, n)
     scaled by a_scale[m] * b_scale[n]). workspace_bytes / counter_elems
     are in cached_client.gemm.hopper_fp8. A "cta" kernel given smaller buffers writes nothing

@@ -2,7 +2,9 @@
 
 The fitted numbers are data, ``data/h200_cost.json`` (written by
 ``bench/gpu/hopper_fp8_fit.py --write-cost`` from H200 runs; docs/hopper-passes.md): the
-microseconds one CTA spends per 128-deep K tile, by tile kind (plain, swap_ab, wg_n = 2,
+microseconds one CTA spends per K tile (128 bytes of an operand row: 128 FP8 elements; a
+bf16 K tile of 64 elements is taken to cost the same, its bytes being the same and its four
+wgmma k16 running at half the FP8 k32 rate), by tile kind (plain, swap_ab, wg_n = 2,
 ping-pong), (tile_m, tile_n) and M regime (M <= 64, M <= 1024, larger), and the constants
 of model_parts (bandwidth in bytes/us, drain in K tiles, times in us). They are read once,
 on the first call of cost_model(), never at import. The model is only an order: it ranks
@@ -20,12 +22,13 @@ from typing import Any
 from cached_client.keys import DEFAULT_SM_COUNT
 
 from .tactic import (
+    AB_DTYPE_BYTES,
     CLUSTER_CHOICES,
     FAMILY,
+    OUT_DTYPE_BYTES,
     RASTER_CHOICES,
     SWIZZLE_CHOICES,
     TARGET_ARCH,
-    TILE_K,
     HopperFp8Tactic,
 )
 
@@ -78,7 +81,7 @@ def _regime(m: int) -> int:
 
 def _per_k_tile_us(tile_m: int, tile_n: int, m: int, swap_ab: bool = False,
                    wg_n: int = 1, pingpong: bool = False) -> float:
-    """Microseconds one CTA of the tile spends per 128-deep K tile at M = ``m``."""
+    """Microseconds one CTA of the tile spends per K tile (128 bytes a row) at M = ``m``."""
     c = cost_model()
     table = c[("SWAP_US_PER_K_TILE" if swap_ab else "WG_N_US_PER_K_TILE" if wg_n == 2
                else "PINGPONG_US_PER_K_TILE" if pingpong else "US_PER_K_TILE")]
@@ -117,7 +120,7 @@ def model_parts(t: HopperFp8Tactic, m: int, n: int, k: int,
     slots = (num_sms // t.cluster_size) * t.cluster_size
     units = work_units(t, m, n)
     waves = -(-units // slots)
-    kt = -(-k // TILE_K)
+    kt = -(-k // t.tile_k)  # K tiles of 128 bytes a row (128 FP8 or 64 bf16 elements)
     per = _per_k_tile_us(t.tile_m, t.tile_n, m, t.swap_ab, t.wg_n, t.pingpong)
     partial_bytes = 0
     if t.split_mode == "cta" and t.splits > 1:
@@ -130,7 +133,8 @@ def model_parts(t: HopperFp8Tactic, m: int, n: int, k: int,
         partial_bytes = 2 * t.splits * rows_moved * n * 4
     else:
         compute = waves * (kt + (t.splits - 1) * c["DRAIN_K_TILES"]) * per
-    memory = (n * k + m * k + 2 * m * n + partial_bytes) / c["HBM_BYTES_PER_US"]
+    ab, out = AB_DTYPE_BYTES.get(t.ab_dtype, 1), OUT_DTYPE_BYTES.get(t.out_dtype, 2)
+    memory = (ab * (n * k + m * k) + out * m * n + partial_bytes) / c["HBM_BYTES_PER_US"]
     return compute, memory
 
 

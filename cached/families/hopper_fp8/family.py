@@ -41,12 +41,26 @@ class HopperFp8(Family):
     arches = (tactic.TARGET_ARCH,)
     reduction_order_m_independent = tactic.REDUCTION_ORDER_M_INDEPENDENT
 
-    def reduction_class(self, params: Mapping[str, Any]) -> str:
-        """e.g. ``"k128.acc1.s4.fixed"``; raises InvalidTactic for invalid params."""
+    #: the operand types this family's tactics have (the bf16 family: tactic.BF16)
+    ab_dtypes: tuple[str, ...] = tactic.FP8_AB_DTYPES
+    out_dtypes: tuple[str, ...] = tactic.OUT_DTYPES
+    symbol_prefix = "cached_hopper_fp8_"
+
+    def tactic(self, params: Mapping[str, Any]) -> tactic.HopperFp8Tactic:
+        """The validated tactic of ``params``, one of this family's operand types; raises
+        InvalidTactic naming what is wrong."""
         try:
-            return tactic.tactic_from_params(params).reduction_class
+            t = tactic.tactic_from_params(params)
         except (TypeError, ValueError) as exc:
             raise InvalidTactic(str(exc)) from None
+        if t.ab_dtype not in self.ab_dtypes:
+            raise InvalidTactic(f"{self.name} tactics take ab_dtype in {self.ab_dtypes}, got "
+                                f"{t.ab_dtype!r} (family {t.family} serves it)")
+        return t
+
+    def reduction_class(self, params: Mapping[str, Any]) -> str:
+        """e.g. ``"k128.acc1.s4.fixed"``; raises InvalidTactic for invalid params."""
+        return self.tactic(params).reduction_class
 
     def reduction_classes(self) -> tuple[str, ...]:
         return tactic.REDUCTION_CLASSES
@@ -84,10 +98,7 @@ class HopperFp8(Family):
         return None, scales, accum
 
     def canonical_params(self, params: Mapping[str, Any], arch: str) -> dict:
-        try:
-            return tactic.tactic_from_params(params).to_params()
-        except (TypeError, ValueError) as exc:
-            raise InvalidTactic(str(exc)) from None
+        return self.tactic(params).to_params()
 
     @functools.cache  # noqa: B019 -- one instance per process; sources fixed per install
     def source_sha256(self) -> str:
@@ -97,8 +108,8 @@ class HopperFp8(Family):
     def plan(self, shape: tuple[int, int, int], arch: str, sm_count: int,
              options: Mapping[str, Any]) -> list[KernelRequest]:
         self.check_arch(arch)
-        out_dtype = require(options, "out_dtype", tactic.OUT_DTYPES, "bfloat16")
-        ab_dtype = require(options, "ab_dtype", tactic.AB_DTYPES, "e4m3")
+        out_dtype = require(options, "out_dtype", self.out_dtypes, "bfloat16")
+        ab_dtype = require(options, "ab_dtype", self.ab_dtypes, self.ab_dtypes[0])
         m, n, k = shape
         try:
             splits, scales, accum = self.plan_scheme(shape, sm_count, options)
@@ -115,9 +126,9 @@ class HopperFp8(Family):
         set_compile_arch(request.arch)
         from .compile import compile_to_object
 
-        t = tactic.tactic_from_params(request.params)
+        t = self.tactic(request.params)
         kernel_name = f"{t.name}_mac{request.max_active_clusters}"
-        symbol = f"cached_hopper_fp8_{kernel_name}"
+        symbol = f"{self.symbol_prefix}{kernel_name}"
         object_path = workdir / f"{kernel_name}.o"
         compile_to_object(t, request.max_active_clusters, str(object_path), symbol)
         return BuiltObject(kernel_name, symbol, object_path,

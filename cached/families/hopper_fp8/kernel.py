@@ -1,5 +1,11 @@
 """Hopper (sm_90a) FP8 GEMM in CuTe-DSL: C = cvt((A @ B^T) * (a_scale * b_scale)).
 
+BF16 operands (tactic.ab_dtype = "bf16", scales = "none"; the family cached.hopper_bf16):
+the same kernel with bfloat16 A and B, a 64-element K tile (128 bytes a row, so the same
+shared-memory layouts and sizes), four wgmma k16 per K tile in place of FP8's four k32, no
+scale read (the epilogue rounds the fp32 sum as it is; the register epilogue multiplies it
+by a 1.0 known only at run time, see epilogue_direct), and bf16, fp16 or fp32 output.
+
 A (M, K), B (N, K): float8 (e4m3fn or e5m2), K-major. C (M, N): bf16/fp16, row-major.
 a_scale, b_scale: fp32 tensors of one element, read on the device (no host sync, so
 CUDA-graph safe); with tactic.scales = "token", a_scale (M,) and b_scale (N,): before the
@@ -100,7 +106,6 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from .tactic import (
     CONSUMER_MAX_REGS,
     EPI_STAGES,
-    TILE_K,
     HopperFp8Tactic,
     acc_sets,
     epilogue_tile,
@@ -110,8 +115,10 @@ from .tactic import (
     tile_epilogue,
 )
 
-_AB_DTYPES = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
-_OUT_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+_AB_DTYPES = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2,
+              "bf16": cutlass.BFloat16}
+_OUT_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
+               "float32": cutlass.Float32}
 
 PRODUCER_REGS = 40
 BLOCK_COLUMNS = 128  # the block128 scheme's weight block width (columns of C)
@@ -192,7 +199,9 @@ class HopperFp8GemmKernel:
         # raster names the output dimension walked first; the kernel's M is N when swapped
         self.raster_along_m = (tactic.raster == "m") != self.swap
         self.stages = tactic.stages
-        self.tile_shape_mnk = (*mma_tile(tactic.tile_m, tactic.tile_n, self.swap), TILE_K)
+        # the K tile: 128 bytes of an operand row (128 FP8 or 64 bf16 elements)
+        self.tile_shape_mnk = (*mma_tile(tactic.tile_m, tactic.tile_n, self.swap),
+                               tactic.tile_k)
         # consumer warpgroups along N (wg_n = 2): one 64-row wgmma M side, the tile's N
         # columns in two halves, one per warpgroup; else the warpgroups stack along M
         self.wg_n = tactic.wg_n
@@ -239,6 +248,8 @@ class HopperFp8GemmKernel:
         self.token = tactic.scales == "token"  # per-token x per-channel scales
         self.block = tactic.scales == "block128"  # 1x128 x 128x128 scales at the promotion
         self.exact = tactic.accum == "exact"  # promoted into fp32 registers every K tile
+        # bf16 operands: no scale is read and the epilogue rounds the fp32 sum as it is
+        self.no_scale = tactic.scales == "none"
         # fp32 accumulator copies a consumer thread holds (tactic.acc_sets)
         self.acc_copies = acc_sets(tactic.splits, tactic.split_mode, tactic.accum)
 
@@ -536,7 +547,7 @@ class HopperFp8GemmKernel:
             # scale, read once on the device; applied once per element after the K loop
             # (per-token scales: applied per element before the epilogue, which gets 1)
             scale = cutlass.Float32(1.0)
-            if cutlass.const_expr(not self.token and not self.block):
+            if cutlass.const_expr(not self.token and not self.block and not self.no_scale):
                 scale = mAScale[0] * mBScale[0]
 
             # split_mode "serial": the running sum over the splits lives in a second
@@ -1012,8 +1023,17 @@ class HopperFp8GemmKernel:
         tCgC_t = thr_c.partition_C(gC_t)
         tCcC_t = thr_c.partition_C(gcC_t)
         rC = cute.make_rmem_tensor(acc.shape, self.c_dtype)
-        vals = acc.load() * scale
-        rC.store(vals.to(self.c_dtype))
+        if cutlass.const_expr(self.no_scale):
+            # times 1.0 known only at run time (min(M, 1), M >= 1): exact, and the bf16
+            # conversion then reads no wgmma accumulator register, which would make ptxas
+            # serialize every wgmma of the kernel (swap_ab, S = 1, bf16 output: one full
+            # wait per wgmma in the SASS; tests/test_hopper_bf16.py)
+            one = cutlass.Float32(cutlass.min(mC.shape[0], 1))
+            vals = acc.load() * one
+            rC.store(vals.to(self.c_dtype))
+        else:
+            vals = acc.load() * scale
+            rC.store(vals.to(self.c_dtype))
         for v in cutlass.range_constexpr(cute.size(acc)):
             if cute.elem_less(tCcC_t[v], mC.shape):
                 tCgC_t[v] = rC[v]
@@ -1044,8 +1064,11 @@ class HopperFp8GemmKernel:
         for e in cutlass.range_constexpr(epi_num):
             for v in cutlass.range_constexpr(frag_size):
                 tRS_rF[v] = tRS_acc[e * frag_size + v]
-            vals = tRS_rF.load() * scale
-            tRS_rC.store(vals.to(self.c_dtype))
+            if cutlass.const_expr(self.no_scale):
+                tRS_rC.store(tRS_rF.load().to(self.c_dtype))
+            else:
+                vals = tRS_rF.load() * scale
+                tRS_rC.store(vals.to(self.c_dtype))
             buf = first_buf + (prev_epi + e) % self.epi_stages
             cute.copy(tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
             cute.arch.fence_proxy("async.shared", space="cta")

@@ -22,12 +22,15 @@ import dataclasses
 
 from .cost import H200_NUM_SMS, rank_key
 from .tactic import (
+    AB_DTYPE_BYTES,
     AB_DTYPES,
     ACCUM_MODES,
+    BF16,
+    BF16_NARROW_TILE_N,
     BLOCK,
     CLUSTER_CHOICES,
     NARROW_TILE_N,
-    OUT_DTYPES,
+    NO_SCALES,
     RASTER_CHOICES,
     SCALE_SCHEMES,
     SPLIT_CHOICES,
@@ -39,6 +42,7 @@ from .tactic import (
     HopperFp8Tactic,
     acc_sets,
     max_stages_for,
+    out_dtypes_for,
     tile_is_feasible,
 )
 from .winners import recorded_first
@@ -96,6 +100,8 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
     scheme; ``accum="exact"`` the S = 1 and (per-tensor and per-token) split tactics whose
     accumulator copies (tactic.acc_sets) fit, in the scheme.
     """
+    if ab_dtype == BF16 or scales == NO_SCALES:
+        return bf16_space(out_dtype, ab_dtype, splits, scales, accum)
     if scales != "tensor" or accum != "fast":
         return scheme_space(tactic_space(out_dtype, ab_dtype, splits), scales, accum)
     out: list[HopperFp8Tactic] = []
@@ -147,6 +153,33 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
         out += _swap_tactics(sp, "cta", out_dtype, ab_dtype)
         out += _swap_tactics(sp, "serial", out_dtype, ab_dtype)
     return out + [dataclasses.replace(t, pdl=True) for t in out if pdl_twin(t)]
+
+
+def bf16_space(out_dtype: str = "bfloat16", ab_dtype: str = BF16, splits: int | None = None,
+               scales: str = NO_SCALES, accum: str = "fast") -> list[HopperFp8Tactic]:
+    """The bf16 operands' space (cached.hopper_bf16): the per-tensor fast FP8 space's tiles
+    (their stage bytes are the same: K_TILE_BYTES a row) with ab_dtype bf16 and scales
+    "none", less the narrow widths outside BF16_NARROW_TILE_N (the compiler aborts on
+    them). The stage count is recomputed for the output type (a float32 output takes more
+    shared memory). ValueError for anything but bf16 operands, scales "none" and accum
+    "fast"."""
+    if ab_dtype != BF16 or scales != NO_SCALES or accum != "fast":
+        raise ValueError(f"the bf16 space takes ab_dtype={BF16!r}, scales={NO_SCALES!r} and "
+                         f"accum='fast', got {ab_dtype!r}, {scales!r}, {accum!r}")
+    if out_dtype not in out_dtypes_for(BF16):
+        raise ValueError(f"out_dtype must be one of {out_dtypes_for(BF16)}, got {out_dtype!r}")
+    out = []
+    for t in tactic_space("bfloat16", "e4m3", splits):
+        if t.tile_n in NARROW_TILE_N and not t.swap_ab and t.tile_n not in BF16_NARROW_TILE_N:
+            continue
+        if not tile_is_feasible(t.tile_m, t.tile_n, out_dtype, acc_sets(t.splits, t.split_mode),
+                                t.swap_ab, t.wg_n, t.pingpong)[0]:
+            continue
+        stages = min(t.stages, max_stages_for(t.tile_m, t.tile_n, out_dtype, t.swap_ab,
+                                              t.wg_n, t.pingpong))
+        out.append(dataclasses.replace(t, out_dtype=out_dtype, ab_dtype=BF16,
+                                       scales=NO_SCALES, stages=stages))
+    return out
 
 
 def scheme_space(base: list[HopperFp8Tactic], scales: str, accum: str
@@ -223,10 +256,11 @@ def _check_problem(m: int, n: int, k: int, out_dtype: str, ab_dtype: str) -> Non
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     if n % 16 or k % 16:
         raise ValueError(f"n and k must be multiples of 16 (TMA 16-byte rows); got n={n}, k={k}")
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
     if ab_dtype not in AB_DTYPES:
         raise ValueError(f"ab_dtype must be one of {AB_DTYPES}, got {ab_dtype!r}")
+    if out_dtype not in out_dtypes_for(ab_dtype):
+        raise ValueError(f"out_dtype must be one of {out_dtypes_for(ab_dtype)}, got "
+                         f"{out_dtype!r}")
 
 
 def enumerate_tactics(
@@ -256,7 +290,7 @@ def enumerate_tactics(
     out.sort(key=lambda t: (rank_key(t, m, n, k, num_sms), t.name))
     # recorded winners were timed per-tensor and fast; the token scheme changes only the
     # epilogue, so they rank first there too; exact tactics are ranked by the model alone
-    first = [] if accum != "fast" else [
+    first = [] if accum != "fast" or ab_dtype == BF16 else [
         dataclasses.replace(t, scales=scales)
         for t in recorded_first(m, n, k, splits, num_sms, out_dtype, ab_dtype)]
     if first:
@@ -277,18 +311,22 @@ SPLIT_TILE_N = 64  # the swap_ab decode tile's weight rows: one CTA each at S = 
 SPLIT_SM_SHARE = 2  # split only while the split decode CTAs fill at most 1/2 of the SMs
 
 
-def choose_split(n: int, k: int, sm_count: int = H200_NUM_SMS) -> int:
+def choose_split(n: int, k: int, sm_count: int = H200_NUM_SMS, ab_dtype: str = "e4m3") -> int:
     """S of the reduction-order class a batch-invariant plan uses for (N, K) on a device
     with ``sm_count`` SMs: S = 1, doubled while 2S <= SPLIT_MAX, each split keeps
-    K >= SPLIT_MIN_K_PER_SPLIT * 2S and the decode CTAs ceil(N / SPLIT_TILE_N) * 2S fill
-    at most sm_count / SPLIT_SM_SHARE SMs. Depends on N, K and the device only, never on
-    M."""
+    K >= SPLIT_MIN_K_PER_SPLIT * 2S bytes of an operand row (K elements for FP8, 2K for
+    bf16: the same number of 128-byte K tiles) and the decode CTAs ceil(N / SPLIT_TILE_N) *
+    2S fill at most sm_count / SPLIT_SM_SHARE SMs. Depends on N, K, the operand type and the
+    device only, never on M."""
     for name, v in (("n", n), ("k", k), ("sm_count", sm_count)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if ab_dtype not in AB_DTYPE_BYTES:
+        raise ValueError(f"ab_dtype must be one of {AB_DTYPES}, got {ab_dtype!r}")
+    k_bytes = k * AB_DTYPE_BYTES[ab_dtype]
     tiles = -(-n // SPLIT_TILE_N)
     s = 1
-    while (2 * s <= SPLIT_MAX and k >= SPLIT_MIN_K_PER_SPLIT * 2 * s
+    while (2 * s <= SPLIT_MAX and k_bytes >= SPLIT_MIN_K_PER_SPLIT * 2 * s
            and tiles * 2 * s * SPLIT_SM_SHARE <= sm_count):
         s *= 2
     return s

@@ -4,7 +4,7 @@ and the reduction-order class it belongs to.
 
 C = cvt((A @ B^T) * (a_scale * b_scale)), A (M, K) and B (N, K) FP8 and K-major,
 a_scale / b_scale per-tensor fp32 scales held in 1-element device tensors, C (M, N)
-row-major bf16 or fp16.
+row-major bf16 or fp16; or (ab_dtype "bf16", below) C = cvt(A @ B^T) on bf16 operands.
 
 This module is imported by the daemon's main process: it must not import cutlass or
 torch. Which tactics a plan lists is space.py, how they are ranked cost.py and winners.py.
@@ -84,6 +84,14 @@ one scale group; the launcher refuses other K).
 The scheme is part of the class id (``.token`` / ``.block128`` appended; per-tensor ids
 have no suffix).
 
+BF16 operands (``ab_dtype="bf16"``, the family ``cached.hopper_bf16``): the same tactics on
+bfloat16 A and B with scales ``"none"`` (no scale is read: C = cvt(A @ B^T)) and fast
+accumulation only (the bf16 wgmma accumulates in fp32). The K tile is 64 elements, 128
+bytes of an operand row as FP8's 128, so every stage and shared-memory size is FP8's; each
+K tile issues four wgmma k16 (``tile_k`` / ``wgmma_k``). Output bfloat16, float16 or float32
+(BF16_OUT_DTYPES). Classes ``k64.acc1.s<S>.fixed`` (BF16_REDUCTION_CLASSES): K tiles of 64,
+the splits and their sum as above. The narrow widths are 48 only (BF16_NARROW_TILE_N).
+
 Accumulation (``accum``): ``"fast"`` (the default, ``acc1``: the four k32 wgmma of every K
 tile accumulate into one wgmma accumulator for the whole K range, so the tensor core's
 reduced-precision accumulation runs over all of K) or ``"exact"`` (``prom128``: the wgmma
@@ -103,10 +111,13 @@ from collections.abc import Mapping
 from typing import Any
 
 FAMILY = "cached.hopper_fp8"  # its name in the family registry (cached.families)
+BF16_FAMILY = "cached.hopper_bf16"  # the same machinery on bf16 operands (module doc)
 TARGET_ARCH = "sm_90a"
 
-TILE_K = 128  # FP8 K tile: 4 x wgmma k32. Fixed for every tactic (see module doc).
+TILE_K = 128  # FP8 K tile: 4 x wgmma k32. Fixed for every FP8 tactic (see module doc).
 WGMMA_K = 32
+K_TILE_BYTES = 128  # one K tile of one operand row, for every operand dtype (SW128 rows)
+BF16_TILE_K = 64  # BF16 K tile: 4 x wgmma k16, 128 bytes a row like FP8's
 REDUCTION_ORDER = "k_tile=128,wgmma_k=32,full_k_per_cta,fp32_acc_single,scale_after"
 REDUCTION_ORDER_M_INDEPENDENT = True  # within each reduction-order class
 ACC_MODE = "acc1"  # one fp32 wgmma accumulator per K range (no periodic promotion)
@@ -151,8 +162,13 @@ PINGPONG_TILE_M = (64, 128)
 CLUSTER_CHOICES = ((1, 1), (2, 1), (1, 2))
 RASTER_CHOICES = ("m", "n")
 SWIZZLE_CHOICES = (1, 2, 4, 8)
-OUT_DTYPES = ("bfloat16", "float16")
-AB_DTYPES = ("e4m3", "e5m2")
+OUT_DTYPES = ("bfloat16", "float16")  # FP8 operands
+BF16_OUT_DTYPES = ("bfloat16", "float16", "float32")  # bf16 operands (float32: router logits)
+FP8_AB_DTYPES = ("e4m3", "e5m2")
+BF16 = "bf16"  # bf16 operands: scales "none", accum "fast", family BF16_FAMILY
+AB_DTYPES = (*FP8_AB_DTYPES, BF16)
+AB_DTYPE_BYTES = {"e4m3": 1, "e5m2": 1, BF16: 2}
+NO_SCALES = "none"  # the bf16 operands' scheme: no scale is read, the sum is rounded as is
 
 # Shared memory: 228 KB per SM on H100/H200, of which 227 KB (232448 B) per block.
 SMEM_CAPACITY_BYTES = 227 * 1024
@@ -166,8 +182,11 @@ EPI_STAGES = 2
 MAX_STAGES = 8
 MIN_STAGES = 2
 # swap_ab: the epilogue stores from registers; the kernel still declares a 1-stage 8x64
-# C buffer (never used), 1 KB after alignment
+# C buffer (never used), 1 KB after alignment for a 2-byte output (2 KB for float32)
 SWAP_EPI_BYTES = 1024
+# bf16 narrow decode tiles: 48 only. CuTe-DSL aborts compiling the unswapped 64 x 40 and
+# 64 x 56 bf16 kernels (SIGABRT in the compiler, no message), which FP8 builds
+BF16_NARROW_TILE_N = (48,)
 
 THREADS_PER_WARPGROUP = 128
 # setmaxnreg budget of a consumer warpgroup (producer warpgroup drops to 40):
@@ -179,7 +198,7 @@ CONSUMER_MAX_REGS = 232
 # warpgroup or 256x256 on two (256 regs) cannot fit at all.
 MAX_ACC_REGS_PER_THREAD = 192
 
-OUT_DTYPE_BYTES = {"bfloat16": 2, "float16": 2}
+OUT_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 PARAM_KEYS = (
     "tile_m",
@@ -253,10 +272,29 @@ def acc_sets(splits: int, split_mode: str, accum: str = "fast") -> int:
     return 1 + (splits > 1 and split_mode == "serial") + (accum == "exact")
 
 
+def tile_k_for(ab_dtype: str) -> int:
+    """K tile in elements: K_TILE_BYTES of one operand row (128 for FP8, 64 for bf16)."""
+    return K_TILE_BYTES // AB_DTYPE_BYTES[ab_dtype]
+
+
+def family_of(ab_dtype: str) -> str:
+    """The family whose tactics have operands ``ab_dtype``: BF16_FAMILY for bf16, else
+    FAMILY."""
+    return BF16_FAMILY if ab_dtype == BF16 else FAMILY
+
+
+def out_dtypes_for(ab_dtype: str) -> tuple[str, ...]:
+    """The output types a tactic with operands ``ab_dtype`` may have."""
+    return BF16_OUT_DTYPES if ab_dtype == BF16 else OUT_DTYPES
+
+
 def reduction_class_id(splits: int, accum: str = "fast", scales: str = "tensor") -> str:
     """The stable id of the reduction-order class with S = ``splits``, accumulation mode
     and scale scheme (module doc): ``k128.acc1.s4.fixed`` (per-tensor, fast),
-    ``k128.prom128.s1.fixed.token`` (per-token x per-channel, exact)."""
+    ``k128.prom128.s1.fixed.token`` (per-token x per-channel, exact); the bf16 operands'
+    scheme ``"none"`` names its 64-element K tile, ``k64.acc1.s2.fixed``."""
+    if scales == NO_SCALES:
+        return f"k{BF16_TILE_K}.{ACC_IDS[accum]}.s{splits}.fixed"
     return (f"k{TILE_K}.{ACC_IDS[accum]}.s{splits}.fixed"
             + ("" if scales == "tensor" else f".{scales}"))
 
@@ -269,6 +307,19 @@ REDUCTION_CLASSES = (tuple(reduction_class_id(s) for s in SPLIT_CHOICES)
                      # exact splits (per-tensor and per-token)
                      + tuple(reduction_class_id(s, "exact", sc) for sc in ("tensor", "token")
                              for s in SPLIT_CHOICES if s > 1))
+
+
+#: the bf16 family's classes (BF16_FAMILY): fast accumulation, no scales, every S
+BF16_REDUCTION_CLASSES = tuple(reduction_class_id(s, "fast", NO_SCALES) for s in SPLIT_CHOICES)
+
+
+def bf16_class_splits(class_id: str) -> int:
+    """S of a BF16_FAMILY class id; ValueError for an id that family does not have."""
+    for s in SPLIT_CHOICES:
+        if reduction_class_id(s, "fast", NO_SCALES) == class_id:
+            return s
+    raise ValueError(f"unknown {BF16_FAMILY} reduction class {class_id!r}; classes: "
+                     f"{', '.join(BF16_REDUCTION_CLASSES)}")
 
 
 def class_scheme(class_id: str) -> tuple[int, str, str]:
@@ -289,14 +340,15 @@ def splits_of_class(class_id: str) -> int:
 
 
 def _stage_bytes(tile_m: int, tile_n: int) -> int:
-    # FP8: one byte per element, for A (tile_m x TILE_K) and B (tile_n x TILE_K).
-    return (tile_m + tile_n) * TILE_K
+    # K_TILE_BYTES per row of A (tile_m rows) and B (tile_n rows), whatever the operand
+    # type: 128 one-byte FP8 elements or 64 two-byte bf16 ones.
+    return (tile_m + tile_n) * K_TILE_BYTES
 
 
 def _epi_bytes(tile_m: int, tile_n: int, out_dtype: str, swap_ab: bool = False,
                wg_n: int = 1, pingpong: bool = False) -> int:
-    if register_epilogue(swap_ab, wg_n):
-        return SWAP_EPI_BYTES
+    if register_epilogue(swap_ab, wg_n):  # the unused 8x64 C buffer (1 KB; 2 KB for fp32)
+        return SWAP_EPI_BYTES * OUT_DTYPE_BYTES[out_dtype] // 2
     if tile_epilogue(tile_n, wg_n):  # the whole tile_m x tile_n tile, one buffer
         raw = tile_m * tile_n * OUT_DTYPE_BYTES[out_dtype]
         return -(-raw // BUFFER_ALIGN_BYTES) * BUFFER_ALIGN_BYTES
@@ -415,7 +467,18 @@ class HopperFp8Tactic:
     # -- derived facts -------------------------------------------------------------
     @property
     def tile_k(self) -> int:
-        return TILE_K
+        """K tile in elements: 128 (FP8) or 64 (bf16), 128 bytes a row either way."""
+        return tile_k_for(self.ab_dtype) if self.ab_dtype in AB_DTYPE_BYTES else TILE_K
+
+    @property
+    def wgmma_k(self) -> int:
+        """K of one wgmma instruction: a quarter of the K tile (k32 FP8, k16 bf16)."""
+        return self.tile_k // 4
+
+    @property
+    def family(self) -> str:
+        """The family that serves the tactic (family_of its operand type)."""
+        return family_of(self.ab_dtype)
 
     @property
     def cluster_size(self) -> int:
@@ -434,6 +497,12 @@ class HopperFp8Tactic:
 
     @property
     def reduction_order(self) -> str:
+        if self.scales == NO_SCALES:  # bf16: fast, no scale
+            kw = f"k_tile={self.tile_k},wgmma_k={self.wgmma_k}"
+            if self.splits == 1:
+                return f"{kw},full_k_per_cta,fp32_acc_single,no_scale"
+            return (f"{kw},splits={self.splits}:balanced_k_tile_ranges,fp32_acc_single_per_"
+                    f"range,fp32_sum_in_split_order_from_zero,no_scale")
         scheme = {"tensor": "", "token": ",scale=per_token_a_x_per_channel_b",
                   "block128": ",scale=block128_a_1x128_x_b_128x128_at_promotion"}[self.scales]
         if self.accum == "exact" and self.splits > 1:  # either split mode
@@ -462,7 +531,7 @@ class HopperFp8Tactic:
             f"_r{self.raster}_s{self.swizzle}_st{self.stages}_{self.ab_dtype}_{self.out_dtype}"
             f"{split}{'_sw' if self.swap_ab else ''}{'_wn2' if self.wg_n == 2 else ''}"
             f"{'_pp' if self.pingpong else ''}{'_pdl' if self.pdl else ''}"
-            f"{ {'tensor': '', 'token': '_tok', 'block128': '_b128'}[self.scales]}"
+            f"{ {'tensor': '', 'token': '_tok', 'block128': '_b128'}.get(self.scales, '')}"
             f"{'_ex' if self.accum == 'exact' else ''}"
         )
 
@@ -472,7 +541,8 @@ class HopperFp8Tactic:
         t = self
         ms, ns = ((SWAP_TILE_M_CHOICES, SWAP_TILE_N_CHOICES) if t.swap_ab is True
                   else (TILE_M_CHOICES, TILE_N_CHOICES + NARROW_TILE_N))
-        if t.stages == 0 and t.tile_m in ms and t.tile_n in ns and t.out_dtype in OUT_DTYPES:
+        if (t.stages == 0 and t.tile_m in ms and t.tile_n in ns
+                and t.out_dtype in OUT_DTYPE_BYTES):
             t = dataclasses.replace(t, stages=max_stages_for(t.tile_m, t.tile_n, t.out_dtype,
                                                              t.swap_ab, t.wg_n, t.pingpong))
         t.validate()
@@ -481,7 +551,8 @@ class HopperFp8Tactic:
     def validate(self) -> None:
         """Raise ValueError with an actionable message if the tactic cannot be built."""
         def bad(msg: str) -> None:
-            raise ValueError(f"invalid {FAMILY} tactic {self.to_params()}: {msg}")
+            fam = family_of(self.ab_dtype) if isinstance(self.ab_dtype, str) else FAMILY
+            raise ValueError(f"invalid {fam} tactic {self.to_params()}: {msg}")
 
         for f in ("tile_m", "tile_n", "cluster_m", "cluster_n", "swizzle", "stages", "splits",
                   "wg_n"):
@@ -517,7 +588,14 @@ class HopperFp8Tactic:
             bad(f"pingpong must be true or false, got {type(self.pingpong).__name__}")
         if not isinstance(self.pdl, bool):
             bad(f"pdl must be true or false, got {type(self.pdl).__name__}")
-        if self.scales not in SCALE_SCHEMES:
+        if self.ab_dtype == BF16 and (self.scales != NO_SCALES or self.accum != "fast"):
+            bad(f"bf16 operands take scales={NO_SCALES!r} and accum='fast' only (no scale is "
+                f"read; the bf16 wgmma accumulates in fp32), got scales={self.scales!r}, "
+                f"accum={self.accum!r}")
+        if self.scales == NO_SCALES and self.ab_dtype != BF16:
+            bad(f"scales={NO_SCALES!r} is the bf16 operands' scheme; FP8 operands take one "
+                f"of {SCALE_SCHEMES}")
+        if self.scales not in (*SCALE_SCHEMES, NO_SCALES):
             bad(f"scales must be one of {SCALE_SCHEMES}, got {self.scales!r}")
         if self.accum not in ACCUM_MODES:
             bad(f"accum must be one of {ACCUM_MODES}, got {self.accum!r}")
@@ -527,6 +605,9 @@ class HopperFp8Tactic:
         if self.scales == "block128" and self.accum != "exact":
             bad("scales 'block128' are applied at the promotion: it needs accum='exact'")
         if self.tile_n in NARROW_TILE_N and not self.swap_ab:
+            if self.ab_dtype == BF16 and self.tile_n not in BF16_NARROW_TILE_N:
+                bad(f"bf16 narrow decode tiles take tile_n in {BF16_NARROW_TILE_N} (the "
+                    f"compiler cannot build 64 x {self.tile_n} on bf16 operands)")
             if self.tile_m != 64 or self.pingpong:
                 bad(f"tile_n in {NARROW_TILE_N} (narrow decode tiles) needs tile_m=64 and "
                     f"pingpong=false")
@@ -546,10 +627,10 @@ class HopperFp8Tactic:
             bad(f"raster must be one of {RASTER_CHOICES}")
         if self.swizzle not in SWIZZLE_CHOICES:
             bad(f"swizzle must be one of {SWIZZLE_CHOICES}")
-        if self.out_dtype not in OUT_DTYPES:
-            bad(f"out_dtype must be one of {OUT_DTYPES}")
         if self.ab_dtype not in AB_DTYPES:
             bad(f"ab_dtype must be one of {AB_DTYPES}")
+        if self.out_dtype not in out_dtypes_for(self.ab_dtype):
+            bad(f"out_dtype must be one of {out_dtypes_for(self.ab_dtype)}")
         if self.splits not in SPLIT_CHOICES:
             bad(f"splits must be one of {SPLIT_CHOICES}")
         if self.split_mode not in SPLIT_MODES:

@@ -1,8 +1,10 @@
-"""Host-side launcher for a loaded ``cached.hopper_fp8`` kernel.
+"""Host-side launcher for a loaded ``cached.hopper_fp8`` or ``cached.hopper_bf16`` kernel.
 
-``fn`` is the TVM-FFI function ``Client.load`` returns for a ``cached.hopper_fp8``
-request (or ``tvm_ffi.load_module(path)[symbol]``). torch is imported lazily, so
-importing this module is cheap.
+``fn`` is the TVM-FFI function ``Client.load`` returns for a request of either family
+(or ``tvm_ffi.load_module(path)[symbol]``). torch is imported lazily, so importing this
+module is cheap. The bf16 family's kernels (``params["scales"] == "none"``) take bfloat16
+operands and no scales: pass ``a_scale = b_scale = None``; the kernel's scale slots get a
+placeholder it never reads.
 
 Split-K tactics with ``split_mode="cta"`` need two buffers from the caller, so that a
 call allocates nothing beyond its output (and can be captured in a CUDA graph):
@@ -77,6 +79,8 @@ def alloc_workspace(params: Iterable[Mapping[str, Any]], max_m: int, n: int, dev
 
 _FP8_NAMES = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 _OUT_NAMES = ("bfloat16", "float16")
+_BF16_OUT_NAMES = ("bfloat16", "float16", "float32")
+NO_SCALES = "none"  # the bf16 family's scheme
 
 
 def _dtype_name(dt: Any) -> str:
@@ -116,15 +120,19 @@ def check_gemm_args(a, b, a_scale, b_scale, out_dtype, out=None,
     any shape of that many elements, e.g. (M, 1)) or ``"block128"`` (K % 128 == 0; a_scale
     (M, K/128) float32 column-major, strides (1, M), as vLLM's per_token_group_quant_fp8
     with column_major_scales=True writes it; b_scale (ceil(N/128), K/128) float32
-    row-major)."""
+    row-major), all with FP8 operands; or ``"none"`` (bf16 operands, a_scale and b_scale
+    None; out_dtype bfloat16, float16 or float32)."""
     import torch
 
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise TypeError("a and b must be torch tensors")
-    if scales not in SCALE_SCHEMES:
+    if scales not in (*SCALE_SCHEMES, NO_SCALES):
         raise ValueError(f"scales must be one of {SCALE_SCHEMES}, got {scales!r}")
+    bf16 = scales == NO_SCALES
     for name, sc in (("a_scale", a_scale), ("b_scale", b_scale)):
-        if not isinstance(sc, torch.Tensor):
+        if bf16 and sc is not None:
+            raise TypeError(f"{name}: a bf16 kernel (scales 'none') reads no scales; pass None")
+        if not bf16 and not isinstance(sc, torch.Tensor):
             raise TypeError(
                 f"{name} must be a float32 CUDA tensor (read on the device), "
                 f"got {type(sc).__name__}"
@@ -132,10 +140,16 @@ def check_gemm_args(a, b, a_scale, b_scale, out_dtype, out=None,
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"a and b must be 2-D, got a{tuple(a.shape)} b{tuple(b.shape)}")
     an, bn = _dtype_name(a.dtype), _dtype_name(b.dtype)
-    if an not in _FP8_NAMES or bn != an:
+    if bf16 and (an != "bfloat16" or bn != an):
+        raise ValueError(f"a and b must both be bfloat16 for a bf16 kernel, got {an} and {bn}")
+    if not bf16 and (an not in _FP8_NAMES or bn != an):
         raise ValueError(
             f"a and b must both be float8_e4m3fn or both float8_e5m2, got {an} and {bn}"
         )
+    outs = _BF16_OUT_NAMES if bf16 else _OUT_NAMES
+    if _dtype_name(out_dtype) not in outs:
+        raise ValueError(f"out_dtype must be one of torch.{', torch.'.join(outs)}, got "
+                         f"{out_dtype}")
     m, k = a.shape
     n, kb = b.shape
     if kb != k:
@@ -175,10 +189,8 @@ def check_gemm_args(a, b, a_scale, b_scale, out_dtype, out=None,
         if t.device != a.device:
             raise ValueError("a, b, scales and output must be on one device")
     for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
-        if s.device != a.device:
+        if s is not None and s.device != a.device:
             raise ValueError(f"{name} must be on {a.device}, got {s.device}")
-    if _dtype_name(out_dtype) not in _OUT_NAMES:
-        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
     if out is not None:
         if out.shape != (m, n) or out.dtype != out_dtype or not out.is_contiguous():
             raise ValueError(
@@ -237,9 +249,11 @@ def gemm(
     workspace: Any | None = None,
     counters: Any | None = None,
 ):
-    """C = cvt((a @ b.T) * (a_scale * b_scale)) with the compiled kernel `fn`.
+    """C = cvt((a @ b.T) * (a_scale * b_scale)) with the compiled kernel `fn` (a bf16
+    kernel, ``params["scales"] == "none"``: C = cvt(a @ b.T), a and b bfloat16, a_scale and
+    b_scale None, out_dtype bfloat16, float16 or float32).
 
-    a (M, K) and b (N, K): float8 CUDA tensors, K contiguous; a_scale, b_scale: 1-element
+    a (M, K) and b (N, K): float8 (bf16) CUDA tensors, K contiguous; a_scale, b_scale: 1-element
     float32 CUDA tensors, or for a tactic with ``scales="token"`` (its ``params`` say so)
     M and N float32 values (element (m, n) scaled by a_scale[m] * b_scale[n]), or for
     ``scales="block128"`` the block scales (check_gemm_args); out_dtype:
@@ -255,7 +269,11 @@ def gemm(
     check_workspace(params, m, n, a.device, workspace, counters)
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    if scales == "block128":
+    if scales == NO_SCALES:  # 1-element placeholders of the scale slots: never read
+        flat = workspace[:1] if workspace is not None else torch.empty(
+            1, dtype=torch.float32, device=a.device)
+        sa = sb = flat
+    elif scales == "block128":
         # the strides the kernel was compiled for; exact views (a size-1 dim's stride is
         # never used), so no copy
         kb, nb = a_scale.shape[1], b_scale.shape[0]

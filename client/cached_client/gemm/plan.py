@@ -1,4 +1,5 @@
-"""Batch-invariant FP8 GEMM plans: per weight shape, the tactic per M bucket, loaded once.
+"""Batch-invariant FP8 and BF16 GEMM plans: per weight shape, the tactic per M bucket,
+loaded once.
 
 A framework-free core for inference processes (the vLLM adapter is one caller):
 
@@ -8,11 +9,14 @@ A framework-free core for inference processes (the vLLM adapter is one caller):
   else the family's plan order), then queues every tactic in **one** ``prefetch``.
 * :meth:`GemmPlan.load` gets and loads each tactic (``Client.load``) and allocates the
   split-K workspace once, for the largest M the plan serves.
-* Calling the loaded plan (:class:`HopperFp8Gemm`) picks the bucket of ``a.shape[0]`` on
-  the host and launches: no daemon round trip, no host sync, no allocation beyond the
-  output (none with ``out=``), so it can be captured in a CUDA graph.
+* Calling the loaded plan (:class:`HopperFp8Gemm`, :class:`HopperBf16Gemm`) picks the
+  bucket of ``a.shape[0]`` on the host and launches: no daemon round trip, no host sync,
+  no allocation beyond the output (none with ``out=``), so it can be captured in a CUDA
+  graph.
 
-Families: ``cached.hopper_fp8`` on sm_90a; FlashInfer's FP8 batch-invariant class
+Families: ``cached.hopper_fp8`` on sm_90a, and ``cached.hopper_bf16`` (``ab_dtype="bf16"``,
+the same kernel machinery without scales; :class:`HopperBf16Gemm` is called ``f(a, b)``);
+FlashInfer's FP8 batch-invariant class
 (``flashinfer.bi.bmm_fp8``) on SM100+ where this environment's FlashInfer ships
 ``flashinfer.batch_invariant`` (:func:`flashinfer_bi_available`, checked without importing
 FlashInfer). Importing this module imports nothing heavy.
@@ -33,9 +37,13 @@ from . import policy
 
 DEFAULT_MAX_M = 8192
 HOPPER_FAMILY = "cached.hopper_fp8"
+#: bf16 operands on sm_90a (ab_dtype="bf16"): the same kernel machinery, no scales
+HOPPER_BF16_FAMILY = "cached.hopper_bf16"
+BF16 = "bf16"
 FLASHINFER_BI_FAMILY = "flashinfer.bi.bmm_fp8"
 FLASHINFER_BI_ARCHES = policy.FLASHINFER_BI_ARCHES
 _OUT = {"bfloat16": "bf16", "float16": "f16"}
+_BF16_OUT = ("bfloat16", "float16", "float32")
 _AB = ("e4m3", "e5m2")
 _SCALES = ("tensor", "token", "block128")
 _ACCUMULATION = ("fast", "exact")
@@ -98,9 +106,14 @@ def flashinfer_bi_available() -> tuple[bool, str]:
                    "(0.7.4 and later have it)")
 
 
-def family_for(arch: str) -> str:
-    """The family that serves batch-invariant FP8 GEMMs on ``arch``; PlanUnavailable says
-    why none does."""
+def family_for(arch: str, ab_dtype: str = "e4m3") -> str:
+    """The family that serves batch-invariant GEMMs with operands ``ab_dtype`` (FP8 by
+    default, or "bf16") on ``arch``; PlanUnavailable says why none does."""
+    if ab_dtype == BF16:
+        if arch == "sm_90a":
+            return HOPPER_BF16_FAMILY
+        raise PlanUnavailable(f"no batch-invariant bf16 family for {arch} (served: sm_90a "
+                              f"with {HOPPER_BF16_FAMILY})")
     if arch == "sm_90a":
         return HOPPER_FAMILY
     if arch in FLASHINFER_BI_ARCHES:
@@ -120,12 +133,12 @@ class PlanKey:
     op: str
     n: int
     k: int
-    ab_dtype: str  # "e4m3" | "e5m2"
-    out_dtype: str  # "bfloat16" | "float16"
+    ab_dtype: str  # "e4m3" | "e5m2" | "bf16"
+    out_dtype: str  # "bfloat16" | "float16" ("float32" for bf16 operands)
     arch: str
     sm_count: int
     device: str | None  # device name for shared autotune winners, e.g. "NVIDIA H200"
-    scales: str = "tensor"  # "tensor" | "token" (per-token x per-channel)
+    scales: str = "tensor"  # "tensor" | "token" | "block128"; "none" for bf16 operands
     accumulation: str = "fast"  # "fast" | "exact" (promoted every K tile)
 
 
@@ -158,51 +171,75 @@ class GemmPlan:
     def load(self, client: Any, device: Any, timeout: float = 600.0) -> Any:
         """Get and load every kernel (``Client.load``) and allocate the workspace on
         ``device`` (a CUDA device); the callable that runs the plan."""
-        if self.family == HOPPER_FAMILY:
+        if self.family in (HOPPER_FAMILY, HOPPER_BF16_FAMILY):
             fns = [client.load(b.request, timeout) for b in self.choice.buckets]
-            return HopperFp8Gemm(self, fns, device)
+            cls = HopperBf16Gemm if self.family == HOPPER_BF16_FAMILY else HopperFp8Gemm
+            return cls(self, fns, device)
         return FlashInferBiGemm(self, client, device)
 
 
 def plan_gemm(client: Any, n: int, k: int, *, arch: str, sm_count: int | None = None,
               device: str | None = None, out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
               batch_invariant: bool = True, max_m: int = DEFAULT_MAX_M,
-              op: str = "linear", prefetch: bool = True, scales: str = "tensor",
+              op: str = "linear", prefetch: bool = True, scales: str | None = None,
               accumulation: str | None = None) -> GemmPlan:
     """The plan for (op, N, K, dtype, arch, device), asked of the daemon ``client``, its
-    kernels queued in one ``prefetch`` (unless ``prefetch=False``). ``scales`` ("tensor",
-    "token", "block128") and ``accumulation`` ("fast", "exact"; None: "exact" for block128,
-    its only mode, else "fast") pick the scheme (cached.hopper_fp8 only; FlashInfer's class
-    is per-tensor and fast). Raises PlanUnavailable,
+    kernels queued in one ``prefetch`` (unless ``prefetch=False``).
+
+    ``ab_dtype``: "e4m3" / "e5m2" (FP8; ``scales`` "tensor" (None: the default), "token",
+    "block128" and ``accumulation`` "fast", "exact" (None: "exact" for block128, its only
+    mode, else "fast") pick the scheme, cached.hopper_fp8 only; FlashInfer's class is
+    per-tensor and fast) or "bf16" (cached.hopper_bf16 on sm_90a: no scales, one
+    accumulation mode, ``out_dtype`` "bfloat16", "float16" or "float32"; its loaded plan is
+    called ``f(a, b)``). N and K must be multiples of 16. Raises PlanUnavailable,
     ValueError for bad arguments, MixedReductionClasses and the daemon's CachedErrors."""
-    if out_dtype not in _OUT:
-        raise ValueError(f"out_dtype must be one of {', '.join(_OUT)}, got {out_dtype!r}")
-    if ab_dtype not in _AB:
-        raise ValueError(f"ab_dtype must be one of {', '.join(_AB)}, got {ab_dtype!r}")
-    if accumulation is None:
-        accumulation = "exact" if scales == "block128" else "fast"
-    if scales not in _SCALES or accumulation not in _ACCUMULATION:
-        raise ValueError(f"scales must be one of {', '.join(_SCALES)} and accumulation one of "
-                         f"{', '.join(_ACCUMULATION)}, got {scales!r}, {accumulation!r}")
-    if scales == "block128" and (accumulation != "exact" or k % 128):
-        raise ValueError(f"scales 'block128' need accumulation 'exact' and K % 128 == 0 (the "
-                         f"block scales go in at the promotion of every 128 of K), got "
-                         f"accumulation {accumulation!r}, K = {k}")
-    family = family_for(arch)
-    if family != HOPPER_FAMILY and (scales, accumulation) != ("tensor", "fast"):
+    for name, v in (("n", n), ("k", k)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if n % 16 or k % 16:
+        raise ValueError(f"N and K must be multiples of 16 (TMA 16-byte rows), got N={n}, "
+                         f"K={k}")
+    if ab_dtype == BF16:
+        if out_dtype not in _BF16_OUT:
+            raise ValueError(f"out_dtype must be one of {', '.join(_BF16_OUT)} for bf16 "
+                             f"operands, got {out_dtype!r}")
+        if scales not in (None, "none") or accumulation not in (None, "fast"):
+            raise ValueError(f"bf16 operands have no scales and one accumulation mode; got "
+                             f"scales={scales!r}, accumulation={accumulation!r} (leave both "
+                             "unset)")
+        scales, accumulation = "none", "fast"
+    else:
+        scales = "tensor" if scales is None else scales
+        if out_dtype not in _OUT:
+            raise ValueError(f"out_dtype must be one of {', '.join(_OUT)}, got {out_dtype!r}")
+        if ab_dtype not in _AB:
+            raise ValueError(f"ab_dtype must be one of {', '.join((*_AB, BF16))}, got "
+                             f"{ab_dtype!r}")
+        if accumulation is None:
+            accumulation = "exact" if scales == "block128" else "fast"
+        if scales not in _SCALES or accumulation not in _ACCUMULATION:
+            raise ValueError(f"scales must be one of {', '.join(_SCALES)} and accumulation one "
+                             f"of {', '.join(_ACCUMULATION)}, got {scales!r}, "
+                             f"{accumulation!r}")
+        if scales == "block128" and (accumulation != "exact" or k % 128):
+            raise ValueError(f"scales 'block128' need accumulation 'exact' and K % 128 == 0 "
+                             f"(the block scales go in at the promotion of every 128 of K), "
+                             f"got accumulation {accumulation!r}, K = {k}")
+    family = family_for(arch, ab_dtype)
+    if family == FLASHINFER_BI_FAMILY and (scales, accumulation) != ("tensor", "fast"):
         raise PlanUnavailable(f"{family} serves per-tensor scales with fast accumulation "
                               f"only, not scales={scales!r} accumulation={accumulation!r}")
     sm = sm_count or DEFAULT_SM_COUNT[arch]
     key = PlanKey(op, n, k, ab_dtype, out_dtype, arch, sm, device, scales, accumulation)
     ups = buckets_up_to(max_m)
-    if family == HOPPER_FAMILY:
+    if family in (HOPPER_FAMILY, HOPPER_BF16_FAMILY):
+        options = {"out_dtype": out_dtype, "ab_dtype": ab_dtype}
+        if family == HOPPER_FAMILY and (scales, accumulation) != ("tensor", "fast"):
+            options |= {"scales": scales, "accumulation": accumulation}
         choice = policy.choose_tactics(
             client, family, n, k, arch, buckets=ups, sm_count=sm, device=device,
-            batch_invariant=batch_invariant, options={"out_dtype": out_dtype,
-                                                     "ab_dtype": ab_dtype} | (
-                {} if (scales, accumulation) == ("tensor", "fast")
-                else {"scales": scales, "accumulation": accumulation}),
-            op=op, dtype="fp8")
+            batch_invariant=batch_invariant, options=options, op=op,
+            dtype=BF16 if family == HOPPER_BF16_FAMILY else "fp8")
         plan = GemmPlan(key, family, choice, max_m)
     else:
         plan = _flashinfer_bi_plan(client, key, family, max_m)
@@ -281,6 +318,47 @@ class HopperFp8Gemm:
         i = self.bucket(a.shape[0])
         return gemm(self._fns[i], a, b, a_scale, b_scale, self.out_dtype, out,
                     params=self._params[i], workspace=self.workspace, counters=self.counters)
+
+
+class HopperBf16Gemm(HopperFp8Gemm):
+    """A loaded ``cached.hopper_bf16`` plan: ``f(a, b, out=None) -> out``.
+
+    a (M, K) and b (N, K) bfloat16 CUDA tensors on one device, K contiguous (row-major),
+    16-byte aligned; returns C = a @ b.T (M, N) in the plan's out_dtype (bfloat16, float16
+    or float32), rounded once from the fp32 sum. No bias (add it to the result). M picks
+    the bucket (the smallest upper bound >= M; the last bucket above). Allocates only the
+    output (nothing with ``out=``, a contiguous (M, N) tensor of the out dtype), no host
+    sync, on the current stream: CUDA-graph capturable. One workspace serves one launch at a
+    time: GEMMs on concurrent streams need their own loaded plan.
+    """
+
+    def __init__(self, plan: GemmPlan, fns: list[Any], device: Any) -> None:
+        import torch
+
+        super().__init__(plan, fns, device)
+        self._empty = torch.empty
+        self._scale_slot = self.workspace.narrow(0, 0, 1)  # the scale slots: never read
+
+    def __call__(self, a: Any, b: Any, out: Any = None) -> Any:  # type: ignore[override]
+        from .hopper_fp8 import gemm
+
+        i = self.bucket(a.shape[0])
+        return gemm(self._fns[i], a, b, None, None, self.out_dtype, out,
+                    params=self._params[i], workspace=self.workspace, counters=self.counters)
+
+    def run(self, a: Any, b: Any) -> Any:
+        """``self(a, b)`` without its argument checks, for a caller that made them once: b
+        is the (N, K) bfloat16 weight the plan was made for, on the plan's device, row-major,
+        and a is a bfloat16 row-major (M, K) tensor on that device. Picks the bucket,
+        allocates the output, launches; nothing else on the host (M above the plan's max_m,
+        which the workspace was sized for, takes the checked path)."""
+        m = a.shape[0]
+        if m > self.plan.max_m:
+            return self(a, b)
+        out = self._empty((m, b.shape[0]), dtype=self.out_dtype, device=a.device)
+        self._fns[self.bucket(m)](a, b, out, self._scale_slot, self._scale_slot,
+                                  self.workspace, self.counters)
+        return out
 
 
 class FlashInferBiGemm:

@@ -11,6 +11,10 @@ single tactic must serve every M, ``"set"`` when several may). The rules follow 
   tunes across cutlass, cuBLAS and cuDNN per M bucket, which changes rows between buckets).
   On Hopper (sm_90a): the project's FP8 family ``cached.hopper_fp8`` when the daemon has it.
 - W4A16 NVFP4 linear: ``humming``; a warning when that overrides the requested backend.
+- BF16 linear (unquantized layers, the lm_head, the MoE router): on Hopper (sm_90a) the
+  project's family ``cached.hopper_bf16`` when the daemon has it, else vLLM's own
+  batch-invariant matmul (``vllm``: Triton ``matmul_persistent``), which any other backend
+  request is overridden by, with a warning.
 - W4A4 NVFP4 linear: a batch-invariant class: ``flashinfer.bi.mm_fp4`` (or ``cutlass``, vLLM's
   batch-invariant CUTLASS kernel, when asked for); Hopper has no FP4 MMA, so W4A16 Humming.
 
@@ -45,11 +49,14 @@ from ..protocol import AutotuneGetRequest, AutotunePutRequest
 logger = logging.getLogger("cached_client.policy")
 
 OPS = ("linear", "bmm")
-QUANTS = ("fp8", "nvfp4-w4a4", "nvfp4-w4a16")
+QUANTS = ("fp8", "nvfp4-w4a4", "nvfp4-w4a16", "bf16")
 ARCHES = ("sm_90a", "sm_100a", "sm_103a", "sm_107a")
 FLASHINFER_BI_ARCHES = ("sm_100a", "sm_103a", "sm_107a")
 DEFAULT_BACKEND = {"fp8": "flashinfer", "nvfp4-w4a4": "flashinfer.mm_fp4",
-                   "nvfp4-w4a16": "flashinfer-cutedsl"}
+                   "nvfp4-w4a16": "flashinfer-cutedsl", "bf16": "torch"}
+BF16_FAMILY = "cached.hopper_bf16"
+#: vLLM 0.33.0's own batch-invariant BF16 matmul (Triton matmul_persistent)
+VLLM_BF16_BI = "vllm"
 NO_PREFERENCE = (None, "", "auto")
 KNOWN_KERNELS = frozenset({*DEFAULT_BACKEND.values(), "cutlass", "humming",
                            "flashinfer.bi.bmm_fp8", "flashinfer.bi.mm_fp4", "cached.hopper_fp8"})
@@ -188,6 +195,22 @@ def _override_warning(backend: str | None, kernel: str, why: str) -> list[str]:
 
 
 def _select_bi(op: str, quant: str, arch: str, backend: str | None, client: Any) -> Selection:
+    if quant == "bf16":
+        families = daemon_families(client) if arch == "sm_90a" else None
+        if families is not None and BF16_FAMILY in families:
+            return Selection(BF16_FAMILY, "the project's sm_90a BF16 family serves Hopper",
+                             _override_warning(backend, BF16_FAMILY, "a batch-invariant family"))
+        warnings = _override_warning(backend, VLLM_BF16_BI, "vLLM's batch-invariant matmul")
+        if arch != "sm_90a":
+            why = f"no daemon BF16 family for {arch} (cached.hopper_bf16 is sm_90a)"
+        elif families is None:
+            why = "no daemon to ask for cached.hopper_bf16"
+            warnings.append(f"{why}; using vLLM's batch-invariant matmul")
+        else:
+            why = "the daemon does not build cached.hopper_bf16"
+            warnings.append(f"{why}; using vLLM's batch-invariant matmul")
+        return Selection(VLLM_BF16_BI, f"BF16 on vLLM's own batch-invariant matmul "
+                         f"(matmul_persistent): {why}", warnings)
     if quant == "fp8":
         if backend == "cutlass":
             return Selection("cutlass", "FP8 bmm pinned to the cutlass backend under batch "

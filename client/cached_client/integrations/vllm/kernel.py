@@ -25,7 +25,6 @@ import vLLM and torch. What :func:`attach_linear` changes in vLLM:
 from __future__ import annotations
 
 import inspect
-import os
 import sys
 import threading
 from typing import Any
@@ -46,14 +45,13 @@ from vllm.platforms import current_platform
 from cached_client.gemm import plan as gemm_plan
 from cached_client.gemm import policy
 
-from .state import daemon
+from .state import ARCH_OF_CAPABILITY, DEVICE_NAME_ENV, daemon, device_name
+from .state import capability as _capability
 
 logger = init_logger("vllm.cached")
 
 BACKEND = "cached"
-DEVICE_NAME_ENV = "CACHED_DEVICE_NAME"
 ACCUMULATION_ENV = gemm_plan.ACCUMULATION_ENV
-ARCH_OF_CAPABILITY = {90: "sm_90a", 100: "sm_100a", 103: "sm_103a", 107: "sm_107a"}
 QUANTIZATION = "fp8_w8a8"
 BLOCK = 128  # block FP8: activation groups (1, BLOCK), weight blocks (BLOCK, BLOCK)
 _lock = threading.Lock()
@@ -64,23 +62,6 @@ _gemms: list[Any] = []  # the custom op's plan table (index -> loaded plan)
 
 def _daemon() -> Any:
     return daemon()
-
-
-def _capability() -> int | None:
-    cap = current_platform.get_device_capability()
-    return None if cap is None else cap.to_int()
-
-
-def device_name() -> str | None:
-    """This device's name as ``cached certify`` records it (``$CACHED_DEVICE_NAME`` first, for
-    processes that cannot query it), or None."""
-    name = os.environ.get(DEVICE_NAME_ENV)
-    if name:
-        return name
-    try:
-        return current_platform.get_device_name()
-    except Exception:  # noqa: BLE001 -- no device to ask (CPU tests, build nodes)
-        return None
 
 
 def _asked() -> bool:
@@ -341,7 +322,15 @@ def load_plan(n: int, k: int, ab_dtype: torch.dtype, out_dtype: torch.dtype,
         return len(_gemms) - 1
 
 
-@torch.library.custom_op("cached::fp8_gemm", mutates_args=())
+# Registered straight with the dispatcher (one CUDA kernel and a fake, as vLLM's own
+# direct_register_custom_op does), not through torch.library.custom_op, whose Python dispatch
+# costs several times more per call where the op runs from the host: a graph that is not
+# captured (the prefill under FULL_DECODE_ONLY, or past the capture sizes) calls it per layer.
+_lib = torch.library.Library("cached", "FRAGMENT")  # kept referenced: the op lives with it
+_lib.define("fp8_gemm(Tensor a, Tensor b, Tensor a_scale, Tensor b_scale, int plan, "
+            "ScalarType out_dtype) -> Tensor")
+
+
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
              plan: int, out_dtype: torch.dtype) -> torch.Tensor:
     """C (M, N) = a (M, K) @ b (N, K)^T * a_scale * b_scale by the loaded plan ``plan``
@@ -352,10 +341,13 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     return _gemms[plan](a, b, a_scale, b_scale)
 
 
-@fp8_gemm.register_fake
 def _fp8_gemm_fake(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
                    b_scale: torch.Tensor, plan: int, out_dtype: torch.dtype) -> torch.Tensor:
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+_lib.impl("fp8_gemm", fp8_gemm, "CUDA")
+torch.library.register_fake("cached::fp8_gemm", _fp8_gemm_fake, lib=_lib)
 
 
 # -- attaching to vLLM -----------------------------------------------------------------------

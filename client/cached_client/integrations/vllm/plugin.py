@@ -22,6 +22,10 @@ answers (and told how many kernels the process compiled meanwhile):
 * when vLLM's linear-kernel registry is imported: the daemon-backed FP8 kernel class and
   the W4A16 pin (:func:`cached_client.integrations.vllm.kernel.attach_linear`); it is
   offered to a model only if the daemon answers when the model's kernels are chosen;
+* when ``vllm.model_executor.layers.linear`` and ``.vocab_parallel_embedding`` are imported:
+  under ``VLLM_BATCH_INVARIANT=1``, unquantized BF16 linears (router gates included) and the
+  lm_head run ``cached.hopper_bf16`` from the daemon where it serves their shapes
+  (:mod:`cached_client.integrations.vllm.bf16`), vLLM's batch-invariant kernel elsewhere;
 * when ``vllm.config.kernel`` is imported: ``--linear-backend cached`` is accepted;
 * when ``vllm.utils.flashinfer`` is imported, under ``VLLM_BATCH_INVARIANT=1`` on a vLLM that
   lacks vLLM #62192's pin: FlashInfer's FP8 bmm on ``cutlass`` instead of ``auto``;
@@ -96,13 +100,15 @@ def _register() -> None:
             "on this device" if bi else "used with --linear-backend cached")
     if d.socket is None:
         logger.info("cached: pid %d: %s; nothing installed: FlashInfer, Triton and Humming "
-                    "compile in-process and the FP8 linear kernel 'cached' is unavailable",
-                    os.getpid(), d.reason)
+                    "compile in-process, the FP8 linear kernel 'cached' is unavailable and "
+                    "BF16 linears keep vLLM's kernels", os.getpid(), d.reason)
         return
     # installed whatever the daemon's state: the hooks ask it only while its prober hears
     # from it (cached_client.liveness), so a daemon that comes back is used again
     when_imported("flashinfer", _attach_flashinfer)
     when_imported("humming.jit.compiler", _attach_humming)
+    when_imported("vllm.model_executor.layers.linear", _attach_bf16_linear)
+    when_imported("vllm.model_executor.layers.vocab_parallel_embedding", _attach_bf16_lm_head)
     when_imported("vllm.v1.worker.gpu_worker", attach_worker)
     triton = select_triton_backend()
     if d.hello is None:
@@ -233,6 +239,18 @@ def _attach_linear(module: Any) -> None:
 
     done = attach_linear(module)
     logger.debug("cached: attached to vLLM's linear kernels: %s", "; ".join(done))
+
+
+def _attach_bf16_linear(module: Any) -> None:
+    from .bf16 import attach_linear
+
+    logger.debug("cached: attached to vLLM's unquantized linears: %s", attach_linear(module))
+
+
+def _attach_bf16_lm_head(module: Any) -> None:
+    from .bf16 import attach_embedding
+
+    logger.debug("cached: attached to vLLM's lm_head: %s", attach_embedding(module))
 
 
 def _attach_flashinfer(module: Any) -> None:

@@ -19,6 +19,10 @@ from typing import Any
 
 from cached_client import paths
 
+DEVICE_NAME_ENV = "CACHED_DEVICE_NAME"
+ARCH_OF_CAPABILITY = {90: "sm_90a", 100: "sm_100a", 103: "sm_103a", 107: "sm_107a"}
+"""The arch a kernel is compiled for, by vLLM's device capability (major * 10 + minor)."""
+
 START_WAIT_S = 0.25
 """How long a starting process waits for the daemon's first answer (a live one answers in
 about a millisecond)."""
@@ -82,3 +86,25 @@ def _make() -> Daemon:
     live = liveness.watch(path)
     live.wait(START_WAIT_S)
     return Daemon(path, live, Client(path, timeout=CLIENT_TIMEOUT_S, fallback=False))
+
+
+def capability() -> int | None:
+    """This device's capability as vLLM reports it (major * 10 + minor), or None."""
+    from vllm.platforms import current_platform
+
+    cap = current_platform.get_device_capability()
+    return None if cap is None else cap.to_int()
+
+
+def device_name() -> str | None:
+    """This device's name as ``cached certify`` records it (``$CACHED_DEVICE_NAME`` first, for
+    processes that cannot query it), or None."""
+    name = os.environ.get(DEVICE_NAME_ENV)
+    if name:
+        return name
+    try:
+        from vllm.platforms import current_platform
+
+        return current_platform.get_device_name()
+    except Exception:  # noqa: BLE001 -- no device to ask (CPU tests, build nodes)
+        return None
