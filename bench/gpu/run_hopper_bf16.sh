@@ -33,6 +33,9 @@ if [[ $mode == gpu ]]; then
     --format=csv; } | tee "$OUT/nvidia-smi.txt" || true
   python3 "$B/hopper_bf16.py" run --bundle "$B" --out "$OUT" --budget "$budget" \
     ${PHASES:+--phases $PHASES} 2>&1 | tee "$OUT/run.log"
+  # cuBLAS under vLLM's batch-invariant settings, in a process of its own (read at start)
+  CUBLASLT_WORKSPACE_SIZE=1 CUBLAS_WORKSPACE_CONFIG=:16:8 python3 "$B/hopper_bf16.py" \
+    cublas_bi --out "$OUT" --budget "${CUBLAS_BI_BUDGET:-35}" 2>&1 | tee -a "$OUT/run.log"
   exit 0
 fi
 echo "usage: $0 build DIR | gpu BUNDLE [budget_s]" >&2
