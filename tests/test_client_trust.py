@@ -734,7 +734,8 @@ from cached_client import protocol as p
 client = Client(sys.argv[1], fallback=False, timeout=30)
 print(client.autotune_put(p.AutotunePutRequest(
     op_name="linear", n=4096, k=4096, dtype="fp8", arch="sm_100a", device="NVIDIA B200",
-    bucket=64, kernel=sys.argv[2], tactic=["x", 1], time_us=0.001)))
+    bucket=64, kernel=sys.argv[2], tactic=["x", 1], time_us=0.001,
+    toolchain=client.hello().toolchain, reduction_class="made.up.class")))
 """
 
 
@@ -742,23 +743,26 @@ print(client.autotune_put(p.AutotunePutRequest(
 def test_select_never_recommends_a_kernel_a_peer_made_up(workdir, other):
     """Issue 37, low: a peer allowed to publish files a tuning winner naming a kernel that
     does not exist; ``python -m cached_client select`` still names a kernel it knows (the
-    default backend), with a warning that it ignored the record."""
+    default backend): root's never sees the record (a peer's winners are its own group's,
+    case 3), and the peer's own select sees it and says it ignored it."""
     daemon = DaemonProcess(workdir, workers=1, extra_args=[
         "--socket-mode", "666", "--publish-uid", str(other.pw_uid)])
     try:
         put = subprocess.run([PEER_PY, "-c", PUT_WINNER, daemon.socket, "made.up.kernel"],
                              user=other.pw_uid, group=other.pw_gid, capture_output=True,
                              text=True, env={"PYTHONPATH": str(ROOT / "client")}, timeout=60)
-        assert put.returncode == 0, put.stderr[-2000:]
-        out = subprocess.run(
-            [sys.executable, "-m", "cached_client", "select", "--op", "linear", "--quant",
-             "fp8", "--arch", "sm_100a", "--socket", daemon.socket, "--n", "4096", "--k",
-             "4096", "--device", "NVIDIA B200", "--json"], capture_output=True, text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT / "client")}, timeout=60)
-        assert out.returncode == 0, out.stderr[-2000:]
-        selection = json.loads(out.stdout)
-        assert selection["kernel"] == "flashinfer"
-        if put.stdout.strip() == "True":  # the daemon filed it where root's select reads
-            assert any("'made.up.kernel'" in w for w in selection["warnings"])
+        assert put.returncode == 0 and put.stdout.strip() == "True", put.stderr[-2000:]
+        select = [PEER_PY, "-m", "cached_client", "select", "--op", "linear", "--quant", "fp8",
+                  "--arch", "sm_100a", "--socket", daemon.socket, "--n", "4096", "--k", "4096",
+                  "--device", "NVIDIA B200", "--json"]
+        env = {"PYTHONPATH": str(ROOT / "client")}
+        for uid, gid, sees in ((0, 0, False), (other.pw_uid, other.pw_gid, True)):
+            out = subprocess.run(select, capture_output=True, text=True, env=env, timeout=60,
+                                 user=uid, group=gid)
+            assert out.returncode == 0, out.stderr[-2000:]
+            selection = json.loads(out.stdout)
+            assert selection["kernel"] == "flashinfer", (uid, selection)
+            warned = any("'made.up.kernel'" in w for w in selection["warnings"])
+            assert warned == sees, (uid, selection["warnings"])
     finally:
         daemon.stop()
