@@ -1,6 +1,9 @@
 """``cached tune`` without a GPU: shape selection, candidates of one class, the margin rule,
 publishing, resume after an interrupt, class purity, and the winners reaching a second
-client and, through a real Redis, a second daemon. Real daemons, real sockets, real plans.
+client and, through a real Redis, a second daemon; every scheme (per-tensor and per-token,
+fast and exact, block128) under its own classes, resumed on its own and never served to a
+plan of another; the K-scaled correctness bound and why a candidate was left out (a real
+serve-only daemon's answer for a kernel it lacks). Real daemons, real sockets, real plans.
 
 The timing core (cached.tune_cuda.CudaTimer) needs a GPU; here the Timer is
 :class:`Preferring`, which answers fixed relative times (one candidate faster by a given
