@@ -1,21 +1,28 @@
 """``cached tune``: time each M bucket's candidates of one reduction-order class on this
-node's GPU and share the winners through the daemon (``autotune_put``).
+node's GPU and share the winners through the daemon (``autotune_put``), for each scheme
+the family declares (``Family.tune_schemes``: for cached.hopper_fp8 per-tensor and
+per-token scales with fast and exact accumulation, and block128), each filed under its
+own class (the class id names the scheme, so winners of two schemes never mix).
 
 The parts, in order (everything but the timing runs on a CPU; tests drive it with a real
 daemon):
 
 * :func:`shapes_to_tune`: the (N, K) of a manifest, of ``--shape`` arguments, or of what
   clients have planned on this node (the daemon's ``planned`` op).
-* :func:`candidates`: per M bucket, the first ``top`` tactics of the daemon's
-  batch-invariant plan (one class: the family's ``choose_split``), then the recorded winners
-  of that class at that M on the ``near`` recorded shapes nearest in (log N, log K); every
+* :func:`candidates`: per M bucket and scheme, the first ``top`` tactics of the daemon's
+  batch-invariant plan of that scheme (one class), then the family's neighbours
+  (``Family.tune_neighbours``: for cached.hopper_fp8 the recorded winners of that class at
+  that M on the ``near`` recorded shapes nearest in (log N, log K)) the plan lists; every
   candidate of the plan's class, checked.
 * :func:`pick`: the margin rule of bench/gpu/hopper_fp8_fit.py: the plan's first choice
   stays unless another candidate is faster by more than ``margin`` in every round.
-* :func:`tune`: per shape, the buckets not yet published for (device, toolchain, class)
-  (a restarted tune redoes nothing it finished), timed by a :class:`Timer`, each winner
-  published as soon as its bucket is done; a budget in seconds per shape; progress through
-  a callback (the terminal) and the daemon's log (``autotune.stored``, its journal).
+* :func:`tune`: per scheme and shape, the buckets not yet published for (device,
+  toolchain, class) (a restarted tune redoes nothing it finished), timed by a
+  :class:`Timer`, each winner published as soon as its bucket is done; a budget in seconds
+  per scheme and shape; progress through a callback (the terminal) and the daemon's log
+  (``autotune.stored``, its journal). A candidate the timer leaves out is reported with
+  why: not in this node's store, or wrong results (the error measured and the class's
+  bound at that K, ``Family.tune_error_bound``), or not bitwise equal to its class.
 
 The timing core (:class:`cached.tune_cuda.CudaTimer`: CUDA graphs, inputs rotated past
 L2, interleaved rounds) needs torch and a GPU; it is imported only by the command. Never
@@ -25,20 +32,20 @@ run inside an inference process: timing takes the GPU for seconds per shape.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cached_client import protocol as p
+from cached_client.errors import CachedError
 from cached_client.keys import KernelRequest
 
-from .families.hopper_fp8 import tactic as T
-from .families.hopper_fp8 import winners as WIN
+from . import families
 
-FAMILY = T.FAMILY
-ARCH = T.TARGET_ARCH
+FAMILY = "cached.hopper_fp8"
+ARCH = "sm_90a"
+DEFAULT_SCHEME = "tensor-fast"
 OP = "linear"
 DTYPE = "fp8"
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -50,15 +57,65 @@ DEFAULT_BUDGET_S = 120.0
 REFERENCE = "torch._scaled_mm"  # timed beside the candidates for the report, never a winner
 
 
+NOT_IN_STORE = "not in this node's store"
+WRONG_RESULTS = "wrong results"
+NOT_BITWISE = "not bitwise equal to its class"
+NOT_LOADED = "could not be loaded"
+LEFT_OUT_KINDS = (NOT_IN_STORE, WRONG_RESULTS, NOT_BITWISE, NOT_LOADED)
+
+
+@dataclass
+class Timing:
+    """What a Timer measured: ``rounds`` {index into kernels: us per round} (the key -1:
+    the scheme's competitor, timed in the same rounds, reported only) and ``left_out``
+    {index: (kind, detail)} for each kernel not timed, kind one of LEFT_OUT_KINDS and
+    detail what was found (the error measured and the bound, the daemon's message)."""
+
+    rounds: dict[int, list[float]] = field(default_factory=dict)
+    left_out: dict[int, tuple[str, str]] = field(default_factory=dict)
+    competitor: str = ""  # what the key -1 is, e.g. "torch._scaled_mm fast"
+
+
 class Timer(Protocol):
     """Times kernels of one (N, K) at one M on a device."""
 
     def time(self, n: int, k: int, m: int, kernels: Sequence[KernelRequest],
-             rounds: int) -> dict[int, list[float]]:
-        """{index into kernels: us per round}, interleaved rounds; a kernel that could not
-        be loaded or gave wrong results is left out. May add REFERENCE-keyed entries under
-        the key -1 (the competitor, timed in the same rounds)."""
+             rounds: int, reduction_class: str) -> Timing:
+        """Interleaved rounds of every kernel that loads and computes right (the class's
+        bound at K, ``Family.tune_error_bound``; then bitwise equal to the first correct
+        one), the others left out with why."""
         ...
+
+
+def left_out_summary(timing: Timing) -> str:
+    """One clause per kind, e.g. "2 not in this node's store; 1 wrong results (rel err
+    3.1e-01 over the bound 1.0e-02 ...)": the first detail of each kind."""
+    by: dict[str, list[str]] = {}
+    for kind, detail in timing.left_out.values():
+        by.setdefault(kind, []).append(detail)
+    return "; ".join(f"{len(v)} {kind}" + (f" ({v[0]})" if v[0] else "")
+                     for kind, v in by.items())
+
+
+def judge(err: float, reduction_class: str, k: int, floor: float, family: str = FAMILY
+          ) -> tuple[str, str] | None:
+    """None when a relative error ``err`` (against a float32 reference; NaN for an output
+    holding NaN) is within the class's bound at K = ``k`` with output rounding ``floor``
+    (Family.tune_error_bound), else (WRONG_RESULTS, the error and the bound)."""
+    bound = families.get(family).tune_error_bound(reduction_class, k, floor)
+    if err <= bound:
+        return None
+    return WRONG_RESULTS, (f"rel err {err:.2e} over the bound {bound:.2e} of "
+                           f"{reduction_class} at K={k}, floor {floor:.2e}")
+
+
+def load_failure(exc: CachedError) -> tuple[str, str]:
+    """(kind, detail) of a candidate the daemon would not hand over: NOT_IN_STORE when a
+    serve-only daemon lacks it (its CompileFailed says so), else NOT_LOADED with the
+    daemon's code and message."""
+    if exc.code == "compile_failed" and "not in the store" in str(exc):
+        return NOT_IN_STORE, "a serve-only daemon compiles nothing: warm it on a build node"
+    return NOT_LOADED, f"{exc.code}: {exc}"
 
 
 @dataclass(frozen=True)
@@ -71,6 +128,7 @@ class Target:
     arch: str = ARCH
     ab_dtype: str = "e4m3"
     out_dtype: str = "bfloat16"
+    family: str = FAMILY
 
 
 @dataclass
@@ -88,11 +146,15 @@ class BucketResult:
 class ShapeResult:
     n: int
     k: int
-    reduction_class: str
+    reduction_class: str  # "" when the scheme plans nothing for (N, K) (see not_planned)
+    scheme: str = DEFAULT_SCHEME
+    not_planned: str = ""  # why the scheme has no plan for (N, K) (e.g. block128, K % 128)
     buckets: list[BucketResult] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)  # buckets published before
     unfinished: list[int] = field(default_factory=list)  # out of budget or interrupted
     seconds: float = 0.0
+    # every timing (candidates too, not only winners): (M, params, us median), for refits
+    timed: list[tuple[int, dict, float]] = field(default_factory=list)
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -125,45 +187,58 @@ def _manifest_nk(manifest: Any) -> list[tuple[int, int]]:
     return list(dict.fromkeys((n, k) for _, (_, n, k) in manifest.shapes()))
 
 
-def _nearest_recorded(n: int, k: int, sm_count: int, near: int) -> list[dict]:
-    """The recorded winners ({S: rows}) of the ``near`` recorded (N, K) of this device
-    nearest to (N, K) in (log N, log K), nearest first; (N, K) itself when recorded."""
-    rec = WIN.recorded_winners()
-    mine = [(nn, kk) for (sms, nn, kk) in rec if sms == sm_count]
-    mine.sort(key=lambda s: (math.log(s[0] / n) ** 2 + math.log(s[1] / k) ** 2, s))
-    return [rec[(sm_count, nn, kk)] for nn, kk in mine[:near]]
+def scheme_options(family: str = FAMILY) -> dict[str, dict[str, Any]]:
+    """{scheme name: plan options} the family declares for tuning (Family.tune_schemes)."""
+    return families.get(family).tune_schemes()
+
+
+def check_schemes(names: Sequence[str], family: str = FAMILY) -> list[str]:
+    """``names`` in order, each once ("all": every scheme the family declares);
+    ValueError naming the known schemes for any other."""
+    known = scheme_options(family)
+    out: list[str] = []
+    for name in names:
+        for one in (list(known) if name == "all" else [name]):
+            if one not in known:
+                raise ValueError(f"{family} tunes the schemes {', '.join(known)} (or 'all'); "
+                                 f"got {one!r}")
+            if one not in out:
+                out.append(one)
+    return out
 
 
 def candidates(client: Any, n: int, k: int, m: int, target: Target, top: int = DEFAULT_TOP,
-               near: int = DEFAULT_NEAR) -> tuple[str, list[KernelRequest]]:
-    """(class id, candidates) for bucket ``m``: the first ``top`` of the daemon's
-    batch-invariant plan, then the nearest recorded shapes' winners of that class at that
-    M bucket (see module doc); the plan's first choice is candidates[0]. Every candidate is
-    of the one class (checked: ValueError otherwise)."""
-    reply = client.plan_reply(FAMILY, (m, n, k), target.arch, target.sm_count,
-                              {"batch_invariant": True, "ab_dtype": target.ab_dtype,
-                               "out_dtype": target.out_dtype}, timeout=120)
+               near: int = DEFAULT_NEAR, scheme: str = DEFAULT_SCHEME
+               ) -> tuple[str, list[KernelRequest]]:
+    """(class id, candidates) for bucket ``m`` of ``scheme``: the first ``top`` of the
+    daemon's batch-invariant plan of the scheme, then the family's neighbours that plan
+    lists (see module doc); the plan's first choice is candidates[0]. Every candidate is of
+    the one class the daemon's reply names (checked: ValueError otherwise). The daemon's
+    InvalidTactic when the scheme plans nothing for (N, K) (e.g. block128 at K % 128)."""
+    fam = families.get(target.family)
+    opts = scheme_options(target.family).get(scheme)
+    if opts is None:
+        raise ValueError(f"{target.family} has no tune scheme {scheme!r}")
+    options = {"batch_invariant": True, "ab_dtype": target.ab_dtype,
+               "out_dtype": target.out_dtype} | opts
+    reply = client.plan_reply(target.family, (m, n, k), target.arch, target.sm_count,
+                              options, timeout=120)
     classes = set(reply.classes)
     if len(classes) != 1:
-        raise ValueError(f"the batch-invariant plan of {n}x{k} at M={m} has classes {classes}")
+        raise ValueError(f"the batch-invariant {scheme} plan of {n}x{k} at M={m} has "
+                         f"classes {classes}")
     cls = classes.pop()
-    splits = T.splits_of_class(cls)
     out = list(reply.requests[:top])
-    # the plan lists its class's whole space: a neighbour's winner outside it (a pdl twin
-    # the space does not list) is no candidate, since no client plan could run it
+    # the plan lists its class's whole space: a neighbour outside it (a pdl twin the space
+    # does not list) is no candidate, since no client plan could run it
     in_plan = {_params_key(r.params): r for r in reply.requests}
-    for per in _nearest_recorded(n, k, target.sm_count, near):
-        row = per.get(splits)
-        if not row:
-            continue
-        _, key, _ = next((r for r in row if r[0] >= m), row[-1])
-        t = WIN.tactic_from_key(key, splits, target.out_dtype, target.ab_dtype)
-        hit = in_plan.get(_params_key(t.to_params()))
+    for params in fam.tune_neighbours(n, k, m, target.sm_count, cls, options, near):
+        hit = in_plan.get(_params_key(params))
         if hit is not None:
             out.append(hit)
     out = list(dict.fromkeys(out))
     for r in out:
-        if T.tactic_from_params(r.params).reduction_class != cls:
+        if fam.reduction_class(r.params) != cls:
             raise ValueError(f"candidate {r.params} is not of the class {cls}")
     return cls, out
 
@@ -197,7 +272,7 @@ def published(client: Any, n: int, k: int, target: Target, cls: str) -> dict[int
     rows = client.autotune_get(p.AutotuneGetRequest(
         op_name=OP, n=n, k=k, dtype=DTYPE, arch=target.arch, device=target.device,
         toolchain=target.toolchain, reduction_class=cls), timeout=30)
-    return {int(r["bucket"]): r for r in rows if r.get("kernel") == FAMILY}
+    return {int(r["bucket"]): r for r in rows if r.get("kernel") == target.family}
 
 
 Progress = Callable[[str], None]
@@ -208,70 +283,104 @@ def tune(client: Any, shapes: Sequence[tuple[int, int]], timer: Timer, target: T
          near: int = DEFAULT_NEAR, rounds: int = DEFAULT_ROUNDS,
          margin: float = DEFAULT_MARGIN, budget_s: float = DEFAULT_BUDGET_S,
          force: bool = False, progress: Progress = lambda line: None,
-         results: list[ShapeResult] | None = None) -> list[ShapeResult]:
-    """Tune ``shapes`` (see module doc); the results per shape. A bucket whose winner is
-    published for (device, toolchain, class) is skipped unless ``force``. Each winner is
-    published when its bucket is done, so a KeyboardInterrupt loses at most the bucket
-    being timed (the exception propagates; ``results``, when given, holds what was done);
-    a shape gets at least one bucket, then none once ``budget_s`` is spent."""
+         results: list[ShapeResult] | None = None,
+         schemes: Sequence[str] = (DEFAULT_SCHEME,)) -> list[ShapeResult]:
+    """Tune ``shapes`` in each of ``schemes`` (see module doc); the results per scheme and
+    shape, schemes outermost. A bucket whose winner is published for (device, toolchain,
+    class) is skipped unless ``force``. Each winner is published when its bucket is done,
+    so a KeyboardInterrupt loses at most the bucket being timed (the exception propagates;
+    ``results``, when given, holds what was done); a (scheme, shape) gets at least one
+    bucket, then none once ``budget_s`` is spent. A scheme that plans nothing for a shape
+    (InvalidTactic: e.g. block128 at K % 128) is reported in ``not_planned``, not an
+    error."""
     results = [] if results is None else results
-    for n, k in shapes:
-        started = time.monotonic()
-        cls, _ = candidates(client, n, k, buckets[0], target, top=1, near=0)
-        res = ShapeResult(n, k, cls)
-        results.append(res)
-        done = {} if force else published(client, n, k, target, cls)
-        todo = [m for m in buckets if m not in done]
-        res.skipped = [m for m in buckets if m in done]
-        progress(f"{n}x{k} class {cls}: {len(todo)} of {len(buckets)} buckets to time"
-                 + (f" ({len(res.skipped)} published before)" if res.skipped else ""))
-        try:
-            for i, m in enumerate(todo):
-                if i and time.monotonic() - started > budget_s:  # one bucket at least
-                    res.unfinished += todo[i:]
-                    progress(f"{n}x{k}: budget of {budget_s:g} s spent; "
-                             f"{len(res.unfinished)} buckets left for the next run")
-                    break
-                got = _tune_bucket(client, timer, n, k, m, target, cls, top, near, rounds,
-                                   margin, progress)
-                if got is None:
-                    res.unfinished.append(m)
-                else:
-                    res.buckets.append(got)
-        except KeyboardInterrupt:
-            res.unfinished = [m for m in todo if m not in {b.m for b in res.buckets}]
-            res.seconds = time.monotonic() - started
-            progress(f"{n}x{k}: interrupted; {len(res.unfinished)} buckets left")
-            raise
-        res.seconds = time.monotonic() - started
-        progress(f"{n}x{k}: {len(res.buckets)} buckets tuned in {res.seconds:.1f} s, "
-                 f"{sum(b.changed for b in res.buckets)} changed from the plan's first choice")
+    names = check_schemes(schemes, target.family)
+    for scheme in names:
+        for n, k in shapes:
+            _tune_shape(client, n, k, scheme, timer, target, buckets, top, near, rounds,
+                        margin, budget_s, force, progress, results)
     return results
 
 
+def _tune_shape(client: Any, n: int, k: int, scheme: str, timer: Timer, target: Target,
+                buckets: Sequence[int], top: int, near: int, rounds: int, margin: float,
+                budget_s: float, force: bool, progress: Progress,
+                results: list[ShapeResult]) -> None:
+    started = time.monotonic()
+    try:
+        cls, _ = candidates(client, n, k, buckets[0], target, top=1, near=0, scheme=scheme)
+    except CachedError as exc:
+        if exc.code != "invalid_tactic":
+            raise
+        results.append(ShapeResult(n, k, "", scheme, not_planned=str(exc)))
+        progress(f"{n}x{k} {scheme}: not planned ({exc}); skipped")
+        return
+    res = ShapeResult(n, k, cls, scheme)
+    results.append(res)
+    done = {} if force else published(client, n, k, target, cls)
+    todo = [m for m in buckets if m not in done]
+    res.skipped = [m for m in buckets if m in done]
+    progress(f"{n}x{k} {scheme} class {cls}: {len(todo)} of {len(buckets)} buckets to time"
+             + (f" ({len(res.skipped)} published before)" if res.skipped else ""))
+    try:
+        for i, m in enumerate(todo):
+            if i and time.monotonic() - started > budget_s:  # one bucket at least
+                res.unfinished += todo[i:]
+                progress(f"{n}x{k} {scheme}: budget of {budget_s:g} s spent; "
+                         f"{len(res.unfinished)} buckets left for the next run")
+                break
+            got = _tune_bucket(client, timer, n, k, m, target, cls, scheme, top, near, rounds,
+                               margin, progress, res)
+            if got is None:
+                res.unfinished.append(m)
+            else:
+                res.buckets.append(got)
+    except KeyboardInterrupt:
+        res.unfinished = [m for m in todo if m not in {b.m for b in res.buckets}]
+        res.seconds = time.monotonic() - started
+        progress(f"{n}x{k} {scheme}: interrupted; {len(res.unfinished)} buckets left")
+        raise
+    res.seconds = time.monotonic() - started
+    progress(f"{n}x{k} {scheme}: {len(res.buckets)} buckets tuned in {res.seconds:.1f} s, "
+             f"{sum(b.changed for b in res.buckets)} changed from the plan's first choice")
+
+
 def _tune_bucket(client: Any, timer: Timer, n: int, k: int, m: int, target: Target,
-                 cls: str, top: int, near: int, rounds: int, margin: float,
-                 progress: Progress) -> BucketResult | None:
-    got_cls, cands = candidates(client, n, k, m, target, top, near)
+                 cls: str, scheme: str, top: int, near: int, rounds: int, margin: float,
+                 progress: Progress, res: ShapeResult) -> BucketResult | None:
+    got_cls, cands = candidates(client, n, k, m, target, top, near, scheme)
     if got_cls != cls:  # the family's class depends on (N, K) and the device only
         raise ValueError(f"{n}x{k}: the plan's class changed with M ({cls} -> {got_cls})")
-    times = timer.time(n, k, m, cands, rounds)
+    timing = timer.time(n, k, m, cands, rounds, cls)
+    times = timing.rounds
+    for i, r in times.items():
+        if i >= 0 and r:
+            res.timed.append((m, dict(cands[i].params), _median(r)))
     win = pick(times, margin)
     ref = times.get(-1)
+    why = left_out_summary(timing)
     if win is None:
-        progress(f"  M<={m}: none of the {len(cands)} candidates could be timed (not in this "
-                 "node's store, or wrong results); nothing published")
+        progress(f"  M<={m}: none of the {len(cands)} candidates could be timed: "
+                 f"{why or 'the timer timed nothing'}; nothing published")
         return None
     us = _median(times[win])
     client.autotune_put(p.AutotunePutRequest(
         op_name=OP, n=n, k=k, dtype=DTYPE, arch=target.arch, device=target.device, bucket=m,
-        kernel=FAMILY, tactic=dict(cands[win].params), time_us=max(us, 1e-6), replace=True,
-        toolchain=target.toolchain, reduction_class=cls), timeout=30)
+        kernel=target.family, tactic=dict(cands[win].params), time_us=max(us, 1e-6),
+        replace=True, toolchain=target.toolchain, reduction_class=cls), timeout=30)
     first = _median(times[0]) if times.get(0) else float("nan")
-    name = T.tactic_from_params(cands[win].params).name
-    progress(f"  M<={m}: {name} {us:.1f} us (plan's first {first:.1f} us"
-             + (f", {REFERENCE} {_median(ref):.1f} us" if ref else "")
-             + f"; {len([i for i in times if i >= 0])} of {len(cands)} timed)")
+    ntimed = len([i for i in times if i >= 0])
+    progress(f"  M<={m}: {_name(cands[win])} {us:.1f} us (plan's first {first:.1f} us"
+             + (f", {timing.competitor or REFERENCE} {_median(ref):.1f} us" if ref else "")
+             + f"; {ntimed} of {len(cands)} timed" + (f"; left out: {why}" if why else "")
+             + ")")
     return BucketResult(m, dict(cands[win].params), us, first,
-                        _median(ref) if ref else None, len([i for i in times if i >= 0]),
-                        win != 0)
+                        _median(ref) if ref else None, ntimed, win != 0)
+
+
+def _name(request: KernelRequest) -> str:
+    if request.family == FAMILY:
+        from .families.hopper_fp8.tactic import tactic_from_params
+
+        return tactic_from_params(request.params).name
+    return _params_key(request.params)

@@ -1,21 +1,24 @@
 """The timing core of ``cached tune`` (cached.tune.Timer) on a CUDA device; imports torch.
 
-For one (N, K) and M: each candidate is loaded through the client (``Client.load``: from
-the daemon's store; a serve-only daemon answers only what it holds, and a candidate it
-lacks is left out); its output on fresh Gaussian FP8 data is checked (the first candidate
-against a float32 reference, relative error under MAX_REL_ERR; every other one bitwise
-equal to the first: one reduction-order class computes the same bits) before any timing.
-Each kernel, and ``torch._scaled_mm`` with fast accumulation (the competitor, key -1), is
-captured in a CUDA graph of ``iters`` launches cycling over input sets that together
-exceed the L2 (ROTATE_BYTES), then timed in interleaved rounds: each round replays every
-graph once, in an order rotated by one per round, timed by CUDA events; a round's figure
-is µs per launch.
+For one (N, K), M and reduction-order class (cached.hopper_fp8: its scheme, scales and
+accumulation, is part of the class id): each candidate is loaded through the client
+(``Client.load``: from the daemon's store; a serve-only daemon answers only what it holds,
+and a candidate it lacks is left out as "not in this node's store"); its output on fresh
+Gaussian FP8 data and the scheme's scales (:func:`operands`) is checked before any timing:
+the first candidate against a float32 reference (:func:`reference`), relative error within
+the class's bound at that K (``Family.tune_error_bound``, the output's own rounding of the
+reference measured on the same data), every other one bitwise equal to the first correct
+one (one reduction-order class computes the same bits). Each kernel, and the scheme's
+competitor (:func:`competitor`, key -1), is captured in a CUDA graph of ``iters`` launches
+cycling over input sets that together exceed the L2 (ROTATE_BYTES), then timed in
+interleaved rounds: each round replays every graph once, in an order rotated by one per
+round, timed by CUDA events; a round's figure is µs per launch.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,24 +26,78 @@ from cached_client.errors import CachedError
 from cached_client.gemm.hopper_fp8 import alloc_workspace, gemm
 from cached_client.keys import KernelRequest
 
+from .families.hopper_fp8.tactic import BLOCK, class_scheme
 from .log import event
+from .tune import NOT_BITWISE, Timing, judge, load_failure
 
 log = logging.getLogger("cached.tune")
 
 ROTATE_BYTES = 200 << 20  # input sets per graph cover this much (the H200's L2: 60 MB)
 MAX_SETS = 16
-MAX_REL_ERR = 4e-3  # fast-accumulation grade (docs/design.md)
-SCALE_A, SCALE_B = 0.5, 0.25
+SCALE_A, SCALE_B = 0.5, 0.25  # per-tensor scales
 MIN_GRAPH_US = 2000.0  # a replay lasts at least this long (event resolution, launch noise)
 MAX_ITERS = 50
+
+
+def operands(scales: str, m: int, n: int, k: int, gen: torch.Generator, dev: str = "cuda"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a_scale, b_scale) of the scheme, float32 on ``dev`` (``gen``'s device): per-tensor
+    SCALE_A / SCALE_B; per-token (M,) and (N,) in [0.5, 2); block128 (M, K/128)
+    column-major and (ceil(N/128), K/128) row-major in [0.5, 2) (the launcher's layouts)."""
+    if scales == "tensor":
+        return (torch.tensor([SCALE_A], device=dev), torch.tensor([SCALE_B], device=dev))
+    if scales == "token":
+        return (torch.rand(m, device=dev, generator=gen) * 1.5 + 0.5,
+                torch.rand(n, device=dev, generator=gen) * 1.5 + 0.5)
+    kb, nb = k // BLOCK, -(-n // BLOCK)
+    return ((torch.rand(kb, m, device=dev, generator=gen) * 1.5 + 0.5).t(),
+            torch.rand(nb, kb, device=dev, generator=gen) * 1.5 + 0.5)
+
+
+def reference(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+              scales: str) -> torch.Tensor:
+    """The scheme's C = (a @ b^T) scaled, in float32 (the operands' products are exact)."""
+    if scales == "block128":
+        n, k = b.shape
+        fa = a.float() * sa.repeat_interleave(BLOCK, dim=1)[:, :k]
+        fb = b.float() * sb.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+        return fa @ fb.T
+    c = a.float() @ b.float().T
+    if scales == "token":
+        return c * sa.reshape(-1, 1) * sb.reshape(1, -1)
+    return c * (sa * sb)
+
+
+def competitor(scales: str, accum: str, out_dtype: torch.dtype = torch.bfloat16
+               ) -> tuple[str, Callable[..., torch.Tensor]] | None:
+    """(label, fn(a, b, a_scale, b_scale)) of the scheme's competitor in torch: cuBLAS
+    ``torch._scaled_mm`` per-tensor or rowwise, fast accumulation as the scheme's; None for
+    block128 (torch has no 128x128 block kernel: its competitors are vLLM's)."""
+    fast = accum == "fast"
+    if scales == "tensor":
+        return (f"torch._scaled_mm {accum}", lambda a, b, sa, sb: torch._scaled_mm(
+            a, b.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast))
+    if scales == "token":
+        return (f"torch._scaled_mm rowwise {accum}", lambda a, b, sa, sb: torch._scaled_mm(
+            a, b.t(), scale_a=sa.reshape(-1, 1), scale_b=sb.reshape(1, -1),
+            out_dtype=out_dtype, use_fast_accum=fast))
+    return None
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float32 (inf when out holds a NaN or an inf)."""
+    err = float((out.float() - ref).norm() / ref.norm())
+    return err if err == err else float("inf")
 
 
 class CudaTimer:
     """cached.tune.Timer on the current CUDA device, kernels loaded through ``client``."""
 
-    def __init__(self, client: Any, reference: bool = True, seed: int = 0) -> None:
+    def __init__(self, client: Any, reference: bool = True, seed: int = 0,
+                 family: str = "cached.hopper_fp8") -> None:
         self.client = client
         self.reference = reference
+        self.family = family
         self.gen = torch.Generator(device="cuda").manual_seed(seed)
         self.skipped: list[str] = []  # why candidates were left out, for the report
 
@@ -49,21 +106,26 @@ class CudaTimer:
             torch.float8_e4m3fn)
 
     def time(self, n: int, k: int, m: int, kernels: Sequence[KernelRequest],
-             rounds: int) -> dict[int, list[float]]:
-        sa = torch.tensor([SCALE_A], device="cuda")
-        sb = torch.tensor([SCALE_B], device="cuda")
+             rounds: int, reduction_class: str) -> Timing:
+        _, accum, scales = class_scheme(reduction_class)
+        sa, sb = operands(scales, m, n, k, self.gen)
         per = m * k + n * k + 2 * m * n
         nsets = max(2, min(MAX_SETS, -(-ROTATE_BYTES // per)))
         A = [self._fp8(m, k) for _ in range(nsets)]
         B = [self._fp8(n, k) for _ in range(nsets)]
         C = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in range(nsets)]
+        ref = reference(A[0], B[0], sa, sb, scales)
+        floor = max(rel_err(ref.to(torch.bfloat16), ref), 1e-30)
+        timing = Timing()
         launches: dict[int, Any] = {}
         first_out = None
         for i, r in enumerate(kernels):
             try:
                 fn = self.client.load(r, timeout=120)
             except CachedError as exc:
-                self.skipped.append(f"{n}x{k} M={m} {r.params}: {exc.code}")
+                timing.left_out[i] = load_failure(exc)
+                self.skipped.append(f"{n}x{k} M={m} {r.params}: {timing.left_out[i][0]} "
+                                    f"({exc.code})")
                 continue
             params = dict(r.params)
             ws, cnt = alloc_workspace([params], m, n, "cuda")
@@ -76,30 +138,34 @@ class CudaTimer:
             launch(0)
             out = C[0].clone()
             if first_out is None:
-                ref = (A[0].float() @ B[0].float().T) * (SCALE_A * SCALE_B)
-                err = float((out.float() - ref).norm() / ref.norm())
-                if not err < MAX_REL_ERR:
-                    self.skipped.append(f"{n}x{k} M={m} {r.params}: rel err {err:.2e}")
+                wrong = judge(rel_err(out, ref), reduction_class, k, floor, self.family)
+                if wrong is not None:
+                    timing.left_out[i] = wrong
+                    self.skipped.append(f"{n}x{k} M={m} {r.params}: {wrong[1]}")
                     continue
                 first_out = out
             elif not torch.equal(out.view(torch.int16), first_out.view(torch.int16)):
-                self.skipped.append(f"{n}x{k} M={m} {r.params}: not bitwise equal to the "
-                                    "first candidate of its class")
+                timing.left_out[i] = (NOT_BITWISE, "differs from the first correct candidate")
+                self.skipped.append(f"{n}x{k} M={m} {r.params}: {NOT_BITWISE}")
                 event(log, logging.WARNING, "tune.class_mismatch", n=n, k=k, m=m,
                       params=params)
                 continue
             launches[i] = launch
-        if self.reference and launches:
-            def ref_launch(j: int) -> None:
-                torch._scaled_mm(A[j], B[j].t(), scale_a=sa, scale_b=sb,
-                                 out_dtype=torch.bfloat16, use_fast_accum=True)
-
-            launches[-1] = ref_launch
+        comp = competitor(scales, accum) if self.reference and launches else None
+        if comp is not None:
+            label, mm = comp
+            try:
+                mm(A[0], B[0], sa, sb)
+            except RuntimeError as exc:  # this torch lacks the scheme's kernel
+                self.skipped.append(f"{n}x{k} M={m} competitor {label}: {str(exc)[:120]}")
+            else:
+                timing.competitor = label
+                launches[-1] = lambda j: mm(A[j], B[j], sa, sb)
         if not launches:
-            return {}
+            return timing
         graphs = {i: _graph(f, nsets, _iters(f, nsets)) for i, f in launches.items()}
         order = list(graphs)
-        out: dict[int, list[float]] = {i: [] for i in graphs}
+        out_us: dict[int, list[float]] = {i: [] for i in graphs}
         for r in range(rounds):
             for i in order[r % len(order):] + order[:r % len(order)]:
                 g, iters = graphs[i]
@@ -109,9 +175,10 @@ class CudaTimer:
                 g.replay()
                 e1.record()
                 e1.synchronize()
-                out[i].append(e0.elapsed_time(e1) * 1e3 / iters)
+                out_us[i].append(e0.elapsed_time(e1) * 1e3 / iters)
         del graphs
-        return out
+        timing.rounds = out_us
+        return timing
 
 
 def _iters(launch: Any, nsets: int) -> int:

@@ -9,10 +9,12 @@
 #          (src/) and this script with tune_check.py
 #   there: bash DIR/run_tune.sh gpu                   (device tool, carry [DIR])
 set -euo pipefail
-# models not in manifests/: Qwen2.5-7B (qkv, o, gate_up, down), Gemma-2-9B (qkv, o,
-# gate_up, down), Llama-3.1-405B's qkv_proj at tensor parallel 16 (a small N, a large K)
-SHAPES=(4608,3584 3584,3584 37888,3584 3584,18944 8192,3584 3584,4096 28672,3584
-        3584,14336 1152,16384)
+# SHAPES (N,K N,K ..) and SCHEMES (cached tune's names, comma-separated) from the
+# environment, here and there alike; the default: models not in manifests/: Qwen2.5-7B (qkv,
+# o, gate_up, down), Gemma-2-9B (qkv, o, gate_up, down), Llama-3.1-405B's qkv_proj at
+# tensor parallel 16 (a small N, a large K), per-tensor fast
+read -r -a SHAPES <<< "${SHAPES:-4608,3584 3584,3584 37888,3584 3584,18944 8192,3584 3584,4096 28672,3584 3584,14336 1152,16384}"
+SCHEMES=${SCHEMES:-tensor-fast}
 TOP=${TOP:-3} NEAR=${NEAR:-2} ROUNDS=${ROUNDS:-5} BUDGET=${BUDGET:-60}
 # there, optional: REPEAT=1 runs cached tune a second time (a resumed run: nothing to time);
 # WIDE=N,K (WIDE_TOP, WIDE_NEAR, WIDE_BUCKETS) a forced wider search on one shape
@@ -25,7 +27,7 @@ if [[ $mode == build ]]; then
   if [[ ! -d $BUNDLE/store ]]; then  # the store takes a while: kept when there
     mkdir -p "$BUNDLE"
     CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/tune_bundle.py "$BUNDLE/store" "$TOP" "$NEAR" \
-      "${SHAPES[@]}" | tee "$BUNDLE/build.log"
+      --schemes "$SCHEMES" "${SHAPES[@]}" | tee "$BUNDLE/build.log"
   fi
   rm -rf "$BUNDLE/store/tmp" "$BUNDLE/store/index.sqlite-wal" "$BUNDLE/store/index.sqlite-shm" \
     "$BUNDLE/wheels" "$BUNDLE/src"
@@ -43,6 +45,7 @@ if [[ $mode == build ]]; then
   mkdir -p "$BUNDLE/src/client"
   cp -r cached "$BUNDLE/src/" && cp -r client/cached_client "$BUNDLE/src/client/"
   cp bench/gpu/run_tune.sh bench/gpu/tune_check.py "$BUNDLE/"
+  printf 'SHAPES="%s"\nSCHEMES=%s\n' "${SHAPES[*]}" "$SCHEMES" > "$BUNDLE/env.sh"  # what it holds
   find "$BUNDLE/src" -name __pycache__ -prune -exec rm -rf {} +
   du -sh "$BUNDLE"
   exit 0
@@ -50,6 +53,9 @@ fi
 
 if [[ $mode == gpu ]]; then
   BUNDLE=$(cd "$(dirname "$0")" && pwd)
+  # the shapes and schemes the store was built for (env.sh, written by build)
+  if [[ -f $BUNDLE/env.sh ]]; then source "$BUNDLE/env.sh"; fi
+  read -r -a SHAPES <<< "$SHAPES"
   OUT=${OUT:-/tmp/tune_out}
   mkdir -p "$OUT"
   t0=$(date +%s)
@@ -77,11 +83,12 @@ if [[ $mode == gpu ]]; then
   for s in "${SHAPES[@]}"; do args+=(--weight "$s"); done
   t1=$(date +%s)
   python3 -m cached tune --socket /tmp/cached.sock "${args[@]}" --top "$TOP" --near "$NEAR" \
-    --rounds "$ROUNDS" --budget "$BUDGET" --json 2> >(tee "$OUT/tune.log" >&2) > "$OUT/tune.json"
+    --scheme "$SCHEMES" --rounds "$ROUNDS" --budget "$BUDGET" --json \
+    2> >(tee "$OUT/tune.log" >&2) > "$OUT/tune.json"
   echo "cached tune: $(( $(date +%s) - t1 )) s in all"
   if [[ -n ${REPEAT:-} ]]; then  # again: every bucket is published, nothing is timed
     t1=$(date +%s)
-    python3 -m cached tune --socket /tmp/cached.sock "${args[@]}" --json \
+    python3 -m cached tune --socket /tmp/cached.sock "${args[@]}" --scheme "$SCHEMES" --json \
       2> >(tee "$OUT/tune_again.log" >&2) > "$OUT/tune_again.json"
     echo "cached tune again: $(( $(date +%s) - t1 )) s in all"
   fi
@@ -92,7 +99,7 @@ if [[ $mode == gpu ]]; then
       --json 2> >(tee "$OUT/tune_wide.log" >&2) > "$OUT/tune_wide.json"
   fi
   python3 "$BUNDLE/tune_check.py" --socket /tmp/cached.sock --out "$OUT" --rounds "$ROUNDS" \
-    "${SHAPES[@]}" 2>&1 | tee "$OUT/tune_check.log"
+    --schemes "$SCHEMES" "${SHAPES[@]}" 2>&1 | tee "$OUT/tune_check.log"
   rc=${PIPESTATUS[0]}
   grep -c '"autotune.stored"' "$OUT/daemon.log" || true
   tail -3 "$OUT/daemon.log"

@@ -1,17 +1,21 @@
 """Before and after one ``cached tune`` on the H200, as a second process sees it.
 
-For each (N, K): the client's batch-invariant plan (cached_client.gemm.plan.plan_gemm)
-twice from a (serve-only) daemon: ``before`` without a device name (the family's model
-alone: the plan order's first choice per M bucket) and ``after`` with it (the node's
-winners, published by ``cached tune`` in another process: this one times nothing to
-choose). Then, before any timing: every bucket of ``after`` from a winner; the after plan
-against a float32 reference on fresh data (outputs poisoned with NaN first); the seeds'
-method (rows of x[:M] differing bitwise from the first M rows of the M = 2048 output).
-Then per M bucket bound (M = 1..8192): the two plans' kernels and ``torch._scaled_mm``
-with fast accumulation inside CUDA graphs, inputs rotated past the L2, in interleaved
+For each scheme (cached tune's names; block128 is not checked here: its competitors are
+vLLM's) and (N, K): the client's batch-invariant plan of that scheme
+(cached_client.gemm.plan.plan_gemm) twice from a (serve-only) daemon: ``before`` without a
+device name (the family's model alone: the plan order's first choice per M bucket) and
+``after`` with it (the node's winners, published by ``cached tune`` in another process:
+this one times nothing to choose). Then, before any timing: every bucket of ``after`` from
+a winner; the after plan against a float32 reference on fresh data and the scheme's scales
+(outputs poisoned with NaN first), within the class's bound at that K (cached.tune.judge);
+the seeds' method (rows of x[:M] differing bitwise from the first M rows of the M = 2048
+output). Then per M bucket bound (M = 1..8192): the two plans' kernels and the scheme's
+competitor (cached.tune_cuda.competitor: ``torch._scaled_mm`` per-tensor or rowwise, the
+scheme's accumulation) inside CUDA graphs, inputs rotated past the L2, in interleaved
 rounds (cached.tune_cuda's graphs); µs medians and the ratios.
 
-Usage (there): python tune_check.py --socket S --out DIR [--rounds R] N,K [N,K ...]
+Usage (there): python tune_check.py --socket S --out DIR [--rounds R] [--schemes S,S]
+    N,K [N,K ...]
 Prints tables last; writes DIR/tune_check.json.
 """
 
@@ -28,46 +32,55 @@ from cached_client import Client
 from cached_client.gemm.certify import SEED_MS, differing_rows
 from cached_client.gemm.plan import buckets_up_to, plan_gemm
 
+from cached import tune
+from cached.families import get as family
 from cached.families.hopper_fp8 import tactic as T
-from cached.tune_cuda import ROTATE_BYTES, _graph, _iters
+from cached.tune_cuda import ROTATE_BYTES, _graph, _iters, competitor, operands, reference, rel_err
 
 MAX_M = 8192
-SCALE_A, SCALE_B = 0.5, 0.25
 
 
 def fp8(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(rows, cols, device="cuda", generator=gen).to(torch.float8_e4m3fn)
 
 
-def check_shape(client: Client, n: int, k: int, props, rounds: int) -> dict:
+def check_shape(client: Client, n: int, k: int, props, rounds: int, scheme: str) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(n * 31 + k)
+    opts = tune.scheme_options()[scheme]
+    scales, accum = opts.get("scales", "tensor"), opts.get("accumulation", "fast")
+    kw = dict(arch="sm_90a", sm_count=props.multi_processor_count, max_m=MAX_M,
+              prefetch=False, scales=scales, accumulation=accum)
     t0 = time.perf_counter()
-    after = plan_gemm(client, n, k, arch="sm_90a", sm_count=props.multi_processor_count,
-                      device=props.name, max_m=MAX_M, prefetch=False)
+    after = plan_gemm(client, n, k, device=props.name, **kw)
     t1 = time.perf_counter()
-    before = plan_gemm(client, n, k, arch="sm_90a", sm_count=props.multi_processor_count,
-                       device=None, max_m=MAX_M, prefetch=False)
+    before = plan_gemm(client, n, k, device=None, **kw)
     ga, gb = after.load(client, "cuda"), before.load(client, "cuda")
-    rec = {"n": n, "k": k, "class": after.choice.reduction_class, "plan_ms": (t1 - t0) * 1e3,
+    cls = after.choice.reduction_class
+    rec = {"n": n, "k": k, "scheme": scheme, "class": cls, "plan_ms": (t1 - t0) * 1e3,
            "after_sources": [b.source for b in after.choice.buckets],
            "after": after.describe(), "before": before.describe()}
-    sa = torch.tensor([SCALE_A], device="cuda")
-    sb = torch.tensor([SCALE_B], device="cuda")
     a_all, b = fp8(MAX_M, k, gen), fp8(n, k, gen)
+    sa_all, sb = operands(scales, MAX_M, n, k, gen)
 
     def run(g, m: int) -> torch.Tensor:
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        return g(a_all[:m], b, sa, sb, out=out)
+        return g(a_all[:m], b, sa_all[:m] if scales == "token" else sa_all, sb, out=out)
 
     errs = {}
     for m in (1, 7, 77, 1000, 3001, 8192):
         got = run(ga, m)
-        ref = (a_all[:m].float() @ b.float().T) * (SCALE_A * SCALE_B)
-        errs[m] = {"rel": float((got.float() - ref).norm() / ref.norm()),
+        ref = reference(a_all[:m], b, sa_all[:m] if scales == "token" else sa_all, sb, scales)
+        floor = max(rel_err(ref.to(torch.bfloat16), ref), 1e-30)
+        rel = rel_err(got, ref)
+        errs[m] = {"rel": rel, "floor": floor,
+                   "bound": family(tune.FAMILY).tune_error_bound(cls, k, floor),
+                   "within": tune.judge(rel, cls, k, floor) is None,
                    "nan_left": bool(torch.isnan(got).any())}
     rec["correct"] = errs
     full = run(ga, 2048)
     rec["seeds_rows_differing"] = {m: differing_rows(full, run(ga, m)) for m in SEED_MS}
+    label, mm = competitor(scales, accum)
+    rec["competitor"] = label
     perf = {}
     for m in buckets_up_to(MAX_M):
         per = m * k + n * k + 2 * m * n
@@ -75,12 +88,11 @@ def check_shape(client: Client, n: int, k: int, props, rounds: int) -> dict:
         A = [fp8(m, k, gen) for _ in range(nsets)]
         B = [fp8(n, k, gen) for _ in range(nsets)]
         C = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in range(nsets)]
+        sa = sa_all[:m] if scales == "token" else sa_all
         impls = {
-            "before": lambda i, A=A, B=B, C=C: gb(A[i], B[i], sa, sb, out=C[i]),
-            "after": lambda i, A=A, B=B, C=C: ga(A[i], B[i], sa, sb, out=C[i]),
-            "fast": lambda i, A=A, B=B: torch._scaled_mm(
-                A[i], B[i].t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
-                use_fast_accum=True),
+            "before": lambda i, A=A, B=B, C=C, sa=sa: gb(A[i], B[i], sa, sb, out=C[i]),
+            "after": lambda i, A=A, B=B, C=C, sa=sa: ga(A[i], B[i], sa, sb, out=C[i]),
+            "fast": lambda i, A=A, B=B, sa=sa: mm(A[i], B[i], sa, sb),
         }
         graphs = {name: _graph(f, nsets, _iters(f, nsets)) for name, f in impls.items()}
         order = list(graphs)
@@ -114,41 +126,53 @@ def main() -> None:
     ap.add_argument("--socket", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--schemes", default=tune.DEFAULT_SCHEME)
     ap.add_argument("shapes", nargs="+")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     client = Client(args.socket, timeout=120, fallback=False)
     out = {"device": props.name, "sm_count": props.multi_processor_count,
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "shapes": []}
-    for shape in args.shapes:
-        n, k = (int(v) for v in shape.split(","))
-        out["shapes"].append(check_shape(client, n, k, props, args.rounds))
-        with open(f"{args.out}/tune_check.json", "w") as f:
-            json.dump(out, f, indent=1, default=str)
+    for scheme in tune.check_schemes(args.schemes.split(",")):
+        if scheme == "block128":
+            print("block128: not checked here (its competitors are vLLM's)")
+            continue
+        for shape in args.shapes:
+            n, k = (int(v) for v in shape.split(","))
+            out["shapes"].append(check_shape(client, n, k, props, args.rounds, scheme))
+            with open(f"{args.out}/tune_check.json", "w") as f:
+                json.dump(out, f, indent=1, default=str)
     print(f"\n{out['device']} ({out['sm_count']} SMs), torch {out['torch']}, {out['date']}")
-    print("| N x K | class | from winners | plan ms | worst rel err | NaN left | seeds rows |")
-    print("|---|---|---|---|---|---|---|")
+    print("| scheme | N x K | class | from winners | plan ms | worst rel err (bound) | "
+          "all within | NaN left | seeds rows |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in out["shapes"]:
-        print(f"| {r['n']}x{r['k']} | {r['class'].split('.')[2]} | "
+        worst = max(r["correct"].values(), key=lambda e: e["rel"] / e["bound"])
+        print(f"| {r['scheme']} | {r['n']}x{r['k']} | {r['class']} | "
               f"{r['after_sources'].count('autotune')}/{len(r['after_sources'])} | "
-              f"{r['plan_ms']:.0f} | {max(e['rel'] for e in r['correct'].values()):.2e} | "
+              f"{r['plan_ms']:.0f} | {worst['rel']:.2e} ({worst['bound']:.2e}) | "
+              f"{all(e['within'] for e in r['correct'].values())} | "
               f"{any(e['nan_left'] for e in r['correct'].values())} | "
               f"{sum(r['seeds_rows_differing'].values())} |")
-    print("\nfast / ours (torch._scaled_mm with fast accumulation over the plan's first choice)")
-    print("| N x K | M | before tactic | before | after tactic | after | after/before time |")
-    print("|---|---|---|---|---|---|---|")
-    allb, alla = [], []
+    print("\ncompetitor / ours (the scheme's competitor's time over the plan's)")
+    print("| scheme | N x K | M | before tactic | before | after tactic | after | "
+          "after/before time |")
+    print("|---|---|---|---|---|---|---|---|")
+    per_scheme: dict[str, tuple[list, list]] = {}
     for r in out["shapes"]:
+        allb, alla = per_scheme.setdefault(f"{r['scheme']} ({r['competitor']})", ([], []))
         for m, p in r["perf"].items():
             rb, ra = p["fast_us"] / p["before_us"], p["fast_us"] / p["after_us"]
             allb.append(rb)
             alla.append(ra)
-            print(f"| {r['n']}x{r['k']} | {m} | {p['before_tactic']} | {rb:.2f} | "
-                  f"{p['after_tactic']} | {ra:.2f} | {p['after_us'] / p['before_us']:.3f} |")
-    print(f"\nbefore: geomean {_gm(allb):.3f}, min {min(allb):.2f}, under 0.9: "
-          f"{sum(x < 0.9 for x in allb)} of {len(allb)}")
-    print(f"after:  geomean {_gm(alla):.3f}, min {min(alla):.2f}, under 0.9: "
-          f"{sum(x < 0.9 for x in alla)} of {len(alla)}")
+            print(f"| {r['scheme']} | {r['n']}x{r['k']} | {m} | {p['before_tactic']} | "
+                  f"{rb:.2f} | {p['after_tactic']} | {ra:.2f} | "
+                  f"{p['after_us'] / p['before_us']:.3f} |")
+    for name, (allb, alla) in per_scheme.items():
+        print(f"\n{name}:\n  before: geomean {_gm(allb):.3f}, min {min(allb):.2f}, under "
+              f"0.9: {sum(x < 0.9 for x in allb)} of {len(allb)}")
+        print(f"  after:  geomean {_gm(alla):.3f}, min {min(alla):.2f}, under 0.9: "
+              f"{sum(x < 0.9 for x in alla)} of {len(alla)}")
 
 
 if __name__ == "__main__":

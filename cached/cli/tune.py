@@ -56,6 +56,10 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     t.add_argument("--manifest", metavar="NAME|PATH", help="the shapes of a manifest")
     t.add_argument("--planned", action="store_true",
                    help="the shapes clients have planned on this node")
+    t.add_argument("--scheme", action="append", default=[], metavar="NAME[,NAME..]",
+                   help="the schemes to tune, each under its own class (repeatable; 'all': "
+                        f"every one the family declares; default {tune.DEFAULT_SCHEME}; an "
+                        "unknown name is refused with the family's list)")
     t.add_argument("--buckets", type=_buckets, default=tune.DEFAULT_BUCKETS, metavar="M,M,..",
                    help="M bucket bounds (default: 1,2,4,...,8192)")
     t.add_argument("--top", type=argtypes.count(), default=tune.DEFAULT_TOP, metavar="N",
@@ -97,6 +101,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(why, file=sys.stderr)
         return 2
     client = Client(args.socket, timeout=600)
+    try:
+        schemes = tune.check_schemes([s for v in args.scheme or [tune.DEFAULT_SCHEME]
+                                      for s in v.split(",") if s])
+    except ValueError as exc:
+        print(f"cached tune: {exc}", file=sys.stderr)
+        return 2
     shapes = tune.shapes_to_tune(client, args.weight, args.manifest, args.planned)
     if not shapes:
         print("cached tune: no shapes: give --weight, --manifest or --planned",
@@ -122,7 +132,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     try:
         tune.tune(client, shapes, timer, target, buckets=args.buckets, top=args.top,
                   near=args.near, rounds=args.rounds, margin=args.margin,
-                  budget_s=args.budget, force=args.force, progress=say, results=results)
+                  budget_s=args.budget, force=args.force, progress=say, results=results,
+                  schemes=schemes)
     except KeyboardInterrupt:
         say("cached tune: interrupted; the winners of finished buckets are published, and "
             "the next run starts where this one stopped")
@@ -138,7 +149,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 1 if any(r.unfinished for r in results) else 0
     for r in results:
-        print(f"{r.n}x{r.k} {r.reduction_class}: {len(r.buckets)} tuned "
+        if r.not_planned:
+            print(f"{r.n}x{r.k} {r.scheme}: not planned: {r.not_planned}")
+            continue
+        print(f"{r.n}x{r.k} {r.scheme} {r.reduction_class}: {len(r.buckets)} tuned "
               f"({sum(b.changed for b in r.buckets)} changed), {len(r.skipped)} published "
               f"before, {len(r.unfinished)} left, {r.seconds:.1f} s")
     return 1 if any(r.unfinished for r in results) else 0

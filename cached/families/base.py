@@ -61,6 +61,26 @@ class Family(abc.ABC):
         return {"classes": list(self.reduction_classes()),
                 "m_independent": bool(self.reduction_order_m_independent)}
 
+    def tune_schemes(self) -> dict[str, dict[str, Any]]:
+        """What ``cached tune`` can time for this family: {scheme name: the plan options of
+        that scheme} (every class a batch-invariant plan of the scheme uses is tuned under
+        it). Empty (the default): nothing; a family that declares schemes also implements
+        :meth:`tune_error_bound`."""
+        return {}
+
+    def tune_error_bound(self, reduction_class: str, k: int, floor: float) -> float:
+        """The largest relative error (``‖out − ref‖ / ‖ref‖`` against a float32
+        reference) a correct kernel of ``reduction_class`` gives at K = ``k``, the output
+        type's own rounding of the reference being ``floor``: what ``cached tune`` accepts."""
+        raise NotImplementedError(f"{self.name} declares no tune schemes")
+
+    def tune_neighbours(self, n: int, k: int, m: int, sm_count: int, reduction_class: str,
+                        options: Mapping[str, Any], near: int) -> list[dict]:
+        """Tactic params worth timing for (N, K) at bucket M beside the plan's first ones
+        (e.g. recorded winners of nearby shapes, in the class and scheme asked); ``cached
+        tune`` keeps only those its plan of the class lists. Default: none."""
+        return []
+
     def check_arch(self, arch: str) -> None:
         if arch not in self.arches:
             raise InvalidTactic(

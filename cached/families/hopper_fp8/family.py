@@ -19,7 +19,9 @@ error).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,11 +31,19 @@ from cached_client.keys import KernelRequest
 
 from ... import compiler_stack
 from ..base import BuiltObject, Family, require, set_compile_arch
-from . import space, tactic
+from . import accuracy, space, tactic, winners
 
 # what a kernel's object code is built from (the tactic's fields and resource arithmetic
 # included; the cost model and recorded winners only order the plan)
 SOURCES = ("kernel.py", "compile.py", "tactic.py")
+#: ``cached tune``'s schemes: name -> the plan options (scales, accumulation) of the scheme
+TUNE_SCHEMES = {
+    "tensor-fast": {},
+    "token-fast": {"scales": "token", "accumulation": "fast"},
+    "tensor-exact": {"scales": "tensor", "accumulation": "exact"},
+    "token-exact": {"scales": "token", "accumulation": "exact"},
+    "block128": {"scales": "block128", "accumulation": "exact"},
+}
 
 
 class HopperFp8(Family):
@@ -96,6 +106,40 @@ class HopperFp8(Family):
             return (1 if scales == "block128" else space.choose_split(n, k, sm_count),
                     scales, accum)
         return None, scales, accum
+
+    def tune_schemes(self) -> dict[str, dict[str, Any]]:
+        """Every (scales, accumulation) pair of the family (tactic.SCHEMES), by name."""
+        return {name: dict(opts) for name, opts in TUNE_SCHEMES.items()}
+
+    def tune_error_bound(self, reduction_class: str, k: int, floor: float) -> float:
+        """accuracy.error_bound: the floor, and fast accumulation's part over K / S."""
+        return accuracy.error_bound(reduction_class, k, floor)
+
+    def tune_neighbours(self, n: int, k: int, m: int, sm_count: int, reduction_class: str,
+                        options: Mapping[str, Any], near: int) -> list[dict]:
+        """The recorded winners (winners.recorded_winners, timed per-tensor fast) at bucket
+        M of the ``near`` recorded (N, K) of this SM count nearest to (N, K) in
+        (log N, log K), nearest first, in the class's S and scheme; a winner that is no
+        valid tactic of the scheme is left out."""
+        splits, accum, scales = tactic.class_scheme(reduction_class)
+        out_dtype = options.get("out_dtype", "bfloat16")
+        ab_dtype = options.get("ab_dtype", "e4m3")
+        rec = winners.recorded_winners()
+        mine = [(nn, kk) for (sms, nn, kk) in rec if sms == sm_count]
+        mine.sort(key=lambda s: (math.log(s[0] / n) ** 2 + math.log(s[1] / k) ** 2, s))
+        found = []
+        for nn, kk in mine[:near]:
+            row = rec[(sm_count, nn, kk)].get(splits)
+            if not row:
+                continue
+            _, key, _ = next((r for r in row if r[0] >= m), row[-1])
+            t = winners.tactic_from_key(key, splits, out_dtype, ab_dtype)
+            try:
+                t = dataclasses.replace(t, scales=scales, accum=accum).normalized()
+            except ValueError:
+                continue
+            found.append(t.to_params())
+        return found
 
     def canonical_params(self, params: Mapping[str, Any], arch: str) -> dict:
         return self.tactic(params).to_params()

@@ -391,9 +391,11 @@ def choose_tactics(client: Any, family: str, n: int, k: int, arch: str, *,
     runs the winner measured on this node and shared through the daemon (``autotune_get``
     for ``op``, N, K, ``dtype``, ``arch``, ``device``) when that winner is a tactic of the
     plan's class, else the plan's first tactic; a winner of another class is skipped with a
-    warning. Without batch invariance each bucket runs its shared winner, else the plan's
-    first tactic, whatever their classes. Raises MixedReductionClasses, ValueError for bad
-    buckets, and the daemon's typed errors (CachedError)."""
+    warning. Without batch invariance each bucket runs the fastest of its shared winners
+    that the plan (its scheme: scales, accumulation) lists, whatever its class, else the
+    plan's first tactic; a winner of another scheme is never run. Raises
+    MixedReductionClasses, ValueError for bad buckets, and the daemon's typed errors
+    (CachedError)."""
     ups = list(buckets)
     if not ups or any(not isinstance(u, int) or u < 1 for u in ups) or ups != sorted(set(ups)):
         raise ValueError(f"buckets must be increasing positive M bounds, got {buckets!r}")
@@ -408,18 +410,23 @@ def choose_tactics(client: Any, family: str, n: int, k: int, arch: str, *,
     cls = None
     if batch_invariant:
         cls = one_class(class_of.items())
-    winners: dict[int, Any] = {}
-    foreign: dict[int, dict] = {}  # winners filed under another class than the plan's
+    # a bucket may hold one winner per class (each scheme's classes are its own): every
+    # one of this family is a candidate, fastest first; the plan takes the first its reply
+    # lists (a winner of another scheme or class is no tactic of this plan); under batch
+    # invariance a winner filed under another class is no candidate (a warning names it)
+    winners: dict[int, list[Any]] = {}
+    foreign: dict[int, dict] = {}  # the fastest winner filed under another class
     if device is not None:
         toolchain = client.hello(timeout=10).toolchain
-        for r in autotune_results(client, op, n, k, dtype, arch, device, toolchain):
+        found = sorted(autotune_results(client, op, n, k, dtype, arch, device, toolchain),
+                       key=lambda r: float(r.get("time_us") or 0.0))
+        for r in found:
             if r.get("kernel") != family:
                 continue
-            # under batch invariance a winner filed under another class is not a candidate
             if batch_invariant and r.get("reduction_class") != cls:
-                foreign[int(r["bucket"])] = r
+                foreign.setdefault(int(r["bucket"]), r)
             else:
-                winners[int(r["bucket"])] = r["tactic"]
+                winners.setdefault(int(r["bucket"]), []).append(r["tactic"])
     whole = {u: _plan(client, family, u, n, k, arch, sm_count, opts, None)
              for u in ups if u in winners}
     class_of.update(_classes(whole.values()))
@@ -430,12 +437,13 @@ def choose_tactics(client: Any, family: str, n: int, k: int, arch: str, *,
         request, source = plans[u].requests[0], "plan order"
         if u in winners:
             by_params = {_params_key(r.params): r for r in whole[u].requests}
-            hit = by_params.get(_params_key(winners[u]))
+            hit = next((by_params[key] for key in map(_params_key, winners[u])
+                        if key in by_params), None)
             if hit is not None:
                 request, source = hit, "autotune"
             elif batch_invariant:
-                warnings.append(f"M<={u}: the shared autotune winner {winners[u]!r} is not a "
-                                f"tactic of the class {cls}; using the plan's first")
+                warnings.append(f"M<={u}: the shared autotune winner {winners[u][0]!r} is not "
+                                f"a tactic of the class {cls}; using the plan's first")
         elif u in foreign:
             warnings.append(f"M<={u}: the shared autotune winner {foreign[u]['tactic']!r} is "
                             f"not a tactic of the class {cls} (it is filed under "
