@@ -121,13 +121,14 @@ def certified(client: Any, family: str, n: int | None, k: int | None,
         return None
     for record in certifications(client, family):
         if (record.get("family") == family and record.get("n") == n and record.get("k") == k
-                and record.get("device") == device and _zero(record.get("rows_differing"))
+                and record.get("device") == device and rows_all_zero(record.get("rows_differing"))
                 and (tactics is None or _same(record.get("tactics"), tactics))):
             return record
     return None
 
 
-def _zero(rows: Any) -> bool:
+def rows_all_zero(rows: Any) -> bool:
+    """A certification's ``rows_differing`` (a dict or list of counts) is all 0."""
     if isinstance(rows, dict):
         return all(v == 0 for v in rows.values())
     if isinstance(rows, list):
