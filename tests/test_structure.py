@@ -230,10 +230,12 @@ def test_the_readme_layout_names_every_module_and_only_modules_that_exist():
 def test_benchmarks_doc_is_short_and_names_no_harness_path():
     """docs/benchmarks.md is the current figures (the history is docs/history.md): at most
     600 lines, and every command in it runs outside the project's GPU harness (no ``.dev/``
-    bundle path); every raw log it links is in bench/results/."""
+    bundle path); every raw log it links is in bench/results/, none in docs/."""
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     assert len(text.splitlines()) <= 600, "move runs that are history to docs/history.md"
     assert ".dev/" not in text, "describe the bench script's public build/gpu modes instead"
+    assert not (ROOT / "docs" / "results").exists() and "](results/" not in text, \
+        "raw logs and JSON go to bench/results/ (linked as ../bench/results/NAME)"
     links = re.findall(r"\]\(\.\./(bench/results/[^)#\s]+)\)", text)
     assert links and all((ROOT / link).is_file() for link in links), \
         [link for link in links if not (ROOT / link).is_file()]
