@@ -1,6 +1,6 @@
 """The H200 check script of the Hopper FP8 family (bench/gpu/hopper_fp8_check.py) on the
 CPU: which tactics and points its "decode6" set times, and the per-round spread table
-that reports them (docs/hopper-passes.md, sixth pass)."""
+that reports them (docs/history.md, sixth pass)."""
 
 from __future__ import annotations
 

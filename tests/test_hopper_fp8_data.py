@@ -68,7 +68,7 @@ def test_bad_files_are_named_errors(tmp_path):
 
 
 def test_fit_script_writes_the_files_the_family_reads(tmp_path):
-    runs = ROOT / "docs" / "results"
+    runs = ROOT / "bench" / "results"
     table, cost = tmp_path / "w.json", tmp_path / "c.json"
     subprocess.run([sys.executable, str(FIT), str(runs / "h200_hopper_fp8_mid_split.csv"),
                     "--write-table", str(table)], check=True, capture_output=True, cwd=ROOT)

@@ -375,7 +375,7 @@ def test_scheme_tactics_compile_for_sm90a_through_the_daemon(daemon):
         path = art.library_path or art.object_path
         assert path and os.path.getsize(path) > 1000
         got = wgmma_waits(path)
-        # (the 192-wide block128 tile, outside every space, spills: docs/benchmarks.md)
+        # (the 192-wide block128 tile, outside every space, spills: docs/history.md)
         assert got["GMMA"] >= 4 and (got["spills"] == 0) == (t.name in spaces), (t.name, got)
         assert 4 * got["wait0"] <= got["GMMA"], (t.name, got)  # serialized: one per wgmma
         regs = T.acc_regs_per_thread(t.tile_m, t.tile_n, t.swap_ab, t.wg_n, t.pingpong)

@@ -144,7 +144,7 @@ def test_reduction_class_round_trips_through_canonical_params():
     # params written before split-K existed are S = 1
     assert fam.reduction_class({"tile_m": 128, "tile_n": 128}) == "k128.acc1.s1.fixed"
     # params written before swap_ab existed are unswapped; swapping the operands keeps the
-    # class (bitwise equal on an H200: docs/hopper-passes.md)
+    # class (bitwise equal on an H200: docs/history.md)
     assert tactic_from_params({"tile_m": 128, "tile_n": 128}).swap_ab is False
     for s in T.SPLIT_CHOICES:
         for mode in ("serial", "cta") if s > 1 else ("serial",):
@@ -195,7 +195,7 @@ def test_choose_split_depends_on_n_k_and_device_only():
             # rows and split) fill at most half the SMs
             assert s == 1 or k >= SPACE.SPLIT_MIN_K_PER_SPLIT * s
             assert s == 1 or -(-n // SPACE.SPLIT_TILE_N) * s * SPACE.SPLIT_SM_SHARE <= 132
-    # what the H200 wide run picked (docs/hopper-passes.md): with the swap_ab decode tiles,
+    # what the H200 wide run picked (docs/history.md): with the swap_ab decode tiles,
     # S = 1 but for the narrowest long-K projection
     assert [SPACE.choose_split(n, k, 132) for n, k in (
         (4096, 4096), (2688, 4096), (4608, 2688), (14336, 4096), (4096, 14336),
@@ -844,7 +844,7 @@ def _wg_n_variants() -> list:
 def test_wg_n_tactics_compile_for_sm90a_through_the_daemon(daemon):
     """The wg_n=2 variants (see _wg_n_variants), compiled by the daemon's workers; every
     one is in the family's space (its class checked bitwise on an H200:
-    docs/hopper-passes.md, fourth pass)."""
+    docs/history.md, fourth pass)."""
     variants = _wg_n_variants()
     names = _compile_through_daemon(daemon, variants)
     assert len(names) == len(variants) and all(nm.split("_mac")[0].endswith("_wn2")
@@ -868,7 +868,7 @@ def _narrow_variants() -> list:
 def test_narrow_decode_tiles_compile_for_sm90a_through_the_daemon(daemon):
     """The narrow decode tiles (see _narrow_variants), compiled by the daemon's workers;
     every one is in the family's space (their class checked bitwise on an H200:
-    docs/hopper-passes.md, seventh pass)."""
+    docs/history.md, seventh pass)."""
     variants = _narrow_variants()
     assert {t.tile_n for t in variants} == set(T.NARROW_TILE_N)
     names = _compile_through_daemon(daemon, variants)
@@ -906,7 +906,7 @@ def _pingpong_128_variants() -> list:
 
 def test_pingpong_128_row_tactics_compile_for_sm90a_through_the_daemon(daemon):
     """The 128-row ping-pong variants (see _pingpong_128_variants), compiled by the
-    daemon's workers (their class checked bitwise on an H200: docs/hopper-passes.md, fifth
+    daemon's workers (their class checked bitwise on an H200: docs/history.md, fifth
     pass)."""
     variants = _pingpong_128_variants()
     names = _compile_through_daemon(daemon, variants)
@@ -916,7 +916,7 @@ def test_pingpong_128_row_tactics_compile_for_sm90a_through_the_daemon(daemon):
 
 def test_pingpong_tactics_compile_for_sm90a_through_the_daemon(daemon):
     """The ping-pong variants (see _pingpong_variants), compiled by the daemon's workers
-    (their class checked bitwise on an H200: docs/hopper-passes.md, fourth pass)."""
+    (their class checked bitwise on an H200: docs/history.md, fourth pass)."""
     variants = _pingpong_variants()
     names = _compile_through_daemon(daemon, variants)
     assert len(names) == len(variants) and all(nm.split("_mac")[0].endswith("_pp")
@@ -929,7 +929,7 @@ def test_pdl_twins():
     """pdl=True (programmatic dependent launch): tactic_space lists a twin of each
     decode-band tactic (swap_ab, wg_n = 2, the narrow widths: 41 in S = 1, 24 per S > 1),
     equal to it in every other field, in its class (the K walk is the same; bitwise
-    checked on an H200: docs/hopper-passes.md, eighth pass), named with '_pdl', recorded as
+    checked on an H200: docs/history.md, eighth pass), named with '_pdl', recorded as
     '+pdl', ranked right after it by the model; any other tactic may take pdl too."""
     import dataclasses as dc
 

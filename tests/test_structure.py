@@ -166,6 +166,81 @@ def test_every_module_is_in_the_design_docs_module_table():
     assert not missing, f"add to docs/design.md's module table: {missing}"
 
 
+def _readme_layout() -> dict[str, dict[str, str]]:
+    """{package: {folder inside it ("" for its root): the text README's Layout block gives
+    that folder}}. A folder's text is its own line (first token ``name/``) and the lines
+    indented deeper below it, up to its next sibling; the package's line starts at column 0
+    (``client/cached_client/``, ``cached/``) and ends at the next line there."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    heads = {"client/cached_client/": "cached_client", "cached/": "cached"}
+    out: dict[str, dict[str, str]] = {}
+    package, stack = None, []  # stack: (indent, folder path inside the package)
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        token = line.split()[0]
+        if indent == 0:
+            package = heads.get(token)
+            stack = [(-1, "")]
+            if package:
+                out[package] = {"": line[len(token):]}
+            continue
+        if package is None:
+            continue
+        while stack[-1][0] >= indent:
+            stack.pop()
+        if token.endswith("/"):
+            path = f"{stack[-1][1]}{token}"
+            stack.append((indent, path))
+            line = line[indent + len(token):]
+        folder = stack[-1][1]
+        out[package][folder] = out[package].get(folder, "") + " " + line
+    return out
+
+
+def test_the_readme_layout_names_every_module_and_only_modules_that_exist():
+    """README's Layout block names each module (``name.py``) in the text of the folder that
+    holds it, and every ``name.py`` it names there exists; a package's ``__init__.py`` and
+    ``__main__.py`` are the folder itself."""
+    layout = _readme_layout()
+    assert set(layout) == set(PACKAGES), "README's Layout has both packages' lines"
+    missing, stale = [], []
+    for package, root in PACKAGES.items():
+        folders = layout[package]
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root)
+            folder = "".join(f"{part}/" for part in rel.parts[:-1])
+            if path.name in ("__init__.py", "__main__.py"):
+                if folder and folder not in folders:
+                    missing.append(f"{path.relative_to(ROOT)} (its folder {folder})")
+                continue
+            if not re.search(rf"(?<![\w./]){re.escape(path.name)}(?!\w)",
+                             folders.get(folder, "")):
+                missing.append(str(path.relative_to(ROOT)))
+        for folder, words in folders.items():
+            for name in re.findall(r"(?<![\w./])(\w+\.py)(?!\w)", words):
+                if not (root / folder / name).is_file():
+                    stale.append(f"{package}: {folder}{name}")
+    assert not missing, f"add to README.md's Layout, in its folder's lines: {missing}"
+    assert not stale, f"README.md's Layout names modules that do not exist: {stale}"
+
+
+def test_benchmarks_doc_is_short_and_names_no_harness_path():
+    """docs/benchmarks.md is the current figures (the history is docs/history.md): at most
+    600 lines, and every command in it runs outside the project's GPU harness (no ``.dev/``
+    bundle path); every raw log it links is in bench/results/, none in docs/."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert len(text.splitlines()) <= 600, "move runs that are history to docs/history.md"
+    assert ".dev/" not in text, "describe the bench script's public build/gpu modes instead"
+    assert not (ROOT / "docs" / "results").exists() and "](results/" not in text, \
+        "raw logs and JSON go to bench/results/ (linked as ../bench/results/NAME)"
+    links = re.findall(r"\]\(\.\./(bench/results/[^)#\s]+)\)", text)
+    assert links and all((ROOT / link).is_file() for link in links), \
+        [link for link in links if not (ROOT / link).is_file()]
+
+
 def test_protocol_doc_matches_the_op_table():
     doc = (ROOT / "docs" / "protocol.md").read_text()
     rows = {_names(r[0])[0]: r for r in _doc_table(doc, "| op | request fields |")}

@@ -1002,7 +1002,7 @@ def run(bundle: str, out: str, phases: list[str], exclude: list[str], fake: bool
         plan = r.manifest["plan"]
         if r.manifest["set"] == "wide":
             def pick(n, k, m):
-                # classes S <= 4 (S = 8, 16 never came close: docs/benchmarks.md); 'cta'
+                # classes S <= 4 (S = 8, 16 never came close: docs/history.md); 'cta'
                 # only up to M = 1024; swap_ab only up to M = 256, but for its largest
                 # tile (64 tokens x 128 weight rows) at every M
                 return [x for x in plain if r.meta[x]["splits"] <= 4

@@ -6,7 +6,7 @@
 
 RESULT is $OUT/hopper_fp8.json of `hopper_fp8_check.py run` on a "wide" bundle (every
 kernel timed at every shape and M) or a "mid" one (the N widths 80-160 and the cluster
-variants at M = 128..2048), or its CSV form (--write-csv), kept as docs/results/
+variants at M = 128..2048), or its CSV form (--write-csv), kept as bench/results/
 h200_hopper_fp8_swap_wide.csv (the wide run with the swap_ab tiles),
 h200_hopper_fp8_mid.csv (the mid run) and h200_hopper_fp8_mid_split.csv (the split run:
 the S = 2 class of 2112x7168); h200_hopper_fp8_wide.csv is the run before swap_ab.
@@ -97,7 +97,7 @@ def expand(key: str) -> str:
 
 def load(paths: list[str]):
     """{(N, K): {M: {kernel name: us}}} from runs' hopper_fp8.json or CSVs written by
-    --write-csv (docs/results/h200_hopper_fp8_*.csv). Runs are taken in order: a later
+    --write-csv (bench/results/h200_hopper_fp8_*.csv). Runs are taken in order: a later
     run's (N, K, M) cell replaces an earlier one's whole (one machine and run per cell,
     cuBLAS included, so ratios and winners never mix runs)."""
     by = {}

@@ -57,7 +57,7 @@ NUM_SMS = 132
 BLOCK_SHAPES = SHAPES + [(2112, 7168), (576, 7168), (24576, 1536), (7168, 18432),
                          (36864, 7168), (4608, 7168), (7168, 2048)]
 BLOCK_MS = [1, 16, 128, 512, 2048, 8192]
-# exact per-tensor on a shape the plan's first choices leave short (docs/benchmarks.md,
+# exact per-tensor on a shape the plan's first choices leave short (docs/history.md,
 # exact run 3): other tactics of its class (S = 4, both split modes) and the S = 1 class's
 # 128 x 128, timed beside the first choice (the alts phase)
 ALTERNATIVES = [{"n": 1024, "k": 16384, "ms": [512, 2048, 8192], "scales": "tensor", "tactics": [

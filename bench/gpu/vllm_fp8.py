@@ -268,7 +268,7 @@ def _layer_check(model) -> dict:
                 y = mod(x)
                 y = y[0] if isinstance(y, tuple) else y
                 if block:  # dynamic 1x128 groups, scale absmax / 448 (vLLM's own quant op may round
-                    # its scales otherwise: docs/benchmarks.md, block FP8 inside vLLM)
+                    # its scales otherwise: docs/history.md, block FP8 inside vLLM)
                     g_ = x.float().reshape(m, k // BLOCK, BLOCK)
                     sx = (g_.abs().amax(dim=2, keepdim=True) / 448.0).clamp(min=1e-10)
                     xq = (g_ / sx).clamp(-448, 448).to(torch.float8_e4m3fn)

@@ -109,7 +109,7 @@ def describe_target(request: dict) -> dict:
         if module == names.MM_FP4_MODULE:
             paths = [str(root / f) for f in fs.MM_FP4_KEY_FILES]
         else:
-            bi = fs._bi_jit()
+            bi = fs.bi_jit()
             if bi is None:
                 continue
             paths = [str(p) for p in bi.module_sources(module)]

@@ -41,9 +41,6 @@ code{font-size:.95em}
 .state.degraded{background:#ffedc2;border-color:#d98200;color:#6b3b00}
 .state.failing{background:#ffd6d6;border-color:#c62828;color:#7f1010}
 """
-STATES = ("ok", "degraded", "failing")
-"""The page's state, worst last: ``failing`` (misses cannot be served), ``degraded``
-(serving, with something an operator should look at), ``ok``."""
 
 
 def _n(count: float, one: str, many: str | None = None) -> str:

@@ -5,7 +5,7 @@ files to state the sources it would compile from, the daemon's families use the 
 and ``cached export`` gives them to FlashInfer's own hasher in the target environment.
 Paths are relative to the ``flashinfer`` package directory, so the same files installed at
 two paths are the same sources. Stdlib only; nothing of FlashInfer is imported (its
-batch-invariant closure walk is loaded from its file, see :func:`_bi_jit`).
+batch-invariant closure walk is loaded from its file, see :func:`bi_jit`).
 
 Families and FlashInfer versions: ``flashinfer.mm_fp4`` exists in 0.7.2.post1 and 0.7.4
 (byte-identical kernel files); ``flashinfer.bi.*`` only where FlashInfer has its
@@ -55,7 +55,7 @@ def package_dir() -> Path | None:
 
 
 @functools.cache
-def _bi_jit() -> ModuleType | None:
+def bi_jit() -> ModuleType | None:
     """FlashInfer's ``batch_invariant/jit.py`` (its cache modules' closure walk), loaded from its
     file with its one package import removed (the walk does not use it); None where this
     FlashInfer has no batch-invariant modules (0.7.2.post1)."""
@@ -81,7 +81,7 @@ def module_files(module: str) -> tuple[str, ...]:
     the module."""
     if module == MM_FP4_MODULE:
         return MM_FP4_KEY_FILES
-    bi = _bi_jit()
+    bi = bi_jit()
     if bi is None:
         raise SourcesUnavailable(f"this FlashInfer has no {module} module")
     return tuple(bi.relative_sources(module))

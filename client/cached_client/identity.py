@@ -99,7 +99,7 @@ def distributions() -> dict[str, Dist]:
 
 
 @functools.cache
-def _files(dist: Dist) -> tuple[tuple[str, str], ...]:
+def dist_files(dist: Dist) -> tuple[tuple[str, str], ...]:
     """(path, hash) of the RECORD entries that are the distribution's installed content."""
     try:
         text = (dist.path / "RECORD").read_text()
@@ -134,7 +134,7 @@ def dist_component(dist: Dist) -> str:
     hit = cache.components.get(record)
     if stamp is not None and hit is not None and hit[0] == stamp:
         return hit[1]
-    digest = hashlib.sha256("\n".join(f"{p},{h}" for p, h in _files(dist)).encode())
+    digest = hashlib.sha256("\n".join(f"{p},{h}" for p, h in dist_files(dist)).encode())
     component = f"{dist.name}=={dist.version}:{digest.hexdigest()}"
     if stamp is not None:
         cache.put(record, stamp, component)
@@ -314,7 +314,7 @@ def _record_sha256(path: str) -> str | None:
             rel = Path(path).relative_to(dist.path.parent).as_posix()
         except ValueError:
             continue
-        value = dict(_files(dist)).get(rel, "")
+        value = dict(dist_files(dist)).get(rel, "")
         if value.startswith("sha256="):
             raw = value.removeprefix("sha256=")
             return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()

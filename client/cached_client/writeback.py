@@ -16,9 +16,9 @@ publisher's trust group (docs/reliability.md).
 
 Bundles (the JIT libraries' own files: cached/families/jit.py): :func:`acquire` answers
 a hit or a :class:`HeldLease` for a compile that happens elsewhere in this process (a
-Triton compile runs between its cache's ``get`` and ``put``); :func:`obtain_bundle` is
-acquire, compile and publish in one call; :func:`read_bundle` reads a hit's files and
-checks each against its digest and size (a file that does not match is never returned).
+Triton compile runs between its cache's ``get`` and ``put``, and publishes through the
+lease); :func:`read_bundle` reads a hit's files and checks each against its digest and size
+(a file that does not match is never returned).
 """
 
 from __future__ import annotations
@@ -350,20 +350,3 @@ def read_bundle(artifact: Artifact) -> dict[str, bytes]:
         out[name] = data
     return out
 
-
-def obtain_bundle(client: Client, request: KernelRequest,
-                  compile_files: Callable[[], dict[str, bytes]], ttl_s: float = DEFAULT_TTL_S,
-                  timeout: float = 3600.0) -> tuple[Artifact, dict[str, bytes], bool]:
-    """The bundle for ``request``: (artifact, its files checked, whether this process
-    compiled it). On a miss this process compiles (``compile_files()`` returns the files
-    by name) under the lease and publishes; a hit whose files do not match their digests
-    is refused (IntegrityError), never returned."""
-    got = acquire(client, request, ttl_s, timeout)
-    if isinstance(got, Artifact):
-        return got, read_bundle(got), False
-    try:
-        files = compile_files()
-    except BaseException as exc:
-        got.release(f"{type(exc).__name__}: {exc}")
-        raise
-    return got.publish_bundle(files), files, True

@@ -12,8 +12,6 @@ import sys
 
 from .tactic import TARGET_ARCH, HopperFp8Tactic
 
-EXPORTED_SIGNATURE = "fn(a, b, c, a_scale, b_scale, workspace, counters) -> None"
-
 
 def _ensure_arch_env() -> None:
     arch = os.environ.get("CUTE_DSL_ARCH")

@@ -1,7 +1,7 @@
 """The fitted cost model of the Hopper FP8 family: model time of a tactic on a problem.
 
 The fitted numbers are data, ``data/h200_cost.json`` (written by
-``bench/gpu/hopper_fp8_fit.py --write-cost`` from H200 runs; docs/hopper-passes.md): the
+``bench/gpu/hopper_fp8_fit.py --write-cost`` from H200 runs; docs/history.md): the
 microseconds one CTA spends per K tile (128 bytes of an operand row: 128 FP8 elements; a
 bf16 K tile of 64 elements is taken to cost the same, its bytes being the same and its four
 wgmma k16 running at half the FP8 k32 rate), by tile kind (plain, swap_ab, wg_n = 2,
@@ -142,7 +142,7 @@ def rank_key(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int) -> tuple:
     """The tactic's rank for (m, n, k) on ``num_sms`` SMs; smaller is better. Model time
     (us, rounded to 1 ns), then its compute part (in a memory-bound tie, the tactic whose
     units would finish the math sooner: more CTAs streaming the weight), then the measured
-    preferences (docs/hopper-passes.md): no cluster, the smaller swizzle, cluster 1x1,
+    preferences (docs/history.md): no cluster, the smaller swizzle, cluster 1x1,
     raster along M, fewer work units (less partial traffic), larger tile_n, larger
     tile_m, and pdl=False before its pdl twin."""
     return (

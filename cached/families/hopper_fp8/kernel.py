@@ -124,7 +124,7 @@ PRODUCER_REGS = 40
 BLOCK_COLUMNS = 128  # the block128 scheme's weight block width (columns of C)
 # block128: scales are loaded K tiles early where SCALE_SETS x scales + 2 x accumulator
 # registers per thread stay within this (a 128x128 tile: 3 x 3 + 128; a 192-wide one,
-# 3 x 26 + 192, does not: loading ahead made it 1.4-2x slower, docs/benchmarks.md run 5)
+# 3 x 26 + 192, does not: loading ahead made it 1.4-2x slower, docs/history.md, block FP8 run 5)
 PREFETCH_REGS = 160
 # exact, not block128: two K tiles at a time in two wgmma accumulators (promoted_overlapped)
 # where the tactic's accumulator copies and the second wgmma accumulator fit in PREFETCH_REGS

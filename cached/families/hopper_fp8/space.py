@@ -48,7 +48,7 @@ from .tactic import (
 from .winners import recorded_first
 
 # The tiles each part of the space is planned on. Which tiles made it in, and why, is
-# measured (H200 runs, docs/hopper-passes.md); these tables are what the space is.
+# measured (H200 runs, docs/history.md); these tables are what the space is.
 
 # the widths planned with every swizzle; the other widths with swizzle 1 only
 SWIZZLED_TILE_N = (64, 128, 192, 256)
@@ -214,7 +214,7 @@ def block_scale_shared(t: HopperFp8Tactic) -> bool:
     swap_ab tiles (weight rows on the MMA's M side, a few rows per thread) and tiles whose
     per-warpgroup width tile_n / wg_n divides 128 or is a multiple of it. The others
     (widths 80, 96, 112, 160, 192) need one scale load and product per 8 columns per K
-    tile (docs/benchmarks.md, block FP8 runs 4-6), so the block128 space leaves them out;
+    tile (docs/history.md, block FP8 runs 4-6), so the block128 space leaves them out;
     the kernel still computes them correctly when a request names one."""
     width = t.tile_n // t.wg_n
     return t.swap_ab or width % BLOCK == 0 or BLOCK % width == 0
@@ -300,7 +300,7 @@ def enumerate_tactics(
 
 
 # choose_split's constants, fitted to the H200 runs (bench/gpu/hopper_fp8_fit.py,
-# docs/hopper-passes.md): per (N, K), the class whose best kernel per M gives the highest
+# docs/history.md): per (N, K), the class whose best kernel per M gives the highest
 # geometric-mean speed over the measured M. S > 1 pays off only where the swap_ab decode
 # tiles (one CTA per SPLIT_TILE_N weight rows) leave most SMs idle and every split still
 # walks enough K tiles; S = 1 keeps the large-M tiles free of drains and second

@@ -37,7 +37,7 @@ its two operands exchanged inside the MMA. tile_m / tile_n keep their meaning (t
 along the output's M and N), so workspace sizes are the same formulas. That the MMA's
 accumulation is symmetric in its operands is a hardware fact, checked on an H200 by
 bench/gpu/hopper_fp8_check.py (every swapped kernel against the unswapped kernels of its
-class, fresh data, every M; docs/hopper-passes.md), so a swapped tactic is in the class of
+class, fresh data, every M; docs/history.md), so a swapped tactic is in the class of
 its S.
 
 Split mode: how the S partials are run: ``serial`` (one CTA walks all S ranges of a tile
@@ -58,14 +58,14 @@ shared-memory buffer and TMA-stores it (tile_epilogue).
 Narrow decode tiles (tile_m = 64, tile_n in NARROW_TILE_N = 40, 48, 56): the tokens on the
 wgmma M side and 40-56 weight rows on its N side, so that more CTAs stream the weights at
 M <= 64 than the 64-row tiles give. Same K walk, so in the class of its S (bitwise checked
-on an H200, docs/hopper-passes.md); the epilogue stages the whole tile as wg_n = 2 does
+on an H200, docs/history.md); the epilogue stages the whole tile as wg_n = 2 does
 (tile_epilogue).
 
 Programmatic dependent launch (``pdl=True``): the kernel is launched so that the next
 kernel on the stream may start its prologue while it runs; every thread waits for the
 previous grid (griddepcontrol.wait) before any global read or write. Launch order only:
 same K walk, so a pdl tactic is in the class of its S (bitwise checked on an H200,
-docs/hopper-passes.md).
+docs/history.md).
 
 Scale schemes (``scales``): ``"tensor"`` (the default: a_scale and b_scale one element
 each, the product applied once after the K loop) or ``"token"`` (FP8-dynamic checkpoints:

@@ -133,15 +133,15 @@ def certified(client: Any, family: str, n: int | None, k: int | None,
         return None
     for record in certifications(client, family):
         if (record.get("family") == family and record.get("n") == n and record.get("k") == k
-                and record.get("device") == device and _zero(record.get("rows_differing"))
+                and record.get("device") == device and rows_all_zero(record.get("rows_differing"))
                 and (tactics is None or _same(record.get("tactics"), tactics))):
             return record
     return None
 
 
-def _zero(rows: Any) -> bool:
-    """Whether a certification's counts say no row differed: an empty count is no
-    measurement, never "0 rows differ"."""
+def rows_all_zero(rows: Any) -> bool:
+    """Whether a certification's ``rows_differing`` (a dict or list of counts, or one count)
+    says no row differed: an empty count is no measurement, never "0 rows differ"."""
     if isinstance(rows, dict):
         return bool(rows) and all(v == 0 for v in rows.values())
     if isinstance(rows, list):

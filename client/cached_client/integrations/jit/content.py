@@ -82,7 +82,7 @@ def _owners_index() -> tuple[tuple[str, tuple[str, ...], identity.Dist], ...]:
     """(site directory, installed files, distribution) of every distribution on sys.path."""
     out = []
     for dist in identity.distributions().values():
-        files = tuple(path for path, _ in identity._files(dist))
+        files = tuple(path for path, _ in identity.dist_files(dist))
         if files:
             out.append((str(dist.path.parent.resolve()), files, dist))
     return tuple(out)

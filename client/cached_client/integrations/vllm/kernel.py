@@ -82,7 +82,7 @@ def certification(family: str, arch: str, device: str | None) -> dict | None:
     if device is not None and daemon.client is not None:
         for record in policy.certifications(daemon.client, family):
             if (record.get("device") == device and record.get("arch") == arch
-                    and policy._zero(record.get("rows_differing"))):
+                    and policy.rows_all_zero(record.get("rows_differing"))):
                 found = record
                 break
     with _lock:
