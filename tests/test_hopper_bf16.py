@@ -95,6 +95,8 @@ def test_each_family_serves_its_own_operand_type_only():
         family(BF16).reduction_class(f)
     assert family(BF16).canonical_params(b, "sm_90a") == b
     assert family(FP8).canonical_params(f, "sm_90a") == f
+    # cached tune declares no scheme for bf16 (the FP8 schemes' scale options are not its own)
+    assert family(BF16).tune_schemes() == {} and "tensor-fast" in family(FP8).tune_schemes()
 
 
 def test_batch_invariant_plan_is_one_class_for_every_m():

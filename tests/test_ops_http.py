@@ -164,7 +164,7 @@ def test_metrics_have_latency_histograms_process_metrics_and_idle_families(busy_
     infos = re.findall(r"^cached_build_info\{(.*)\} 1\.0$", text, re.M)
     assert len(infos) == len(busy_daemon.stats()["toolchains"]) == 1, text
     labels = dict(re.findall(r'(\w+)="([^"]*)"', infos[0]))
-    assert labels["version"] == importlib.metadata.version("cached")
+    assert labels["version"] == importlib.metadata.version(compiler_stack.DAEMON_DIST)
     assert labels["toolchain"] == busy_daemon.stats()["toolchain"]
     assert labels["default"] == "true" and labels["name"]
     for name, version in compiler_stack.versions().items():
@@ -240,7 +240,7 @@ def test_operator_page_in_headless_chromium(busy_daemon, tmp_path):
     zone = time.strftime("%Z")
     assert re.search(r"up (\d+\.\ds|\d+s|\d+m\d\ds) \(since \d{4}-\d\d-\d\d \d\d:\d\d "
                      rf"{zone}\)", text), text
-    assert f"cached {importlib.metadata.version('cached')}" in text
+    assert f"cached {importlib.metadata.version(compiler_stack.DAEMON_DIST)}" in text
     for name, version in compiler_stack.versions().items():
         assert f"{name} {version}" in text
     assert f"toolchain digest {stats['toolchain']}" in text

@@ -404,11 +404,19 @@ def test_the_packages_install_from_a_checkout_and_from_wheels(tmp_path):
     assert sorted(w.name.split("-")[0] for w in wheels.glob("*.whl")) == [
         "cached_kernel_client", "cached_kernel_daemon"]
     from_wheels = _venv_seeing(tmp_path / "wheel", ROOT / ".venv")
+    # both by name from the wheelhouse, into this venv even where the environment it sees
+    # has them (an editable install of the checkout); pip check: the daemon's requirement on
+    # the client by its name is met there
     done = subprocess.run([str(from_wheels / "bin" / "pip"), "install", "--no-index", "-q",
-                           "--find-links", str(wheels), "cached-kernel-daemon"],
+                           "--find-links", str(wheels), "--ignore-installed", "--no-deps",
+                           "cached-kernel-daemon", "cached-kernel-client"],
                           env=_clean_env(from_wheels), capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    checked = subprocess.run([str(from_wheels / "bin" / "pip"), "check"],
+                             env=_clean_env(from_wheels), capture_output=True, text=True,
+                             timeout=120)
+    assert "cached-kernel" not in checked.stdout, checked.stdout
     for env in (venv, from_wheels):
         meta = json.loads(subprocess.run([str(env / "bin" / "python"), "-c", METADATA],
                                          capture_output=True, text=True, check=True,

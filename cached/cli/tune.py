@@ -96,17 +96,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print("cached tune: no shapes: give --weight, --manifest or --planned",
               file=sys.stderr)
         return 2
-    why = gpu.why_not("tune")
-    if why:
-        print(why, file=sys.stderr)
-        return 2
-    client = Client(args.socket, timeout=600)
-    try:
+    try:  # the arguments first: a bad one is named on any node
         schemes = tune.check_schemes([s for v in args.scheme or [tune.DEFAULT_SCHEME]
                                       for s in v.split(",") if s])
     except ValueError as exc:
         print(f"cached tune: {exc}", file=sys.stderr)
         return 2
+    why = gpu.why_not("tune")
+    if why:
+        print(why, file=sys.stderr)
+        return 2
+    client = Client(args.socket, timeout=600)
     shapes = tune.shapes_to_tune(client, args.weight, args.manifest, args.planned)
     if not shapes:
         print("cached tune: no shapes: give --weight, --manifest or --planned",
