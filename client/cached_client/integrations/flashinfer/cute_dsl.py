@@ -301,7 +301,10 @@ def _export(spec: Any, path: str) -> None:
 def _load(spec: Any, artifact: Artifact) -> Any:
     """Load a stored object as FlashInfer loads its own disk artifacts, from a sealed copy
     of its bytes hashed after sealing (cached_client.loader.sealed_copy): the path is read
-    once, so nothing renamed over it afterwards is what loads."""
+    once, so nothing renamed over it afterwards is what loads. Checked before: the daemon's
+    uid at connect and the artifact's stated identity (``Client.get``); here the digest.
+    A forged object is refused in tests/test_client_trust.py
+    (``test_the_flashinfer_hook_loads_the_object_bytes_it_hashed``)."""
     if artifact.symbol != spec.symbol or artifact.object_path is None:
         raise CachedError(f"the daemon's artifact exports {artifact.symbol!r}, FlashInfer "
                           f"expects {spec.symbol!r}")
