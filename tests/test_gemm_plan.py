@@ -250,3 +250,52 @@ def test_loaded_bf16_plan_runs_without_per_call_checks_up_to_max_m(daemon):
     with pytest.raises(ValueError, match="CUDA"):
         f.run(torch.empty(65, 4096, dtype=torch.bfloat16), b)  # the checked path
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize("scales", ["tensor", "token", "block128"])
+def test_loaded_fp8_plan_checks_a_weight_once_and_runs_unchecked_up_to_max_m(daemon, scales):
+    """``HopperFp8Gemm.check`` (a layer's weight and scales, once at its load) refuses a
+    weight the plan cannot run, saying why; ``HopperFp8Gemm.run`` (the vLLM op's call) then
+    picks the bucket, allocates the output and launches with none of ``f(a, b, sa, sb)``'s
+    checks (CPU tensors here, which those refuse); ``a`` of another dtype or M above max_m
+    takes the checked path, which refuses it."""
+    torch = pytest.importorskip("torch")
+    c = daemon.client(timeout=120)
+    plan = gemm_plan.plan_gemm(c, 4096, 4096, arch="sm_90a", sm_count=132, max_m=64,
+                               prefetch=False, scales=scales)
+    calls: list = []
+    fns = [functools.partial(lambda i, *args: calls.append((i, args)), i)
+           for i in range(len(plan.choice.buckets))]
+    f = gemm_plan.HopperFp8Gemm(plan, fns, "cpu")
+    fp8 = torch.float8_e4m3fn
+    b = torch.empty(4096, 4096, dtype=fp8)
+    sb = torch.ones({"tensor": (1,), "token": (4096,), "block128": (32, 32)}[scales])
+
+    def scale_of(m: int):
+        if scales == "block128":
+            return torch.ones(32, m).t()  # column-major (M, K/128), as vLLM quantizes
+        return torch.ones(1 if scales == "tensor" else m)
+
+    with pytest.raises(ValueError, match=r"runs a \(4096, 4096\) torch.float8_e4m3fn weight, "
+                                         r"got \(4096, 2048\) torch.float8_e4m3fn"):
+        f.check(torch.empty(4096, 2048, dtype=fp8), sb)
+    with pytest.raises(ValueError, match="got \\(4096, 4096\\) torch.float8_e5m2"):
+        f.check(torch.empty(4096, 4096, dtype=torch.float8_e5m2), sb)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        f.check(b, sb)  # the rest is check_gemm_args, which a CPU weight does not pass
+    for m, bucket in ((1, 0), (3, 2), (64, len(fns) - 1)):
+        a, sa = torch.empty(m, 4096, dtype=fp8), scale_of(m)
+        out = f.run(a, b, sa, sb)
+        i, args = calls[-1]
+        assert i == bucket and args[0] is a and args[1] is b and args[2] is out
+        assert args[4] is sb and args[5] is f.workspace and args[6] is f.counters
+        assert out.shape == (m, 4096) and out.dtype == torch.bfloat16
+        if scales == "block128":  # the strides the kernel was compiled for
+            assert args[3].shape == (m, 32) and args[3].stride() == (1, m)
+        else:
+            assert args[3] is sa
+    with pytest.raises(ValueError, match="CUDA"):
+        f.run(torch.empty(65, 4096, dtype=fp8), b, scale_of(65), sb)  # the checked path
+    with pytest.raises(ValueError, match="float8_e4m3fn or both float8_e5m2, got bfloat16"):
+        f.run(torch.empty(3, 4096, dtype=torch.bfloat16), b, scale_of(3), sb)
+    assert len(calls) == 3

@@ -497,3 +497,69 @@ def test_inside_vllm_every_client_line_goes_through_vllms_logging(tmp_path):
     # what the process told the daemon once it answered again
     assert stats["client_fallbacks"] == 1 and stats["client_outside_kernels"] == 1, stats
     assert stats["outside_kernels"][0]["kernel"] == f"flashinfer.mm_fp4:{speak['second'][0]}"
+
+
+FP8_OP = """
+import json, sys, torch
+from cached_client import Client
+from cached_client.gemm import plan as gp
+from cached_client.integrations.vllm import kernel
+client, fp8, out = Client(sys.argv[1], timeout=120), torch.float8_e4m3fn, {}
+
+def refused(f):
+    try:
+        f()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+for scales, sb in (("tensor", torch.ones(1)), ("token", torch.ones(4096)),
+                   ("block128", torch.ones(32, 32))):
+    plan = gp.plan_gemm(client, 4096, 4096, arch="sm_90a", sm_count=132, max_m=16,
+                        prefetch=False, scales=scales)
+    calls = []
+    kernel._gemms.append(gp.HopperFp8Gemm(plan, [lambda *a: calls.append(a)] * 5, "cpu"))
+    i, b = len(kernel._gemms) - 1, torch.empty(4096, 4096, dtype=fp8)
+    sa = (lambda m: torch.ones(32, m).t()) if scales == "block128" else (
+        lambda m: torch.ones(1 if scales == "tensor" else m))
+    got = out[scales] = {}
+    got["load_refuses"] = refused(lambda: kernel.check_weight(
+        i, torch.empty(4096, 4096, dtype=torch.float8_e5m2), sb))
+    y = kernel.fp8_gemm(torch.empty(5, 4096, dtype=fp8), b, sa(5), sb, i, torch.bfloat16)
+    got["ran"] = [list(y.shape), str(y.dtype), len(calls)]
+    got["over_max_m"] = refused(lambda: kernel.fp8_gemm(
+        torch.empty(17, 4096, dtype=fp8), b, sa(17), sb, i, torch.bfloat16))
+    got["wrong_dtype"] = refused(lambda: kernel.fp8_gemm(
+        torch.empty(5, 4096, dtype=torch.float8_e5m2), b, sa(5), sb, i, torch.bfloat16))
+    got["calls"] = len(calls)
+print("RESULT " + json.dumps(out))
+"""
+
+
+@needs_vllm
+def test_the_fp8_op_checks_a_layers_weight_at_load_and_nothing_per_call(tmp_path):
+    """The body of ``cached::fp8_gemm`` in vLLM's environment, on plans of each scale scheme
+    from a real daemon (kernels that record their launch; CPU tensors): a layer's weight
+    the plan cannot run is refused at its load (``check_weight``), naming the layer; a call
+    runs the plan with no per-call argument checks (the checks refuse CPU tensors, and the
+    call launches); an activation of another dtype, or M above the plan's max_m, takes the
+    checked path and is refused with a ValueError, launching nothing."""
+    d = DaemonProcess(tmp_path, workers=0)
+    try:
+        proc = subprocess.run([str(VLLM_PYTHON), "-c", FP8_OP, d.socket], capture_output=True,
+                              text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(ROOT / "client")})
+    finally:
+        d.stop()
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for scales, got in json.loads(line[-1][7:]).items():
+        assert got["load_refuses"].startswith(
+            f"cached: FP8 layer of N=4096 K=4096 ({scales} scales): the plan for N=4096 "
+            "K=4096 runs a (4096, 4096) torch.float8_e4m3fn weight, got (4096, 4096) "
+            "torch.float8_e5m2"), got
+        assert got["ran"] == [[5, 4096], "torch.bfloat16", 1], got
+        assert "must be a CUDA tensor" in got["over_max_m"], got
+        assert "float8_e4m3fn or both float8_e5m2, got float8_e5m2 and float8_e4m3fn" \
+            in got["wrong_dtype"], got
+        assert got["calls"] == 1, got

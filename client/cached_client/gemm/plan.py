@@ -303,6 +303,10 @@ class HopperFp8Gemm:
                              "kernel's limit; plan a smaller max_m")
         self.workspace = torch.empty(max(ws // 4, 1), dtype=torch.float32, device=device)
         self.counters = torch.zeros(max(cnt, 1), dtype=torch.int32, device=device)
+        self.ab_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(
+            plan.key.ab_dtype, torch.bfloat16)
+        self._empty = torch.empty
+        self._block = plan.key.scales == "block128"
 
     def bucket(self, m: int) -> int:
         """The index of the bucket that serves M rows."""
@@ -319,6 +323,48 @@ class HopperFp8Gemm:
         return gemm(self._fns[i], a, b, a_scale, b_scale, self.out_dtype, out,
                     params=self._params[i], workspace=self.workspace, counters=self.counters)
 
+    def check(self, b: Any, b_scale: Any) -> None:
+        """What :meth:`run` trusts of a weight, checked once (at a layer's load): ``b`` is
+        the plan's (N, K) weight of its dtype, row-major, 16-byte aligned, on the
+        workspace's CUDA device, and ``b_scale`` its scales as the plan's scheme reads them
+        (1 value; N values; block128's (ceil(N/128), K/128) row-major; None for bf16).
+        ValueError or TypeError naming what differs."""
+        import torch
+
+        from .hopper_fp8 import check_gemm_args
+
+        key = self.plan.key
+        if not isinstance(b, torch.Tensor) or tuple(b.shape) != (key.n, key.k) \
+                or b.dtype != self.ab_dtype:
+            got = (f"{tuple(b.shape)} {b.dtype}" if isinstance(b, torch.Tensor)
+                   else type(b).__name__)
+            raise ValueError(f"the plan for N={key.n} K={key.k} runs a ({key.n}, {key.k}) "
+                             f"{self.ab_dtype} weight, got {got}")
+        if b.device != self.workspace.device:
+            raise ValueError(f"the weight is on {b.device}, the plan on "
+                             f"{self.workspace.device}")
+        probe = torch.empty((1, key.k), dtype=self.ab_dtype, device=b.device)
+        a_scale = None if key.scales == "none" else torch.ones(
+            (1, key.k // 128) if self._block else (1,), dtype=torch.float32, device=b.device)
+        check_gemm_args(probe, b, a_scale, b_scale, self.out_dtype, None, key.scales)
+
+    def run(self, a: Any, b: Any, a_scale: Any, b_scale: Any) -> Any:
+        """``self(a, b, a_scale, b_scale)`` without its argument checks, for a caller that
+        made them once (:meth:`check` of ``b`` and ``b_scale``) and passes an ``a`` of the
+        plan's K, row-major on the weight's device, with ``a_scale`` as the scheme reads it
+        (1 value; M values; block128's (M, K/128) column-major). Picks the bucket, allocates
+        the output, launches; nothing else on the host. ``a`` of another dtype and M above
+        max_m (which the workspace was sized for) take the checked path, which refuses what
+        it cannot run (ValueError)."""
+        m = a.shape[0]
+        if m > self.plan.max_m or a.dtype != self.ab_dtype:
+            return self(a, b, a_scale, b_scale)
+        if self._block:  # the strides the kernel was compiled for (size-1 dims' are free)
+            a_scale = a_scale.as_strided((m, a_scale.shape[1]), (1, m))
+        out = self._empty((m, b.shape[0]), dtype=self.out_dtype, device=a.device)
+        self._fns[self.bucket(m)](a, b, out, a_scale, b_scale, self.workspace, self.counters)
+        return out
+
 
 class HopperBf16Gemm(HopperFp8Gemm):
     """A loaded ``cached.hopper_bf16`` plan: ``f(a, b, out=None) -> out``.
@@ -333,10 +379,8 @@ class HopperBf16Gemm(HopperFp8Gemm):
     """
 
     def __init__(self, plan: GemmPlan, fns: list[Any], device: Any) -> None:
-        import torch
 
         super().__init__(plan, fns, device)
-        self._empty = torch.empty
         self._scale_slot = self.workspace.narrow(0, 0, 1)  # the scale slots: never read
 
     def __call__(self, a: Any, b: Any, out: Any = None) -> Any:  # type: ignore[override]
@@ -395,6 +439,10 @@ class FlashInferBiGemm:
         one = torch.ones(1, dtype=torch.float32, device=device)
         for m in self._uppers:  # load every bucket's kernels now (FlashInfer picks per M)
             self(torch.zeros(m, key.k, dtype=fp8, device=device), b, one, one)
+
+    def run(self, a: Any, b: Any, a_scale: Any, b_scale: Any) -> Any:
+        """``self(a, b, a_scale, b_scale)`` (FlashInfer checks its own operands)."""
+        return self(a, b, a_scale, b_scale)
 
     def __call__(self, a: Any, b: Any, a_scale: Any, b_scale: Any, out: Any = None) -> Any:
         import torch

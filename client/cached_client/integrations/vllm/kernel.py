@@ -204,6 +204,7 @@ class CachedFP8ScaledMMLinearKernel(FP8ScaledMMLinearKernel):
         self._gemm_index = load_plan(n, k, weight.dtype, self.config.out_dtype or torch.bfloat16,
                                      weight.device, scales=scheme,
                                      accumulation=gemm_plan.accumulation_from_env())
+        check_weight(self._gemm_index, weight.t(), layer.weight_scale.reshape(-1))
 
     def apply_scaled_mm(self, *, A: torch.Tensor, B: torch.Tensor, out_dtype: torch.dtype,
                         As: torch.Tensor, Bs: torch.Tensor, bias: torch.Tensor | None,
@@ -275,6 +276,8 @@ class CachedFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
                                      self.config.out_dtype or torch.bfloat16,
                                      params.weight.device, scales="block128",
                                      accumulation="exact")
+        check_weight(self._gemm_index, getattr(layer, params.WEIGHT),
+                     getattr(layer, params.block_scale_attr))
 
     def apply_block_scaled_mm(self, A: torch.Tensor, B: torch.Tensor, As: torch.Tensor,
                               Bs: torch.Tensor) -> torch.Tensor:
@@ -322,6 +325,21 @@ def load_plan(n: int, k: int, ab_dtype: torch.dtype, out_dtype: torch.dtype,
         return len(_gemms) - 1
 
 
+def check_weight(plan: int, b: torch.Tensor, b_scale: torch.Tensor) -> None:
+    """Check once, at a layer's load, what the op's unchecked call trusts of the layer's
+    weight ``b`` (N, K) and its scales ``b_scale`` as the op receives them (the loaded
+    plan's ``check``); ValueError naming the layer's shape and what differs."""
+    loaded = _gemms[plan]
+    if not isinstance(loaded, gemm_plan.HopperFp8Gemm):
+        return  # FlashInfer's class checks its operands on each call itself
+    try:
+        loaded.check(b, b_scale)
+    except (TypeError, ValueError) as exc:
+        k = loaded.plan.key
+        raise ValueError(f"cached: FP8 layer of N={k.n} K={k.k} ({k.scales} scales): {exc}"
+                         ) from None
+
+
 # Registered straight with the dispatcher (one CUDA kernel and a fake, as vLLM's own
 # direct_register_custom_op does), not through torch.library.custom_op, whose Python dispatch
 # costs several times more per call where the op runs from the host: a graph that is not
@@ -335,10 +353,14 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
              plan: int, out_dtype: torch.dtype) -> torch.Tensor:
     """C (M, N) = a (M, K) @ b (N, K)^T * a_scale * b_scale by the loaded plan ``plan``
     (scales of one element, M and N values for a per-token plan, or the block scales of a
-    block128 plan: cached_client.gemm.hopper_fp8.check_gemm_args)."""
+    block128 plan: cached_client.gemm.hopper_fp8.check_gemm_args). Unchecked per call (the
+    plan's ``run``): ``b`` and ``b_scale`` are the layer's, checked at its load
+    (:func:`check_weight`), ``a`` and ``a_scale`` the layer's quantized input; an ``a`` of
+    another dtype or with more rows than the plan's max_m takes the checked path, which
+    refuses what it cannot run (ValueError)."""
     if a.shape[0] == 0:
         return torch.empty((0, b.shape[0]), dtype=out_dtype, device=a.device)
-    return _gemms[plan](a, b, a_scale, b_scale)
+    return _gemms[plan].run(a, b, a_scale, b_scale)
 
 
 def _fp8_gemm_fake(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
