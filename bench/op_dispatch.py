@@ -7,8 +7,10 @@
 2. ``cached::fp8_gemm`` whole: its body (``cached_client.integrations.vllm.kernel.fp8_gemm``,
    registered for CPU under this bench's namespace) running a loaded ``cached.hopper_fp8``
    plan (per-tensor and per-token scales, N = K = 256, buckets up to M = 256, split-K tactics
-   with their workspace) whose kernels are no-ops: dispatch, the body's host work (checks,
-   bucket, output allocation), no launch. The tensors are CPU ones that answer ``is_cuda``
+   with their workspace) whose kernels are no-ops: dispatch, the body's host work (bucket,
+   output allocation), no launch; and beside it the same op whose body calls the plan's
+   checked ``__call__`` (``check_gemm_args``, ``check_workspace``: the op's body before its
+   checks moved to the layer's load). The tensors are CPU ones that answer ``is_cuda``
    (the checks' one CUDA-only question). Needs the vLLM environment (the op's module
    imports vLLM); run it against another checkout's client with that checkout's
    ``client`` first on ``PYTHONPATH``.
@@ -71,7 +73,7 @@ def _time(op, args: tuple, calls: int, fresh: bool = False) -> float:
     return statistics.median(runs)
 
 
-def _fp8_plans() -> tuple[object, list[tuple[str, tuple]]]:
+def _fp8_plans() -> list[tuple[str, tuple]]:
     """The op and its arguments for a loaded plan of each scheme (registered in the op's
     plan table)."""
     from cached_client.gemm import plan as gp
@@ -80,6 +82,9 @@ def _fp8_plans() -> tuple[object, list[tuple[str, tuple]]]:
     from cached_client.keys import KernelRequest
 
     _lib.impl("fp8_gemm_cpu", kernel.fp8_gemm, "CPU")
+    # the body as it was: the loaded plan's checked call (check_gemm_args, check_workspace)
+    _lib.impl("fp8_gemm_checked", lambda a, b, sa, sb, plan, dt: kernel._gemms[plan](
+        a, b, sa, sb), "CPU")
     cases = []
     for scales in ("tensor", "token"):
         params = {"splits": 4, "split_mode": "cta", "tile_m": 64, "tile_n": 128,
@@ -99,7 +104,7 @@ def _fp8_plans() -> tuple[object, list[tuple[str, tuple]]]:
         sa = torch.ones(1 if scales == "tensor" else M).as_subclass(OnDevice)
         sb = torch.ones(1 if scales == "tensor" else N).as_subclass(OnDevice)
         cases.append((scales, (a, b, sa, sb, len(kernel._gemms) - 1, torch.bfloat16)))
-    return torch.ops.op_dispatch_bench.fp8_gemm_cpu, cases
+    return cases
 
 
 def main() -> None:
@@ -112,11 +117,14 @@ def main() -> None:
                      ("Library.define + impl", torch.ops.op_dispatch_bench.direct)):
         print(f"{name}: {_time(op, (a, a, s, s, 0, torch.bfloat16), args.calls, True):.2f} "
               "us per call")
-    _lib.define("fp8_gemm_cpu" + SCHEMA + " -> Tensor")
-    op, cases = _fp8_plans()
-    for scales, op_args in cases:
-        print(f"cached::fp8_gemm ({scales} scales, M={M} N={N} K={K}, no launch): "
-              f"{_time(op, op_args, args.calls):.2f} us per call")
+    for name in ("fp8_gemm_cpu", "fp8_gemm_checked"):
+        _lib.define(name + SCHEMA + " -> Tensor")
+    ops = torch.ops.op_dispatch_bench
+    for scales, op_args in _fp8_plans():
+        for name, op in (("cached::fp8_gemm", ops.fp8_gemm_cpu),
+                         ("  the same, checked per call", ops.fp8_gemm_checked)):
+            print(f"{name} ({scales} scales, M={M} N={N} K={K}, no launch): "
+                  f"{_time(op, op_args, args.calls):.2f} us per call")
 
 
 if __name__ == "__main__":
