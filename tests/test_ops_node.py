@@ -6,16 +6,21 @@ systemd, and ``journalctl -p``: tests/test_ops_deploy.py.)"""
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
+import importlib.util
 import json
 import os
 import re
 import shutil
 import signal
+import site
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -383,12 +388,65 @@ print(json.dumps(out))
 """
 
 
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _wheel_requires(wheel: Path) -> list[str]:
+    """The Requires-Dist lines of a built wheel's METADATA."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA")))
+    return [line.split(":", 1)[1].strip() for line in meta.decode().splitlines()
+            if line.startswith("Requires-Dist:")]
+
+
+def _with_parts(names: set[str]) -> set[str]:
+    """``names`` and the parts of a release split into several distributions, which each
+    requires at exactly one version (nvidia-cutlass-dsl's libs, which hold ``cutlass``)."""
+    parts = set()
+    for name in names:
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        parts |= {_canonical(re.match(r"[A-Za-z0-9._-]+", r).group()) for r in requires
+                  if "==" in r.partition(";")[0] and "extra ==" not in r}
+    return names | parts
+
+
+def _daemon_imports() -> dict[str, set[str]]:
+    """Each third-party top-level module the daemon's code imports (at its top or in a
+    function), with the distributions of this environment that provide it."""
+    names: set[str] = set()
+    for path in (ROOT / "cached").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.partition(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names.add(node.module.partition(".")[0])
+    dists = importlib.metadata.packages_distributions()
+
+    def providers(module: str) -> set[str]:
+        # a package put on the path by another's .pth (cutlass: nvidia_cutlass_dsl's) is
+        # that one's: the top directory under site-packages that holds it
+        origin = Path(importlib.util.find_spec(module).origin).resolve()
+        top = next((origin.relative_to(s).parts[0] for s in
+                    (Path(p).resolve() for p in site.getsitepackages())
+                    if origin.is_relative_to(s)), module)
+        return {_canonical(d) for d in dists.get(module) or dists.get(top, [module])}
+
+    return {n: providers(n) for n in sorted(names)
+            if n not in sys.stdlib_module_names and n not in ("cached", "cached_client")}
+
+
 def test_the_packages_install_from_a_checkout_and_from_wheels(tmp_path):
     """`pip install ./client .` in a fresh environment (offline: every dependency is already
     there, so the metadata alone must resolve), then wheels of both installed by name from a
     wheelhouse: the names are ours (not `cached`, another project's on the index, nor
     `cached-client`, which the index lacks), the daemon requires the client by its name,
-    the metadata states ranges, not pins, and the installed `cached` command runs."""
+    the built wheels' METADATA states ranges, not pins (no `==`), and names a distribution
+    of every third-party module the daemon imports, and the installed `cached` command
+    runs."""
     src = _checkout(tmp_path)
     venv = _venv_seeing(tmp_path / "checkout", ROOT / ".venv")
     offline = ["--no-index", "--no-build-isolation", "-q"]
@@ -403,6 +461,13 @@ def test_the_packages_install_from_a_checkout_and_from_wheels(tmp_path):
     assert built.returncode == 0, built.stderr[-3000:]
     assert sorted(w.name.split("-")[0] for w in wheels.glob("*.whl")) == [
         "cached_kernel_client", "cached_kernel_daemon"]
+    requires = {w.name.split("-")[0]: _wheel_requires(w) for w in wheels.glob("*.whl")}
+    for name, reqs in requires.items():  # ranges; the exact pins are requirements*.txt's
+        assert not [r for r in reqs if re.search(r"==|~=", r.partition(";")[0])], (name, reqs)
+    declared = _with_parts({_canonical(re.match(r"[A-Za-z0-9._-]+", r).group())
+                            for r in requires["cached_kernel_daemon"] if "extra ==" not in r})
+    undeclared = {m: d for m, d in _daemon_imports().items() if not declared & d}
+    assert not undeclared, f"imported by the daemon, not in its metadata: {undeclared}"
     from_wheels = _venv_seeing(tmp_path / "wheel", ROOT / ".venv")
     # both by name from the wheelhouse, into this venv even where the environment it sees
     # has them (an editable install of the checkout); pip check: the daemon's requirement on

@@ -10,10 +10,12 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from cached_client import Client
 from cached_client import protocol as p
+from tabulate import tabulate
 
 from .. import compiler_stack, config
 from ..store import lock as storelock
@@ -128,12 +130,12 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1000 * seconds:.3f} ms"
 
 
-def _columns(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
-    """Rows of cells padded to aligned columns (those in ``right`` right-aligned)."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.rjust(w) if i in right else cell.ljust(w)
-                      for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
-            for row in rows]
+def columns(rows: list[tuple[str, ...]], right: Collection[int] = ()) -> list[str]:
+    """Lines of ``rows`` (a header is a row like the others) in aligned columns two spaces
+    apart, those in ``right`` right-aligned: tabulate's plain layout, cells as given."""
+    align = ["right" if i in right else "left" for i in range(len(rows[0]))]
+    text = tabulate(rows, tablefmt="plain", disable_numparse=True, colalign=align)
+    return [line.rstrip() for line in text.splitlines()]
 
 
 def format_stats(s: dict) -> str:
@@ -231,7 +233,7 @@ def _family_table(families: dict) -> list[str]:
                      str(c.get("published", 0)), str(c.get("compiles_avoided", 0)),
                      config.size_text(c.get("bytes_served", 0)),
                      str(c.get("client_fallbacks", 0))))
-    return _columns(rows, right=set(range(1, 11)))
+    return columns(rows, right=set(range(1, 11)))
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -260,7 +262,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                       str(e["hits"]), _when(e["last_used"])[:16] if e.get("last_used") else "-",
                       compiler_stack.fingerprint_digest(e["toolchain"])[:8] if e.get("toolchain")
                       else "-", e["kernel_name"]))
-    print("\n".join(_columns(table, right={3, 4})))
+    print("\n".join(columns(table, right={3, 4})))
     total = sum(e["size"] for e in rows)
     print(f"{len(rows)} kernel{'s' if len(rows) != 1 else ''}, {config.size_text(total)}"
           + (f" (of {len(entries)} stored)" if len(rows) != len(entries) else ""))

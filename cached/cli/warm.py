@@ -20,6 +20,7 @@ from cached_client.gemm import plan as gemm_plan
 
 from .. import families, manifests
 from . import argtypes, progress
+from .store import columns
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -274,8 +275,8 @@ def warm_manifest(args: argparse.Namespace) -> int:
             print(json.dumps(summary))
         else:
             print(f"{manifest.model}: {len(requests)} kernels over {summary['shapes']} shapes")
-            for group, count in kernels.items():
-                print(f"  {group:<32} {count}")
+            for line in columns([(g, str(n)) for g, n in kernels.items()], {1}):
+                print("  " + line)
             for pending in summary["pending"]:
                 print(f"  pending (no family yet): {pending}")
         return 0
