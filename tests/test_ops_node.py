@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import site
@@ -504,6 +505,33 @@ def _sh_block(markdown: str, marker: str) -> list[str]:
     after = markdown.split(marker, 1)[1]
     block = after.split("```sh\n", 1)[1].split("```", 1)[0]
     return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_readmes_commands_run_as_written_from_the_checkout(user_daemon, tmp_path):
+    """README's "Using it" block, each line as written, from the checkout that `make serve`
+    set up (its .venv), with nothing set but the runtime dir a daemon listens in: every
+    command names an executable of .venv and is one command (was: `gc | verify | config |
+    export` was a pipeline, `python -m cached_client` a Python without the client); each
+    runs (a warm plans only, `--plan-only`, with the arguments given; certify and tune
+    say in one line that this is no GPU node, exit 2)."""
+    xdg, d = user_daemon
+    lines = _sh_block((ROOT / "README.md").read_text(), "<!-- using:")
+    assert len(lines) >= 10, lines
+    env = env_without_socket(xdg)
+    for line in lines:
+        assert not set("|;&<>`$") & set(line), line
+        program, *args = shlex.split(line.replace("DIR", str(tmp_path / "flashinfer")))
+        assert (ROOT / program).is_file() and program.startswith(".venv/bin/"), line
+        module = ["-m", "cached"] if program == ".venv/bin/cached" else []
+        if args[0] == "warm":
+            args.append("--plan-only")
+        done = subprocess.run([sys.executable, *module, *args], capture_output=True,
+                              text=True, env=env, cwd=ROOT, timeout=300)
+        if args[0] in ("certify", "tune"):
+            assert done.returncode == 2 and "GPU" in done.stderr, (line, done.stderr)
+            assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+        else:
+            assert done.returncode == 0, (line, done.stdout[-1000:], done.stderr[-2000:])
 
 
 def test_integration_md_set_up_runs_as_written(tmp_path):
