@@ -534,6 +534,54 @@ def test_readmes_commands_run_as_written_from_the_checkout(user_daemon, tmp_path
             assert done.returncode == 0, (line, done.stdout[-1000:], done.stderr[-2000:])
 
 
+def _doc_commands(name: str) -> list[str]:
+    """Every command line of the ``sh`` blocks of a document (a ``$ `` prompt dropped, a
+    continued line joined, comments and output lines left out)."""
+    text = (ROOT / name).read_text()
+    lines = []
+    for block in re.findall(r"^```sh\n(.*?)^```", text, re.M | re.S):
+        block = block.replace("\\\n", " ")
+        prompted = any(line.startswith("$ ") for line in block.splitlines())
+        for line in block.splitlines():
+            if prompted and not line.startswith("$ "):
+                continue  # a transcript's output
+            line = line.removeprefix("$ ").split("  #", 1)[0].strip()
+            if line and not line.startswith("#"):
+                lines.append(line)
+    return lines
+
+
+def test_every_cached_command_the_docs_show_parses_as_written():
+    """Each `cached ...` and `python -m cached_client ...` line of README, operations.md and
+    integration.md is accepted by the real argument parsers (no flag renamed under the
+    docs); a script of the checkout runs with a named environment's Python, not a bare
+    `python` (which has no `cached`), and the systemd install puts `cached` on PATH."""
+    from cached_client.__main__ import build_parser as client_parser
+
+    from cached.cli import build_parser
+
+    seen = 0
+    for doc in ("README.md", "docs/operations.md", "docs/integration.md"):
+        for line in _doc_commands(doc):
+            words = shlex.split(re.split(r"\s[>|]\s", line)[0])  # the command, not its output
+            program = words[0]
+            if program == "cached" or program.endswith("/bin/cached"):
+                parser, args = build_parser(), words[1:]
+            elif words[1:3] == ["-m", "cached_client"]:
+                parser, args = client_parser(), words[3:]
+            else:
+                assert not (program == "python" and words[1].endswith(".py")), (doc, line)
+                continue
+            try:
+                parser.parse_args(args)
+            except SystemExit:
+                pytest.fail(f"{doc}: `{line}` does not parse")
+            seen += 1
+    assert seen >= 25, seen
+    install = _doc_commands("docs/operations.md")
+    assert "ln -sf /opt/cached/venv/bin/cached /usr/local/bin/cached" in install
+
+
 def test_integration_md_set_up_runs_as_written(tmp_path):
     """docs/integration.md's set-up: its pip line, as written, in a fresh environment of
     vLLM 0.33.0's (the vLLM environment's packages, nothing of the project's): the plugin's
