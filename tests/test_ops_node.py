@@ -183,6 +183,16 @@ def _status(address: str, host: str, path: str = "/metrics") -> tuple[int, str]:
     return int(head.split()[1]), body.decode(errors="replace")
 
 
+def test_the_image_build_takes_torch_build_for_its_install_step():
+    """`docker build --build-arg TORCH_BUILD=cuda` (operations.md): the Dockerfile declares
+    the argument, default cpu, before the step that runs deploy/install-deps.sh, so that
+    step's environment has it (what the script does with it: test_ops_deploy.py)."""
+    lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
+    install = lines.index("RUN sh deploy/install-deps.sh pip")
+    assert "ARG TORCH_BUILD=cpu" in lines[:install]
+    assert "TORCH_BUILD" in (ROOT / "deploy" / "install-deps.sh").read_text()
+
+
 def test_http_allow_host_admits_the_names_given_and_still_refuses_others(tmp_path):
     """--http-allow-host (repeatable) adds names the endpoint answers to; any other name
     still gets 421, whose body names the setting; ``cached config`` shows the file's list
