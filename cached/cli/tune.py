@@ -1,6 +1,7 @@
 """``cached tune``: on a GPU node, time each M bucket's candidates of the batch-invariant
 class for some weight shapes and share the winners through the daemon (cached.tune; the
-timing in cached.tune_cuda). Interrupt it at any time (Ctrl-C): what finished is
+timing in cached.tune_cuda), per scheme: cached.hopper_fp8's (tensor-fast, ...) and
+cached.hopper_bf16's ``bf16``. Interrupt it at any time (Ctrl-C): what finished is
 published, and the next run goes on from there."""
 
 from __future__ import annotations
@@ -57,9 +58,11 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     t.add_argument("--planned", action="store_true",
                    help="the shapes clients have planned on this node")
     t.add_argument("--scheme", action="append", default=[], metavar="NAME[,NAME..]",
-                   help="the schemes to tune, each under its own class (repeatable; 'all': "
-                        f"every one the family declares; default {tune.DEFAULT_SCHEME}; an "
-                        "unknown name is refused with the family's list)")
+                   help="the schemes to tune, each under its own class: "
+                        "cached.hopper_fp8's (e.g. tensor-fast, token-exact, block128) and "
+                        "cached.hopper_bf16's bf16 (bf16 operands); repeatable; 'all': "
+                        f"every one; default {tune.DEFAULT_SCHEME}; an unknown name is "
+                        "refused with the list")
     t.add_argument("--buckets", type=_buckets, default=tune.DEFAULT_BUCKETS, metavar="M,M,..",
                    help="M bucket bounds (default: 1,2,4,...,8192)")
     t.add_argument("--top", type=argtypes.count(), default=tune.DEFAULT_TOP, metavar="N",
