@@ -101,16 +101,21 @@ if [[ $mode == gpu ]]; then
   unset PYTHONPATH
   cd /tmp  # nothing of the bundle on sys.path: the installed packages only
   "$NODE/python" - <<'PY' | tee "$OUT/installed.txt"
-import importlib.metadata as m, cached, cached_client, torch, tvm_ffi
+import importlib.metadata as m, cached, cached_client, tvm_ffi
 for d in ("cached-kernel-daemon", "cached-kernel-client", "apache-tvm-ffi", "sqlite-utils"):
     print(d, m.version(d))
 print("cached from", cached.__file__)
 print("cached_client from", cached_client.__file__)
-print("torch", torch.__version__, "CUDA", torch.version.cuda, "from", torch.__file__)
+try:
+    import torch
+    print("torch", torch.__version__, "CUDA", torch.version.cuda, "from", torch.__file__)
+except ImportError as exc:
+    print("no torch here:", exc)
 PY
   rm -rf /tmp/store && cp -r "$BUNDLE/store" /tmp/store
   "$NODE/cached" serve --serve-only --store /tmp/store --socket /tmp/cached.sock --no-http \
     > "$OUT/daemon.log" 2>&1 &
+  daemon=$!
   for _ in $(seq 100); do  # the socket file exists before the daemon listens: ask it
     "$NODE/python" -c "from cached_client import Client; Client('/tmp/cached.sock', timeout=2,
       fallback=False).hello()" 2>/dev/null && break
@@ -172,6 +177,7 @@ for line in open('$OUT/certify.jsonl'):
   cat "$OUT/tune_times.txt"
   grep -c '"autotune.stored"' "$OUT/daemon.log" || true
   tail -3 "$OUT/daemon.log"
+  kill "$daemon"
   exit "$rc"
 fi
 echo "usage: $0 build | gpu" >&2
