@@ -104,7 +104,7 @@ def check_shape(client: Client, n: int, k: int, props, rounds: int, scheme: str)
     rec["competitor"] = label
     perf = {}
     for m in buckets_up_to(MAX_M):
-        per = m * k + n * k + 2 * m * n
+        per = (2 if scales == "none" else 1) * (m * k + n * k) + 2 * m * n
         nsets = max(2, min(16, -(-ROTATE_BYTES // per)))
         A = [data(scales, m, k, gen) for _ in range(nsets)]
         B = [data(scales, n, k, gen) for _ in range(nsets)]
