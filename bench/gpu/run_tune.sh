@@ -8,10 +8,13 @@
 #
 #   here:  BUNDLE=DIR bench/gpu/run_tune.sh build   -> DIR (git-ignored): store/ (every
 #          candidate cached tune times: tune_bundle.py; what certify runs:
-#          certify_bundle.py), the DSL runtime (xz), wheels/ (cached-kernel-daemon and
+#          certify_bundle.py) and store.tar.xz (the same, 1/30 the size: what is carried),
+#          the DSL runtime (xz), wheels/ (cached-kernel-daemon and
 #          cached-kernel-client from this checkout, cp312 wheels of the daemon's pure-Python
 #          dependencies and of TVM-FFI), this script and tune_check.py
-#   there: bash DIR/run_tune.sh gpu                   (device tool, carry [DIR])
+#   there: bash DIR/run_tune.sh gpu                   (device tool: carry DIR's wheels,
+#          store.tar.xz, libcute_dsl_runtime.so.xz, env.sh, run_tune.sh, tune_check.py;
+#          or all of DIR, where store/ fits too)
 set -euo pipefail
 # RUNS: groups "SCHEMES=N,K N,K ...", separated by ';' (SCHEMES: cached tune's names,
 # comma-separated; a group's schemes are tuned on its shapes only), here and there alike;
@@ -51,6 +54,7 @@ if [[ $mode == build ]]; then
   fi
   rm -rf "$BUNDLE/store/tmp" "$BUNDLE/store/index.sqlite-wal" "$BUNDLE/store/index.sqlite-shm" \
     "$BUNDLE/wheels" "$BUNDLE/src"
+  tar -C "$BUNDLE" -cf - store | xz -6 -T2 > "$BUNDLE/store.tar.xz"
   mkdir -p "$BUNDLE/wheels"
   [[ -f $BUNDLE/libcute_dsl_runtime.so.xz ]] || xz -6 -c \
     "$("$PY" -c 'from cached.compiler_stack import runtime_library_path as p; print(p())')" \
@@ -112,7 +116,9 @@ try:
 except ImportError as exc:
     print("no torch here:", exc)
 PY
-  rm -rf /tmp/store && cp -r "$BUNDLE/store" /tmp/store
+  rm -rf /tmp/store
+  if [[ -f $BUNDLE/store.tar.xz ]]; then tar -C /tmp -xJf "$BUNDLE/store.tar.xz"
+  else cp -r "$BUNDLE/store" /tmp/store; fi
   "$NODE/cached" serve --serve-only --store /tmp/store --socket /tmp/cached.sock --no-http \
     > "$OUT/daemon.log" 2>&1 &
   daemon=$!
