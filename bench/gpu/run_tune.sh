@@ -30,11 +30,6 @@ TOP=${TOP:-3} NEAR=${NEAR:-2} ROUNDS=${ROUNDS:-5} BUDGET=${BUDGET:-60}
 # there, optional: REPEAT=1 runs cached tune a second time (a resumed run: nothing to time);
 # WIDE=N,K (WIDE_TOP, WIDE_NEAR, WIDE_BUCKETS) a forced wider search on one shape
 mode=${1:-build}
-# the daemon's dependencies a serve-only node without HTTP imports (the rest of its
-# metadata's, the compiler and torch among them, are not needed to serve a store; the
-# image's torch is the CUDA build)
-DEPS=(apache-tvm-ffi sqlite-utils click click-default-group python-dateutil tzdata pluggy
-      tabulate sqlite-fts4 prometheus-client)
 
 if [[ $mode == build ]]; then
   cd "$(dirname "$0")/../.."
@@ -59,12 +54,8 @@ if [[ $mode == build ]]; then
   [[ -f $BUNDLE/libcute_dsl_runtime.so.xz ]] || xz -6 -c \
     "$("$PY" -c 'from cached.compiler_stack import runtime_library_path as p; print(p())')" \
     > "$BUNDLE/libcute_dsl_runtime.so.xz"
-  for pkg in "${DEPS[@]}"; do
-    ver=$("$PY" -c "import importlib.metadata as m; print(m.version('$pkg'))")
-    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 -d "$BUNDLE/wheels" "$pkg==$ver"
-  done
+  source bench/gpu/wheels.sh
+  cp312_wheels "$PY" "$BUNDLE/wheels" "${DAEMON_DEPS[@]}"  # the image's torch is CUDA's
   # the project's two distributions, as a node installs them (pure Python: any version)
   rm -rf build client/build
   "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$BUNDLE/wheels" ./client .
