@@ -18,7 +18,9 @@ rounds (cached.tune_cuda's graphs); µs medians and the ratios.
 
 Usage (there): python tune_check.py --socket S --out DIR [--rounds R] [--schemes S,S]
     N,K [N,K ...]
-Prints tables last; writes DIR/tune_check.json.
+Prints tables last; writes DIR/NAME.json (--name, default tune_check).
+Again from the JSON: python tune_check.py summarize DIR/tune_check_*.json (one row per
+scheme).
 """
 
 from __future__ import annotations
@@ -165,7 +167,45 @@ def _gm(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
+def summarize(paths: list[str]) -> None:
+    """One markdown row per scheme over the runs' JSON (OUT/tune_check_*.json): geomean
+    and min of competitor / ours before and after, points under 0.9x and 0.95x, and the
+    checks (all within the bound, rows differing, eager = graph, buckets from winners)."""
+    rows: dict[str, list[dict]] = {}
+    device = ""
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        device = run["device"]
+        for r in run["shapes"]:
+            rows.setdefault(f"{r['scheme']} vs {r['competitor']}", []).append(r)
+    print(f"{device}\n")
+    print("| scheme vs competitor | shapes | points | before: geomean (min), < 0.9, < 0.95 | "
+          "after | within bound | rows differ | eager = graph | from winners |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, rs in rows.items():
+        cells = []
+        for when in ("before", "after"):
+            xs = [p["fast_us"] / p[f"{when}_us"] for r in rs for p in r["perf"].values()]
+            cells.append(f"{_gm(xs):.3f} ({min(xs):.2f}), {sum(x < 0.9 for x in xs)}, "
+                         f"{sum(x < 0.95 for x in xs)}")
+        npts = sum(len(r["perf"]) for r in rs)
+        within = all(e["within"] for r in rs for e in r["correct"].values())
+        differ = sum(sum(r["seeds_rows_differing"].values()) for r in rs)
+        eager = all(all(r["eager_equals_graph"].values()) for r in rs)
+        won = sum(r["after_sources"].count("autotune") for r in rs)
+        total = sum(len(r["after_sources"]) for r in rs)
+        shapes = ", ".join(f"{r['n']}x{r['k']}" for r in rs)
+        print(f"| {name} | {shapes} | {npts} | {cells[0]} | {cells[1]} | {within} | {differ} "
+              f"| {eager} | {won}/{total} |")
+
+
 def main() -> None:
+    import sys
+
+    if sys.argv[1:2] == ["summarize"]:
+        summarize(sys.argv[2:])
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
     ap.add_argument("--out", required=True)
