@@ -74,25 +74,27 @@ if [[ $mode == gpu ]]; then
   if [[ -f $BUNDLE/env.sh ]]; then source "$BUNDLE/env.sh"; fi
   IFS=';' read -r -a groups <<< "$RUNS"
   OUT=${OUT:-/tmp/tune_out}
+  # this run's own paths (a warm machine may hold another run's daemon and store)
+  RUN=/tmp/tune_run STORE=/tmp/tune_run/store SOCK=/tmp/tune_run.sock
   mkdir -p "$OUT"
   t0=$(date +%s)
   nvidia-smi -L | tee "$OUT/nvidia-smi-L.txt" || true
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
     | tee "$OUT/nvidia-smi.txt" || true
   # the node's environment: a venv over the image's CUDA torch, the wheels installed in it
-  rm -rf /tmp/node  # a warm machine may hold another run's
-  NODE=/tmp/node/bin
-  if python3 -m venv --system-site-packages /tmp/node 2> "$OUT/venv.log"; then
+  rm -rf /tmp/tune_node  # a warm machine may hold another run's
+  NODE=/tmp/tune_node/bin
+  if python3 -m venv --system-site-packages /tmp/tune_node 2> "$OUT/venv.log"; then
     "$NODE/python" -m pip install -q --no-index --no-deps --no-cache-dir "$BUNDLE"/wheels/*.whl
   else  # an image without ensurepip: the venv without pip, the system's pip installs into it
     cat "$OUT/venv.log"
-    python3 -m venv --system-site-packages --without-pip /tmp/node
+    python3 -m venv --system-site-packages --without-pip /tmp/tune_node
     python3 -m pip --python "$NODE/python" install -q --no-index --no-deps --no-cache-dir \
       "$BUNDLE"/wheels/*.whl
   fi
-  xz -dc "$BUNDLE/libcute_dsl_runtime.so.xz" > /tmp/libcute_dsl_runtime.so
+  xz -dc "$BUNDLE/libcute_dsl_runtime.so.xz" > /tmp/tune_node/libcute_dsl_runtime.so
   # a serve-only node has no DSL compiler installed: its clients open the runtime named here
-  export CACHED_DSL_RUNTIME=/tmp/libcute_dsl_runtime.so PYTHONUNBUFFERED=1
+  export CACHED_DSL_RUNTIME=/tmp/tune_node/libcute_dsl_runtime.so PYTHONUNBUFFERED=1
   unset PYTHONPATH
   cd /tmp  # nothing of the bundle on sys.path: the installed packages only
   "$NODE/python" - <<'PY' | tee "$OUT/installed.txt"
@@ -107,14 +109,14 @@ try:
 except ImportError as exc:
     print("no torch here:", exc)
 PY
-  rm -rf /tmp/store
-  if [[ -f $BUNDLE/store.tar.xz ]]; then tar -C /tmp -xJf "$BUNDLE/store.tar.xz"
-  else cp -r "$BUNDLE/store" /tmp/store; fi
-  "$NODE/cached" serve --serve-only --store /tmp/store --socket /tmp/cached.sock --no-http \
+  rm -rf "$RUN" && mkdir -p "$RUN"
+  if [[ -f $BUNDLE/store.tar.xz ]]; then tar -C "$RUN" -xJf "$BUNDLE/store.tar.xz"
+  else cp -r "$BUNDLE/store" "$STORE"; fi
+  "$NODE/cached" serve --serve-only --store "$STORE" --socket "$SOCK" --no-http \
     > "$OUT/daemon.log" 2>&1 &
   daemon=$!
   for _ in $(seq 100); do  # the socket file exists before the daemon listens: ask it
-    "$NODE/python" -c "from cached_client import Client; Client('/tmp/cached.sock', timeout=2,
+    "$NODE/python" -c "from cached_client import Client; Client('$SOCK', timeout=2,
       fallback=False).hello()" 2>/dev/null && break
     sleep 0.2
   done
@@ -125,7 +127,7 @@ PY
   args=()
   for s in "${cert[@]}"; do args+=(--weight "$s"); done
   t1=$(date +%s)
-  "$NODE/cached" certify --socket /tmp/cached.sock --family cached.hopper_fp8 "${args[@]}" \
+  "$NODE/cached" certify --socket "$SOCK" --family cached.hopper_fp8 "${args[@]}" \
     --limit "$CERTIFY_LIMIT" --json > "$OUT/certify.jsonl" 2> "$OUT/certify.log"
   echo "cached certify: exit $?, $(( $(date +%s) - t1 )) s"; cat "$OUT/certify.log"
   "$NODE/python" -c "
@@ -143,7 +145,7 @@ for line in open('$OUT/certify.jsonl'):
     for s in "${shapes[@]}"; do args+=(--weight "$s"); done
     for scheme in ${schemes//,/ }; do  # one call per scheme: its wall time
       t1=$(date +%s.%N)
-      "$NODE/cached" tune --socket /tmp/cached.sock "${args[@]}" --top "$TOP" --near "$NEAR" \
+      "$NODE/cached" tune --socket "$SOCK" "${args[@]}" --top "$TOP" --near "$NEAR" \
         --scheme "$scheme" --rounds "$ROUNDS" --budget "$BUDGET" --json \
         2> >(tee "$OUT/tune_$scheme.log" >&2) > "$OUT/tune_$scheme.json"
       echo "cached tune --scheme $scheme (${shapes[*]}): exit $?, $(python3 -c \
@@ -151,13 +153,13 @@ for line in open('$OUT/certify.jsonl'):
     done
     if [[ -n ${REPEAT:-} ]]; then  # again: every bucket is published, nothing is timed
       t1=$(date +%s)
-      "$NODE/cached" tune --socket /tmp/cached.sock "${args[@]}" --scheme "$schemes" --json \
+      "$NODE/cached" tune --socket "$SOCK" "${args[@]}" --scheme "$schemes" --json \
         2> >(tee "$OUT/tune_again_$i.log" >&2) > "$OUT/tune_again_$i.json"
       echo "cached tune again ($schemes): $(( $(date +%s) - t1 )) s in all"
     fi
   done
   if [[ -n ${WIDE:-} ]]; then  # a wider search on one shape, replacing its winners
-    "$NODE/cached" tune --socket /tmp/cached.sock --weight "$WIDE" --force \
+    "$NODE/cached" tune --socket "$SOCK" --weight "$WIDE" --force \
       --buckets "${WIDE_BUCKETS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192}" \
       --top "${WIDE_TOP:-16}" --near "${WIDE_NEAR:-3}" --rounds "$ROUNDS" --budget 60 \
       --json 2> >(tee "$OUT/tune_wide.log" >&2) > "$OUT/tune_wide.json"
@@ -166,7 +168,7 @@ for line in open('$OUT/certify.jsonl'):
   for g in "${groups[@]}"; do
     i=$((i + 1))
     read -r -a shapes <<< "${g#*=}"
-    "$NODE/python" "$BUNDLE/tune_check.py" --socket /tmp/cached.sock --out "$OUT" \
+    "$NODE/python" "$BUNDLE/tune_check.py" --socket "$SOCK" --out "$OUT" \
       --rounds "$ROUNDS" --schemes "${g%%=*}" --name "tune_check_$i" "${shapes[@]}" 2>&1 \
       | tee "$OUT/tune_check_$i.log"
     [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
