@@ -188,8 +188,23 @@ def shapes_to_tune(client: Any, shapes: Iterable[tuple[int, int]] = (),
 
         out += [(n, k) for n, k in _manifest_nk(load(manifest))]
     if planned:
-        out += [(r["n"], r["k"]) for r in client.planned(FAMILY, timeout=30)]
+        out += planned_shapes(client, FAMILY)
     return list(dict.fromkeys(out))
+
+
+def planned_shapes(client: Any, family: str) -> list[tuple[int, int]]:
+    """The (N, K) clients planned with ``family`` on this daemon (its ``planned`` op), each
+    once: a bf16 scheme tunes what bf16 plans asked for, an FP8 scheme what FP8 plans did."""
+    return list(dict.fromkeys((r["n"], r["k"]) for r in client.planned(family, timeout=30)))
+
+
+def by_family(schemes: Sequence[str]) -> dict[str, list[str]]:
+    """{family: its schemes among ``schemes``}, in the order they first appear
+    (scheme_family; ValueError for an unknown scheme)."""
+    out: dict[str, list[str]] = {}
+    for scheme in check_schemes(schemes):
+        out.setdefault(scheme_family(scheme), []).append(scheme)
+    return out
 
 
 def _manifest_nk(manifest: Any) -> list[tuple[int, int]]:

@@ -215,6 +215,14 @@ def test_planned_shapes_are_what_tune_planned_picks(node):
     assert shapes[0] == (64, 64) and (2560, 8960) in shapes
     manifest = tune.shapes_to_tune(c, manifest="llama-3.1-8b")
     assert manifest == [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    # each family's plans name the shapes its schemes tune (cached tune --planned)
+    gemm_plan.plan_gemm(c, 2560, 7168, arch="sm_90a", sm_count=132, device=H200,
+                        max_m=64, prefetch=False, ab_dtype="bf16")
+    assert (2560, 7168) in tune.planned_shapes(c, "cached.hopper_bf16")
+    assert (2560, 7168) not in tune.planned_shapes(c, "cached.hopper_fp8")
+    assert (2560, 8960) not in tune.planned_shapes(c, "cached.hopper_bf16")
+    assert tune.by_family(["bf16", "tensor-fast", "token-fast"]) == {
+        "cached.hopper_bf16": ["bf16"], "cached.hopper_fp8": ["tensor-fast", "token-fast"]}
 
 
 def test_cli_checks_its_arguments_and_needs_a_gpu(node):

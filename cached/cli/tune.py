@@ -56,7 +56,8 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                    help="weight shape N,K (repeatable)")
     t.add_argument("--manifest", metavar="NAME|PATH", help="the shapes of a manifest")
     t.add_argument("--planned", action="store_true",
-                   help="the shapes clients have planned on this node")
+                   help="the shapes clients have planned on this node (each scheme: those "
+                        "its family's plans asked for)")
     t.add_argument("--scheme", action="append", default=[], metavar="NAME[,NAME..]",
                    help="the schemes to tune, each under its own class: "
                         "cached.hopper_fp8's (e.g. tensor-fast, token-exact, block128) and "
@@ -110,8 +111,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(why, file=sys.stderr)
         return 2
     client = Client(args.socket, timeout=600)
-    shapes = tune.shapes_to_tune(client, args.weight, args.manifest, args.planned)
-    if not shapes:
+    given = tune.shapes_to_tune(client, args.weight, args.manifest)
+    # per family: the shapes given, and with --planned what that family's plans asked for
+    work = {fam: (list(dict.fromkeys(given + (tune.planned_shapes(client, fam)
+                                               if args.planned else []))), group)
+            for fam, group in tune.by_family(schemes).items()}
+    if not any(shapes for shapes, _ in work.values()):
         print("cached tune: no shapes: give --weight, --manifest or --planned",
               file=sys.stderr)
         return 2
@@ -133,10 +138,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     try:
-        tune.tune(client, shapes, timer, target, buckets=args.buckets, top=args.top,
-                  near=args.near, rounds=args.rounds, margin=args.margin,
-                  budget_s=args.budget, force=args.force, progress=say, results=results,
-                  schemes=schemes)
+        for shapes, group in work.values():
+            tune.tune(client, shapes, timer, target, buckets=args.buckets, top=args.top,
+                      near=args.near, rounds=args.rounds, margin=args.margin,
+                      budget_s=args.budget, force=args.force, progress=say,
+                      results=results, schemes=group)
     except KeyboardInterrupt:
         say("cached tune: interrupted; the winners of finished buckets are published, and "
             "the next run starts where this one stopped")
