@@ -2,7 +2,11 @@
 node's GPU and share the winners through the daemon (``autotune_put``), for each scheme
 the family declares (``Family.tune_schemes``: for cached.hopper_fp8 per-tensor and
 per-token scales with fast and exact accumulation, and block128), each filed under its
-own class (the class id names the scheme, so winners of two schemes never mix).
+own class (the class id names the scheme, so winners of two schemes never mix); and for
+cached.hopper_bf16 the scheme ``bf16`` (bf16 operands, no scales), its winners filed under
+dtype ``bf16`` and its own ``k64`` classes, read by bf16 plans only. A scheme names its
+family (:func:`scheme_family`: scheme names are unique across TUNED_FAMILIES), and the
+tune of a scheme runs for that family's operands and winners (:func:`target_for`).
 
 The parts, in order (everything but the timing runs on a CPU; tests drive it with a real
 daemon):
@@ -31,6 +35,7 @@ run inside an inference process: timing takes the GPU for seconds per shape.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -44,10 +49,14 @@ from cached_client.keys import KernelRequest
 from . import families
 
 FAMILY = "cached.hopper_fp8"
+BF16_FAMILY = "cached.hopper_bf16"
+TUNED_FAMILIES = (FAMILY, BF16_FAMILY)  # the families cached tune tunes, in this order
 ARCH = "sm_90a"
 DEFAULT_SCHEME = "tensor-fast"
 OP = "linear"
 DTYPE = "fp8"
+#: the autotune rows' dtype per family (what cached_client.gemm.plan asks for)
+AUTOTUNE_DTYPE = {FAMILY: DTYPE, BF16_FAMILY: "bf16"}
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_TOP = 3
 DEFAULT_NEAR = 2
@@ -179,8 +188,23 @@ def shapes_to_tune(client: Any, shapes: Iterable[tuple[int, int]] = (),
 
         out += [(n, k) for n, k in _manifest_nk(load(manifest))]
     if planned:
-        out += [(r["n"], r["k"]) for r in client.planned(FAMILY, timeout=30)]
+        out += planned_shapes(client, FAMILY)
     return list(dict.fromkeys(out))
+
+
+def planned_shapes(client: Any, family: str) -> list[tuple[int, int]]:
+    """The (N, K) clients planned with ``family`` on this daemon (its ``planned`` op), each
+    once: a bf16 scheme tunes what bf16 plans asked for, an FP8 scheme what FP8 plans did."""
+    return list(dict.fromkeys((r["n"], r["k"]) for r in client.planned(family, timeout=30)))
+
+
+def by_family(schemes: Sequence[str]) -> dict[str, list[str]]:
+    """{family: its schemes among ``schemes``}, in the order they first appear
+    (scheme_family; ValueError for an unknown scheme)."""
+    out: dict[str, list[str]] = {}
+    for scheme in check_schemes(schemes):
+        out.setdefault(scheme_family(scheme), []).append(scheme)
+    return out
 
 
 def _manifest_nk(manifest: Any) -> list[tuple[int, int]]:
@@ -192,16 +216,49 @@ def scheme_options(family: str = FAMILY) -> dict[str, dict[str, Any]]:
     return families.get(family).tune_schemes()
 
 
-def check_schemes(names: Sequence[str], family: str = FAMILY) -> list[str]:
-    """``names`` in order, each once ("all": every scheme the family declares);
-    ValueError naming the known schemes for any other."""
-    known = scheme_options(family)
+def all_schemes() -> dict[str, str]:
+    """{scheme name: family} of every scheme of TUNED_FAMILIES, in their order; a name two
+    families declare is a bug (RuntimeError)."""
+    out: dict[str, str] = {}
+    for fam in TUNED_FAMILIES:
+        for name in scheme_options(fam):
+            if name in out:
+                raise RuntimeError(f"the tune scheme {name!r} is declared by {out[name]} "
+                                   f"and {fam}")
+            out[name] = fam
+    return out
+
+
+def scheme_family(scheme: str) -> str:
+    """The family that declares ``scheme``; ValueError naming the known schemes."""
+    known = all_schemes()
+    if scheme not in known:
+        raise ValueError(f"cached tune tunes the schemes {', '.join(known)} (or 'all'); "
+                         f"got {scheme!r}")
+    return known[scheme]
+
+
+def target_for(target: Target, scheme: str) -> Target:
+    """``target`` for the family of ``scheme``: itself when it is that family's, else the
+    same device and toolchain with that family and its first operand type (bf16 for
+    cached.hopper_bf16, e4m3 for cached.hopper_fp8)."""
+    fam = scheme_family(scheme)
+    if target.family == fam:
+        return target
+    return dataclasses.replace(target, family=fam, ab_dtype=families.get(fam).ab_dtypes[0])
+
+
+def check_schemes(names: Sequence[str], family: str | None = None) -> list[str]:
+    """``names`` in order, each once ("all": every scheme of ``family``, or of every
+    family of TUNED_FAMILIES for None); ValueError naming the known schemes for any
+    other."""
+    known = scheme_options(family) if family else all_schemes()
     out: list[str] = []
     for name in names:
         for one in (list(known) if name == "all" else [name]):
             if one not in known:
-                raise ValueError(f"{family} tunes the schemes {', '.join(known)} (or 'all'); "
-                                 f"got {one!r}")
+                raise ValueError(f"{family or 'cached tune'} tunes the schemes "
+                                 f"{', '.join(known)} (or 'all'); got {one!r}")
             if one not in out:
                 out.append(one)
     return out
@@ -214,7 +271,9 @@ def candidates(client: Any, n: int, k: int, m: int, target: Target, top: int = D
     daemon's batch-invariant plan of the scheme, then the family's neighbours that plan
     lists (see module doc); the plan's first choice is candidates[0]. Every candidate is of
     the one class the daemon's reply names (checked: ValueError otherwise). The daemon's
-    InvalidTactic when the scheme plans nothing for (N, K) (e.g. block128 at K % 128)."""
+    InvalidTactic when the scheme plans nothing for (N, K) (e.g. block128 at K % 128).
+    ``target`` is taken for the scheme's family (target_for)."""
+    target = target_for(target, scheme)
     fam = families.get(target.family)
     opts = scheme_options(target.family).get(scheme)
     if opts is None:
@@ -270,8 +329,8 @@ def _median(xs: Sequence[float]) -> float:
 def published(client: Any, n: int, k: int, target: Target, cls: str) -> dict[int, dict]:
     """{bucket: row} of the winners already recorded for (N, K) on this target and class."""
     rows = client.autotune_get(p.AutotuneGetRequest(
-        op_name=OP, n=n, k=k, dtype=DTYPE, arch=target.arch, device=target.device,
-        toolchain=target.toolchain, reduction_class=cls), timeout=30)
+        op_name=OP, n=n, k=k, dtype=AUTOTUNE_DTYPE[target.family], arch=target.arch,
+        device=target.device, toolchain=target.toolchain, reduction_class=cls), timeout=30)
     return {int(r["bucket"]): r for r in rows if r.get("kernel") == target.family}
 
 
@@ -292,12 +351,14 @@ def tune(client: Any, shapes: Sequence[tuple[int, int]], timer: Timer, target: T
     ``results``, when given, holds what was done); a (scheme, shape) gets at least one
     bucket, then none once ``budget_s`` is spent. A scheme that plans nothing for a shape
     (InvalidTactic: e.g. block128 at K % 128) is reported in ``not_planned``, not an
-    error."""
+    error. Each scheme is tuned for its own family (target_for: a bf16 scheme with bf16
+    operands, its winners under dtype bf16)."""
     results = [] if results is None else results
-    names = check_schemes(schemes, target.family)
+    names = check_schemes(schemes)
     for scheme in names:
+        scheme_target = target_for(target, scheme)
         for n, k in shapes:
-            _tune_shape(client, n, k, scheme, timer, target, buckets, top, near, rounds,
+            _tune_shape(client, n, k, scheme, timer, scheme_target, buckets, top, near, rounds,
                         margin, budget_s, force, progress, results)
     return results
 
@@ -365,7 +426,8 @@ def _tune_bucket(client: Any, timer: Timer, n: int, k: int, m: int, target: Targ
         return None
     us = _median(times[win])
     client.autotune_put(p.AutotunePutRequest(
-        op_name=OP, n=n, k=k, dtype=DTYPE, arch=target.arch, device=target.device, bucket=m,
+        op_name=OP, n=n, k=k, dtype=AUTOTUNE_DTYPE[target.family], arch=target.arch,
+        device=target.device, bucket=m,
         kernel=target.family, tactic=dict(cands[win].params), time_us=max(us, 1e-6),
         replace=True, toolchain=target.toolchain, reduction_class=cls), timeout=30)
     first = _median(times[0]) if times.get(0) else float("nan")
@@ -379,7 +441,7 @@ def _tune_bucket(client: Any, timer: Timer, n: int, k: int, m: int, target: Targ
 
 
 def _name(request: KernelRequest) -> str:
-    if request.family == FAMILY:
+    if request.family in TUNED_FAMILIES:
         from .families.hopper_fp8.tactic import tactic_from_params
 
         return tactic_from_params(request.params).name

@@ -1,10 +1,12 @@
 """The timing core of ``cached tune`` (cached.tune.Timer) on a CUDA device; imports torch.
 
 For one (N, K), M and reduction-order class (cached.hopper_fp8: its scheme, scales and
-accumulation, is part of the class id): each candidate is loaded through the client
+accumulation, is part of the class id; cached.hopper_bf16: the scheme ``"none"``, bf16
+operands, no scales, :func:`scheme_of`): each candidate is loaded through the client
 (``Client.load``: from the daemon's store; a serve-only daemon answers only what it holds,
 and a candidate it lacks is left out as "not in this node's store"); its output on fresh
-Gaussian FP8 data and the scheme's scales (:func:`operands`) is checked before any timing:
+Gaussian data of the family's operand type (FP8 e4m3 or bf16, :func:`data`) and the
+scheme's scales (:func:`operands`) is checked before any timing:
 the first candidate against a float32 reference (:func:`reference`), relative error within
 the class's bound at that K (``Family.tune_error_bound``, the output's own rounding of the
 reference measured on the same data), every other one bitwise equal to the first correct
@@ -26,7 +28,7 @@ from cached_client.errors import CachedError
 from cached_client.gemm.hopper_fp8 import alloc_workspace, gemm
 from cached_client.keys import KernelRequest
 
-from .families.hopper_fp8.tactic import BLOCK, class_scheme
+from .families.hopper_fp8.tactic import BLOCK, NO_SCALES, bf16_class_splits, class_scheme
 from .log import event
 from .tune import NOT_BITWISE, Timing, judge, load_failure
 
@@ -39,11 +41,33 @@ MIN_GRAPH_US = 2000.0  # a replay lasts at least this long (event resolution, la
 MAX_ITERS = 50
 
 
+def scheme_of(reduction_class: str) -> tuple[str, str]:
+    """(accum, scales) of a class id of cached.hopper_fp8 or cached.hopper_bf16 (its
+    classes: ("fast", "none")); ValueError naming the class for any other."""
+    try:
+        _, accum, scales = class_scheme(reduction_class)
+        return accum, scales
+    except ValueError:
+        bf16_class_splits(reduction_class)  # ValueError when it is neither family's
+        return "fast", NO_SCALES
+
+
+def data(scales: str, rows: int, cols: int, gen: torch.Generator, dev: str = "cuda"
+         ) -> torch.Tensor:
+    """A (rows, cols) Gaussian operand of the scheme's type: bf16 for ``"none"`` (the bf16
+    family), else float8_e4m3fn."""
+    x = torch.randn(rows, cols, device=dev, generator=gen)
+    return x.to(torch.bfloat16 if scales == NO_SCALES else torch.float8_e4m3fn)
+
+
 def operands(scales: str, m: int, n: int, k: int, gen: torch.Generator, dev: str = "cuda"
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(a_scale, b_scale) of the scheme, float32 on ``dev`` (``gen``'s device): per-tensor
     SCALE_A / SCALE_B; per-token (M,) and (N,) in [0.5, 2); block128 (M, K/128)
-    column-major and (ceil(N/128), K/128) row-major in [0.5, 2) (the launcher's layouts)."""
+    column-major and (ceil(N/128), K/128) row-major in [0.5, 2) (the launcher's layouts);
+    (None, None) for ``"none"`` (bf16 operands read no scale)."""
+    if scales == NO_SCALES:
+        return None, None
     if scales == "tensor":
         return (torch.tensor([SCALE_A], device=dev), torch.tensor([SCALE_B], device=dev))
     if scales == "token":
@@ -54,15 +78,18 @@ def operands(scales: str, m: int, n: int, k: int, gen: torch.Generator, dev: str
             torch.rand(nb, kb, device=dev, generator=gen) * 1.5 + 0.5)
 
 
-def reference(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
-              scales: str) -> torch.Tensor:
-    """The scheme's C = (a @ b^T) scaled, in float32 (the operands' products are exact)."""
+def reference(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor | None,
+              sb: torch.Tensor | None, scales: str) -> torch.Tensor:
+    """The scheme's C = (a @ b^T) scaled (``"none"``: unscaled), in float32 (the operands'
+    products are exact in float32, FP8 and bf16 alike)."""
     if scales == "block128":
         n, k = b.shape
         fa = a.float() * sa.repeat_interleave(BLOCK, dim=1)[:, :k]
         fb = b.float() * sb.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
         return fa @ fb.T
     c = a.float() @ b.float().T
+    if scales == NO_SCALES:
+        return c
     if scales == "token":
         return c * sa.reshape(-1, 1) * sb.reshape(1, -1)
     return c * (sa * sb)
@@ -71,9 +98,12 @@ def reference(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tens
 def competitor(scales: str, accum: str, out_dtype: torch.dtype = torch.bfloat16
                ) -> tuple[str, Callable[..., torch.Tensor]] | None:
     """(label, fn(a, b, a_scale, b_scale)) of the scheme's competitor in torch: cuBLAS
-    ``torch._scaled_mm`` per-tensor or rowwise, fast accumulation as the scheme's; None for
+    ``torch._scaled_mm`` per-tensor or rowwise, fast accumulation as the scheme's;
+    ``torch.mm`` (cuBLAS, the scales ignored) for bf16 operands (``"none"``); None for
     block128 (torch has no 128x128 block kernel: its competitors are vLLM's)."""
     fast = accum == "fast"
+    if scales == NO_SCALES:
+        return ("torch.mm", lambda a, b, sa, sb: torch.mm(a, b.t()))
     if scales == "tensor":
         return (f"torch._scaled_mm {accum}", lambda a, b, sa, sb: torch._scaled_mm(
             a, b.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast))
@@ -101,18 +131,16 @@ class CudaTimer:
         self.gen = torch.Generator(device="cuda").manual_seed(seed)
         self.skipped: list[str] = []  # why candidates were left out, for the report
 
-    def _fp8(self, rows: int, cols: int) -> torch.Tensor:
-        return torch.randn(rows, cols, device="cuda", generator=self.gen).to(
-            torch.float8_e4m3fn)
-
     def time(self, n: int, k: int, m: int, kernels: Sequence[KernelRequest],
              rounds: int, reduction_class: str) -> Timing:
-        _, accum, scales = class_scheme(reduction_class)
+        accum, scales = scheme_of(reduction_class)
+        family = kernels[0].family if kernels else self.family
         sa, sb = operands(scales, m, n, k, self.gen)
-        per = m * k + n * k + 2 * m * n
+        ab_bytes = 2 if scales == NO_SCALES else 1
+        per = ab_bytes * (m * k + n * k) + 2 * m * n
         nsets = max(2, min(MAX_SETS, -(-ROTATE_BYTES // per)))
-        A = [self._fp8(m, k) for _ in range(nsets)]
-        B = [self._fp8(n, k) for _ in range(nsets)]
+        A = [data(scales, m, k, self.gen) for _ in range(nsets)]
+        B = [data(scales, n, k, self.gen) for _ in range(nsets)]
         C = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in range(nsets)]
         ref = reference(A[0], B[0], sa, sb, scales)
         floor = max(rel_err(ref.to(torch.bfloat16), ref), 1e-30)
@@ -138,7 +166,7 @@ class CudaTimer:
             launch(0)
             out = C[0].clone()
             if first_out is None:
-                wrong = judge(rel_err(out, ref), reduction_class, k, floor, self.family)
+                wrong = judge(rel_err(out, ref), reduction_class, k, floor, family)
                 if wrong is not None:
                     timing.left_out[i] = wrong
                     self.skipped.append(f"{n}x{k} M={m} {r.params}: {wrong[1]}")

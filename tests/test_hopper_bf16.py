@@ -95,8 +95,15 @@ def test_each_family_serves_its_own_operand_type_only():
         family(BF16).reduction_class(f)
     assert family(BF16).canonical_params(b, "sm_90a") == b
     assert family(FP8).canonical_params(f, "sm_90a") == f
-    # cached tune declares no scheme for bf16 (the FP8 schemes' scale options are not its own)
-    assert family(BF16).tune_schemes() == {} and "tensor-fast" in family(FP8).tune_schemes()
+    # cached tune: each family's own schemes (bf16's takes no scale option), each family's
+    # bound for its own classes only (tests/test_tune.py: the bf16 scheme end to end)
+    assert family(BF16).tune_schemes() == {"bf16": {}}
+    assert "tensor-fast" in family(FP8).tune_schemes()
+    assert not set(family(BF16).tune_schemes()) & set(family(FP8).tune_schemes())
+    bcls = family(BF16).reduction_class(b)
+    assert family(BF16).tune_error_bound(bcls, 4096, 1.66e-3) < 4e-3
+    with pytest.raises(ValueError, match="unknown cached.hopper_fp8 reduction class"):
+        family(FP8).tune_error_bound(bcls, 4096, 1.66e-3)
 
 
 def test_batch_invariant_plan_is_one_class_for_every_m():

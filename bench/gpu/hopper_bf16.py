@@ -30,12 +30,9 @@ import ast
 import json
 import math
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 # Llama-3.1-8B, Qwen2.5-7B (N x K: qkv, o, gate_up, down), the two lm_heads
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
@@ -137,71 +134,21 @@ def build(out: str, jobs: int) -> None:
 
     p, params = plans()
     names = list(dict.fromkeys(nm for pl in p.values() for nm in pl["by_m"].values()))
-    os.makedirs(os.path.join(out, "kernels"), exist_ok=True)
     from cached.families.hopper_fp8.tactic import tactic_from_params
 
-    entries = []
-    for i, nm in enumerate(names):
-        t = tactic_from_params(params[nm])
-        sym = f"bf16_{i:03d}"
-        entries.append({"name": nm, "params": params[nm], "symbol": sym,
-                        "so": f"kernels/{sym}.so", "class": t.reduction_class,
-                        "mac": NUM_SMS // t.cluster_size})
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
-               PYTHONPATH=f"{REPO}:{os.path.join(REPO, 'client')}")
-    tmp = os.path.join(out, "obj")
-    os.makedirs(tmp, exist_ok=True)
-    t0 = time.perf_counter()
-
-    def built(e):
-        ok = Path(out, e["so"] + ".ok")
-        return ok.exists() and ok.read_text() == json.dumps(e["params"], sort_keys=True)
-
-    import tvm_ffi
-
-    site = os.path.dirname(os.path.dirname(tvm_ffi.__file__))
-    rt = os.path.join(site, "nvidia_cutlass_dsl", "cu13", "lib")
-    ffi = os.path.join(site, "tvm_ffi", "lib")
-
-    def finish(proc, e):
-        if proc.wait():
-            raise SystemExit(f"compile of {e['name']} failed")
-        obj = os.path.join(tmp, e["symbol"] + ".o")
-        subprocess.check_call(["gcc", "-shared", "-o", os.path.join(out, e["so"]), obj,
-                               f"-L{rt}", "-lcute_dsl_runtime", f"-L{ffi}", "-ltvm_ffi"])
-        Path(out, e["so"] + ".ok").write_text(json.dumps(e["params"], sort_keys=True))
-
-    todo = [e for e in entries if not built(e)]
-    running: list = []
-    for e in todo:
-        while len(running) >= jobs:
-            finish(*running.pop(0))
-        running.append((subprocess.Popen(
-            [sys.executable, "-m", "cached.families.hopper_fp8.compile", "--params",
-             json.dumps(e["params"]), "--max-active-clusters", str(e["mac"]), "--out",
-             os.path.join(tmp, e["symbol"] + ".o"), "--symbol", e["symbol"]],
-            env=env, stdout=subprocess.DEVNULL), e))
-    for proc, e in running:
-        finish(proc, e)
-    shutil.rmtree(tmp)
-    if not os.path.exists(os.path.join(out, "libcute_dsl_runtime.so.xz")):
-        subprocess.check_call(f"xz -6 -T2 -c {rt}/libcute_dsl_runtime.so > "
-                              f"{out}/libcute_dsl_runtime.so.xz", shell=True)
-    digests = _bundle_natives().record(out, entries, os.path.join(rt, "libcute_dsl_runtime.so"))
-    shutil.copy2(__file__, os.path.join(out, "hopper_bf16.py"))
-    shutil.copy2(os.path.join(HERE, "bundle_natives.py"), out)
+    natives = _bundle_natives()
+    entries, compiled_now, seconds = natives.compile_kernels(
+        out, [(nm, tactic_from_params(params[nm])) for nm in names], "bf16", jobs, REPO,
+        NUM_SMS)
+    digests = natives.finish(out, entries, [__file__], REPO)
     copy_vllm_matmul(out)
-    cdst = os.path.join(out, "client", "cached_client")
-    shutil.rmtree(cdst, ignore_errors=True)
-    shutil.copytree(os.path.join(REPO, "client", "cached_client"), cdst,
-                    ignore=shutil.ignore_patterns("__pycache__"))
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump({"kernels": entries, "plans": p, "buckets": buckets(),
-                   "source_sha256": HopperBf16().source_sha256(), "compiled_now": len(todo),
-                   "compile_wall_seconds": round(time.perf_counter() - t0, 1), **digests},
-                  f, indent=1)
-    print(f"{len(entries)} kernels ({len(todo)} compiled now, "
-          f"{time.perf_counter() - t0:.0f} s); {len(p)} plans")
+                   "source_sha256": HopperBf16().source_sha256(),
+                   "compiled_now": compiled_now, "compile_wall_seconds": round(seconds, 1),
+                   **digests}, f, indent=1)
+    print(f"{len(entries)} kernels ({compiled_now} compiled now, {seconds:.0f} s); "
+          f"{len(p)} plans")
 
 
 # ====================================================================================

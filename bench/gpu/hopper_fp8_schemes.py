@@ -39,10 +39,8 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 # the seed shapes, a small N with a large K (and the held-out K = 18944 of issue 27), a very
 # large N: (N, K)
@@ -222,73 +220,20 @@ def build(out: str, jobs: int, schemes: list[str] | None = None) -> None:
         by_name.setdefault(t.name, t)
         if t.name not in names:
             names.append(t.name)
-    os.makedirs(os.path.join(out, "kernels"), exist_ok=True)
-    entries = []
-    for i, nm in enumerate(names):
-        t = by_name[nm]
-        sym = f"fp8s_{i:03d}"
-        entries.append({"name": nm, "params": t.to_params(), "symbol": sym,
-                        "so": f"kernels/{sym}.so", "class": t.reduction_class,
-                        "mac": NUM_SMS // t.cluster_size})
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
-               PYTHONPATH=f"{REPO}:{os.path.join(REPO, 'client')}")
-    tmp = os.path.join(out, "obj")
-    os.makedirs(tmp, exist_ok=True)
-    t0 = time.perf_counter()
-    def built(e):  # by an earlier build into this folder, from the same params
-        ok = Path(out, e["so"] + ".ok")
-        return ok.exists() and ok.read_text() == json.dumps(e["params"], sort_keys=True)
-
-    todo = [e for e in entries if not built(e)]
-    running: list = []
-    import tvm_ffi
-
-    site = os.path.dirname(os.path.dirname(tvm_ffi.__file__))
-    rt = os.path.join(site, "nvidia_cutlass_dsl", "cu13", "lib")
-    ffi = os.path.join(site, "tvm_ffi", "lib")
-
-    def finish(proc, e):
-        if proc.wait():
-            raise SystemExit(f"compile of {e['name']} failed")
-        obj = os.path.join(tmp, e["symbol"] + ".o")
-        subprocess.check_call(["gcc", "-shared", "-o", os.path.join(out, e["so"]), obj,
-                               f"-L{rt}", "-lcute_dsl_runtime", f"-L{ffi}", "-ltvm_ffi"])
-        with open(os.path.join(out, e["so"] + ".ok"), "w") as f:
-            f.write(json.dumps(e["params"], sort_keys=True))
-
-    for e in todo:
-        while len(running) >= jobs:
-            proc, ee = running.pop(0)
-            finish(proc, ee)
-        running.append((subprocess.Popen(
-            [sys.executable, "-m", "cached.families.hopper_fp8.compile", "--params",
-             json.dumps(e["params"]), "--max-active-clusters", str(e["mac"]), "--out",
-             os.path.join(tmp, e["symbol"] + ".o"), "--symbol", e["symbol"]],
-            env=env, stdout=subprocess.DEVNULL), e))
-    for proc, e in running:
-        finish(proc, e)
-    shutil.rmtree(tmp)
-    if not os.path.exists(os.path.join(out, "libcute_dsl_runtime.so.xz")):
-        subprocess.check_call(f"xz -6 -T2 -c {rt}/libcute_dsl_runtime.so > "
-                              f"{out}/libcute_dsl_runtime.so.xz", shell=True)
-    digests = _bundle_natives().record(out, entries, os.path.join(rt, "libcute_dsl_runtime.so"))
-    shutil.copy2(__file__, os.path.join(out, "hopper_fp8_schemes.py"))
-    shutil.copy2(os.path.join(HERE, "bundle_natives.py"), out)
+    natives = _bundle_natives()
+    entries, compiled_now, seconds = natives.compile_kernels(
+        out, [(nm, by_name[nm]) for nm in names], "fp8s", jobs, REPO, NUM_SMS)
+    digests = natives.finish(out, entries, [__file__], REPO)
     copy_vllm_triton(out)
-    cdst = os.path.join(out, "client", "cached_client")
-    shutil.rmtree(cdst, ignore_errors=True)
-    shutil.copytree(os.path.join(REPO, "client", "cached_client"), cdst,
-                    ignore=shutil.ignore_patterns("__pycache__"))
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump({"kernels": entries, "plan": p, "shapes": SHAPES, "ms": MS,
                    "block_plan": bp, "block_shapes": BLOCK_SHAPES, "block_ms": BLOCK_MS,
                    "alts": alts,
                    "source_sha256": HopperFp8().source_sha256(),
-                   "compiled_now": len(todo),
-                   "compile_wall_seconds": round(time.perf_counter() - t0, 1), **digests}, f,
+                   "compiled_now": compiled_now,
+                   "compile_wall_seconds": round(seconds, 1), **digests}, f,
                   indent=1)
-    print(f"{len(entries)} kernels ({len(todo)} compiled now, "
-          f"{time.perf_counter() - t0:.0f} s)")
+    print(f"{len(entries)} kernels ({compiled_now} compiled now, {seconds:.0f} s)")
 
 
 # ====================================================================================

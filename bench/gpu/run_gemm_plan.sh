@@ -20,13 +20,8 @@ if [[ $mode == build ]]; then
     "${SHAPES[@]}" | tee "$BUNDLE/build.log"
   rm -rf "$BUNDLE/store/tmp" "$BUNDLE/store/index.sqlite-wal" "$BUNDLE/store/index.sqlite-shm"
   cp "$("$PY" -c 'from cached.compiler_stack import runtime_library_path as p; print(p())')" "$BUNDLE/"
-  for pkg in apache-tvm-ffi sqlite-utils click click-default-group python-dateutil tzdata \
-             pluggy tabulate sqlite-fts4; do
-    ver=$("$PY" -c "import importlib.metadata as m; print(m.version('$pkg'))")
-    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 -d "$BUNDLE/wheels" "$pkg==$ver"
-  done
+  source bench/gpu/wheels.sh
+  cp312_wheels "$PY" "$BUNDLE/wheels" "${DAEMON_DEPS[@]}"
   mkdir -p "$BUNDLE/src/client"
   cp -r cached "$BUNDLE/src/" && cp -r client/cached_client "$BUNDLE/src/client/"
   cp bench/gpu/run_gemm_plan.sh bench/gpu/gemm_plan_check.py "$BUNDLE/"

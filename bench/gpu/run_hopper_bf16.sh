@@ -12,11 +12,8 @@ if [[ $mode == build ]]; then
   py=${PYTHON:-.venv/bin/python}
   CUTE_DSL_ARCH=sm_90a "$py" bench/gpu/hopper_bf16.py build --out "$D" --jobs "${JOBS:-2}"
   # the cp312 TVM-FFI wheel of this venv's version (the kernels were built against it)
-  ver=$("$py" -c "import importlib.metadata as m; print(m.version('apache-tvm-ffi'))")
-  ls "$D"/apache_tvm_ffi-"$ver"-*.whl >/dev/null 2>&1 || "$py" -m pip download -q --no-deps \
-    --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d "$D" "apache-tvm-ffi==$ver"
+  source bench/gpu/wheels.sh
+  cp312_wheels "$py" "$D" apache-tvm-ffi
   cp bench/gpu/run_hopper_bf16.sh "$D/"
   du -sh "$D"
   exit 0

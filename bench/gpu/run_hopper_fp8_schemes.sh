@@ -27,10 +27,8 @@ if [[ $mode == build ]]; then
   fi
   # the cp312 TVM-FFI wheel of this venv's version (the kernels were built against it)
   py=${PYTHON:-.venv/bin/python}
-  ver=$("$py" -c "import importlib.metadata as m; print(m.version('apache-tvm-ffi'))")
-  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d "$D/b" "apache-tvm-ffi==$ver"
+  source bench/gpu/wheels.sh
+  cp312_wheels "$py" "$D/b" apache-tvm-ffi
   cp bench/gpu/run_hopper_fp8_schemes.sh "$D/b/"
   du -sh "$D"/*
   exit 0

@@ -1,20 +1,31 @@
 #!/usr/bin/env bash
-# `cached tune` on the H200 through a serve-only daemon holding a store built here, then a
-# second process plans from the winners and times the plans before and after
-# (bench/gpu/tune_check.py).
+# `cached certify` and `cached tune` on a GPU node installed as a node is: the daemon's and
+# the client's wheels (built here from this checkout) installed with their dependencies'
+# wheels into a venv there (`python3 -m venv --system-site-packages`: the image's CUDA
+# torch; `pip install --no-index --no-deps`), the commands run from its bin/ (no
+# PYTHONPATH), a serve-only daemon holding a store built here; then a second process plans
+# from the winners and times the plans before and after (bench/gpu/tune_check.py).
 #
 #   here:  BUNDLE=DIR bench/gpu/run_tune.sh build   -> DIR (git-ignored): store/ (every
-#          candidate cached tune times: tune_bundle.py), the DSL runtime (xz), cp312 wheels
-#          of the daemon's pure-Python dependencies and of TVM-FFI, a copy of the code
-#          (src/) and this script with tune_check.py
-#   there: bash DIR/run_tune.sh gpu                   (device tool, carry [DIR])
+#          candidate cached tune times: tune_bundle.py; what certify runs:
+#          certify_bundle.py) and store.tar.xz (the same, 1/30 the size: what is carried),
+#          the DSL runtime (xz), wheels/ (cached-kernel-daemon and
+#          cached-kernel-client from this checkout, cp312 wheels of the daemon's pure-Python
+#          dependencies and of TVM-FFI), this script and tune_check.py
+#   there: bash DIR/run_tune.sh gpu                   (device tool: carry DIR's wheels,
+#          store.tar.xz, libcute_dsl_runtime.so.xz, env.sh, run_tune.sh, tune_check.py;
+#          or all of DIR, where store/ fits too)
 set -euo pipefail
-# SHAPES (N,K N,K ..) and SCHEMES (cached tune's names, comma-separated) from the
-# environment, here and there alike; the default: models not in manifests/: Qwen2.5-7B (qkv,
-# o, gate_up, down), Gemma-2-9B (qkv, o, gate_up, down), Llama-3.1-405B's qkv_proj at
-# tensor parallel 16 (a small N, a large K), per-tensor fast
-read -r -a SHAPES <<< "${SHAPES:-4608,3584 3584,3584 37888,3584 3584,18944 8192,3584 3584,4096 28672,3584 3584,14336 1152,16384}"
+# RUNS: groups "SCHEMES=N,K N,K ...", separated by ';' (SCHEMES: cached tune's names,
+# comma-separated; a group's schemes are tuned on its shapes only), here and there alike;
+# without RUNS, one group "$SCHEMES=$SHAPES". The default: models not in manifests/:
+# Qwen2.5-7B (qkv, o, gate_up, down), Gemma-2-9B (qkv, o, gate_up, down), Llama-3.1-405B's
+# qkv_proj at tensor parallel 16 (a small N, a large K), per-tensor fast.
+SHAPES=${SHAPES:-4608,3584 3584,3584 37888,3584 3584,18944 8192,3584 3584,4096 28672,3584 3584,14336 1152,16384}
 SCHEMES=${SCHEMES:-tensor-fast}
+RUNS=${RUNS:-$SCHEMES=$SHAPES}
+# CERTIFY: the FP8 weight shapes `cached certify` measures (CERTIFY_LIMIT tactics each)
+CERTIFY=${CERTIFY:-${SHAPES%% *}} CERTIFY_LIMIT=${CERTIFY_LIMIT:-3}
 TOP=${TOP:-3} NEAR=${NEAR:-2} ROUNDS=${ROUNDS:-5} BUDGET=${BUDGET:-60}
 # there, optional: REPEAT=1 runs cached tune a second time (a resumed run: nothing to time);
 # WIDE=N,K (WIDE_TOP, WIDE_NEAR, WIDE_BUCKETS) a forced wider search on one shape
@@ -26,83 +37,146 @@ if [[ $mode == build ]]; then
   PY=${PYTHON:-.venv/bin/python}
   if [[ ! -d $BUNDLE/store ]]; then  # the store takes a while: kept when there
     mkdir -p "$BUNDLE"
-    CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/tune_bundle.py "$BUNDLE/store" "$TOP" "$NEAR" \
-      --schemes "$SCHEMES" "${SHAPES[@]}" | tee "$BUNDLE/build.log"
+    IFS=';' read -r -a groups <<< "$RUNS"
+    for g in "${groups[@]}"; do
+      read -r -a shapes <<< "${g#*=}"
+      CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/tune_bundle.py "$BUNDLE/store" "$TOP" \
+        "$NEAR" --schemes "${g%%=*}" "${shapes[@]}" | tee -a "$BUNDLE/build.log"
+    done
+    read -r -a cert <<< "$CERTIFY"
+    CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/certify_bundle.py "$BUNDLE/store" \
+      "$CERTIFY_LIMIT" "${cert[@]}" | tee -a "$BUNDLE/build.log"
   fi
   rm -rf "$BUNDLE/store/tmp" "$BUNDLE/store/index.sqlite-wal" "$BUNDLE/store/index.sqlite-shm" \
     "$BUNDLE/wheels" "$BUNDLE/src"
+  tar -C "$BUNDLE" -cf - store | xz -6 -T2 > "$BUNDLE/store.tar.xz"
   mkdir -p "$BUNDLE/wheels"
   [[ -f $BUNDLE/libcute_dsl_runtime.so.xz ]] || xz -6 -c \
     "$("$PY" -c 'from cached.compiler_stack import runtime_library_path as p; print(p())')" \
     > "$BUNDLE/libcute_dsl_runtime.so.xz"
-  for pkg in apache-tvm-ffi sqlite-utils click click-default-group python-dateutil tzdata \
-             pluggy tabulate sqlite-fts4; do
-    ver=$("$PY" -c "import importlib.metadata as m; print(m.version('$pkg'))")
-    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 -d "$BUNDLE/wheels" "$pkg==$ver"
-  done
-  mkdir -p "$BUNDLE/src/client"
-  cp -r cached "$BUNDLE/src/" && cp -r client/cached_client "$BUNDLE/src/client/"
+  source bench/gpu/wheels.sh
+  cp312_wheels "$PY" "$BUNDLE/wheels" "${DAEMON_DEPS[@]}"  # the image's torch is CUDA's
+  # the project's two distributions, as a node installs them (pure Python: any version)
+  rm -rf build client/build
+  "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$BUNDLE/wheels" ./client .
+  rm -rf build client/build ./*.egg-info client/*.egg-info
   cp bench/gpu/run_tune.sh bench/gpu/tune_check.py "$BUNDLE/"
-  printf 'SHAPES="%s"\nSCHEMES=%s\n' "${SHAPES[*]}" "$SCHEMES" > "$BUNDLE/env.sh"  # what it holds
-  find "$BUNDLE/src" -name __pycache__ -prune -exec rm -rf {} +
+  printf 'RUNS="%s"\nCERTIFY="%s"\nCERTIFY_LIMIT=%s\n' "$RUNS" "$CERTIFY" "$CERTIFY_LIMIT" \
+    > "$BUNDLE/env.sh"  # what the store holds
+  ls -la "$BUNDLE/wheels"
   du -sh "$BUNDLE"
   exit 0
 fi
 
 if [[ $mode == gpu ]]; then
   BUNDLE=$(cd "$(dirname "$0")" && pwd)
-  # the shapes and schemes the store was built for (env.sh, written by build)
+  # the groups the store was built for (env.sh, written by build)
   if [[ -f $BUNDLE/env.sh ]]; then source "$BUNDLE/env.sh"; fi
-  read -r -a SHAPES <<< "$SHAPES"
+  IFS=';' read -r -a groups <<< "$RUNS"
   OUT=${OUT:-/tmp/tune_out}
+  # this run's own paths (a warm machine may hold another run's daemon and store)
+  RUN=/tmp/tune_run STORE=/tmp/tune_run/store SOCK=/tmp/tune_run.sock
   mkdir -p "$OUT"
   t0=$(date +%s)
-  rm -rf /tmp/tune_site  # a warm machine may hold another run's /tmp/site (other versions)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/tune_site \
-    "$BUNDLE"/wheels/*.whl
-  xz -dc "$BUNDLE/libcute_dsl_runtime.so.xz" > /tmp/libcute_dsl_runtime.so
-  export PYTHONPATH=/tmp/tune_site:$BUNDLE/src/client:$BUNDLE/src PYTHONUNBUFFERED=1
-  export CACHED_DSL_RUNTIME=/tmp/libcute_dsl_runtime.so
+  nvidia-smi -L | tee "$OUT/nvidia-smi-L.txt" || true
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
     | tee "$OUT/nvidia-smi.txt" || true
-  rm -rf /tmp/store && cp -r "$BUNDLE/store" /tmp/store
-  python3 -c "import tvm_ffi, sys; print('tvm_ffi', tvm_ffi.__version__, tvm_ffi.__file__)"
-  cd /tmp  # `python3 -m` puts the working directory first on sys.path: the bundle's code only
-  python3 -m cached serve --serve-only --store /tmp/store --socket /tmp/cached.sock --no-http \
+  # the node's environment: a venv over the image's CUDA torch, the wheels installed in it
+  rm -rf /tmp/tune_node  # a warm machine may hold another run's
+  NODE=/tmp/tune_node/bin
+  if python3 -m venv --system-site-packages /tmp/tune_node 2> "$OUT/venv.log"; then
+    "$NODE/python" -m pip install -q --no-index --no-deps --no-cache-dir "$BUNDLE"/wheels/*.whl
+  else  # an image without ensurepip: the venv without pip, the system's pip installs into it
+    cat "$OUT/venv.log"
+    python3 -m venv --system-site-packages --without-pip /tmp/tune_node
+    python3 -m pip --python "$NODE/python" install -q --no-index --no-deps --no-cache-dir \
+      "$BUNDLE"/wheels/*.whl
+  fi
+  xz -dc "$BUNDLE/libcute_dsl_runtime.so.xz" > /tmp/tune_node/libcute_dsl_runtime.so
+  # a serve-only node has no DSL compiler installed: its clients open the runtime named here
+  export CACHED_DSL_RUNTIME=/tmp/tune_node/libcute_dsl_runtime.so PYTHONUNBUFFERED=1
+  unset PYTHONPATH
+  cd /tmp  # nothing of the bundle on sys.path: the installed packages only
+  "$NODE/python" - <<'PY' | tee "$OUT/installed.txt"
+import importlib.metadata as m, cached, cached_client, tvm_ffi
+for d in ("cached-kernel-daemon", "cached-kernel-client", "apache-tvm-ffi", "sqlite-utils"):
+    print(d, m.version(d))
+print("cached from", cached.__file__)
+print("cached_client from", cached_client.__file__)
+try:
+    import torch
+    print("torch", torch.__version__, "CUDA", torch.version.cuda, "from", torch.__file__)
+except ImportError as exc:
+    print("no torch here:", exc)
+PY
+  rm -rf "$RUN" && mkdir -p "$RUN"
+  if [[ -f $BUNDLE/store.tar.xz ]]; then tar -C "$RUN" -xJf "$BUNDLE/store.tar.xz"
+  else cp -r "$BUNDLE/store" "$STORE"; fi
+  "$NODE/cached" serve --serve-only --store "$STORE" --socket "$SOCK" --no-http \
     > "$OUT/daemon.log" 2>&1 &
+  daemon=$!
   for _ in $(seq 100); do  # the socket file exists before the daemon listens: ask it
-    python3 -c "from cached_client import Client; Client('/tmp/cached.sock', timeout=2,
+    "$NODE/python" -c "from cached_client import Client; Client('$SOCK', timeout=2,
       fallback=False).hello()" 2>/dev/null && break
     sleep 0.2
   done
   echo "setup $(( $(date +%s) - t0 )) s"
   set +e
+  rc=0
+  read -r -a cert <<< "$CERTIFY"
   args=()
-  for s in "${SHAPES[@]}"; do args+=(--weight "$s"); done
+  for s in "${cert[@]}"; do args+=(--weight "$s"); done
   t1=$(date +%s)
-  python3 -m cached tune --socket /tmp/cached.sock "${args[@]}" --top "$TOP" --near "$NEAR" \
-    --scheme "$SCHEMES" --rounds "$ROUNDS" --budget "$BUDGET" --json \
-    2> >(tee "$OUT/tune.log" >&2) > "$OUT/tune.json"
-  echo "cached tune: $(( $(date +%s) - t1 )) s in all"
-  if [[ -n ${REPEAT:-} ]]; then  # again: every bucket is published, nothing is timed
-    t1=$(date +%s)
-    python3 -m cached tune --socket /tmp/cached.sock "${args[@]}" --scheme "$SCHEMES" --json \
-      2> >(tee "$OUT/tune_again.log" >&2) > "$OUT/tune_again.json"
-    echo "cached tune again: $(( $(date +%s) - t1 )) s in all"
-  fi
+  "$NODE/cached" certify --socket "$SOCK" --family cached.hopper_fp8 "${args[@]}" \
+    --limit "$CERTIFY_LIMIT" --json > "$OUT/certify.jsonl" 2> "$OUT/certify.log"
+  echo "cached certify: exit $?, $(( $(date +%s) - t1 )) s"; cat "$OUT/certify.log"
+  "$NODE/python" -c "
+import json
+for line in open('$OUT/certify.jsonl'):
+    r = json.loads(line)
+    print(r['family'], f\"{r['n']}x{r['k']}\", r['device'], len(r['tactics']), 'tactics,',
+          'rows differing', sum(r['rows_differing'].values()))"
+  i=0
+  for g in "${groups[@]}"; do
+    i=$((i + 1))
+    schemes=${g%%=*}
+    read -r -a shapes <<< "${g#*=}"
+    args=()
+    for s in "${shapes[@]}"; do args+=(--weight "$s"); done
+    for scheme in ${schemes//,/ }; do  # one call per scheme: its wall time
+      t1=$(date +%s.%N)
+      "$NODE/cached" tune --socket "$SOCK" "${args[@]}" --top "$TOP" --near "$NEAR" \
+        --scheme "$scheme" --rounds "$ROUNDS" --budget "$BUDGET" --json \
+        2> >(tee "$OUT/tune_$scheme.log" >&2) > "$OUT/tune_$scheme.json"
+      echo "cached tune --scheme $scheme (${shapes[*]}): exit $?, $(python3 -c \
+        "import time; print(f'{time.time() - $t1:.1f}')") s in all" | tee -a "$OUT/tune_times.txt"
+    done
+    if [[ -n ${REPEAT:-} ]]; then  # again: every bucket is published, nothing is timed
+      t1=$(date +%s)
+      "$NODE/cached" tune --socket "$SOCK" "${args[@]}" --scheme "$schemes" --json \
+        2> >(tee "$OUT/tune_again_$i.log" >&2) > "$OUT/tune_again_$i.json"
+      echo "cached tune again ($schemes): $(( $(date +%s) - t1 )) s in all"
+    fi
+  done
   if [[ -n ${WIDE:-} ]]; then  # a wider search on one shape, replacing its winners
-    python3 -m cached tune --socket /tmp/cached.sock --weight "$WIDE" --force \
+    "$NODE/cached" tune --socket "$SOCK" --weight "$WIDE" --force \
       --buckets "${WIDE_BUCKETS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192}" \
       --top "${WIDE_TOP:-16}" --near "${WIDE_NEAR:-3}" --rounds "$ROUNDS" --budget 60 \
       --json 2> >(tee "$OUT/tune_wide.log" >&2) > "$OUT/tune_wide.json"
   fi
-  python3 "$BUNDLE/tune_check.py" --socket /tmp/cached.sock --out "$OUT" --rounds "$ROUNDS" \
-    --schemes "$SCHEMES" "${SHAPES[@]}" 2>&1 | tee "$OUT/tune_check.log"
-  rc=${PIPESTATUS[0]}
+  i=0
+  for g in "${groups[@]}"; do
+    i=$((i + 1))
+    read -r -a shapes <<< "${g#*=}"
+    "$NODE/python" "$BUNDLE/tune_check.py" --socket "$SOCK" --out "$OUT" \
+      --rounds "$ROUNDS" --schemes "${g%%=*}" --name "tune_check_$i" "${shapes[@]}" 2>&1 \
+      | tee "$OUT/tune_check_$i.log"
+    [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
+  done
+  cat "$OUT/tune_times.txt"
   grep -c '"autotune.stored"' "$OUT/daemon.log" || true
   tail -3 "$OUT/daemon.log"
+  kill "$daemon"
   exit "$rc"
 fi
 echo "usage: $0 build | gpu" >&2

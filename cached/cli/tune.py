@@ -1,6 +1,7 @@
 """``cached tune``: on a GPU node, time each M bucket's candidates of the batch-invariant
 class for some weight shapes and share the winners through the daemon (cached.tune; the
-timing in cached.tune_cuda). Interrupt it at any time (Ctrl-C): what finished is
+timing in cached.tune_cuda), per scheme: cached.hopper_fp8's (tensor-fast, ...) and
+cached.hopper_bf16's ``bf16``. Interrupt it at any time (Ctrl-C): what finished is
 published, and the next run goes on from there."""
 
 from __future__ import annotations
@@ -55,11 +56,14 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                    help="weight shape N,K (repeatable)")
     t.add_argument("--manifest", metavar="NAME|PATH", help="the shapes of a manifest")
     t.add_argument("--planned", action="store_true",
-                   help="the shapes clients have planned on this node")
+                   help="the shapes clients have planned on this node (each scheme: those "
+                        "its family's plans asked for)")
     t.add_argument("--scheme", action="append", default=[], metavar="NAME[,NAME..]",
-                   help="the schemes to tune, each under its own class (repeatable; 'all': "
-                        f"every one the family declares; default {tune.DEFAULT_SCHEME}; an "
-                        "unknown name is refused with the family's list)")
+                   help="the schemes to tune, each under its own class: "
+                        "cached.hopper_fp8's (e.g. tensor-fast, token-exact, block128) and "
+                        "cached.hopper_bf16's bf16 (bf16 operands); repeatable; 'all': "
+                        f"every one; default {tune.DEFAULT_SCHEME}; an unknown name is "
+                        "refused with the list")
     t.add_argument("--buckets", type=_buckets, default=tune.DEFAULT_BUCKETS, metavar="M,M,..",
                    help="M bucket bounds (default: 1,2,4,...,8192)")
     t.add_argument("--top", type=argtypes.count(), default=tune.DEFAULT_TOP, metavar="N",
@@ -107,8 +111,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(why, file=sys.stderr)
         return 2
     client = Client(args.socket, timeout=600)
-    shapes = tune.shapes_to_tune(client, args.weight, args.manifest, args.planned)
-    if not shapes:
+    given = tune.shapes_to_tune(client, args.weight, args.manifest)
+    # per family: the shapes given, and with --planned what that family's plans asked for
+    work = {fam: (list(dict.fromkeys(given + (tune.planned_shapes(client, fam)
+                                               if args.planned else []))), group)
+            for fam, group in tune.by_family(schemes).items()}
+    if not any(shapes for shapes, _ in work.values()):
         print("cached tune: no shapes: give --weight, --manifest or --planned",
               file=sys.stderr)
         return 2
@@ -130,10 +138,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     try:
-        tune.tune(client, shapes, timer, target, buckets=args.buckets, top=args.top,
-                  near=args.near, rounds=args.rounds, margin=args.margin,
-                  budget_s=args.budget, force=args.force, progress=say, results=results,
-                  schemes=schemes)
+        for shapes, group in work.values():
+            tune.tune(client, shapes, timer, target, buckets=args.buckets, top=args.top,
+                      near=args.near, rounds=args.rounds, margin=args.margin,
+                      budget_s=args.budget, force=args.force, progress=say,
+                      results=results, schemes=group)
     except KeyboardInterrupt:
         say("cached tune: interrupted; the winners of finished buckets are published, and "
             "the next run starts where this one stopped")

@@ -15,19 +15,28 @@ Plan options: ``out_dtype`` ("bfloat16", the default, "float16" or "float32"),
 ``space.choose_split(N, K, sm_count, "bf16")`` splits, the same for every M) and
 ``reduction_class: "<id>"`` (only that class; wins over ``batch_invariant``). Any other
 option is refused (InvalidTactic naming it).
+
+``cached tune`` tunes it as the scheme ``bf16`` (bf16 operands, no scales): winners filed
+under the bf16 class, never an FP8 one (the class ids differ: ``k64`` against ``k128``);
+correct within accuracy.bf16_error_bound (the output's rounding, fp32 accumulation over
+K / S).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from cached_client.errors import InvalidTactic
 
-from ..hopper_fp8 import space, tactic
+from ..hopper_fp8 import accuracy, space, tactic, winners
 from ..hopper_fp8.family import HopperFp8
 
 PLAN_OPTIONS = ("out_dtype", "ab_dtype", "batch_invariant", "reduction_class")
+#: ``cached tune``'s scheme of this family: bf16 operands, no scales (no plan option)
+TUNE_SCHEMES: dict[str, dict[str, Any]] = {"bf16": {}}
 
 
 class HopperBf16(HopperFp8):
@@ -40,9 +49,40 @@ class HopperBf16(HopperFp8):
         return tactic.BF16_REDUCTION_CLASSES
 
     def tune_schemes(self) -> dict[str, dict[str, Any]]:
-        """None yet (the FP8 family's schemes are not this family's options, and the tune
-        timer builds FP8 operands): a bf16 plan runs the cost model's order."""
-        return {}
+        """{"bf16": {}}: one scheme, no plan option beyond the operand type."""
+        return {name: dict(opts) for name, opts in TUNE_SCHEMES.items()}
+
+    def tune_error_bound(self, reduction_class: str, k: int, floor: float) -> float:
+        """accuracy.bf16_error_bound: the floor, and fp32 accumulation over K / S."""
+        return accuracy.bf16_error_bound(reduction_class, k, floor)
+
+    def tune_neighbours(self, n: int, k: int, m: int, sm_count: int, reduction_class: str,
+                        options: Mapping[str, Any], near: int) -> list[dict]:
+        """The FP8 family's recorded winners (winners.recorded_winners: same bytes per K
+        tile row, so the same tiles and stages fit) at bucket M of the ``near`` recorded
+        (N, K) of this SM count nearest to (N, K) in (log N, log K), nearest first, with S
+        of the class, as bf16 tactics; one that is no valid bf16 tactic is left out (the
+        tuner takes only those its plan lists)."""
+        splits = tactic.bf16_class_splits(reduction_class)
+        out_dtype = options.get("out_dtype", "bfloat16")
+        rec = winners.recorded_winners()
+        mine = sorted(((nn, kk) for (sms, nn, kk) in rec if sms == sm_count),
+                      key=lambda s: (math.log(s[0] / n) ** 2 + math.log(s[1] / k) ** 2, s))
+        found = []
+        for nn, kk in mine[:near]:
+            row = rec[(sm_count, nn, kk)].get(splits)
+            if not row:
+                continue
+            _, key, _ = next((r for r in row if r[0] >= m), row[-1])
+            try:
+                t = winners.tactic_from_key(key, splits, "bfloat16", "e4m3")
+                t = dataclasses.replace(t, ab_dtype=tactic.BF16, scales=tactic.NO_SCALES,
+                                        accum="fast", out_dtype=out_dtype,
+                                        stages=0).normalized()
+            except ValueError:
+                continue
+            found.append(t.to_params())
+        return found
 
     def plan_scheme(self, shape: tuple[int, int, int], sm_count: int,
                     options: Mapping[str, Any]) -> tuple[int | None, str, str]:

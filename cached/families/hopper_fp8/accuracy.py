@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import math
 
-from .tactic import class_scheme
+from .tactic import bf16_class_splits, class_scheme
 
 FAST_AT_4096 = 1.27e-3  # fast accumulation's own part at K = 4096 (the floor taken out)
 FAST_POWER = 0.63  # its growth with the K one accumulator walks
 FAST_MARGIN = 2.0
 EXACT_MARGIN = 1.25
+BF16_ACC_AT_4096 = 2.5e-6  # fp32 accumulation's part at K = 4096 (bf16 operands)
+BF16_ACC_POWER = 0.5
+BF16_MARGIN = 2.0
 
 
 def fast_part(k_per_accumulator: int) -> float:
@@ -34,15 +37,19 @@ def fast_part(k_per_accumulator: int) -> float:
     return FAST_AT_4096 * (k_per_accumulator / 4096) ** FAST_POWER
 
 
+def _check_k_floor(k: int, floor: float) -> None:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    if not (isinstance(floor, float | int) and math.isfinite(floor) and floor > 0):
+        raise ValueError(f"floor must be a positive finite number, got {floor!r}")
+
+
 def expected_error(reduction_class: str, k: int, floor: float) -> float:
     """The relative error a correct kernel of the class is expected to give at K = ``k``
     with output rounding ``floor``. ValueError for an unknown class, a K < 1 or a floor
     that is not a positive finite number."""
     splits, accum, _ = class_scheme(reduction_class)
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
-    if not (isinstance(floor, float | int) and math.isfinite(floor) and floor > 0):
-        raise ValueError(f"floor must be a positive finite number, got {floor!r}")
+    _check_k_floor(k, floor)
     if accum == "exact":
         return float(floor)
     return math.hypot(floor, fast_part(-(-k // splits)))
@@ -53,3 +60,19 @@ def error_bound(reduction_class: str, k: int, floor: float) -> float:
     count as correct: expected_error times FAST_MARGIN (fast classes) or EXACT_MARGIN."""
     margin = EXACT_MARGIN if class_scheme(reduction_class)[1] == "exact" else FAST_MARGIN
     return margin * expected_error(reduction_class, k, floor)
+
+
+def bf16_expected_error(reduction_class: str, k: int, floor: float) -> float:
+    """The relative error a correct kernel of a bf16 class (S fixed-order splits) is
+    expected to give at K = ``k`` with output rounding ``floor``: the floor and fp32
+    accumulation over K / S in quadrature. ValueError for a class of no bf16 family, a K < 1
+    or a floor that is not a positive finite number."""
+    splits = bf16_class_splits(reduction_class)
+    _check_k_floor(k, floor)
+    return math.hypot(floor, BF16_ACC_AT_4096 * (-(-k // splits) / 4096) ** BF16_ACC_POWER)
+
+
+def bf16_error_bound(reduction_class: str, k: int, floor: float) -> float:
+    """The largest relative error a kernel of a bf16 class may give at K = ``k`` and still
+    count as correct: bf16_expected_error times BF16_MARGIN."""
+    return BF16_MARGIN * bf16_expected_error(reduction_class, k, floor)
