@@ -20,7 +20,8 @@
 # and the store's per-token kernels; SCHEME=bf16: a BF16 checkpoint (no quantization, the
 # 128,256-word vocabulary unless VOCAB says otherwise) and the store's cached.hopper_bf16
 # kernels for the four linears and the lm_head (what the plugin's BF16 path plans under
-# VLLM_BATCH_INVARIANT=1); the gpu call reads the scheme and vocabulary from C/.
+# VLLM_BATCH_INVARIANT=1); the FP8 schemes' stores hold the BF16 lm_head's kernels too
+# (VOCAB x 4096). The gpu call reads the scheme and vocabulary from C/.
 set -euo pipefail
 SHAPES=(6144,4096 4096,4096 28672,4096 4096,14336)  # Llama-3.1-8B's qkv, o, gate_up, down
 MAX_M=8192
@@ -45,6 +46,10 @@ if [[ $mode == build ]]; then
   SCALES=$scales AB_DTYPE=$ab \
     CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/gemm_plan_bundle.py "$D/C/store" "$MAX_M" \
     "${shapes[@]}" | tee "$D/C/build.log"
+  if [[ $ab != bf16 ]]; then  # the FP8 model's lm_head is BF16: the plugin serves it too
+    AB_DTYPE=bf16 CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/gemm_plan_bundle.py \
+      "$D/C/store" "$MAX_M" "$vocab,4096" | tee -a "$D/C/build.log"
+  fi
   rm -rf "$D/C/store/tmp" "$D/C/store/index.sqlite-wal" "$D/C/store/index.sqlite-shm"
   # vLLM's compiled ops (stripped: 79 MB, 60 MiB as xz) in two halves, the DSL runtime
   tmp=$(mktemp -d)
