@@ -52,11 +52,11 @@ from .families.base import DEFAULT_SM_COUNT, Family
 from .fleet.tier import Tier
 from .log import event
 from .pool import JobError, Pool, WorkerFailed
+from .stats import Stats
 from .store.rows import Entry, row_for
 from .store.store import PersistFailed, Store
 from .toolchains import Route, Toolchains
 from .trust import writeback_key
-from .view.stats import Stats
 
 log = logging.getLogger("cached.scheduler")
 

@@ -33,9 +33,9 @@ from .artifacts import Served, open_blobs, open_checked_library
 from .log import event
 from .scheduler import PRIORITY_RANK, Scheduler
 from .server import Access, Attachment, Handler, Peer
+from .stats import Stats
 from .store.blobs import BadBlob
 from .view.snapshot import DaemonSnapshot
-from .view.stats import Stats
 
 log = logging.getLogger("cached.service")
 

@@ -19,7 +19,7 @@ from conftest import ROOT, serve_once
 
 from cached import config
 from cached.server import Access, Server
-from cached.view.stats import Stats
+from cached.stats import Stats
 
 PACKAGES = {"cached": ROOT / "cached", "cached_client": ROOT / "client" / "cached_client"}
 

@@ -44,8 +44,8 @@ from ..families.base import Family
 from ..log import event
 from ..scheduler import Scheduler
 from ..server import Access, Handler, Peer
+from ..stats import Stats
 from ..toolchains import Route
-from ..view.stats import Stats
 
 log = logging.getLogger("cached.leases")
 

@@ -55,7 +55,7 @@ from .errors import PersistFailed, StoreError
 from .index import INDEX_NAME, IndexFile
 from .lru import LRU
 from .rows import BLOB_SUFFIX, SUFFIXES, Entry, Row, bundle_suffix, complete
-from .upkeep import Upkeep
+from .upkeep import Budget, Upkeep
 
 log = logging.getLogger("cached.store")
 
@@ -65,17 +65,6 @@ device, inode, size, mtime and ctime: any write, rename, link or chmod changes o
 before a hit hashes it again."""
 BLOB_PATHS_MAX = 1 << 16
 """Blob paths :meth:`Store.blob_path` remembers (a path is a function of digest and suffix)."""
-
-
-@dataclass(frozen=True)
-class Budget:
-    """How much the store may hold (0: unlimited) and how recently used an entry must be
-    to be spared by eviction (seconds). The limits are hard: when sparing recent entries
-    would leave the store over budget, the least recently used of them go too."""
-
-    max_bytes: int = 0
-    max_files: int = 0
-    grace: float = 30.0
 
 
 @dataclass(frozen=True)

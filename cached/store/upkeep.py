@@ -13,8 +13,9 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cached_client.protocol import HEX64_RE
 
@@ -22,10 +23,18 @@ from ..log import event
 from .lru import LRU
 from .rows import BLOB_SUFFIX, Row
 
-if TYPE_CHECKING:
-    from .store import Budget
-
 log = logging.getLogger("cached.store")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much the store may hold (0: unlimited) and how recently used an entry must be
+    to be spared by eviction (seconds). The limits are hard: when sparing recent entries
+    would leave the store over budget, the least recently used of them go too."""
+
+    max_bytes: int = 0
+    max_files: int = 0
+    grace: float = 30.0
 
 
 class Upkeep:
