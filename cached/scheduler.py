@@ -337,7 +337,7 @@ class Scheduler:
             self.inflight.pop(job.key, None)
             self.stats.count("remote_hits", job.family.name)
             event(log, logging.INFO, "remote.hit", family=job.family.name, key=job.key[:16],
-                  kernel=entry.row["kernel_name"], fetch_s=round(time.monotonic() - started, 4))
+                  kernel=entry.row.kernel_name, fetch_s=round(time.monotonic() - started, 4))
             job.future.set_result(entry)
         elif self.pool.size == 0:
             job.state = "done"
