@@ -1,7 +1,8 @@
 """How a stored entry is served: its wire ``Artifact`` and its blobs opened for a transfer.
 
-The one place where a store entry becomes what the protocol sends (``get``, ``lease``,
-``publish``): :meth:`Served.artifact` describes it, :func:`open_blobs` opens the blobs a
+The one place where an entry becomes what the protocol sends (``get``, ``lease``,
+``publish``, a client's fallback build): :func:`make_artifact` describes it
+(:meth:`Served.artifact` for a stored one), :func:`open_blobs` opens the blobs a
 transfer ``fd`` passes, :func:`open_checked_library` the library a transfer ``bytes``
 streams. Every descriptor is opened by :func:`cached.store.blobs.open_served` (no link
 followed, no FIFO blocked on, only a regular file of the indexed size).
@@ -11,19 +12,47 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cached_client import protocol as p
 from cached_client.trust import RUNTIME_KEYS
 
 from .store.blobs import BadBlob, open_served
-from .store.rows import SUFFIXES, Entry, manifest
-from .store.store import Store
-from .toolchains import Toolchains
+from .store.rows import SUFFIXES, Entry
+
+if TYPE_CHECKING:
+    from .store.store import Store
+    from .toolchains import Toolchains
 
 RUNTIMES_MAX = 4096
 """Toolchain fingerprints whose runtime is remembered (the toolchains are fixed for the
 daemon's life; the bound only caps what rows naming unknown ones can add)."""
+
+
+def make_artifact(entry: Entry, *, origin: str, runtime_library: dict[str, str | None],
+                  runtime: dict[str, str | None], paths: bool = True) -> p.Artifact:
+    """The one way an entry becomes the wire ``Artifact`` (a stored one, an unstored one,
+    a client's fallback build): its row's fields, ``origin``, the runtime library it links
+    against and the runtime that built it, and its blob paths unless not ``paths``. A
+    bundle has no object or library but its files, each with its blob's path."""
+    r = entry.row
+    common = dict(key=r.key, family=r.family, kernel_name=r.kernel_name,
+                  toolchain=r.toolchain, source_sha256=r.source_sha256, origin=origin,
+                  arch=r.arch, sm_count=r.sm_count, max_active_clusters=r.max_active_clusters,
+                  runtime=dict(runtime), compile_seconds=r.compile_seconds)
+    if entry.kind == "bundle":
+        return p.Artifact(
+            **common, symbol="", library_sha256="", object_sha256="", runtime_library={},
+            kind="bundle",
+            files=[{"name": name, "sha256": f["sha256"], "size": f["size"],
+                    "path": str(entry.files[name]) if paths else None}
+                   for name, f in sorted(r.manifest().items())])
+    return p.Artifact(
+        **common, symbol=r.symbol, library_sha256=r.library_sha256,
+        object_sha256=r.object_sha256, library_size=r.library_size,
+        object_size=r.object_size, runtime_library=runtime_library,
+        library_path=str(entry.library_path) if paths else None,
+        object_path=str(entry.object_path) if paths else None)
 
 
 class Served:
@@ -31,46 +60,28 @@ class Served:
 
     def __init__(self, toolchains: Toolchains) -> None:
         self.toolchains = toolchains
-        self._runtimes: dict[str, dict] = {}  # fingerprint -> runtime: _built_for
+        self._runtimes: dict[str, dict] = {}  # fingerprint -> runtime: _runtime
 
     def artifact(self, entry: Entry, origin: str, paths: bool = True) -> p.Artifact:
-        """How the protocol describes a stored entry (with its blob paths unless not); a
-        bundle has no object or library but its files, each with its blob's path."""
-        r = entry.row
-        if entry.kind == "bundle":
-            return p.Artifact(
-                key=r["key"], family=r["family"], kernel_name=r["kernel_name"], symbol="",
-                library_sha256="", object_sha256="", toolchain=r["toolchain"],
-                source_sha256=r["source_sha256"], runtime_library={}, origin=origin,
-                **self._built_for(r),
-                compile_seconds=r["compile_seconds"], kind="bundle",
-                files=[{"name": name, "sha256": f["sha256"], "size": f["size"],
-                        "path": str(entry.files[name]) if paths else None}
-                       for name, f in sorted(manifest(r).items())])
-        return p.Artifact(
-            key=r["key"], family=r["family"], kernel_name=r["kernel_name"], symbol=r["symbol"],
-            library_sha256=r["library_sha256"], object_sha256=r["object_sha256"],
-            library_size=r["library_size"], object_size=r["object_size"],
-            toolchain=r["toolchain"], source_sha256=r["source_sha256"],
-            runtime_library=self.toolchains.runtime_library(r["toolchain"]), origin=origin,
-            **self._built_for(r),
-            compile_seconds=r["compile_seconds"],
-            library_path=str(entry.library_path) if paths else None,
-            object_path=str(entry.object_path) if paths else None)
+        """How the protocol describes a stored entry (:func:`make_artifact`), with the
+        runtime library and runtime of the registered toolchain it names."""
+        toolchain = entry.row.toolchain
+        return make_artifact(
+            entry, origin=origin, paths=paths, runtime=self._runtime(toolchain),
+            runtime_library={} if entry.kind == "bundle"
+            else self.toolchains.runtime_library(toolchain))
 
-    def _built_for(self, row: Any) -> dict:
-        """What an artifact states it was built for (protocol capability
-        ``identity:artifact``): its arch and device facts as keyed, and the runtime of the
-        toolchain whose fingerprint it carries ({} for one not registered here)."""
-        fingerprint = row["toolchain"]
+    def _runtime(self, fingerprint: str) -> dict:
+        """What an artifact states it was built by (protocol capability
+        ``identity:artifact``): the runtime of the toolchain whose fingerprint it carries
+        ({} for one not registered here); its arch and device facts are its row's."""
         runtime = self._runtimes.get(fingerprint)
         if runtime is None:
             t = self.toolchains.by_fingerprint(fingerprint)
             runtime = {} if t is None else {k: t.runtime.get(k) for k in RUNTIME_KEYS}
             if len(self._runtimes) < RUNTIMES_MAX:
                 self._runtimes[fingerprint] = runtime
-        return {"arch": row["arch"], "sm_count": row["sm_count"],
-                "max_active_clusters": row["max_active_clusters"], "runtime": dict(runtime)}
+        return runtime
 
 
 def open_blobs(entry: Entry, kinds: list[str]) -> list[int]:
@@ -80,7 +91,8 @@ def open_blobs(entry: Entry, kinds: list[str]) -> list[int]:
     try:
         for kind in kinds:
             path = entry.object_path if kind == "object" else entry.library_path
-            fds.append(open_served(path, entry.row[f"{kind}_size"]))
+            fds.append(open_served(path, entry.row.object_size if kind == "object"
+                                     else entry.row.library_size))
     except BaseException:
         for fd in fds:
             os.close(fd)
@@ -92,14 +104,14 @@ def open_checked_library(store: Store, entry: Entry) -> int:
     """The library's descriptor after its digest is checked through that descriptor (unless
     the file it opened is the one the store checked last: :meth:`Store.unchanged`), so the
     bytes sent (from offset 0) are the bytes checked."""
-    fd = open_served(entry.library_path, entry.row["library_size"])
-    if store.unchanged(entry.row["library_sha256"], SUFFIXES["library"], os.fstat(fd)):
+    fd = open_served(entry.library_path, entry.row.library_size)
+    if store.unchanged(entry.row.library_sha256, SUFFIXES["library"], os.fstat(fd)):
         return fd
     digest, offset = hashlib.sha256(), 0
     while chunk := os.pread(fd, 1 << 20, offset):
         digest.update(chunk)
         offset += len(chunk)
-    if digest.hexdigest() != entry.row["library_sha256"]:
+    if digest.hexdigest() != entry.row.library_sha256:
         os.close(fd)
         raise BadBlob("library blob changed while being read", True)
     return fd

@@ -47,11 +47,11 @@ from .pool import Launcher, Pool
 from .scheduler import Scheduler
 from .server import Access, Limits, Server
 from .service import QueueQuota, Service
+from .stats import Stats
 from .store import lock as storelock
 from .store.store import Budget, Store, StoreError
 from .view.metrics import make_metrics
 from .view.snapshot import DaemonSnapshot, take
-from .view.stats import Stats
 
 log = logging.getLogger("cached.daemon")
 

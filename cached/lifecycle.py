@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import config
 from .config import size_text
@@ -33,13 +33,34 @@ from .store.store import Budget
 from .systemd import listen_fds, notify, watchdog_interval
 from .view.snapshot import take
 
+if TYPE_CHECKING:
+    from .ops.uploads import Uploads
+    from .pool import Pool
+    from .scheduler import Scheduler
+    from .server import Access, Server
+    from .service import QueueQuota
+    from .store.store import Store
+
 log = logging.getLogger("cached.daemon")
 
 STATUS_EVERY_S = 5.0
 
 
+class Wired(Protocol):
+    """What the lifecycle reads and changes of the daemon's components (cached.daemon)."""
+
+    settings: config.Settings
+    server: Server
+    store: Store
+    pool: Pool
+    scheduler: Scheduler
+    access: Access
+    quota: QueueQuota
+    uploads: Uploads
+
+
 class Lifecycle:
-    def __init__(self, daemon: Any, reload_settings: Callable[[], config.Settings] | None
+    def __init__(self, daemon: Wired, reload_settings: Callable[[], config.Settings] | None
                  ) -> None:
         self.daemon = daemon
         self.reload_settings = reload_settings

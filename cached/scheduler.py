@@ -47,15 +47,16 @@ from cached_client.errors import (
 from cached_client.keys import KernelRequest
 
 from . import compiler_stack, families
+from .build import BuildResult
 from .families.base import DEFAULT_SM_COUNT, Family
 from .fleet.tier import Tier
 from .log import event
 from .pool import JobError, Pool, WorkerFailed
+from .stats import Stats
 from .store.rows import Entry, row_for
 from .store.store import PersistFailed, Store
 from .toolchains import Route, Toolchains
 from .trust import writeback_key
-from .view.stats import Stats
 
 log = logging.getLogger("cached.scheduler")
 
@@ -336,7 +337,7 @@ class Scheduler:
             self.inflight.pop(job.key, None)
             self.stats.count("remote_hits", job.family.name)
             event(log, logging.INFO, "remote.hit", family=job.family.name, key=job.key[:16],
-                  kernel=entry.row["kernel_name"], fetch_s=round(time.monotonic() - started, 4))
+                  kernel=entry.row.kernel_name, fetch_s=round(time.monotonic() - started, 4))
             job.future.set_result(entry)
         elif self.pool.size == 0:
             job.state = "done"
@@ -456,9 +457,9 @@ class Scheduler:
         try:
             workdir = await loop.run_in_executor(None, self.store.workdir)
             handed = True
-            result = await self.pool.run_on(
+            result = BuildResult.from_wire(await self.pool.run_on(
                 worker, "build", {"request": job.request.to_wire(), "workdir": str(workdir)}
-            )
+            ))
             entry, job.origin = await loop.run_in_executor(None, self._publish, job, result)
         except Exception as exc:  # noqa: BLE001 -- every waiter must hear why, whatever broke
             if not handed:
@@ -481,15 +482,16 @@ class Scheduler:
                     CompileFailed(f"{name} {_describe(job.request)}: {message}"))
         else:
             self.stats.count("compiles", name)
-            self.stats.count("compile_seconds", name, result["compile_seconds"])
+            self.stats.count("compile_seconds", name, result.compile_seconds)
             event(log, logging.INFO, "compile.done", family=name, key=job.key[:16],
-                  kernel=result["kernel_name"], compile_s=result["compile_seconds"],
+                  kernel=result.kernel_name, compile_s=result.compile_seconds,
                   wall_s=round(time.monotonic() - started, 3),
                   waited_s=round(started - job.enqueued, 3), origin=job.origin)
             if not job.future.done():
                 job.future.set_result(entry)
             if self.remote is not None and job.origin == "compiled":  # background
-                self.remote.publish(job.key, entry.row, entry.object_path, entry.library_path)
+                self.remote.publish(job.key, entry.row.columns(), entry.object_path,
+                                   entry.library_path)
         finally:
             job.state = "done"
             self.running -= 1
@@ -509,27 +511,27 @@ class Scheduler:
         else:
             remove()
 
-    def _publish(self, job: Job, result: dict) -> tuple[Entry, str]:
+    def _publish(self, job: Job, result: BuildResult) -> tuple[Entry, str]:
         """Store the built kernel: (entry, ``compiled``); when the store cannot take it,
         (the unstored entry, ``unstored``), counted and logged."""
         route = job.route
         assert route is not None
-        row = row_for(job.key, job.request, kernel_name=result["kernel_name"],
-                      symbol=result["symbol"], toolchain=route.toolchain,
+        row = row_for(job.key, job.request, kernel_name=result.kernel_name,
+                      symbol=result.symbol, toolchain=route.toolchain,
                       source_sha256=route.source_sha256,
-                      compile_seconds=result["compile_seconds"],
-                      meta={**result["meta"],
+                      compile_seconds=result.compile_seconds,
+                      meta={**result.meta,
                             "runtime_library": compiler_stack.RUNTIME_LIBRARY_NAME,
                             "compiled_by": {"toolchain": job.toolchain,
-                                            "python": result.get("python")}})
-        files = Path(result["object_path"]), Path(result["library_path"])
+                                            "python": result.python}})
+        files = Path(result.object_path), Path(result.library_path)
         try:
             return self.store.publish(row, *files), "compiled"
         except PersistFailed as exc:
             entry = self.store.unstored(row, *files, exc)
             self.stats.count("persist_failures", job.family.name)
             event(log, logging.ERROR, "compile.unstored", family=job.family.name,
-                  key=job.key[:16], kernel=result["kernel_name"], error=exc.message[:300],
+                  key=job.key[:16], kernel=result.kernel_name, error=exc.message[:300],
                   served_from=str(entry.library_path.parent),
                   hold_s=UNSTORED_HOLD_S)
             return entry, "unstored"

@@ -71,7 +71,7 @@ from cached_client.errors import (
 
 from . import trust
 from .log import event, request_pid, request_uid
-from .view.stats import Stats
+from .stats import Stats
 
 log = logging.getLogger("cached.server")
 

@@ -33,9 +33,9 @@ from .artifacts import Served, open_blobs, open_checked_library
 from .log import event
 from .scheduler import PRIORITY_RANK, Scheduler
 from .server import Access, Attachment, Handler, Peer
+from .stats import Stats
 from .store.blobs import BadBlob
 from .view.snapshot import DaemonSnapshot
-from .view.stats import Stats
 
 log = logging.getLogger("cached.service")
 
@@ -57,6 +57,9 @@ def _short_fields(value: Any) -> Any:
 LIST_FIELDS = ("key", "family", "kernel_name", "arch", "sm_count", "max_active_clusters",
                "params", "size", "compile_seconds", "created", "last_used", "hits", "toolchain",
                "kind")
+EXPORT_FIELDS = ("key", "family", "kernel_name", "symbol", "arch", "toolchain", "source_sha256",
+                 "object_sha256", "created")
+"""The row fields ``flashinfer_artifacts`` names (besides its parsed meta, params and path)."""
 
 
 @functools.cache
@@ -196,7 +199,7 @@ class Service:
                 fd = await asyncio.get_running_loop().run_in_executor(
                     None, open_checked_library, self.store, entry)
                 return (p.GetReply(artifact=self.served.artifact(entry, origin, False)),
-                        Attachment(payload_fd=fd, payload_size=entry.row["library_size"]))
+                        Attachment(payload_fd=fd, payload_size=entry.row.library_size))
             except FileNotFoundError:  # evicted between the lookup and the open: again
                 continue
             except BadBlob as exc:
@@ -263,7 +266,8 @@ class Service:
         return p.ZeroStatsReply(stats=before, zeroed_at=zeroed_at)
 
     async def list_entries(self, m: p.Empty, peer: Peer) -> p.ListReply:
-        return p.ListReply(entries=[{k: r[k] for k in LIST_FIELDS} for r in self.store.rows()])
+        return p.ListReply(entries=[{k: getattr(r, k) for k in LIST_FIELDS}
+                                     for r in self.store.rows()])
 
     async def report(self, m: p.ReportRequest, peer: Peer) -> p.Empty:
         """Counts a client tells of its own process: ``fallbacks`` (kernels it compiled while
@@ -361,18 +365,16 @@ class Service:
         trust ``group`` may be served (cached/trust.py)."""
         out, exported = [], families.flashinfer_kernels()
         for row in self.store.rows():
-            if row["family"] not in exported or (wanted and row["family"] != wanted):
+            if row.family not in exported or (wanted and row.family != wanted):
                 continue
             if not trust.may_serve(row, group):
                 continue
-            entry = self.store.lookup(row["key"])
+            entry = self.store.lookup(row.key)
             if entry is None:
                 continue
             r = entry.row
-            out.append({k: r[k] for k in ("key", "family", "kernel_name", "symbol", "arch",
-                                          "toolchain", "source_sha256", "object_sha256",
-                                          "created")}
-                       | {"meta": json.loads(r["meta"] or "{}"), "params": json.loads(r["params"]),
+            out.append({k: getattr(r, k) for k in EXPORT_FIELDS}
+                       | {"meta": json.loads(r.meta or "{}"), "params": json.loads(r.params),
                           "object_path": str(entry.object_path)})
         return out
 

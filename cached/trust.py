@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 from cached_client import protocol as p
 
@@ -53,12 +53,30 @@ def provenance(uid: int, gid: int, pid: int, group: str | None,
             "identity": identity.to_wire() if identity is not None else None}
 
 
-def row_group(row: Mapping[str, Any]) -> str | None:
+class Stored(Protocol):
+    """What the trust rules read of a stored row (cached.store.rows.Row): its ``meta``
+    column, JSON text (None: an old row without one)."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def meta(self) -> str | None: ...
+
+
+class StoredRows(Protocol):
+    """A store as :func:`drop_unattributed` uses it (cached.store.store.Store)."""
+
+    def rows(self) -> Iterable[Stored]: ...
+
+    def drop(self, key: str, reason: str) -> None: ...
+
+
+def row_group(row: Stored) -> str | None:
     """The trust group a stored row is served to: :data:`TRUSTED` unless a peer wrote it
     back, else its publisher's group; None for a written-back row naming no publisher."""
-    meta = row.get("meta")
     try:
-        meta = json.loads(meta) if isinstance(meta, str) else meta
+        meta = json.loads(row.meta) if isinstance(row.meta, str) else row.meta
     except ValueError:
         return None
     if not isinstance(meta, dict) or meta.get("origin") != ORIGIN:
@@ -68,19 +86,19 @@ def row_group(row: Mapping[str, Any]) -> str | None:
     return group if isinstance(group, str) and group else None
 
 
-def may_serve(row: Mapping[str, Any], group: str | None) -> bool:
+def may_serve(row: Stored, group: str | None) -> bool:
     """Whether a peer of trust group ``group`` (None: a trusted peer) may be served
     ``row``: trusted rows to every peer, a group's written-back rows to that group only."""
     served_to = row_group(row)
     return served_to == TRUSTED or (group is not None and served_to == group)
 
 
-def drop_unattributed(store: Any) -> int:
+def drop_unattributed(store: StoredRows) -> int:
     """Drop every written-back row that names no publisher (written before publishers were
     recorded: nobody can say who may load it); returns how many."""
     dropped = 0
     for row in store.rows():
         if row_group(row) is None:
-            store.drop(row["key"], "written back with no recorded publisher: not servable")
+            store.drop(row.key, "written back with no recorded publisher: not servable")
             dropped += 1
     return dropped

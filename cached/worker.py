@@ -6,10 +6,11 @@ holding only this package and the client package (cached/toolchains.py ``code_di
 imports the standard library, that environment's FlashInfer/DSL/TVM-FFI and this code,
 nothing of the daemon's own dependencies (no FastAPI, no SQLite helpers).
 
-Protocol over the socket ``FD`` (stdout is FlashInfer's and the DSL's to print on): frames
-of a 4-byte big-endian length and one JSON object. The worker sends ``{"ready": pid}`` once
-preloaded; then for each ``{"kind", "payload"}`` it receives (``build`` or ``plan``) it
-answers ``{"ok": result}`` or ``{"error": {"message", "traceback"}}``.
+Protocol over the socket ``FD`` (stdout is FlashInfer's and the DSL's to print on): the
+client protocol's frames (cached_client.protocol: a 4-byte big-endian length and one JSON
+object). The worker sends ``{"ready": pid}`` once preloaded; then for each ``{"kind",
+"payload"}`` it receives (``build`` or ``plan``) it answers ``{"ok": result}`` (a build:
+:class:`cached.build.BuildResult`'s wire form) or ``{"error": {"message", "traceback"}}``.
 
 Invariant: a worker never outlives the daemon. The kernel kills it when its parent dies
 (PR_SET_PDEATHSIG), a watchdog thread exits when its parent pid changes, and a closed
@@ -23,7 +24,6 @@ import json
 import os
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
@@ -31,24 +31,29 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from cached_client import protocol as p
+from cached_client.errors import MalformedFrame
+
 PR_SET_PDEATHSIG = 1
-HEADER = struct.Struct(">I")
 MAX_FRAME = 256 << 20
+"""The largest frame either end of the worker's socket takes (bytes)."""
 
 
-def send_frame(sock: socket.socket, message: Any) -> None:
-    """One frame: length header plus JSON."""
-    body = json.dumps(message, separators=(",", ":")).encode()
-    sock.sendall(HEADER.pack(len(body)) + body)
+def send_frame(sock: socket.socket, message: dict) -> None:
+    """One frame, as the protocol encodes it (:func:`cached_client.protocol.encode_frame`)."""
+    sock.sendall(p.encode_frame(message))
 
 
-def recv_frame(sock: socket.socket) -> Any:
-    """One frame's JSON; EOFError when the peer closed the socket."""
-    header = _exactly(sock, HEADER.size)
-    (length,) = HEADER.unpack(header)
-    if length > MAX_FRAME:
-        raise EOFError(f"frame of {length} bytes")
-    return json.loads(_exactly(sock, length))
+def recv_frame(sock: socket.socket) -> dict:
+    """One frame's JSON object, read as the protocol reads one
+    (:func:`~cached_client.protocol.frame_length`,
+    :func:`~cached_client.protocol.decode_body`); EOFError when the peer closed the socket
+    or sent something that is not a frame."""
+    try:
+        length = p.frame_length(_exactly(sock, p.HEADER.size), MAX_FRAME)
+        return p.decode_body(_exactly(sock, length))
+    except MalformedFrame as exc:
+        raise EOFError(f"not a frame: {exc.message}") from None
 
 
 def _exactly(sock: socket.socket, size: int) -> bytes:
@@ -104,9 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             kind, payload = job["kind"], job["payload"]
             if kind == "build":
-                result = build(KernelRequest.from_wire(payload["request"]),
-                               Path(payload["workdir"]))
-                result["python"] = sys.executable
+                result: Any = build(KernelRequest.from_wire(payload["request"]),
+                                    Path(payload["workdir"])).to_wire()
             elif kind == "plan":
                 family = families.get(payload["family"])
                 requests = family.plan(tuple(payload["shape"]), payload["arch"],

@@ -57,8 +57,8 @@ def test_a_bundle_is_stored_whole_named_by_digest_and_served_verified(tmp_path):
             os.path.splitext(fname)[1] or ".bin")
         assert oct(path.stat().st_mode & 0o777) == "0o444"
     row = store.rows()[0]
-    assert row["size"] == sum(map(len, files.values()))
-    assert json.loads(row["files"]) == {n: {"sha256": hashlib.sha256(d).hexdigest(),
+    assert row.size == sum(map(len, files.values()))
+    assert json.loads(row.files) == {n: {"sha256": hashlib.sha256(d).hexdigest(),
                                             "size": len(d)} for n, d in files.items()}
     store.close()
     again = Store(tmp_path)  # survives a reopen, verified on read
@@ -116,7 +116,7 @@ def test_an_older_index_gains_the_kind_and_files_columns(tmp_path):
     db.close()
     again = Store(tmp_path)
     (row,) = again.rows()
-    assert row["kind"] == "kernel" and row["files"] == ""
+    assert row.kind == "kernel" and row.files == ""
     assert again.lookup(K("old")).library_path.read_bytes() == b"l"
 
 

@@ -97,7 +97,7 @@ def test_kill9_during_compilation_leaves_a_store_that_verifies_and_no_orphans(
     store.scan()
     rows = store.rows()
     assert len(rows) >= 2
-    assert all(store.lookup(r["key"]) is not None for r in rows)
+    assert all(store.lookup(r.key) is not None for r in rows)
     assert not list((tmp_path / "store" / "tmp").iterdir())
     store.close()
     restarted = DaemonProcess(tmp_path)

@@ -358,7 +358,7 @@ def test_scheme_tactics_compile_for_sm90a_through_the_daemon(daemon):
     tiles at a time (kernel.promoted_overlapped) wait for all but one."""
     from cached_client.keys import KernelRequest
 
-    from cached.families.hopper_fp8.kernel import PREFETCH_REGS
+    from cached.families.hopper_fp8.fragments import PREFETCH_REGS
 
     variants = _scheme_variants()
     spaces = {t.name for sc, acc in T.SCHEMES
@@ -391,7 +391,7 @@ def test_scheme_tactics_compile_for_sm90a_through_the_daemon(daemon):
 def test_block_scale_sharing_keys_follow_the_wgmma_fragment_and_refuse_other_shapes():
     """The block128 promotion loads one scale per row key and per group key
     (kernel.fragment_keys); the H200 bench checks them against float64 on ragged shapes."""
-    from cached.families.hopper_fp8.kernel import fragment_keys
+    from cached.families.hopper_fp8.fragments import fragment_keys
 
     keys = fragment_keys(((2, 2, 16), 1, 1))  # a 64 x 128 wgmma: 64 values a thread
     assert len(keys) == 64
@@ -413,7 +413,7 @@ def test_block_pair_keys_share_one_scale_per_weight_block_where_the_fragment_all
     it takes one b_scale per 128-column weight block (a 128-wide fragment: 2 products per
     K tile, not 32); any other width keeps one key per 8-column group, which never spans
     two blocks (kernel.block_pair_keys)."""
-    from cached.families.hopper_fp8.kernel import block_pair_keys, fragment_keys
+    from cached.families.hopper_fp8.fragments import block_pair_keys, fragment_keys
 
     def products(shape):
         return len(set(block_pair_keys(shape)))

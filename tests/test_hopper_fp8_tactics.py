@@ -679,6 +679,43 @@ def test_compile_for_sm90a(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("cutlass") is None,
                     reason="nvidia-cutlass-dsl is not installed")
+def test_the_in_process_fallback_describes_its_build_as_the_daemon_describes_a_kernel(
+        tmp_path):
+    """The client's fallback (cached.build.build_in_process) compiles here and returns the
+    Artifact cached.artifacts.make_artifact makes of any entry: the key of its request,
+    toolchain and family sources, each file's digest and size as they are on disk, origin
+    ``fallback``, and nothing the client's own checks refuse."""
+    code = (
+        "import hashlib, json, os, sys\n"
+        "from cached_client.keys import KernelRequest, artifact_key\n"
+        "from cached_client.trust import mismatches\n"
+        "from cached import compiler_stack, families\n"
+        "from cached.build import build_in_process\n"
+        "from cached.families.hopper_fp8.tactic import HopperFp8Tactic\n"
+        "r = KernelRequest('cached.hopper_fp8', HopperFp8Tactic(64, 128, 1, 1, 'm', 1)"
+        ".normalized().to_params(), 'sm_90a', 132, 132)\n"
+        "a = build_in_process(r, sys.argv[1])\n"
+        "fam = families.get(r.family)\n"
+        "r = fam.canonical_request(r)\n"
+        "def sha(p): return hashlib.sha256(open(p, 'rb').read()).hexdigest()\n"
+        "print(json.dumps({'origin': a.origin, 'kind': a.kind, 'mismatches': "
+        "mismatches(a, r, None), 'key_ok': a.key == artifact_key(r, "
+        "compiler_stack.fingerprint(), fam.source_sha256()), 'sources_ok': "
+        "a.source_sha256 == fam.source_sha256(), 'files_ok': [sha(a.library_path), "
+        "os.path.getsize(a.library_path), sha(a.object_path), os.path.getsize(a.object_path)]"
+        " == [a.library_sha256, a.library_size, a.object_sha256, a.object_size], "
+        "'symbol_in_library': a.symbol.encode() in open(a.library_path, 'rb').read()}))\n"
+    )
+    env = {**_env(), "CUTE_DSL_ARCH": "sm_90a"}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "scratch")], check=True,
+                         env=env, timeout=540, capture_output=True, text=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {"origin": "fallback", "kind": "kernel", "mismatches": {}, "key_ok": True,
+                   "sources_ok": True, "files_ok": True, "symbol_in_library": True}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None,
+                    reason="nvidia-cutlass-dsl is not installed")
 def test_compile_refuses_other_arch(tmp_path):
     code = (
         "from cached.families.hopper_fp8.compile import compile_to_object\n"

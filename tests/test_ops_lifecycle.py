@@ -129,7 +129,7 @@ def test_sigterm_during_a_warm_up_drains_and_loses_no_finished_artifact(tmp_path
     assert not report["bad"] and report["verified"] == len(done)
     store = Store(d.store)
     try:
-        stored = {r["key"][:16] for r in store.rows()}
+        stored = {r.key[:16] for r in store.rows()}
     finally:
         store.close()
     assert done == stored  # every finished compilation is in the store, nothing else

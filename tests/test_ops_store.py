@@ -25,7 +25,7 @@ def test_lru_eviction_keeps_the_budget_and_spares_recent_and_shared_blobs(tmp_pa
     store.set_budget(Budget(max_bytes=3 * one, grace=0.0))
     store.lookup(K("k0"))  # k0 is now the most recently used
     publish(store, "k4", payload + bytes([4]))
-    keys = {r["key"] for r in store.rows()}
+    keys = {r.key for r in store.rows()}
     assert keys == {K("k0"), K("k3"), K("k4")} and store.totals()[1] <= store.budget.max_bytes
     assert store.evictions == 2 and not store.over_budget
     assert len(list(store.blob_dir.glob("*/*"))) == 6
@@ -34,13 +34,13 @@ def test_lru_eviction_keeps_the_budget_and_spares_recent_and_shared_blobs(tmp_pa
     time.sleep(0.01)
     store.lookup(K("k5"))
     report = store.evict(max_bytes=one)
-    assert report["evicted"] == 2 and {r["key"] for r in store.rows()} == {K("k5")}
+    assert report["evicted"] == 2 and {r.key for r in store.rows()} == {K("k5")}
     assert store.lookup(K("k5")) is not None  # k0's eviction left the shared blobs
     # The configured budget is hard: an entry used within the grace period goes too when
     # nothing else would make room (issue 16 item 13).
     store.set_budget(Budget(max_bytes=one, grace=60.0))
     publish(store, "k6", payload + bytes([6]))
-    assert {r["key"] for r in store.rows()} == {K("k6")} and not store.over_budget
+    assert {r.key for r in store.rows()} == {K("k6")} and not store.over_budget
     # A one-off gc with its own limits spares what was used within the grace period.
     assert store.evict(max_bytes=1)["blocked"] == 1 and store.contains(K("k6"))
     assert store.evict(max_bytes=1, grace=0.0)["evicted"] == 1 and store.totals() == (0, 0)
@@ -58,7 +58,7 @@ def test_verify_reports_and_drops_bad_entries(tmp_path):
     assert [b["key"] for b in report["bad"]] == [K("bad")]
     assert "digest" in report["bad"][0]["reason"]
     assert report["orphan_blobs"] >= 1
-    assert {r["key"] for r in store.rows()} == {K("good")}
+    assert {r.key for r in store.rows()} == {K("good")}
     assert store.verify()["bad"] == [] and good.library_path.exists()
 
 

@@ -23,7 +23,7 @@ def verify_store(root: Path) -> int:
     store = Store(root)
     store.scan()
     rows = store.rows()
-    assert all(store.lookup(r["key"]) is not None for r in rows)
+    assert all(store.lookup(r.key) is not None for r in rows)
     store.close()
     return len(rows)
 

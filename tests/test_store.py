@@ -33,11 +33,11 @@ def test_publish_then_lookup_survives_reopen(tmp_path):
     entry = publish(store, "k1")
     assert entry.library_path.read_bytes() == b"libraryx"
     assert oct(entry.library_path.stat().st_mode & 0o777) == "0o444"
-    assert store.lookup(K("k1")).row["hits"] == 1
+    assert store.lookup(K("k1")).row.hits == 1
     store.close()
     again = Store(tmp_path)
-    assert again.lookup(K("k1")).row["hits"] == 2
-    assert again.rows()[0]["params"] == '{"a": 1}'
+    assert again.lookup(K("k1")).row.hits == 2
+    assert again.rows()[0].params == '{"a": 1}'
 
 
 def test_flipped_byte_is_detected_dropped_and_never_served(tmp_path):
@@ -100,7 +100,7 @@ def test_a_blob_is_hashed_again_whenever_its_file_changed_at_all(tmp_path):
     entry = publish(store, "k1")
     assert store.lookup_unchanged(K("k1")) is None  # never checked yet
     assert store.lookup(K("k1")) is not None
-    assert store.lookup_unchanged(K("k1")).row["hits"] == 2  # checked: no hashing now
+    assert store.lookup_unchanged(K("k1")).row.hits == 2  # checked: no hashing now
     lib = entry.library_path
     copy = tmp_path / "copy"
     shutil.copy2(lib, copy)

@@ -19,20 +19,13 @@ from conftest import ROOT, serve_once
 
 from cached import config
 from cached.server import Access, Server
-from cached.view.stats import Stats
+from cached.stats import Stats
 
 PACKAGES = {"cached": ROOT / "cached", "cached_client": ROOT / "client" / "cached_client"}
 
 
 def _modules() -> dict[str, Path]:
-    out = {}
-    for package, root in PACKAGES.items():
-        for path in root.rglob("*.py"):
-            parts = [package, *path.relative_to(root).with_suffix("").parts]
-            if parts[-1] == "__init__":
-                parts.pop()
-            out[".".join(parts)] = path
-    return out
+    return _package_modules(PACKAGES)
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
@@ -345,3 +338,292 @@ def test_unusable_settings_are_refused_with_the_option_named(flag, value, messag
     out = subprocess.run([sys.executable, "-m", "cached", "config", flag, value],
                          capture_output=True, text=True)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
+# -- the rules of the code's shape: rooms, types, sizes ---------------------------------
+#
+# Each rule is a checker over files (so a synthetic module in tmp_path can plant a
+# violation) and a test running it over both packages.
+
+ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("the client's core", ("cached_client",)),
+    ("the client's GEMM layer", ("cached_client.gemm",)),
+    ("the client's integrations", ("cached_client.integrations",)),
+    ("the client's command", ("cached_client.__main__",)),
+    ("the daemon's base", ("=cached", "cached.config", "cached.log", "cached.stats",
+                           "cached.sizing", "cached.systemd", "cached.trust",
+                           "cached.compiler_stack")),
+    ("families and toolchains", ("cached.families", "cached.toolchains", "cached.identity")),
+    ("the store", ("cached.store",)),
+    ("the fleet tier", ("cached.fleet",)),
+    ("the request spine", ("cached.build", "cached.worker", "cached.pool", "cached.artifacts",
+                           "cached.scheduler", "cached.server")),
+    ("the views", ("cached.view",)),
+    ("the ops", ("cached.service", "cached.ops")),
+    ("wiring", ("cached.daemon", "cached.lifecycle", "cached.listeners", "cached.healthcheck")),
+    ("operator tools", ("cached.manifests", "cached.tune", "cached.tune_cuda", "cached.cli",
+                        "=cached.__main__")),
+)
+"""The rooms of the code, lowest first: a module imports only from its own room or a room
+listed before it (at its top, inside a function, or for type checking alike). A name is a
+package (it and what is under it) unless ``=`` makes it that one module; a module is in
+the room of its longest matching name."""
+
+MAX_MODULE_LINES = 700
+MAX_DOCSTRING_LINES = 40
+LONG_MODULES_PENDING = {
+    # being split by the plan40 helper in parallel (issue 40); the lead removes these two
+    # at the merge, after which they follow the 700-line rule like every module
+    "cached/server.py": "plan40 splits it",
+    "client/cached_client/protocol.py": "plan40 splits it",
+}
+ANY_PENDING = {
+    # ``client: Any`` (and the like) in modules other helpers own and are typing in
+    # parallel (issue 40: ``Client`` wherever a client is passed); the lead removes these
+    # at the merge
+    "client/cached_client/gemm/certify.py": "plan40",
+    "client/cached_client/gemm/plan.py": "plan40",
+    "client/cached_client/gemm/policy.py": "plan40",
+    "cached/server.py": "plan40",
+    "cached/tune.py": "tune38",
+    "cached/tune_cuda.py": "tune38",
+}
+
+
+def room_of(module: str, rooms=ROOMS) -> int | None:
+    """The rank of ``module``'s room in ``rooms`` (None: in none)."""
+    best, rank = -1, None
+    for i, (_, names) in enumerate(rooms):
+        for spec in names:
+            name = spec.lstrip("=")
+            if module == name or (not spec.startswith("=") and module.startswith(name + ".")):
+                if len(name) > best:
+                    best, rank = len(name), i
+    return rank
+
+
+def upward_imports(graph: dict[str, set[str]], rooms=ROOMS) -> list[str]:
+    """``importer -> imported`` for every import into a later room, and every module in no
+    room."""
+    out = [f"{m}: in no room (add it to ROOMS)" for m in sorted(graph)
+           if room_of(m, rooms) is None]
+    for m, targets in sorted(graph.items()):
+        mine = room_of(m, rooms)
+        for t in sorted(targets):
+            theirs = room_of(t, rooms)
+            if mine is not None and theirs is not None and theirs > mine:
+                out.append(f"{m} ({rooms[mine][0]}) -> {t} ({rooms[theirs][0]})")
+    return out
+
+
+def _package_modules(packages: dict[str, Path]) -> dict[str, Path]:
+    out = {}
+    for package, root in packages.items():
+        for path in root.rglob("*.py"):
+            parts = [package, *path.relative_to(root).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _bound_modules(name: str, path: Path, tree: ast.AST, modules: dict[str, Path]
+                   ) -> dict[str, str]:
+    """{local name: project module} for every project module ``tree`` imports as a name."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in modules:
+                    bound[a.asname or a.name.split(".")[0]] = (a.name if a.asname
+                                                               else a.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[: len(base) - node.level + 1]
+                prefix = ".".join(base + [node.module] if node.module else base)
+            else:
+                prefix = node.module or ""
+            for a in node.names:
+                if f"{prefix}.{a.name}" in modules:
+                    bound[a.asname or a.name] = f"{prefix}.{a.name}"
+    return bound
+
+
+def private_imports(modules: dict[str, Path]) -> list[str]:
+    """Every private name (``_x``, not a dunder) one project module takes from another:
+    ``from mod import _x``, or ``mod._x`` on a project module it imported."""
+    out = []
+    for name, path in sorted(modules.items()):
+        tree = ast.parse(path.read_text())
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")
+                if node.level:
+                    base = base[: len(base) - node.level + 1]
+                    prefix = ".".join(base + [node.module] if node.module else base)
+                else:
+                    prefix = node.module or ""
+                if prefix not in modules or prefix == name:
+                    continue
+                out += [f"{name}: from {prefix} import {a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+        bound = _bound_modules(name, path, tree, modules)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and bound.get(node.value.id, name) != name):
+                out.append(f"{name}:{node.lineno}: {bound[node.value.id]}.{node.attr}")
+    return out
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def any_for_project_types(modules: dict[str, Path], own: dict[str, set[str]]) -> list[str]:
+    """Every parameter of a public function annotated ``Any`` (or ``Any | None``) whose name
+    is a project class's (``client`` for ``Client``, ``store`` for ``Store``): the class
+    the package owns is its type. ``own`` maps a top package to the packages whose classes
+    its modules can name (the client's never the daemon's)."""
+    classes: dict[str, set[str]] = {}
+    trees = {name: ast.parse(path.read_text()) for name, path in modules.items()}
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                classes.setdefault(name.split(".")[0], set()).add(_snake(node.name))
+    out = []
+    for name, tree in sorted(trees.items()):
+        names = set().union(*(classes.get(top, set()) for top in own[name.split(".")[0]]))
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    or node.name.startswith("_") and not node.name.startswith("__"):
+                continue
+            for arg in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs):
+                if (arg.annotation is not None and arg.arg in names
+                        and ast.unparse(arg.annotation) in ("Any", "Any | None",
+                                                            "Optional[Any]")):
+                    out.append(f"{name}: {node.name}({arg.arg}: Any)")
+    return out
+
+
+def long_modules(paths: list[Path], limit: int = MAX_MODULE_LINES) -> list[str]:
+    return [f"{path}: {n} lines" for path in paths
+            if (n := len(path.read_text().splitlines())) > limit]
+
+
+def long_docstrings(paths: list[Path], limit: int = MAX_DOCSTRING_LINES) -> list[str]:
+    """Every module, class or function docstring over ``limit`` lines."""
+    out = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                     ast.AsyncFunctionDef)):
+                continue
+            doc = ast.get_docstring(node, clean=False)
+            if doc is not None and len(doc.splitlines()) > limit:
+                out.append(f"{path}: {getattr(node, 'name', '<module>')}: "
+                           f"{len(doc.splitlines())} lines")
+    return out
+
+
+OWN = {"cached_client": {"cached_client"}, "cached": {"cached", "cached_client"}}
+"""Whose classes a package's signatures can name: the client never the daemon's."""
+
+
+def test_no_module_imports_from_a_later_room():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert room_of("cached.stats") < room_of("cached.view.snapshot") < room_of("cached.daemon")
+    assert room_of("cached.scheduler") < room_of("cached.view.snapshot"), \
+        "the views read the spine; the counters are below both"
+    assert not upward_imports(graph)
+
+
+def test_no_private_name_is_imported_across_modules():
+    modules = _modules()
+    assert "cached.store.store" in modules
+    assert not private_imports(modules)
+
+
+def test_no_public_signature_takes_any_for_a_type_the_project_owns():
+    modules = _modules()
+    pending = {name for name, path in modules.items()
+               if str(path.relative_to(ROOT)) in ANY_PENDING}
+    assert len(pending) == len(ANY_PENDING), "every pending entry names a module"
+    assert not [f for f in any_for_project_types(modules, OWN)
+                if f.split(":")[0] not in pending]
+
+
+def test_no_module_is_over_700_lines():
+    paths = [p for root in PACKAGES.values() for p in root.rglob("*.py")]
+    over = [line for line in long_modules(paths)
+            if line.split(":")[0] not in {str(ROOT / k) for k in LONG_MODULES_PENDING}]
+    assert not over, "split it along its seams"
+
+
+def test_no_docstring_is_over_40_lines():
+    paths = [p for root in PACKAGES.values() for p in root.rglob("*.py")]
+    assert not long_docstrings(paths), "an essay belongs in docs/; keep the invariants"
+
+
+def _plant(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
+    root = tmp_path / "pkg"
+    for rel, text in {"__init__.py": "", **files}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return _package_modules({"pkg": root})
+
+
+def test_each_rule_fails_on_a_planted_violation(tmp_path):
+    modules = _plant(tmp_path, {
+        "low.py": '"""Low."""\nfrom pkg import high\n\n\ndef f() -> int:\n    return high._x\n',
+        "high.py": ('"""High."""\nfrom typing import Any\n\n_x = 1\n\n\nclass Store:\n'
+                    '    pass\n\n\ndef keep(store: Any) -> None:\n    pass\n'),
+        "thief.py": "from pkg.high import _x\n",
+        "big.py": "x = 1\n" * (MAX_MODULE_LINES + 1),
+        "essay.py": '"""' + "line\n" * MAX_DOCSTRING_LINES + 'one too many."""\n',
+        "fine.py": ('"""Fine."""\nfrom pkg import high\nfrom pkg.high import Store\n\n\n'
+                    'def keep(store: Store, other: object) -> object:\n    return high.Store\n'),
+    })
+    graph = {n: _imports(n, p, modules) for n, p in modules.items()}
+    rooms = (("low", ("=pkg", "pkg.low", "pkg.big", "pkg.essay")),
+             ("high", ("pkg.high", "pkg.fine", "pkg.thief")))
+    assert upward_imports(graph, rooms) == ["pkg.low (low) -> pkg.high (high)"]
+    assert upward_imports(graph, rooms[:1])[0] == "pkg.fine: in no room (add it to ROOMS)"
+    assert not upward_imports({"pkg.fine": {"pkg.high"}}, rooms)
+    assert sorted(private_imports(modules)) == ["pkg.low:6: pkg.high._x",
+                                                "pkg.thief: from pkg.high import _x"]
+    assert any_for_project_types(modules, {"pkg": {"pkg"}}) == ["pkg.high: keep(store: Any)"]
+    assert not any_for_project_types(modules, {"pkg": set()}), "only the package's own types"
+    paths = sorted(modules.values())
+    assert long_modules(paths) == [f"{modules['pkg.big']}: {MAX_MODULE_LINES + 1} lines"]
+    assert long_docstrings(paths) == [f"{modules['pkg.essay']}: <module>: "
+                                      f"{MAX_DOCSTRING_LINES + 1} lines"]
+
+
+def test_the_fp8_familys_digest_covers_every_module_its_kernel_is_built_from():
+    """hopper_fp8's SOURCES (what its artifact keys hash) are exactly the modules compile.py
+    reaches through the family's own package (kernel.py and its halves, tactic.py), so a
+    module split out of the kernel is in every key; a file missing from it changes it."""
+    from cached import compiler_stack
+    from cached.families.hopper_fp8 import family
+
+    here = ROOT / "cached" / "families" / "hopper_fp8"
+    modules = _modules()
+    prefix = "cached.families.hopper_fp8."
+    reached, todo = set(), [prefix + "compile"]
+    while todo:
+        name = todo.pop()
+        if name in reached:
+            continue
+        reached.add(name)
+        todo += [t for t in _imports(name, modules[name], modules) if t.startswith(prefix)]
+    assert {prefix + "kernel", prefix + "mainloop", prefix + "epilogue"} <= reached
+    assert sorted(f"{m[len(prefix):]}.py" for m in reached) == sorted(family.SOURCES)
+    digest = compiler_stack.hash_files(tuple(here / n for n in family.SOURCES))
+    assert family.HopperFp8().source_sha256() == digest
+    assert compiler_stack.hash_files(tuple(here / n for n in family.SOURCES
+                                           if n != "mainloop.py")) != digest

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, TextIO
 
-from ..view.stats import duration_text
+from ..stats import duration_text
 
 MODES = ("auto", "bar", "lines", "off")
 FALLBACK_SIZE = (120, 24)  # columns, rows

@@ -18,9 +18,9 @@ from cached_client import protocol as p
 from tabulate import tabulate
 
 from .. import compiler_stack, config
+from ..stats import duration_text, time_text
 from ..store import lock as storelock
 from ..view.snapshot import hit_ratio, mean_compile_s
-from ..view.stats import duration_text, time_text
 from . import argtypes
 
 THROUGH_THE_DAEMON = ("run cached {} without --store (through the daemon, with --socket), "

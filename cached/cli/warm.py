@@ -332,7 +332,8 @@ def report_warm(counts: dict, as_json: bool, label: str = "") -> int:
 
 
 def warm(client: Client | str, requests: list[KernelRequest], timeout: float,
-         shown: progress.Progress | None = None, identity: Any = None) -> dict:
+         shown: progress.Progress | None = None,
+         identity: p.Identity | bool | None = None) -> dict:
     """Ask for every request at pre-warm priority on one pipelined connection of
     ``client``'s (a Client, or a socket path: the same socket search and trust checks as
     its calls) and wait;

@@ -44,8 +44,8 @@ from ..families.base import Family
 from ..log import event
 from ..scheduler import Scheduler
 from ..server import Access, Handler, Peer
+from ..stats import Stats
 from ..toolchains import Route
-from ..view.stats import Stats
 
 log = logging.getLogger("cached.leases")
 
@@ -223,7 +223,7 @@ class Leases:
                 self.stats.count("writeback.hits_after_wait" if waited else "writeback.hits")
                 self.stats.count("hits", family.name)
                 self.stats.count("compiles_avoided", family.name)
-                self.stats.count("bytes_served", family.name, entry.row["size"])
+                self.stats.count("bytes_served", family.name, entry.row.size)
                 return p.LeaseReply(state="hit",
                                     artifact=self.served.artifact(entry, "hit"))
             if not may_publish:

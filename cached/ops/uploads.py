@@ -163,9 +163,9 @@ class Uploads:
         self.leases.settle(key)
         self.stats.count("writeback.published")
         self.stats.count("published", family.name)
-        self.stats.count("bytes_published", family.name, entry.row["object_size"])
+        self.stats.count("bytes_published", family.name, entry.row.object_size)
         event(log, logging.INFO, "writeback.published", key=key[:16], pid=peer.pid,
-              family=family.name, kernel=kernel_name[:120], bytes=entry.row["object_size"],
+              family=family.name, kernel=kernel_name[:120], bytes=entry.row.object_size,
               toolchain=route.toolchain[-24:])
         return p.PublishReply(state="stored", key=key,
                               artifact=self.leases.served.artifact(entry, "compiled"))
@@ -281,10 +281,10 @@ class Uploads:
         self.leases.settle(key)
         self.stats.count("writeback.published")
         self.stats.count("published", family.name)
-        self.stats.count("bytes_published", family.name, entry.row["size"])
+        self.stats.count("bytes_published", family.name, entry.row.size)
         event(log, logging.INFO, "writeback.published", key=key[:16], pid=peer.pid,
-              family=family.name, kernel=entry.row["kernel_name"][:120],
-              bytes=entry.row["size"], files=len(bundle.files),
+              family=family.name, kernel=entry.row.kernel_name[:120],
+              bytes=entry.row.size, files=len(bundle.files),
               toolchain=route.toolchain[-24:])
         return p.PublishReply(state="stored", key=key,
                               artifact=self.leases.served.artifact(entry, "compiled"))

@@ -50,22 +50,6 @@ def bundle_suffix(name: str) -> str:
     return ext if BLOB_SUFFIX.match(ext) else ".bin"
 
 
-def manifest(row: Mapping[str, Any]) -> dict[str, dict]:
-    """A bundle row's files, ``{name: {"sha256", "size"}}`` (empty for a kernel)."""
-    if row.get("kind") != "bundle":
-        return {}
-    return json.loads(row["files"])
-
-
-def row_blobs(row: Mapping[str, Any]) -> list[Blob]:
-    """Every blob the row references (a kernel: object and library; a bundle: its files)."""
-    if row.get("kind") == "bundle":
-        return [Blob(f["sha256"], bundle_suffix(name), f["size"], f"file {name}")
-                for name, f in sorted(manifest(row).items())]
-    return [Blob(row[f"{k}_sha256"], suffix, row[f"{k}_size"], k)
-            for k, suffix in SUFFIXES.items()]
-
-
 def row_for(key: str, request: KernelRequest, *, kernel_name: str, symbol: str,
             toolchain: str, source_sha256: str, compile_seconds: float,
             meta: Mapping[str, Any]) -> dict:
@@ -78,6 +62,25 @@ def row_for(key: str, request: KernelRequest, *, kernel_name: str, symbol: str,
         "toolchain": toolchain, "source_sha256": source_sha256,
         "compile_seconds": float(compile_seconds), "meta": dict(meta),
     }
+
+
+def complete(draft: dict) -> Row:
+    """The row of a draft holding every column (``params`` and ``meta`` become JSON text
+    when they are not yet)."""
+    for name in ("params", "meta"):
+        if not isinstance(draft.get(name), str):
+            draft[name] = json.dumps(draft.get(name, {}), sort_keys=True)
+    return Row.from_columns(draft)
+
+
+def kernel_row(draft: Mapping[str, Any], *, object_sha256: str, object_size: int,
+               library_sha256: str, library_size: int, now: float) -> Row:
+    """The row of a built kernel (a :func:`row_for` draft) with its blobs' digests and
+    sizes (bytes), created and last used at ``now`` (seconds since the epoch), no hits."""
+    return complete({**draft, "kind": "kernel", "files": "", "object_sha256": object_sha256,
+                     "object_size": object_size, "library_sha256": library_sha256,
+                     "library_size": library_size, "size": object_size + library_size,
+                     "created": now, "last_used": now, "hits": 0})
 
 
 def check_row(row: Mapping[str, Any]) -> str | None:
@@ -127,15 +130,72 @@ def check_row(row: Mapping[str, Any]) -> str | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One index row (table ``entries``), built from a checked SQLite row by
+    :meth:`from_columns` only. Digests are 64 lowercase hex digits ('' for a bundle's
+    object and library); sizes are bytes; times are seconds since the epoch
+    (``created``, ``last_used``) or of work (``compile_seconds``); ``params``, ``meta``
+    and ``files`` are JSON text (``files``: a bundle's manifest, '' for a kernel)."""
+
+    key: str
+    family: str
+    kernel_name: str
+    symbol: str
+    params: str
+    arch: str
+    sm_count: int
+    max_active_clusters: int
+    toolchain: str
+    source_sha256: str
+    object_sha256: str
+    object_size: int
+    library_sha256: str
+    library_size: int
+    size: int
+    compile_seconds: float
+    created: float
+    last_used: float
+    hits: int
+    meta: str | None
+    kind: str
+    files: str
+
+    @classmethod
+    def from_columns(cls, columns: Mapping[str, Any]) -> Row:
+        """The row of a mapping holding every column (a SQLite row :func:`check_row`
+        passed, or one about to be indexed); a column an older index lacks takes its
+        :data:`ADDED_COLUMNS` value."""
+        return cls(**{name: columns[name] if name in columns else ADDED_COLUMNS[name]
+                      for name in COLUMNS})
+
+    def columns(self) -> dict[str, Any]:
+        """The row as SQLite stores it, ``{column: value}``."""
+        return {name: getattr(self, name) for name in COLUMNS}
+
+    def manifest(self) -> dict[str, dict]:
+        """A bundle's files, ``{name: {"sha256", "size"}}`` (empty for a kernel)."""
+        return json.loads(self.files) if self.kind == "bundle" else {}
+
+    def blobs(self) -> list[Blob]:
+        """Every blob the row references (a kernel: object and library; a bundle: its
+        files)."""
+        if self.kind == "bundle":
+            return [Blob(f["sha256"], bundle_suffix(name), f["size"], f"file {name}")
+                    for name, f in sorted(self.manifest().items())]
+        return [Blob(self.object_sha256, SUFFIXES["object"], self.object_size, "object"),
+                Blob(self.library_sha256, SUFFIXES["library"], self.library_size, "library")]
+
+
 @dataclass(frozen=True)
 class Entry:
-    """One index row, with paths to its verified blobs (a kernel: ``object_path`` and
+    """A stored row with paths to its verified blobs (a kernel: ``object_path`` and
     ``library_path``; a bundle: ``files``, by name, and no object or library). An
     *unstored* entry (a kernel the store could not take, see :meth:`Store.unstored`) is in
     no index; its paths are in the compilation's work directory and ``library_data``
     holds the library's bytes."""
 
-    row: dict
+    row: Row
     object_path: Path | None
     library_path: Path | None
     library_data: bytes | None = field(default=None, repr=False, compare=False)
@@ -143,8 +203,8 @@ class Entry:
 
     @property
     def kind(self) -> str:
-        return self.row.get("kind", "kernel")
+        return self.row.kind
 
     @property
     def key(self) -> str:
-        return self.row["key"]
+        return self.row.key

@@ -13,8 +13,8 @@ import html
 import socket
 
 from ..config import size_text
+from ..stats import duration_text, time_text
 from .snapshot import hit_ratio, mean_compile_s, split_errors
-from .stats import duration_text, time_text
 
 REFRESH_S = 5
 

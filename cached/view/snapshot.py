@@ -34,9 +34,9 @@ if TYPE_CHECKING:
     from ..fleet.tier import Tier
     from ..pool import Pool, PoolSnapshot
     from ..scheduler import Scheduler, SchedulerSnapshot
+    from ..stats import Stats
     from ..store.store import Store, StoreSnapshot
     from ..toolchains import Toolchains
-    from .stats import Stats
 
 
 class _Server(Protocol):

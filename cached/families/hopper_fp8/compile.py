@@ -78,7 +78,8 @@ def compile_to_object(
     import cutlass
     import cutlass.cute as cute
 
-    from .kernel import HopperFp8GemmKernel, cutlass_dtypes
+    from .fragments import cutlass_dtypes
+    from .kernel import HopperFp8GemmKernel
 
     ab_dtype, c_dtype = cutlass_dtypes(tactic)
     m = cute.sym_int()

@@ -35,7 +35,8 @@ from . import accuracy, space, tactic, winners
 
 # what a kernel's object code is built from (the tactic's fields and resource arithmetic
 # included; the cost model and recorded winners only order the plan)
-SOURCES = ("kernel.py", "compile.py", "tactic.py")
+SOURCES = ("kernel.py", "mainloop.py", "scales.py", "epilogue.py", "fragments.py", "compile.py",
+           "tactic.py")
 #: ``cached tune``'s schemes: name -> the plan options (scales, accumulation) of the scheme
 TUNE_SCHEMES = {
     "tensor-fast": {},

@@ -1,107 +1,14 @@
 """The tactic of the Hopper (sm_90a) FP8 GEMM family: its fields, validation, canonical
 parameters, resource arithmetic (shared memory in bytes, accumulator registers per thread)
-and the reduction-order class it belongs to.
+and the reduction-order class it belongs to (docs/hopper-fp8.md: the classes, and what
+each field changes).
 
-C = cvt((A @ B^T) * (a_scale * b_scale)), A (M, K) and B (N, K) FP8 and K-major,
-a_scale / b_scale per-tensor fp32 scales held in 1-element device tensors, C (M, N)
-row-major bf16 or fp16; or (ab_dtype "bf16", below) C = cvt(A @ B^T) on bf16 operands.
-
-This module is imported by the daemon's main process: it must not import cutlass or
-torch. Which tactics a plan lists is space.py, how they are ranked cost.py and winners.py.
-
-Reduction-order classes
------------------------
-Every tactic belongs to one reduction-order class, named by ``reduction_class(t)``,
-e.g. ``"k128.acc1.s4.fixed"``: the K tile (128), the accumulation mode (``acc1``: one
-fp32 wgmma accumulator per K range, no periodic promotion) and the split count S with
-its fixed order. For a problem with kt = ceil(K / 128) K tiles, split s owns the K tiles
-[s*kt//S, (s+1)*kt//S); inside it, the CTA walks its K tiles from the lowest upwards and
-issues four wgmma k32 per K tile, in k order, into an fp32 register accumulator that
-starts at zero, giving the partial p_s. For S = 1 the result is p_0; for S > 1 it is
-((0 + p_0) + p_1) + ... + p_(S-1), summed in fp32 in split order. Then the sum is
-multiplied once by (a_scale * b_scale), computed in fp32, and rounded to the output type
-(round to nearest even).
-
-Tile M / tile N / cluster shape / raster / swizzle / stage count / split mode / operand
-swap change which CTA computes an element and when, never the arithmetic that produces it.
-So within a class every tactic gives bitwise the same result, for every M (batch
-invariant); two classes differ and are never mixed by a batch-invariant plan.
-
-Swap-AB (``swap_ab=True``, the decode tiles): the kernel computes C^T = B A^T, the weight
-rows on the wgmma M side (tile_n in SWAP_TILE_N_CHOICES = 64 or 128 rows, one or two
-consumer warpgroups) and the tokens on the wgmma N side (tile_m in SWAP_TILE_M_CHOICES,
-8 to 64), so a decode CTA stages 8-64 token rows instead of 64 and the weights, not the
-tokens, set the number of CTAs. The K order (K tiles, four k32 wgmma per K tile, the S
-ranges and their sum) is the one above; each output element is the same dot product with
-its two operands exchanged inside the MMA. tile_m / tile_n keep their meaning (the tile
-along the output's M and N), so workspace sizes are the same formulas. That the MMA's
-accumulation is symmetric in its operands is a hardware fact, checked on an H200 by
-bench/gpu/hopper_fp8_check.py (every swapped kernel against the unswapped kernels of its
-class, fresh data, every M; docs/history.md), so a swapped tactic is in the class of
-its S.
-
-Split mode: how the S partials are run: ``serial`` (one CTA walks all S ranges of a tile
-and keeps the running sum in a second register accumulator: no workspace, a pipeline drain
-per range boundary) or ``cta`` (S work units per tile, partials through a caller-provided
-fp32 workspace, reduced in split order by the unit that arrives last; see kernel.py).
-Either mode gives the same sum (checked bitwise on an H200 by
-bench/gpu/hopper_fp8_check.py).
-
-Consumer warpgroups along N (``wg_n=2``, tile_m = 64 only): the tile's 64 token rows are
-one wgmma M side, and its N columns are split between two consumer warpgroups, each
-issuing 64 x tile_n/2 wgmma on its half of the weight tile. Each warpgroup walks the same
-K tiles with the same four k32 wgmma per K tile as every other tactic, so an output
-element is the same sum in the same order: a wg_n=2 tactic is in the class of its S. Its
-epilogue scales in fp32 and rounds as every other's, then stages the whole tile in one
-shared-memory buffer and TMA-stores it (tile_epilogue).
-
-Narrow decode tiles (tile_m = 64, tile_n in NARROW_TILE_N = 40, 48, 56): the tokens on the
-wgmma M side and 40-56 weight rows on its N side, so that more CTAs stream the weights at
-M <= 64 than the 64-row tiles give. Same K walk, so in the class of its S (bitwise checked
-on an H200, docs/history.md); the epilogue stages the whole tile as wg_n = 2 does
-(tile_epilogue).
-
-Programmatic dependent launch (``pdl=True``): the kernel is launched so that the next
-kernel on the stream may start its prologue while it runs; every thread waits for the
-previous grid (griddepcontrol.wait) before any global read or write. Launch order only:
-same K walk, so a pdl tactic is in the class of its S (bitwise checked on an H200,
-docs/history.md).
-
-Scale schemes (``scales``): ``"tensor"`` (the default: a_scale and b_scale one element
-each, the product applied once after the K loop) or ``"token"`` (FP8-dynamic checkpoints:
-a_scale (M,) one fp32 per activation row, b_scale (N,) one per weight row; the element
-(m, n) of the fp32 sum is multiplied by the fp32 product a_scale[m] * b_scale[n], then
-rounded). A row's scale is its own, so either scheme is batch invariant.
-``"block128"`` (DeepSeek-V3 / Qwen3-FP8 block checkpoints, the layout vLLM 0.33.0's CUTLASS
-block path passes): a_scale (M, ceil(K/128)) fp32, one per token per 128 of K, column-major
-(element (m, j) at j*M + m); b_scale (ceil(N/128), ceil(K/128)) fp32 row-major, one per
-128x128 weight block. Applied inside the K loop at the promotion: after K tile j's wgmma
-retired, promoted += t_j * (a_scale[m, j] * b_scale[n // 128, j]) per element (m, n), the
-product of the two scales formed first. The block index is taken per element, so any tile_n
-serves and N need not be a multiple of 128 (the last weight block is partial). Requires
-``accum="exact"`` (the promotion is where the scale goes) and K % 128 == 0 (every K tile is
-one scale group; the launcher refuses other K).
-The scheme is part of the class id (``.token`` / ``.block128`` appended; per-tensor ids
-have no suffix).
-
-BF16 operands (``ab_dtype="bf16"``, the family ``cached.hopper_bf16``): the same tactics on
-bfloat16 A and B with scales ``"none"`` (no scale is read: C = cvt(A @ B^T)) and fast
-accumulation only (the bf16 wgmma accumulates in fp32). The K tile is 64 elements, 128
-bytes of an operand row as FP8's 128, so every stage and shared-memory size is FP8's; each
-K tile issues four wgmma k16 (``tile_k`` / ``wgmma_k``). Output bfloat16, float16 or float32
-(BF16_OUT_DTYPES). Classes ``k64.acc1.s<S>.fixed`` (BF16_REDUCTION_CLASSES): K tiles of 64,
-the splits and their sum as above. The narrow widths are 48 only (BF16_NARROW_TILE_N).
-
-Accumulation (``accum``): ``"fast"`` (the default, ``acc1``: the four k32 wgmma of every K
-tile accumulate into one wgmma accumulator for the whole K range, so the tensor core's
-reduced-precision accumulation runs over all of K) or ``"exact"`` (``prom128``: the wgmma
-accumulator starts from zero at every K tile and is added, after the tile's wgmma retired,
-into a second fp32 register accumulator in K-tile order, ((0 + t_0) + t_1) + ...; the
-promotion CUTLASS and DeepGEMM use, which reaches the bf16 floor). Exact takes tiles whose
-accumulator copies fit the registers (two; three for a serial split, whose running sum
-is the third), S = 1 or (per-tensor and per-token) a split: each K range is promoted
-from zero on its own and the S promoted partials are summed in split order from zero, as
-the fast classes sum theirs. block128 is S = 1.
+Invariants: within one reduction-order class every tactic gives bitwise the same result
+for every M (tile, cluster, raster, swizzle, stages, split mode, operand swap, pdl change
+which CTA computes an element and when, never its arithmetic); two classes are never mixed
+by a batch-invariant plan. This module is imported by the daemon's main process: it never
+imports cutlass or torch. Which tactics a plan lists is space.py, their order cost.py and
+winners.py.
 """
 
 from __future__ import annotations

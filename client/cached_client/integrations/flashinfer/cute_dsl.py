@@ -33,17 +33,9 @@ is the calling process's device's, and ``max_active_clusters`` is the value the 
 process computed (FlashInfer puts it in the kernel name: ``_mac<N>``, ``_g<N>``), never
 recomputed by the daemon; the client adds this environment's toolchain and sources
 (cached_client.identity). ``uninstall()`` restores every replaced attribute exactly. Any daemon
-failure falls back to FlashInfer's own path, logged once. A daemon that stops answering
-(stopped, hung) costs the process one wait of a few seconds, not the call's 600 s timeout: the
-client asks for a ``hello`` on a new connection after 3 s of silence and, without an answer,
-stops asking that daemon for 30 s (cached_client.client: the circuit breaker); a daemon that
-answers is waited for as long as a compilation takes.
-
-FlashInfer versions: 0.7.4 and 0.7.2.post1 (vLLM 0.33.0's pin). What an older FlashInfer
-lacks is skipped with one log line and never stops the rest from installing: the
-batch-invariant modules (0.7.2.post1 has none: their hooks are not installed), and
-``JitSpecCuteDsl.enable_tvm_ffi`` / ``_export_object`` (0.7.2.post1 always uses TVM-FFI and
-exports with ``export_to_c``, as its own ``_export`` does).
+failure falls back to FlashInfer's own path, logged once; a daemon that stops answering costs
+one wait of a few seconds (docs/integration.md, "Recovery"). What an older FlashInfer lacks
+is skipped with one log line, never stopping the rest (docs/integration.md, "Versions").
 """
 
 from __future__ import annotations
