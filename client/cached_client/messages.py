@@ -416,3 +416,98 @@ class CertifyRecordReply(Message):
 @dataclass(frozen=True, kw_only=True)
 class CertificationsReply(Message):
     certifications: list = wire(List(Obj()))
+
+
+MAX_BUCKETS = 64
+"""M buckets one ``plan_shape`` may ask (2**63 is 64 powers of two)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanShapeRequest(Message):
+    """One weight shape's plan: (family, N, K, scheme ``options``) at each M bucket."""
+
+    family: str = wire(Str())
+    n: int = wire(Int(1, 1 << 31))
+    k: int = wire(Int(1, 1 << 31))
+    buckets: list = wire(List(Int(1, 1 << 31), MAX_BUCKETS), doc="increasing M upper bounds")
+    arch: str = wire(Str(32))
+    sm_count: int | None = wire(Optional(Int(1, 1 << 16)), None)
+    options: dict = wire(Obj(64), {}, "the family's plan options (as plan's)")
+    batch_invariant: bool = wire(Bool(), True, "one reduction-order class for every M")
+    op_name: str = wire(Str(200), "linear", "the GEMM op the shared winners are filed under")
+    dtype: str = wire(Str(200), "fp8", "the dtype the shared winners are filed under")
+    device: str | None = wire(Optional(Str(200)), None, "with a device: the node's shared "
+                              "autotune winners for it override the plan's first tactic "
+                              "where they are tactics of the plan (of its class)")
+    prefetch: bool = wire(Bool(), False, "also queue the chosen kernels (as prefetch)")
+    identity: Identity | None = IdentityField()
+
+    def __post_init__(self) -> None:
+        if not self.buckets or self.buckets != sorted(set(self.buckets)):
+            raise InvalidArgument(f"buckets must be increasing positive M bounds, got "
+                                  f"{self.buckets[:8]!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedBucket(Message):
+    """The tactic that serves M <= ``upper`` (above the previous bucket's upper)."""
+
+    upper: int = wire(Int(1, 1 << 31))
+    request: KernelRequest = wire(Kernel())
+    reduction_class: str | None = wire(Optional(Str()), None, "null: the family declares none")
+    source: str = wire(Str(32, ("autotune", "plan order")), "plan order")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanShapeReply(Message):
+    buckets: list = wire(List(Nested(PlannedBucket), MAX_BUCKETS),
+                         doc="one per requested bucket, in order")
+    warnings: list = wire(List(Str(2000), MAX_BUCKETS), [],
+                          "shared winners not taken, and why")
+    prefetch: PrefetchReply | None = wire(Optional(Nested(PrefetchReply)), None,
+                                          "with prefetch: what was queued")
+
+
+MAX_GET_BATCH = 64
+"""Requests one ``get_batch`` may carry (with two blobs each, 128 descriptors)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GetBatchRequest(Message):
+    """Several ``get`` requests answered in one reply; transfer ``fd`` or ``path``."""
+
+    requests: list = wire(List(Kernel(), MAX_GET_BATCH), doc="kernel requests")
+    deadline_ms: float = wire(Number(1, MAX_DEADLINE_MS), 60_000, "for all of them")
+    priority: str = wire(Str(choices=PRIORITIES), "interactive")
+    transfer: str = wire(Str(choices=("fd", "path")), "path")
+    blobs: list = wire(List(Str(16, BLOB_KINDS), 2), list(BLOB_KINDS),
+                       "transfer 'fd': the blobs whose descriptors to pass, per request")
+    identity: Identity | None = IdentityField()
+
+    def __post_init__(self) -> None:
+        if not self.requests:
+            raise InvalidArgument("get_batch.requests must name at least one kernel")
+        if not self.blobs or len(set(self.blobs)) != len(self.blobs):
+            raise InvalidArgument("get_batch.blobs must name 'object', 'library' or both, "
+                                  "once each")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GetBatchItem(Message):
+    """One request's answer: its artifact (and the blobs whose descriptors follow, in
+    order, after those of the items before it), or its typed error."""
+
+    artifact: Artifact | None = wire(Optional(Nested(Artifact)), None)
+    fds: list = wire(List(Str(16, BLOB_KINDS), 2), [])
+    error: dict | None = wire(Optional(Obj(8)), None, "{code, message}, as an error reply's")
+
+    def __post_init__(self) -> None:
+        if (self.artifact is None) == (self.error is None):
+            raise InvalidArgument("a get_batch item has exactly one of artifact and error")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GetBatchReply(Message):
+    items: list = wire(List(Nested(GetBatchItem), MAX_GET_BATCH), doc="one per request, in order")
+    fds: list = wire(List(Str(16, BLOB_KINDS), 2 * MAX_GET_BATCH), [],
+                     "every item's descriptors, in order (what the frame carries)")

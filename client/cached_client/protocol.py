@@ -36,6 +36,8 @@ from typing import Any
 
 from .errors import MalformedFrame
 from .messages import (  # noqa: F401 -- the protocol's surface, in one place
+    MAX_BUCKETS,
+    MAX_GET_BATCH,
     Artifact,
     AutotuneGetReply,
     AutotuneGetRequest,
@@ -49,6 +51,9 @@ from .messages import (  # noqa: F401 -- the protocol's surface, in one place
     FlashInferArtifactsReply,
     GcReply,
     GcRequest,
+    GetBatchItem,
+    GetBatchReply,
+    GetBatchRequest,
     GetReply,
     GetRequest,
     HelloReply,
@@ -60,10 +65,13 @@ from .messages import (  # noqa: F401 -- the protocol's surface, in one place
     LeaseReply,
     LeaseRequest,
     ListReply,
+    PlannedBucket,
     PlannedReply,
     PlannedRequest,
     PlanReply,
     PlanRequest,
+    PlanShapeReply,
+    PlanShapeRequest,
     PrefetchReply,
     PrefetchRequest,
     PublishBundleRequest,
@@ -200,9 +208,14 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("get", GetRequest, GetReply, False,
        "the artifact for a kernel request, compiled once if needed; with transfer "
        "'bytes' the library follows as payload", remember=True),
+    Op("get_batch", GetBatchRequest, GetBatchReply, False,
+       "several gets in one reply (transfer fd or path); each item an artifact or its error"),
     Op("prefetch", PrefetchRequest, PrefetchReply, False,
        "queue compilations behind waiting clients; answers at once"),
     Op("plan", PlanRequest, PlanReply, False, "a family's tactic space for one shape"),
+    Op("plan_shape", PlanShapeRequest, PlanShapeReply, False,
+       "one weight shape's tactic per M bucket (shared winners applied), optionally "
+       "prefetched"),
     Op("stats", Empty, StatsReply, False, "the daemon's statistics (cached stats --json)"),
     Op("zero_stats", Empty, ZeroStatsReply, True,
        "the statistics, then their counters start from zero (cached stats --zero)"),

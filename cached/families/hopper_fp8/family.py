@@ -50,6 +50,7 @@ class HopperFp8(Family):
     name = tactic.FAMILY
     arches = (tactic.TARGET_ARCH,)
     reduction_order_m_independent = tactic.REDUCTION_ORDER_M_INDEPENDENT
+    light_planner = True  # the tactic space and the cost model: arithmetic
 
     #: the operand types this family's tactics have (the bf16 family: tactic.BF16)
     ab_dtypes: tuple[str, ...] = tactic.FP8_AB_DTYPES
