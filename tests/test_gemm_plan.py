@@ -24,11 +24,34 @@ HOPPER = "cached.hopper_fp8"
 H200 = "NVIDIA H200"
 
 
+NEW_OPS = "plan_shape,get_batch"
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     d = DaemonProcess(tmp_path_factory.mktemp("plan"), workers=0)  # plans in the daemon itself
     yield d
     d.stop()
+
+
+@pytest.fixture(scope="module")
+def old_daemon(tmp_path_factory):
+    """A real daemon that acts as one predating plan_shape and get_batch (its hello lists
+    neither; asking either is an unknown op): the per-bucket path's."""
+    d = DaemonProcess(tmp_path_factory.mktemp("old"), workers=0,
+                      extra_env={"CACHED_TEST_WITHHOLD_OPS": NEW_OPS})
+    yield d
+    d.stop()
+
+
+@pytest.fixture(params=["daemon", "old_daemon"])
+def either(request):
+    """Each test twice: against this daemon (plan_shape) and an older one (plan per bucket)."""
+    return request.getfixturevalue(request.param)
+
+
+def _old(d) -> bool:
+    return "plan_shape" not in d.client(timeout=10).hello().ops
 
 
 class Recording(Client):
@@ -87,7 +110,8 @@ def test_policy_refuses_to_mix_classes(daemon):
         policy.one_class([(s1.requests[0], s1.classes[0]), (s2.requests[0], s2.classes[0])])
 
 
-def test_tactic_per_bucket_one_class_with_shared_winners_of_that_class(daemon):
+def test_tactic_per_bucket_one_class_with_shared_winners_of_that_class(either):
+    daemon = either
     n, k = 4096, 14336
     cls = T.reduction_class_id(SPACE.choose_split(n, k, 132))
     other_cls = next(c for c in T.REDUCTION_CLASSES if c != cls)
@@ -111,10 +135,13 @@ def test_tactic_per_bucket_one_class_with_shared_winners_of_that_class(daemon):
     rec = Recording(daemon.socket, timeout=60, fallback=False)
     tuned = policy.choose_tactics(rec, HOPPER, n, k, "sm_90a", buckets=ups, sm_count=132,
                                   device=H200)
-    # each bucket's first tactic alone; the whole plan only where a winner of the class is
-    # to be found
-    asked = [(r.shape[0], r.limit) for op, r in rec.ops if op == "plan"]
-    assert asked == [(u, 1) for u in ups] + [(16, None)]
+    if _old(daemon):
+        # each bucket's first tactic alone; the whole plan only where a winner of the class
+        # is to be found
+        asked = [(r.shape[0], r.limit) for op, r in rec.ops if op == "plan"]
+        assert asked == [(u, 1) for u in ups] + [(16, None)]
+    else:  # the whole shape in one request (after the connection's hello)
+        assert [op for op, _ in rec.ops] == ["hello", "plan_shape"]
     by_upper = {b.upper: b for b in tuned.buckets}
     assert by_upper[16].source == "autotune" and by_upper[16].request == same
     assert by_upper[64].source == "plan order" and by_upper[64].reduction_class == cls
@@ -147,17 +174,22 @@ def test_plan_limit_gives_the_plans_first_requests_and_bad_limits_are_refused(da
                         limit=1).requests == full.requests[:1]
 
 
-def test_plan_gemm_asks_plans_then_one_prefetch_and_nothing_else(daemon):
+def test_plan_gemm_asks_plans_then_one_prefetch_and_nothing_else(either):
+    daemon = either
     c = Recording(daemon.socket, timeout=60, fallback=False)
     plan = gemm_plan.plan_gemm(c, 2688, 4096, arch="sm_90a", sm_count=132, device=H200,
                                max_m=2048)
     ops = [op for op, _ in c.ops]
-    assert ops[-1] == "prefetch" and ops.count("prefetch") == 1 and "get" not in ops
-    assert ops.count("plan") == len(gemm_plan.buckets_up_to(2048)) == 12
-    # no shared winners for this shape: every bucket asks for its first tactic alone
-    assert {r.limit for op, r in c.ops if op == "plan"} == {1}
-    sent = c.ops[-1][1].requests
-    assert len(sent) == len(plan.requests) >= 1
+    if _old(daemon):
+        assert ops[-1] == "prefetch" and ops.count("prefetch") == 1 and "get" not in ops
+        assert ops.count("plan") == len(gemm_plan.buckets_up_to(2048)) == 12
+        # no shared winners for this shape: every bucket asks for its first tactic alone
+        assert {r.limit for op, r in c.ops if op == "plan"} == {1}
+        sent = c.ops[-1][1].requests
+        assert len(sent) == len(plan.requests) >= 1
+    else:  # one request plans all 12 buckets and queues their kernels
+        assert ops == ["hello", "plan_shape"] and c.ops[-1][1].prefetch is True
+        assert len(c.ops[-1][1].buckets) == 12
     assert [b.upper for b in plan.choice.buckets] == list(gemm_plan.buckets_up_to(2048))
     assert plan.choice.reduction_class == T.reduction_class_id(SPACE.choose_split(2688, 4096, 132))
     line = plan.describe()
