@@ -13,7 +13,7 @@ from cached_client import Client
 from cached_client.errors import InvalidArgument
 from cached_client.gemm import plan as gemm_plan
 from cached_client.gemm import policy
-from cached_client.protocol import AutotunePutRequest, PlanReply
+from cached_client.protocol import AutotunePutRequest, PlanReply, PlanShapeReply
 from conftest import ROOT, DaemonProcess
 
 from cached.families import get as family
@@ -282,3 +282,77 @@ def test_loaded_bf16_plan_runs_without_per_call_checks_up_to_max_m(daemon):
     with pytest.raises(ValueError, match="CUDA"):
         f.run(torch.empty(65, 4096, dtype=torch.bfloat16), b)  # the checked path
     assert len(calls) == 3
+
+
+def test_planning_and_loading_a_shape_takes_at_most_3_round_trips_and_old_daemons_work(
+        tmp_path, monkeypatch):
+    """Every frame a fresh client sends to plan, prefetch and load one weight shape (with a
+    device, so the shared winners are looked up): hello, plan_shape, get_batch. Then a
+    daemon on the same store that predates both ops: the per-bucket path, the same
+    kernels loaded."""
+    from cached_client import transport
+
+    sent: list[str] = []
+    send = transport.Connection.send
+
+    def counting(self, message, deadline):
+        sent.append(message["op"])
+        return send(self, message, deadline)
+
+    monkeypatch.setattr(transport.Connection, "send", counting)
+    n, k, max_m = 2688, 4096, 16  # 5 buckets, 2 kernels
+    (tmp_path / "new").mkdir()
+    (tmp_path / "old").mkdir()
+    d = DaemonProcess(tmp_path / "new", workers=2, store=tmp_path / "store")
+    try:
+        cold = d.client(timeout=600, fallback=False)  # compiles (its silence probes aside)
+        first = gemm_plan.plan_gemm(cold, n, k, arch="sm_90a", sm_count=132, max_m=max_m)
+        assert len(cold.load_many(first.requests, 600)) == 2
+        c = d.client(timeout=600, fallback=False)  # a fresh process's client, kernels stored
+        sent.clear()
+        plan = gemm_plan.plan_gemm(c, n, k, arch="sm_90a", sm_count=132, device=H200,
+                                   max_m=max_m)
+        fns = c.load_many([b.request for b in plan.choice.buckets], 600)
+        assert sent == ["hello", "plan_shape", "get_batch"], sent
+        assert plan.requests == first.requests
+        assert len(fns) == len(gemm_plan.buckets_up_to(max_m)) == 5 and all(map(callable, fns))
+        assert len(set(map(id, fns))) == len(plan.requests) == 2  # each kernel loaded once
+        compiled = d.stats()["compiles"]
+        assert compiled == len(plan.requests)
+    finally:
+        d.stop()
+    old = DaemonProcess(tmp_path / "old", workers=0, store=tmp_path / "store",
+                        extra_env={"CACHED_TEST_WITHHOLD_OPS": NEW_OPS})
+    try:
+        c = old.client(timeout=120, fallback=False)
+        sent.clear()
+        again = gemm_plan.plan_gemm(c, n, k, arch="sm_90a", sm_count=132, device=H200,
+                                    max_m=max_m)
+        assert again.choice.buckets == plan.choice.buckets
+        assert len(c.load_many(again.requests, 120)) == len(plan.requests)
+        assert "plan_shape" not in sent and "get_batch" not in sent
+        assert sent.count("plan") == 5 and sent.count("get") == len(plan.requests)
+    finally:
+        old.stop()
+
+
+def test_plan_shape_refuses_bad_buckets_and_keeps_answering(daemon):
+    """The daemon's own check (a raw frame, not the client's): invalid_argument naming the
+    field, and the next request on the connection is answered."""
+    import time
+
+    c = daemon.client(timeout=60)
+    with c.connect(time.monotonic() + 10) as raw:
+        for i, bad in enumerate(([], [4, 2], [0, 8], [1] * 65, "8")):
+            reply, _ = raw.request({"v": 1, "id": i, "op": "plan_shape", "family": HOPPER,
+                                    "n": 4096, "k": 4096, "buckets": bad, "arch": "sm_90a"},
+                                   time.monotonic() + 10)
+            assert reply["ok"] is False and reply["error"]["code"] == "invalid_argument"
+            assert "buckets" in reply["error"]["message"], reply
+        reply, _ = raw.request({"v": 1, "id": 9, "op": "plan_shape", "family": HOPPER,
+                                "n": 4096, "k": 4096, "buckets": [1, 8], "arch": "sm_90a",
+                                "sm_count": 132}, time.monotonic() + 30)
+    ok = PlanShapeReply.from_wire(reply)
+    assert [b.upper for b in ok.buckets] == [1, 8] and ok.prefetch is None
+    assert {b.reduction_class for b in ok.buckets} == {
+        T.reduction_class_id(SPACE.choose_split(4096, 4096, 132))}
