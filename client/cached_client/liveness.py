@@ -23,10 +23,13 @@ import logging
 import os
 import threading
 from collections import Counter
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .backoff import Backoff
 from .errors import CachedError, DaemonUnavailable, DeadlineExceeded
+
+if TYPE_CHECKING:
+    from .client import Client
 
 logger = logging.getLogger("cached_client.liveness")
 
@@ -65,7 +68,7 @@ class Liveness:
         self._fallbacks: Counter[str] = Counter()
         self._reporters: list[Reporter] = []
         self._pid = -1
-        self._client: Any = None
+        self._client: Client | None = None
         self._start()
 
     def _start(self) -> None:
