@@ -405,7 +405,7 @@ class PlannedReply(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class CertifyRecordRequest(Message):
-    record: dict = wire(Obj(64), doc="a certification (cached/certifications.py)")
+    record: dict = wire(Obj(64), doc="a certification (cached/ops/certifications.py)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -130,7 +130,7 @@ def encode_frame(message: dict) -> bytes:
     """One frame: length header plus compact JSON (finite numbers only), keys sorted, but an
     integer ``id`` first: ``{"id":N,...}``, so that frames asking the same differ only in
     their leading digits (the daemon remembers decoded requests by the bytes after them:
-    ``cached.server.DecodedFrameCache``)."""
+    ``cached.frames.DecodedFrameCache``)."""
     request_id = message.get("id")
     if type(request_id) is int and len(message) > 1:
         rest = _FRAME_JSON({k: v for k, v in message.items() if k != "id"})
@@ -193,7 +193,7 @@ def frame_length(header: bytes, limit: int) -> int:
 class Op:
     """One op: its request and reply types, whether it needs publish rights, and whether
     the daemon remembers its decoded requests (the hot op, whose clients repeat the same
-    requests: see ``cached.server.DecodedFrameCache``)."""
+    requests: see ``cached.frames.DecodedFrameCache``)."""
 
     name: str
     request: type[Message]
