@@ -67,8 +67,8 @@ UNSTORED_HOLD_S = 120.0
 """How long the work directory of an unstored kernel outlives its job (seconds): its
 waiters open the files by path within that time."""
 PLAN_MEMO_MAX = 128
-"""Plans of light families remembered (each about 0.6 MB for cached.hopper_fp8's 454
-tactics: at most about 80 MB)."""
+"""Plans of light families remembered (a whole one about 0.6 MB for cached.hopper_fp8's
+454 tactics, a first tactic alone far less: at most about 80 MB)."""
 RESOLVED_MAX = 4096
 """Resolved requests remembered (the oldest forgotten first): a hit does not canonicalise
 its request or hash its key again."""
@@ -282,11 +282,13 @@ class Scheduler:
                    "limit": m.limit}
         loop = asyncio.get_running_loop()
         if family.light_planner:
+            first = m.limit == 1  # the family's first alone: the others never made
             memo_key = (m.family, tuple(m.shape), m.arch, payload["sm_count"],
-                        json.dumps(m.options, sort_keys=True))
+                        json.dumps(m.options, sort_keys=True), first)
             requests = self._plans.get(memo_key)
             if requests is None:
-                requests = await loop.run_in_executor(None, _plan_here, family, payload)
+                requests = await loop.run_in_executor(None, _plan_here, family, payload,
+                                                      first)
                 self._plans[memo_key] = requests
                 while len(self._plans) > PLAN_MEMO_MAX:
                     self._plans.pop(next(iter(self._plans)))
@@ -557,12 +559,14 @@ class Scheduler:
             return entry, "unstored"
 
 
-def _plan_here(family: Family, payload: dict) -> list[KernelRequest]:
-    """The whole plan, in this process (serve-only daemons have no workers; light
-    families)."""
+def _plan_here(family: Family, payload: dict, first: bool = False) -> list[KernelRequest]:
+    """The whole plan, or with ``first`` its first request alone, in this process
+    (serve-only daemons have no workers; light families)."""
+    args = (tuple(payload["shape"]), payload["arch"], payload["sm_count"], payload["options"])
     try:
-        return family.plan(tuple(payload["shape"]), payload["arch"], payload["sm_count"],
-                           payload["options"])
+        if first:
+            return [r for r in [family.plan_first(*args)] if r is not None]
+        return family.plan(*args)
     except ImportError as exc:
         raise InvalidTactic(f"planning {family.name} needs its toolchain here: {exc}") from None
 

@@ -356,3 +356,17 @@ def test_plan_shape_refuses_bad_buckets_and_keeps_answering(daemon):
     assert [b.upper for b in ok.buckets] == [1, 8] and ok.prefetch is None
     assert {b.reduction_class for b in ok.buckets} == {
         T.reduction_class_id(SPACE.choose_split(4096, 4096, 132))}
+
+
+def test_a_light_familys_first_tactic_alone_is_its_plans_first():
+    """What the daemon plans for a bucket's first tactic (Family.plan_first, never making
+    the other hundreds) is the whole plan's first, for every scheme of both families."""
+    for name, schemes in ((HOPPER, family(HOPPER).tune_schemes()),
+                          ("cached.hopper_bf16", {"bf16": {"ab_dtype": "bf16"}})):
+        f = family(name)
+        assert f.light_planner
+        for options in schemes.values():
+            for m, n, k in ((1, 4096, 4096), (128, 2688, 4096), (8192, 28672, 4096)):
+                opts = {**options, "batch_invariant": True}
+                whole = f.plan((m, n, k), "sm_90a", 132, opts)
+                assert f.plan_first((m, n, k), "sm_90a", 132, opts) == whole[0]

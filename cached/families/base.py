@@ -105,6 +105,13 @@ class Family(abc.ABC):
     ) -> list[KernelRequest]:
         """The tactic space for one (M, N, K) shape, in a stable order (best first)."""
 
+    def plan_first(
+        self, shape: tuple[int, int, int], arch: str, sm_count: int, options: Mapping[str, Any]
+    ) -> KernelRequest | None:
+        """:meth:`plan`'s first request (None: it plans nothing), for a family that can say
+        it without making the rest."""
+        return next(iter(self.plan(shape, arch, sm_count, options)), None)
+
     @abc.abstractmethod
     def build(self, request: KernelRequest, workdir: Path) -> BuiltObject:
         """Compile ``request`` and export its object file into ``workdir``."""
