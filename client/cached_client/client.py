@@ -661,7 +661,8 @@ class Client:
             transfer = self._transfer(timeout)
         except CachedError:
             return
-        transfer = "fd" if transfer == "fd" else "path"
+        if transfer == "bytes":  # not a batch transfer: load() asks for each
+            return
         message = p.GetBatchRequest(requests=requests, transfer=transfer, blobs=["library"],
                                     deadline_ms=max(1, int(timeout * 1000 * 0.95) - 20))
         try:
@@ -669,7 +670,8 @@ class Client:
         except CachedError:
             return
         stated = None if self.identity is False else self._identity_wire(message)
-        if len(reply.items) != len(requests) or len(fds) != len(reply.fds):
+        if (len(reply.items) != len(requests) or len(fds) != len(reply.fds)
+                or sum(len(item.fds) for item in reply.items) != len(fds)):
             for fd in fds:
                 _close(fd)
             return
