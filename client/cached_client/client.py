@@ -10,8 +10,8 @@ decoded by the protocol's checks (a malformed or mismatched reply is ``BadReply`
 loaded function is cached per request, so the hot path of :meth:`Client.load` is one dict
 lookup; a forked child opens its own connection; when the daemon stops answering (a
 connect that times out, or no byte for ``SILENCE_S`` and no answer to a ``hello`` on a new
-connection) the process stops asking it for ``RETRY_AFTER_S`` seconds (a circuit breaker per
-socket path: every call fails at once meanwhile; a daemon that is simply not running costs
+connection) the process stops asking it for ``RETRY_AFTER_S`` seconds (cached_client.circuit,
+per socket path: every call fails at once meanwhile; a daemon that is simply not running costs
 a refused connect, microseconds, and trips nothing); when the daemon is unusable the
 client compiles in-process if a fallback compiler is available (the
 ``cached_client.fallback`` entry point, which the daemon's package provides, or a callable
@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 from . import identity as env_identity
 from . import monitor, paths, trust
 from . import protocol as p
+from .circuit import CIRCUITS
 from .errors import (
     ArtifactMismatch,
     BadReply,
@@ -59,6 +60,7 @@ from .errors import (
     Overloaded,
     error_from_wire,
 )
+from .inprocess import Fallback, installed_fallback
 from .keys import KernelRequest
 from .loader import Scratch, load_library, place
 from .paths import default_socket_path
@@ -68,72 +70,22 @@ from .transport import ConnectFailed, Connection, DaemonSilent
 logger = logging.getLogger("cached_client")
 
 DEFAULT_TIMEOUT_S = 60.0
-RETRY_AFTER_S = 30.0
-"""How long a process stops asking a daemon that could not be reached or went silent."""
 PROBE_TIMEOUT_S = 2.0
 """How long a silent daemon gets to answer a ``hello`` on a new connection."""
-FALLBACK_ENTRY_POINTS = "cached_client.fallback"
-"""Entry point group of in-process compilers: ``build(request, scratch_dir) -> Artifact``."""
-
-Fallback = Callable[[KernelRequest, str], Artifact]
 R = TypeVar("R", bound=p.Message)
 _warned_unreachable: set[str] = set()
 _warned_mismatch: set[tuple[str, tuple[str, ...]]] = set()
 _clients: weakref.WeakSet[Client] = weakref.WeakSet()
-_circuits: dict[str, tuple[float, str]] = {}
-"""Socket path -> (monotonic time to ask again, why it stopped answering)."""
-_circuit_lock = threading.Lock()
-
-
-def _open_circuit(path: str, reason: str) -> None:
-    with _circuit_lock:
-        first = path not in _circuits
-        _circuits[path] = (time.monotonic() + RETRY_AFTER_S, reason)
-    if first:
-        logger.info("cached daemon at %s unusable (%s); not asking it again for %.0fs",
-                    path, reason, RETRY_AFTER_S)
-
-
-def _circuit_reason(path: str) -> str | None:
-    """Why calls to ``path`` fail at once now, or None when the daemon may be asked."""
-    with _circuit_lock:
-        state = _circuits.get(path)
-        if state is None:
-            return None
-        retry_at, reason = state
-        left = retry_at - time.monotonic()
-        if left <= 0:
-            return None  # ask again; a failure opens it again
-    return f"{reason}; not asking the daemon at {path} again for {left:.0f}s"
-
-
-def _close_circuit(path: str) -> None:
-    if path in _circuits:
-        with _circuit_lock:
-            _circuits.pop(path, None)
 
 
 def _after_fork_in_child() -> None:
-    global _circuit_lock
-    _circuit_lock = threading.Lock()  # another thread may have held it at the fork
+    CIRCUITS.after_fork()
     for client in list(_clients):
         client._forget_connection()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def installed_fallback() -> Fallback | None:
-    """The in-process compiler another installed package offers, or None."""
-    from importlib.metadata import entry_points
-
-    for entry in entry_points(group=FALLBACK_ENTRY_POINTS):
-        try:
-            return entry.load()
-        except Exception:  # noqa: BLE001 -- a broken fallback is no fallback
-            logger.debug("fallback entry point %s failed to load", entry.value, exc_info=True)
-    return None
 
 
 @functools.lru_cache(maxsize=256)
@@ -243,7 +195,7 @@ class Client:
         closed meanwhile (its idle timeout, a restart) is replaced once, silently; a daemon
         that cannot be reached or went silent opens the circuit (``RETRY_AFTER_S``) at once,
         kept connection or not (one silence window and one probe, never two)."""
-        why = _circuit_reason(self.socket_path)
+        why = CIRCUITS.reason(self.socket_path)
         if why is not None:
             raise DaemonUnavailable(why)
         for attempt in (1, 2):
@@ -271,7 +223,7 @@ class Client:
                         and not isinstance(exc, DaemonSilent)):
                     continue  # the daemon had closed the kept connection: one fresh try
                 if isinstance(exc, DaemonSilent):
-                    _open_circuit(self.socket_path, exc.message)
+                    CIRCUITS.open(self.socket_path, exc.message)
                 raise
             except DeadlineExceeded:
                 self._drop(conn)
@@ -282,7 +234,7 @@ class Client:
                 self._drop(conn)
                 raise BadReply(f"the daemon answered request {reply.get('id')!r} to request "
                                f"{message['id']} ({message['op']}); connection dropped")
-            _close_circuit(self.socket_path)
+            CIRCUITS.close(self.socket_path)
             if message["op"] == "hello" and reply.get("ok") is True:
                 caps = reply.get("capabilities")
                 caps = caps if isinstance(caps, list) else []
@@ -486,27 +438,16 @@ class Client:
     def _checked(self, artifact: Artifact, request: KernelRequest, stated: dict | None,
                  transfer: str, blobs: tuple[str, ...], named: list[str], fds: list[int]
                  ) -> tuple[Artifact, dict[str, int] | None]:
-        """``artifact`` once it is checked against this process's identity (trust.mismatches:
-        ArtifactMismatch) and, for transfer ``fd``, the descriptors ``fds`` the reply passed
-        for the blobs it ``named`` (kind -> fd, only the ``blobs`` asked for; BadReply unless
-        one came for each). Every descriptor not returned is closed, also on an error."""
+        """``artifact`` checked against this process's identity (trust.mismatches:
+        ArtifactMismatch) with the descriptors passed for ``blobs`` (trust.passed_blobs);
+        every descriptor not returned is closed, also on an error."""
         found = trust.mismatches(artifact, request, stated)
-        bad_fds = transfer == "fd" and (not set(blobs) <= set(named) or len(named) != len(fds))
-        if found or bad_fds:
-            for fd in fds:
+        passed = trust.passed_blobs(transfer, blobs, named, fds)
+        if found:
+            for fd in (passed or {}).values():
                 _close(fd)
-            if bad_fds:
-                raise BadReply(f"the daemon passed descriptors for {named!r} ({len(fds)} "
-                               f"received), not one for each of {list(blobs)!r}")
             raise self._mismatch(artifact, found)
-        if transfer == "fd":
-            passed = dict(zip(named, fds, strict=True))
-            for kind in set(passed) - set(blobs):
-                _close(passed.pop(kind))
-            return artifact, passed
-        for fd in fds:
-            _close(fd)
-        return artifact, None
+        return artifact, passed
 
     def _mismatch(self, artifact: Artifact, found: dict[str, str]) -> ArtifactMismatch:
         """The error for an artifact not built for this process; warned once per socket
@@ -659,13 +600,11 @@ class Client:
         timeout = self.timeout if timeout is None else timeout
         try:
             transfer = self._transfer(timeout)
-        except CachedError:
-            return
-        if transfer == "bytes":  # not a batch transfer: load() asks for each
-            return
-        message = p.GetBatchRequest(requests=requests, transfer=transfer, blobs=["library"],
-                                    deadline_ms=max(1, int(timeout * 1000 * 0.95) - 20))
-        try:
+            if transfer == "bytes":  # not a batch transfer: load() asks for each
+                return
+            message = p.GetBatchRequest(requests=requests, transfer=transfer,
+                                        blobs=["library"],
+                                        deadline_ms=max(1, int(timeout * 1000 * 0.95) - 20))
             reply, _, fds = self._round_trip("get_batch", message, timeout)
         except CachedError:
             return
