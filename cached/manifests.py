@@ -38,9 +38,12 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cached_client.gemm import plan as gemm_plan
+
+if TYPE_CHECKING:
+    from cached_client.client import Client
 
 from .families.base import DEFAULT_SM_COUNT
 
@@ -178,7 +181,7 @@ def load(name: str | Path) -> Manifest:
                     tuple(builds), tuple(raw.get("pending", [])))
 
 
-def plan(client: Any, manifest: Manifest, targets: set[str] | None = None,
+def plan(client: Client, manifest: Manifest, targets: set[str] | None = None,
          families: set[str] | None = None, known: set[str] | None = None,
          skip_missing: bool = False) -> dict[tuple[str, str], list]:
     """Requests per (family, target), planned by the daemon, de-duplicated, in order."""
@@ -207,7 +210,7 @@ def plan(client: Any, manifest: Manifest, targets: set[str] | None = None,
     return out
 
 
-def _plans(client: Any, manifest: Manifest, build: Build, target: str) -> list:
+def _plans(client: Client, manifest: Manifest, build: Build, target: str) -> list:
     """The requests of ``plan_gemm`` (the code clients run) for every (N, K) of the
     manifest, M buckets up to its largest M: one tactic per bucket, de-duplicated."""
     weights = list(dict.fromkeys((n, k) for _, (_, n, k) in manifest.shapes()))
