@@ -2,17 +2,15 @@
 
 Invariants: a socket whose daemon could not be reached or went silent is not asked again
 for :data:`RETRY_AFTER_S` seconds (every call fails at once meanwhile, saying why and for
-how long); the first answer closes it; opening it is logged once per path until it
-closes; a forked child gets a fresh lock (another thread may have held the parent's).
+how long); the first answer closes it; :meth:`Circuits.open` says whether it was closed
+(the client logs that, once); a forked child gets a fresh lock (another thread may have
+held the parent's).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-
-logger = logging.getLogger("cached_client")
 
 RETRY_AFTER_S = 30.0
 """How long a process stops asking a daemon that could not be reached or went silent."""
@@ -25,13 +23,13 @@ class Circuits:
         self._open: dict[str, tuple[float, str]] = {}
         self._lock = threading.Lock()
 
-    def open(self, path: str, reason: str) -> None:
+    def open(self, path: str, reason: str) -> bool:
+        """Stop asking ``path`` for RETRY_AFTER_S; whether it was closed until now (the
+        caller logs that once)."""
         with self._lock:
             first = path not in self._open
             self._open[path] = (time.monotonic() + RETRY_AFTER_S, reason)
-        if first:
-            logger.info("cached daemon at %s unusable (%s); not asking it again for %.0fs",
-                        path, reason, RETRY_AFTER_S)
+        return first
 
     def reason(self, path: str) -> str | None:
         """Why calls to ``path`` fail at once now, or None when the daemon may be asked."""

@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 from . import identity as env_identity
 from . import monitor, paths, trust
 from . import protocol as p
-from .circuit import CIRCUITS
+from .circuit import CIRCUITS, RETRY_AFTER_S
 from .errors import (
     ArtifactMismatch,
     BadReply,
@@ -223,7 +223,9 @@ class Client:
                         and not isinstance(exc, DaemonSilent)):
                     continue  # the daemon had closed the kept connection: one fresh try
                 if isinstance(exc, DaemonSilent):
-                    CIRCUITS.open(self.socket_path, exc.message)
+                    if CIRCUITS.open(self.socket_path, exc.message):
+                        logger.info("cached daemon at %s unusable (%s); not asking it again "
+                                    "for %.0fs", self.socket_path, exc.message, RETRY_AFTER_S)
                 raise
             except DeadlineExceeded:
                 self._drop(conn)
