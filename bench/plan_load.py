@@ -4,11 +4,14 @@ The H200 has no CuTe-DSL compiler, so a cold daemon cannot run there; this is th
 on this machine. A fresh client process plans the four FP8 linear shapes of
 Llama-3.1-8B (``plan_gemm``: sm_90a, an H200's 132 SMs, M up to 8192, what
 ``CachedFP8ScaledMMLinearKernel`` asks at model load) and gets and loads every bucket's
-kernel (``Client.load``), three ways:
+kernel (``Client.load_many``), three ways:
 
 * cold: a daemon on an empty store, which compiles what the plans queue;
 * warm: the same daemon again, every kernel stored;
 * restarted: a new daemon process on the filled store (a node after a reboot).
+
+``s`` is the client process's whole wall time from its first import (imports, connect, plans,
+loads); ``plan_s`` the four ``plan_gemm`` calls (what the <= 0.5 s target is about).
 
 Usage: python bench/plan_load.py [--scales tensor|token|block128] [--workers N]
 Writes bench/out/plan_load.json; the last line printed is the same JSON.
@@ -32,20 +35,28 @@ MAX_M = 8192
 
 CLIENT = r"""
 import json, sys, time
+t0 = time.monotonic()
 from cached_client import Client
 from cached_client.gemm.plan import plan_gemm
 
 socket, scales, shapes, max_m = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
-t0 = time.monotonic()
 c = Client(socket, timeout=1800)
-per = []
+per, planning = [], 0.0
 for n, k in shapes:
     ts = time.monotonic()
     plan = plan_gemm(c, n, k, arch="sm_90a", sm_count=132, device="NVIDIA H200",
                      max_m=max_m, scales=scales)
-    fns = [c.load(b.request, 1800) for b in plan.choice.buckets]
-    per.append({"n": n, "k": k, "buckets": len(fns), "s": round(time.monotonic() - ts, 3)})
-print(json.dumps({"s": round(time.monotonic() - t0, 3), "shapes": per}))
+    tp = time.monotonic()
+    planning += tp - ts
+    requests = [b.request for b in plan.choice.buckets]
+    if hasattr(c, "load_many"):
+        fns = c.load_many(requests, 1800)
+    else:  # a client from before load_many
+        fns = [c.load(r, 1800) for r in requests]
+    per.append({"n": n, "k": k, "buckets": len(fns), "plan_s": round(tp - ts, 3),
+                "s": round(time.monotonic() - ts, 3)})
+print(json.dumps({"s": round(time.monotonic() - t0, 3), "plan_s": round(planning, 3),
+                  "shapes": per}))
 """
 
 

@@ -42,6 +42,7 @@ from .log import event
 from .ops.autotune import Autotune
 from .ops.certifications import Certifications
 from .ops.leases import Leases
+from .ops.planning import ShapePlans
 from .ops.uploads import Uploads
 from .pool import Launcher, Pool
 from .scheduler import Scheduler
@@ -127,6 +128,7 @@ class Daemon:
                           self.quota, on_plan=autotune.note_plan)
         self.server = Server({**service.ops(), **self.leases.ops(), **self.uploads.ops(),
                               **autotune.ops(),
+                              **ShapePlans(self.scheduler, service, autotune).ops(),
                               **Certifications(self.store, self.access).ops()},
                              self.access, self.stats, Limits.from_settings(settings))
         self.http_address = ""

@@ -38,10 +38,13 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cached_client.client import Client
 from cached_client.gemm import plan as gemm_plan
+
+if TYPE_CHECKING:
+    from cached_client.client import Client
 
 from .families.base import DEFAULT_SM_COUNT
 

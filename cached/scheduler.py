@@ -28,6 +28,7 @@ import json
 import logging
 import shutil
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,9 @@ INTERACTIVE, PREWARM = PRIORITY_RANK["interactive"], PRIORITY_RANK["prewarm"]
 UNSTORED_HOLD_S = 120.0
 """How long the work directory of an unstored kernel outlives its job (seconds): its
 waiters open the files by path within that time."""
+PLAN_MEMO_MAX = 128
+"""Plans of light families remembered (a whole one about 0.6 MB for cached.hopper_fp8's
+454 tactics, a first tactic alone far less: at most about 80 MB)."""
 RESOLVED_MAX = 4096
 """Resolved requests remembered (the oldest forgotten first): a hit does not canonicalise
 its request or hash its key again."""
@@ -110,6 +114,7 @@ class Scheduler:
         self._heaps: dict[str, list[tuple[int, int, Job]]] = {n: [] for n in names}
         self._has_work = {n: asyncio.Event() for n in names}
         self._seq = itertools.count()
+        self._plans: OrderedDict[tuple, list[KernelRequest]] = OrderedDict()
         self._dispatchers: list[asyncio.Task] = []
         self._tasks: set[asyncio.Task] = set()
         self._resolved: dict[tuple, tuple[Family, KernelRequest, Route]] = {}
@@ -263,8 +268,12 @@ class Scheduler:
                 self.stats.count("prewarm_misses", family.name)
         return report
 
-    async def plan(self, m: p.PlanRequest) -> list[dict]:
-        """The family's tactic space, computed in a worker (it may need the toolchain)."""
+    async def plan(self, m: p.PlanRequest) -> list[KernelRequest]:
+        """The family's tactic space for ``m`` (its first ``m.limit``), in its stable order:
+        a light family's (``Family.light_planner``) planned in this process off the event
+        loop and memoized (:data:`PLAN_MEMO_MAX` plans, least recently used forgotten
+        first); any other's in a worker (it may need the toolchain), or here in a
+        serve-only daemon."""
         family = families.get(m.family)
         family.check_arch(m.arch)
         family_name = m.family
@@ -272,17 +281,32 @@ class Scheduler:
         payload = {"family": m.family, "shape": list(m.shape), "arch": m.arch,
                    "sm_count": m.sm_count or DEFAULT_SM_COUNT[m.arch], "options": m.options,
                    "limit": m.limit}
+        loop = asyncio.get_running_loop()
+        if family.light_planner:
+            first = m.limit == 1  # the family's first alone: the others never made
+            memo_key = (m.family, tuple(m.shape), m.arch, payload["sm_count"],
+                        json.dumps(m.options, sort_keys=True), first)
+            requests = self._plans.get(memo_key)
+            if requests is None:
+                requests = await loop.run_in_executor(None, _plan_here, family, payload,
+                                                      first)
+                self._plans[memo_key] = requests
+                while len(self._plans) > PLAN_MEMO_MAX:
+                    self._plans.pop(next(iter(self._plans)))
+            else:
+                self._plans.move_to_end(memo_key)
+            return requests[:m.limit]
         if self.pool.size == 0:
-            return await asyncio.get_running_loop().run_in_executor(
-                None, _plan_here, family, payload)
+            requests = await loop.run_in_executor(None, _plan_here, family, payload)
+            return requests[:m.limit]
         job = Job(f"plan:{next(self._seq)}", family, None, INTERACTIVE,
-                  asyncio.get_running_loop().create_future(), plan=payload,
-                  toolchain=planner.name)
+                  loop.create_future(), plan=payload, toolchain=planner.name)
         self._push(job)
         try:
-            return await job.future
+            wires = await job.future
         except JobError as exc:
             raise InvalidTactic(f"planning {family_name} failed: {exc.message}") from None
+        return [p.Kernel()(w, "requests") for w in wires]
 
     # -- jobs --------------------------------------------------------------------------
 
@@ -537,14 +561,16 @@ class Scheduler:
             return entry, "unstored"
 
 
-def _plan_here(family: Family, payload: dict) -> list[dict]:
-    """Plan in this process (serve-only daemons have no workers; pure-Python families)."""
+def _plan_here(family: Family, payload: dict, first: bool = False) -> list[KernelRequest]:
+    """The whole plan, or with ``first`` its first request alone, in this process
+    (serve-only daemons have no workers; light families)."""
+    args = (tuple(payload["shape"]), payload["arch"], payload["sm_count"], payload["options"])
     try:
-        requests = family.plan(tuple(payload["shape"]), payload["arch"], payload["sm_count"],
-                               payload["options"])
+        if first:
+            return [r for r in [family.plan_first(*args)] if r is not None]
+        return family.plan(*args)
     except ImportError as exc:
         raise InvalidTactic(f"planning {family.name} needs its toolchain here: {exc}") from None
-    return [r.to_wire() for r in requests[:payload.get("limit")]]
 
 
 def _resolve_key(request: KernelRequest, identity: p.Identity | None) -> tuple | None:

@@ -1,4 +1,5 @@
-"""The core ops: what ``hello``, ``get``, ``prefetch``, ``plan``, ``stats``, ``zero_stats``,
+"""The core ops: what ``hello``, ``get``, ``get_batch``, ``prefetch``, ``plan``, ``stats``,
+``zero_stats``,
 ``list``, ``report``, ``gc``, ``verify`` and ``flashinfer_artifacts`` do, in terms of the
 scheduler and the store. Each handler takes its op's decoded request
 (cached_client.protocol) and returns its reply type; blocking store work (hashing blobs,
@@ -32,7 +33,7 @@ from . import families, trust
 from .artifacts import Served, open_blobs, open_checked_library
 from .log import event
 from .scheduler import PRIORITY_RANK, Scheduler
-from .server import Access, Attachment, Handler, Peer
+from .server import Access, Attachment, Handler, Peer, served_ops
 from .stats import Stats
 from .store.blobs import BadBlob
 from .view.snapshot import DaemonSnapshot
@@ -153,7 +154,7 @@ class Service:
         ``runtime_library``) and every registered toolchain (``toolchains``)."""
         default = self.scheduler.toolchains.default
         return p.HelloReply(
-            v=p.PROTOCOL_VERSION, ops=sorted(p.OPS), capabilities=list(p.CAPABILITIES),
+            v=p.PROTOCOL_VERSION, ops=sorted(served_ops()), capabilities=list(p.CAPABILITIES),
             families=families.names(), toolchain=default.fingerprint,
             versions=dict(default.versions),
             runtime_library=self.scheduler.toolchains.runtime_library(default.fingerprint),
@@ -211,6 +212,39 @@ class Service:
         raise IntegrityError("the kernel's blobs kept vanishing before they could be sent "
                              "(a store budget smaller than the kernels asked for?); retry")
 
+    async def get_batch(self, m: p.GetBatchRequest, peer: Peer
+                        ) -> tuple[p.GetBatchReply, Attachment]:
+        """Each request as its own ``get`` (concurrently: misses compile side by side), in
+        one reply: an item per request, in order, with its artifact and the blobs whose
+        descriptors follow (transfer ``fd``), or its typed error. The descriptors go in
+        item order; none is leaked when one get fails or the reply is never sent."""
+        gets = [p.GetRequest(request=r, deadline_ms=m.deadline_ms, priority=m.priority,
+                             transfer=m.transfer, blobs=m.blobs, identity=m.identity)
+                for r in m.requests]
+        answers = await asyncio.gather(*(self.get(g, peer) for g in gets),
+                                       return_exceptions=True)
+        items, attachment = [], Attachment()
+        try:
+            for answer in answers:
+                if isinstance(answer, CachedError):
+                    items.append(p.GetBatchItem(error=answer.to_wire()))
+                    continue
+                if isinstance(answer, BaseException):
+                    raise answer
+                reply, fds = answer if isinstance(answer, tuple) else (answer, None)
+                items.append(p.GetBatchItem(artifact=reply.artifact, fds=reply.fds))
+                if fds is not None:
+                    attachment.fds += fds.fds
+                    fds.fds = []
+        except BaseException:
+            attachment.close()
+            for answer in answers:
+                if isinstance(answer, tuple):
+                    answer[1].close()
+            raise
+        kinds = [kind for item in items for kind in item.fds]
+        return p.GetBatchReply(items=items, fds=kinds), attachment
+
     def _key(self, request: Any, identity: p.Identity | None = None) -> str | None:
         """The store key of a request, or None when the scheduler will refuse it."""
         try:
@@ -241,12 +275,12 @@ class Service:
         return p.PrefetchReply(**report)
 
     async def plan(self, m: p.PlanRequest, peer: Peer) -> p.PlanReply:
-        """The family's tactic space for ``m``, computed in a worker; counted against the
-        peer's queue limit while it waits (a plan whose requester hangs up is dropped from
+        """The family's tactic space for ``m`` (cached.scheduler.Scheduler.plan: a light
+        family's in this process, another's in a worker); counted against the peer's queue
+        limit while it waits (a plan whose requester hangs up is dropped from
         the queue: cached.server cancels its request)."""
         with self.quota.planning(peer):
-            wires = await self.scheduler.plan(m)
-        requests = [p.Kernel()(w, "requests") for w in wires]
+            requests = await self.scheduler.plan(m)
         family = families.get(m.family)
         if self.on_plan is not None:
             self.on_plan(m, peer)
@@ -379,7 +413,8 @@ class Service:
         return out
 
     def ops(self) -> dict[str, Handler]:
-        return {"hello": self.hello, "get": self.get, "prefetch": self.prefetch,
+        return {"hello": self.hello, "get": self.get, "get_batch": self.get_batch,
+                "prefetch": self.prefetch,
                 "plan": self.plan, "stats": self.stats_reply, "zero_stats": self.zero_stats,
                 "list": self.list_entries, "report": self.report, "gc": self.gc,
                 "verify": self.verify, "flashinfer_artifacts": self.flashinfer_artifacts}

@@ -40,13 +40,16 @@ import json
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cached_client import protocol as p
 from cached_client.errors import CachedError
 from cached_client.keys import KernelRequest
 
 from . import families
+
+if TYPE_CHECKING:
+    from cached_client.client import Client
 
 FAMILY = "cached.hopper_fp8"
 BF16_FAMILY = "cached.hopper_bf16"
@@ -177,7 +180,7 @@ def parse_shape(text: str) -> tuple[int, int]:
     return n, k
 
 
-def shapes_to_tune(client: Any, shapes: Iterable[tuple[int, int]] = (),
+def shapes_to_tune(client: Client, shapes: Iterable[tuple[int, int]] = (),
                    manifest: str | None = None, planned: bool = False) -> list[tuple[int, int]]:
     """The (N, K) to tune, in order, each once: ``shapes``, then a manifest's (its
     tensor-parallel division applied), then what clients planned with ``FAMILY`` on this
@@ -264,7 +267,7 @@ def check_schemes(names: Sequence[str], family: str | None = None) -> list[str]:
     return out
 
 
-def candidates(client: Any, n: int, k: int, m: int, target: Target, top: int = DEFAULT_TOP,
+def candidates(client: Client, n: int, k: int, m: int, target: Target, top: int = DEFAULT_TOP,
                near: int = DEFAULT_NEAR, scheme: str = DEFAULT_SCHEME
                ) -> tuple[str, list[KernelRequest]]:
     """(class id, candidates) for bucket ``m`` of ``scheme``: the first ``top`` of the
@@ -326,7 +329,7 @@ def _median(xs: Sequence[float]) -> float:
     return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
-def published(client: Any, n: int, k: int, target: Target, cls: str) -> dict[int, dict]:
+def published(client: Client, n: int, k: int, target: Target, cls: str) -> dict[int, dict]:
     """{bucket: row} of the winners already recorded for (N, K) on this target and class."""
     rows = client.autotune_get(p.AutotuneGetRequest(
         op_name=OP, n=n, k=k, dtype=AUTOTUNE_DTYPE[target.family], arch=target.arch,
@@ -337,7 +340,7 @@ def published(client: Any, n: int, k: int, target: Target, cls: str) -> dict[int
 Progress = Callable[[str], None]
 
 
-def tune(client: Any, shapes: Sequence[tuple[int, int]], timer: Timer, target: Target, *,
+def tune(client: Client, shapes: Sequence[tuple[int, int]], timer: Timer, target: Target, *,
          buckets: Sequence[int] = DEFAULT_BUCKETS, top: int = DEFAULT_TOP,
          near: int = DEFAULT_NEAR, rounds: int = DEFAULT_ROUNDS,
          margin: float = DEFAULT_MARGIN, budget_s: float = DEFAULT_BUDGET_S,
@@ -363,7 +366,7 @@ def tune(client: Any, shapes: Sequence[tuple[int, int]], timer: Timer, target: T
     return results
 
 
-def _tune_shape(client: Any, n: int, k: int, scheme: str, timer: Timer, target: Target,
+def _tune_shape(client: Client, n: int, k: int, scheme: str, timer: Timer, target: Target,
                 buckets: Sequence[int], top: int, near: int, rounds: int, margin: float,
                 budget_s: float, force: bool, progress: Progress,
                 results: list[ShapeResult]) -> None:
@@ -406,7 +409,7 @@ def _tune_shape(client: Any, n: int, k: int, scheme: str, timer: Timer, target: 
              f"{sum(b.changed for b in res.buckets)} changed from the plan's first choice")
 
 
-def _tune_bucket(client: Any, timer: Timer, n: int, k: int, m: int, target: Target,
+def _tune_bucket(client: Client, timer: Timer, n: int, k: int, m: int, target: Target,
                  cls: str, scheme: str, top: int, near: int, rounds: int, margin: float,
                  progress: Progress, res: ShapeResult) -> BucketResult | None:
     got_cls, cands = candidates(client, n, k, m, target, top, near, scheme)

@@ -203,3 +203,32 @@ def test_a_load_is_passed_and_copies_only_the_library_and_checks_a_kept_copy(
         assert reply["ok"] is False and reply["error"]["code"] == "invalid_argument"
         assert "get.blobs" in reply["error"]["message"]
     assert daemon.client().get(mm_fp4_requests[2]).origin == "hit"  # still serving
+
+
+def test_get_batch_answers_each_request_or_its_error_and_load_many_loads_each_once(
+        daemon, mm_fp4_requests):
+    """``get_batch``: one reply, an item per request in order (an unknown family is its
+    item's typed error; the others still served, their descriptors passed in item order);
+    ``load_many`` loads each kernel once, through one batch, and the daemon serves on."""
+    from cached_client.keys import KernelRequest
+    from conftest import fault
+
+    c = daemon.client(fallback=False)
+    bad = KernelRequest(family="no.such.family", params={}, arch="sm_100a", sm_count=148,
+                        max_active_clusters=148)
+    good = [fault("build", "batch-a"), fault("build", "batch-b")]
+    reply, _ = c.call("get_batch", p.GetBatchRequest(requests=[good[0], bad, good[1]],
+                                                      transfer="fd", blobs=["library"]))
+    assert [i.error["code"] if i.error else None for i in reply.items] == [
+        None, "unknown_family", None]
+    assert "no.such.family" in reply.items[1].error["message"]
+    assert reply.fds == ["library", "library"] and reply.items[0].fds == ["library"]
+    for item, request in ((reply.items[0], good[0]), (reply.items[2], good[1])):
+        assert item.artifact.library_sha256 == c.get(request).library_sha256
+    with pytest.raises(InvalidArgument, match="get_batch.requests"):
+        p.GetBatchRequest(requests=[])
+    wanted = [mm_fp4_requests[2], mm_fp4_requests[3], mm_fp4_requests[2]]
+    fns = c.load_many(wanted, 600)
+    assert all(map(callable, fns)) and fns[0] is fns[2] and fns[0] is not fns[1]
+    assert c.load(mm_fp4_requests[3]) is fns[1]
+    assert c.stats()["entries"] >= 4

@@ -164,7 +164,7 @@ def _pipelined(sock_path: str, bodies: list[bytes]) -> list[dict]:
 def test_a_remembered_frame_answers_only_frames_equal_to_it_but_for_their_id(
         daemon, mm_fp4_requests):
     """The server remembers decoded get frames by their bytes after a leading id
-    (cached.server.DecodedFrameCache): the same frame under another id is answered with that id;
+    (cached.frames.DecodedFrameCache): the same frame under another id is answered with that id;
     a frame that differs anywhere else (a JSON type; a second "id", which JSON makes the
     frame's id) is decoded as itself, before and after it was seen."""
     request = mm_fp4_requests[0]

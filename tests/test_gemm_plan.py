@@ -13,7 +13,7 @@ from cached_client import Client
 from cached_client.errors import InvalidArgument
 from cached_client.gemm import plan as gemm_plan
 from cached_client.gemm import policy
-from cached_client.protocol import AutotunePutRequest, PlanReply
+from cached_client.protocol import AutotunePutRequest, PlanReply, PlanShapeReply
 from conftest import ROOT, DaemonProcess
 
 from cached.families import get as family
@@ -24,11 +24,34 @@ HOPPER = "cached.hopper_fp8"
 H200 = "NVIDIA H200"
 
 
+NEW_OPS = "plan_shape,get_batch"
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     d = DaemonProcess(tmp_path_factory.mktemp("plan"), workers=0)  # plans in the daemon itself
     yield d
     d.stop()
+
+
+@pytest.fixture(scope="module")
+def old_daemon(tmp_path_factory):
+    """A real daemon that acts as one predating plan_shape and get_batch (its hello lists
+    neither; asking either is an unknown op): the per-bucket path's."""
+    d = DaemonProcess(tmp_path_factory.mktemp("old"), workers=0,
+                      extra_env={"CACHED_TEST_WITHHOLD_OPS": NEW_OPS})
+    yield d
+    d.stop()
+
+
+@pytest.fixture(params=["daemon", "old_daemon"])
+def either(request):
+    """Each test twice: against this daemon (plan_shape) and an older one (plan per bucket)."""
+    return request.getfixturevalue(request.param)
+
+
+def _old(d) -> bool:
+    return "plan_shape" not in d.client(timeout=10).hello().ops
 
 
 class Recording(Client):
@@ -87,7 +110,8 @@ def test_policy_refuses_to_mix_classes(daemon):
         policy.one_class([(s1.requests[0], s1.classes[0]), (s2.requests[0], s2.classes[0])])
 
 
-def test_tactic_per_bucket_one_class_with_shared_winners_of_that_class(daemon):
+def test_tactic_per_bucket_one_class_with_shared_winners_of_that_class(either):
+    daemon = either
     n, k = 4096, 14336
     cls = T.reduction_class_id(SPACE.choose_split(n, k, 132))
     other_cls = next(c for c in T.REDUCTION_CLASSES if c != cls)
@@ -111,10 +135,13 @@ def test_tactic_per_bucket_one_class_with_shared_winners_of_that_class(daemon):
     rec = Recording(daemon.socket, timeout=60, fallback=False)
     tuned = policy.choose_tactics(rec, HOPPER, n, k, "sm_90a", buckets=ups, sm_count=132,
                                   device=H200)
-    # each bucket's first tactic alone; the whole plan only where a winner of the class is
-    # to be found
-    asked = [(r.shape[0], r.limit) for op, r in rec.ops if op == "plan"]
-    assert asked == [(u, 1) for u in ups] + [(16, None)]
+    if _old(daemon):
+        # each bucket's first tactic alone; the whole plan only where a winner of the class
+        # is to be found
+        asked = [(r.shape[0], r.limit) for op, r in rec.ops if op == "plan"]
+        assert asked == [(u, 1) for u in ups] + [(16, None)]
+    else:  # the whole shape in one request (after the connection's hello)
+        assert [op for op, _ in rec.ops] == ["hello", "plan_shape"]
     by_upper = {b.upper: b for b in tuned.buckets}
     assert by_upper[16].source == "autotune" and by_upper[16].request == same
     assert by_upper[64].source == "plan order" and by_upper[64].reduction_class == cls
@@ -147,17 +174,22 @@ def test_plan_limit_gives_the_plans_first_requests_and_bad_limits_are_refused(da
                         limit=1).requests == full.requests[:1]
 
 
-def test_plan_gemm_asks_plans_then_one_prefetch_and_nothing_else(daemon):
+def test_plan_gemm_asks_plans_then_one_prefetch_and_nothing_else(either):
+    daemon = either
     c = Recording(daemon.socket, timeout=60, fallback=False)
     plan = gemm_plan.plan_gemm(c, 2688, 4096, arch="sm_90a", sm_count=132, device=H200,
                                max_m=2048)
     ops = [op for op, _ in c.ops]
-    assert ops[-1] == "prefetch" and ops.count("prefetch") == 1 and "get" not in ops
-    assert ops.count("plan") == len(gemm_plan.buckets_up_to(2048)) == 12
-    # no shared winners for this shape: every bucket asks for its first tactic alone
-    assert {r.limit for op, r in c.ops if op == "plan"} == {1}
-    sent = c.ops[-1][1].requests
-    assert len(sent) == len(plan.requests) >= 1
+    if _old(daemon):
+        assert ops[-1] == "prefetch" and ops.count("prefetch") == 1 and "get" not in ops
+        assert ops.count("plan") == len(gemm_plan.buckets_up_to(2048)) == 12
+        # no shared winners for this shape: every bucket asks for its first tactic alone
+        assert {r.limit for op, r in c.ops if op == "plan"} == {1}
+        sent = c.ops[-1][1].requests
+        assert len(sent) == len(plan.requests) >= 1
+    else:  # one request plans all 12 buckets and queues their kernels
+        assert ops == ["hello", "plan_shape"] and c.ops[-1][1].prefetch is True
+        assert len(c.ops[-1][1].buckets) == 12
     assert [b.upper for b in plan.choice.buckets] == list(gemm_plan.buckets_up_to(2048))
     assert plan.choice.reduction_class == T.reduction_class_id(SPACE.choose_split(2688, 4096, 132))
     line = plan.describe()
@@ -299,3 +331,91 @@ def test_loaded_fp8_plan_checks_a_weight_once_and_runs_unchecked_up_to_max_m(dae
     with pytest.raises(ValueError, match="float8_e4m3fn or both float8_e5m2, got bfloat16"):
         f.run(torch.empty(3, 4096, dtype=torch.bfloat16), b, scale_of(3), sb)
     assert len(calls) == 3
+
+
+def test_planning_and_loading_a_shape_takes_at_most_3_round_trips_and_old_daemons_work(
+        tmp_path, monkeypatch):
+    """Every frame a fresh client sends to plan, prefetch and load one weight shape (with a
+    device, so the shared winners are looked up): hello, plan_shape, get_batch. Then a
+    daemon on the same store that predates both ops: the per-bucket path, the same
+    kernels loaded."""
+    from cached_client import transport
+
+    sent: list[str] = []
+    send = transport.Connection.send
+
+    def counting(self, message, deadline):
+        sent.append(message["op"])
+        return send(self, message, deadline)
+
+    monkeypatch.setattr(transport.Connection, "send", counting)
+    n, k, max_m = 2688, 4096, 16  # 5 buckets, 2 kernels
+    (tmp_path / "new").mkdir()
+    (tmp_path / "old").mkdir()
+    d = DaemonProcess(tmp_path / "new", workers=2, store=tmp_path / "store")
+    try:
+        cold = d.client(timeout=600, fallback=False)  # compiles (its silence probes aside)
+        first = gemm_plan.plan_gemm(cold, n, k, arch="sm_90a", sm_count=132, max_m=max_m)
+        assert len(cold.load_many(first.requests, 600)) == 2
+        c = d.client(timeout=600, fallback=False)  # a fresh process's client, kernels stored
+        sent.clear()
+        plan = gemm_plan.plan_gemm(c, n, k, arch="sm_90a", sm_count=132, device=H200,
+                                   max_m=max_m)
+        fns = c.load_many([b.request for b in plan.choice.buckets], 600)
+        assert sent == ["hello", "plan_shape", "get_batch"], sent
+        assert plan.requests == first.requests
+        assert len(fns) == len(gemm_plan.buckets_up_to(max_m)) == 5 and all(map(callable, fns))
+        assert len(set(map(id, fns))) == len(plan.requests) == 2  # each kernel loaded once
+        compiled = d.stats()["compiles"]
+        assert compiled == len(plan.requests)
+    finally:
+        d.stop()
+    old = DaemonProcess(tmp_path / "old", workers=0, store=tmp_path / "store",
+                        extra_env={"CACHED_TEST_WITHHOLD_OPS": NEW_OPS})
+    try:
+        c = old.client(timeout=120, fallback=False)
+        sent.clear()
+        again = gemm_plan.plan_gemm(c, n, k, arch="sm_90a", sm_count=132, device=H200,
+                                    max_m=max_m)
+        assert again.choice.buckets == plan.choice.buckets
+        assert len(c.load_many(again.requests, 120)) == len(plan.requests)
+        assert "plan_shape" not in sent and "get_batch" not in sent
+        assert sent.count("plan") == 5 and sent.count("get") == len(plan.requests)
+    finally:
+        old.stop()
+
+
+def test_plan_shape_refuses_bad_buckets_and_keeps_answering(daemon):
+    """The daemon's own check (a raw frame, not the client's): invalid_argument naming the
+    field, and the next request on the connection is answered."""
+    import time
+
+    c = daemon.client(timeout=60)
+    with c.connect(time.monotonic() + 10) as raw:
+        for i, bad in enumerate(([], [4, 2], [0, 8], [1] * 65, "8")):
+            reply, _ = raw.request({"v": 1, "id": i, "op": "plan_shape", "family": HOPPER,
+                                    "n": 4096, "k": 4096, "buckets": bad, "arch": "sm_90a"},
+                                   time.monotonic() + 10)
+            assert reply["ok"] is False and reply["error"]["code"] == "invalid_argument"
+            assert "buckets" in reply["error"]["message"], reply
+        reply, _ = raw.request({"v": 1, "id": 9, "op": "plan_shape", "family": HOPPER,
+                                "n": 4096, "k": 4096, "buckets": [1, 8], "arch": "sm_90a",
+                                "sm_count": 132}, time.monotonic() + 30)
+    ok = PlanShapeReply.from_wire(reply)
+    assert [b.upper for b in ok.buckets] == [1, 8] and ok.prefetch is None
+    assert {b.reduction_class for b in ok.buckets} == {
+        T.reduction_class_id(SPACE.choose_split(4096, 4096, 132))}
+
+
+def test_a_light_familys_first_tactic_alone_is_its_plans_first():
+    """What the daemon plans for a bucket's first tactic (Family.plan_first, never making
+    the other hundreds) is the whole plan's first, for every scheme of both families."""
+    for name, schemes in ((HOPPER, family(HOPPER).tune_schemes()),
+                          ("cached.hopper_bf16", {"bf16": {"ab_dtype": "bf16"}})):
+        f = family(name)
+        assert f.light_planner
+        for options in schemes.values():
+            for m, n, k in ((1, 4096, 4096), (128, 2688, 4096), (8192, 28672, 4096)):
+                opts = {**options, "batch_invariant": True}
+                whole = f.plan((m, n, k), "sm_90a", 132, opts)
+                assert f.plan_first((m, n, k), "sm_90a", 132, opts) == whole[0]

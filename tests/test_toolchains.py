@@ -511,7 +511,7 @@ def test_identity_is_stated_with_every_request_that_can_return_an_artifact():
               {f for f in op.request.__dataclass_fields__}}
     assert stated == {"get", "prefetch", "plan", "lease", "lease_renew", "lease_release",
                       "publish_bundle",
-                      "publish"}
+                      "publish", "plan_shape", "get_batch"}
     digest = hashlib.sha256(b"x").hexdigest()
     with pytest.raises(Exception, match="64 lowercase hex"):
         p.Identity.from_wire({"toolchain": "t", "sources": {"f": digest.upper()}})

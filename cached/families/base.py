@@ -40,6 +40,10 @@ class Family(abc.ABC):
     package's own, hashed by :meth:`source_sha256`), ``flashinfer`` (the requesting
     environment's FlashInfer: its client states their hash, cached_client.identity) or
     ``params`` (hashed by the client into the request's parameters; written back only)."""
+    light_planner: bool = False
+    """Whether :meth:`plan` is pure Python that needs no toolchain and answers in
+    milliseconds: the daemon then plans it in its main process (memoized), never as a pool
+    job."""
     bundle: bool = False
     """Whether its artifacts are bundles of named opaque files (``publish_bundle``; the
     JIT libraries' own outputs, cached/families/jit.py) rather than an object the daemon
@@ -100,6 +104,13 @@ class Family(abc.ABC):
         self, shape: tuple[int, int, int], arch: str, sm_count: int, options: Mapping[str, Any]
     ) -> list[KernelRequest]:
         """The tactic space for one (M, N, K) shape, in a stable order (best first)."""
+
+    def plan_first(
+        self, shape: tuple[int, int, int], arch: str, sm_count: int, options: Mapping[str, Any]
+    ) -> KernelRequest | None:
+        """:meth:`plan`'s first request (None: it plans nothing), for a family that can say
+        it without making the rest."""
+        return next(iter(self.plan(shape, arch, sm_count, options)), None)
 
     @abc.abstractmethod
     def build(self, request: KernelRequest, workdir: Path) -> BuiltObject:

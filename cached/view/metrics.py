@@ -1,6 +1,6 @@
 """``GET /metrics``: the daemon's state for Prometheus, through prometheus_client.
 
-One registry, :attr:`cached.view.stats.Stats.registry`: the counters and histograms the
+One registry, :attr:`cached.stats.Stats.registry`: the counters and histograms the
 components count into (``Stats``), plus one collector (:class:`_Snapshot`) that renders the
 daemon's one snapshot (:func:`cached.view.snapshot.take`, counts since the start: what it
 exports as counters stays monotonic whatever ``stats --zero`` did), taken once per scrape:
@@ -145,7 +145,7 @@ def _build_info(s: DaemonSnapshot) -> Metric:
 
 def make_metrics(daemon: Parts) -> Callable:
     """prometheus_client's ASGI app serving the daemon's registry: the counters
-    :class:`cached.view.stats.Stats` counts into, what one snapshot per scrape shows
+    :class:`cached.stats.Stats` counts into, what one snapshot per scrape shows
     (gauges, kept counters, info series), and the process's own (``process_*``: CPU,
     memory, open files, start time)."""
     registry = daemon.stats.registry

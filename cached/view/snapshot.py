@@ -106,7 +106,7 @@ class DaemonSnapshot:
     ``since_zero``, else from the start; ``last_failures`` (20 at most) always from the
     last zeroing, which forgets them; store, pool and job states are as they are
     now. ``families`` has a row for every registered family with every
-    :data:`cached.view.stats.FAMILY_COUNTERS` key. ``remote`` is the fleet tier's own
+    :data:`cached.stats.FAMILY_COUNTERS` key. ``remote`` is the fleet tier's own
     snapshot, None when it is off. ``toolchains`` are the registered toolchains with their
     workers' counts and, for one with none, why (``broken``: socket only)."""
 

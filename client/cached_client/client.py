@@ -10,8 +10,8 @@ decoded by the protocol's checks (a malformed or mismatched reply is ``BadReply`
 loaded function is cached per request, so the hot path of :meth:`Client.load` is one dict
 lookup; a forked child opens its own connection; when the daemon stops answering (a
 connect that times out, or no byte for ``SILENCE_S`` and no answer to a ``hello`` on a new
-connection) the process stops asking it for ``RETRY_AFTER_S`` seconds (a circuit breaker per
-socket path: every call fails at once meanwhile; a daemon that is simply not running costs
+connection) the process stops asking it for ``RETRY_AFTER_S`` seconds (cached_client.circuit,
+per socket path: every call fails at once meanwhile; a daemon that is simply not running costs
 a refused connect, microseconds, and trips nothing); when the daemon is unusable the
 client compiles in-process if a fallback compiler is available (the
 ``cached_client.fallback`` entry point, which the daemon's package provides, or a callable
@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 from . import identity as env_identity
 from . import monitor, paths, trust
 from . import protocol as p
+from .circuit import CIRCUITS, RETRY_AFTER_S
 from .errors import (
     ArtifactMismatch,
     BadReply,
@@ -59,6 +60,7 @@ from .errors import (
     Overloaded,
     error_from_wire,
 )
+from .inprocess import Fallback, installed_fallback
 from .keys import KernelRequest
 from .loader import Scratch, load_library, place
 from .paths import default_socket_path
@@ -68,72 +70,22 @@ from .transport import ConnectFailed, Connection, DaemonSilent
 logger = logging.getLogger("cached_client")
 
 DEFAULT_TIMEOUT_S = 60.0
-RETRY_AFTER_S = 30.0
-"""How long a process stops asking a daemon that could not be reached or went silent."""
 PROBE_TIMEOUT_S = 2.0
 """How long a silent daemon gets to answer a ``hello`` on a new connection."""
-FALLBACK_ENTRY_POINTS = "cached_client.fallback"
-"""Entry point group of in-process compilers: ``build(request, scratch_dir) -> Artifact``."""
-
-Fallback = Callable[[KernelRequest, str], Artifact]
 R = TypeVar("R", bound=p.Message)
 _warned_unreachable: set[str] = set()
 _warned_mismatch: set[tuple[str, tuple[str, ...]]] = set()
 _clients: weakref.WeakSet[Client] = weakref.WeakSet()
-_circuits: dict[str, tuple[float, str]] = {}
-"""Socket path -> (monotonic time to ask again, why it stopped answering)."""
-_circuit_lock = threading.Lock()
-
-
-def _open_circuit(path: str, reason: str) -> None:
-    with _circuit_lock:
-        first = path not in _circuits
-        _circuits[path] = (time.monotonic() + RETRY_AFTER_S, reason)
-    if first:
-        logger.info("cached daemon at %s unusable (%s); not asking it again for %.0fs",
-                    path, reason, RETRY_AFTER_S)
-
-
-def _circuit_reason(path: str) -> str | None:
-    """Why calls to ``path`` fail at once now, or None when the daemon may be asked."""
-    with _circuit_lock:
-        state = _circuits.get(path)
-        if state is None:
-            return None
-        retry_at, reason = state
-        left = retry_at - time.monotonic()
-        if left <= 0:
-            return None  # ask again; a failure opens it again
-    return f"{reason}; not asking the daemon at {path} again for {left:.0f}s"
-
-
-def _close_circuit(path: str) -> None:
-    if path in _circuits:
-        with _circuit_lock:
-            _circuits.pop(path, None)
 
 
 def _after_fork_in_child() -> None:
-    global _circuit_lock
-    _circuit_lock = threading.Lock()  # another thread may have held it at the fork
+    CIRCUITS.after_fork()
     for client in list(_clients):
         client._forget_connection()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def installed_fallback() -> Fallback | None:
-    """The in-process compiler another installed package offers, or None."""
-    from importlib.metadata import entry_points
-
-    for entry in entry_points(group=FALLBACK_ENTRY_POINTS):
-        try:
-            return entry.load()
-        except Exception:  # noqa: BLE001 -- a broken fallback is no fallback
-            logger.debug("fallback entry point %s failed to load", entry.value, exc_info=True)
-    return None
 
 
 @functools.lru_cache(maxsize=256)
@@ -175,7 +127,7 @@ class Client:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._next_id = 0
-        self._loaded: dict[KernelRequest, Any] = {}
+        self._loaded: dict[KernelRequest, Callable[..., Any]] = {}
         self._fallbacks: dict[str, int] = {}  # in-process compiles not yet reported
         self._scratch = Scratch()  # checked at every use (cached_client.loader)
         _clients.add(self)
@@ -243,7 +195,7 @@ class Client:
         closed meanwhile (its idle timeout, a restart) is replaced once, silently; a daemon
         that cannot be reached or went silent opens the circuit (``RETRY_AFTER_S``) at once,
         kept connection or not (one silence window and one probe, never two)."""
-        why = _circuit_reason(self.socket_path)
+        why = CIRCUITS.reason(self.socket_path)
         if why is not None:
             raise DaemonUnavailable(why)
         for attempt in (1, 2):
@@ -271,7 +223,9 @@ class Client:
                         and not isinstance(exc, DaemonSilent)):
                     continue  # the daemon had closed the kept connection: one fresh try
                 if isinstance(exc, DaemonSilent):
-                    _open_circuit(self.socket_path, exc.message)
+                    if CIRCUITS.open(self.socket_path, exc.message):
+                        logger.info("cached daemon at %s unusable (%s); not asking it again "
+                                    "for %.0fs", self.socket_path, exc.message, RETRY_AFTER_S)
                 raise
             except DeadlineExceeded:
                 self._drop(conn)
@@ -282,11 +236,14 @@ class Client:
                 self._drop(conn)
                 raise BadReply(f"the daemon answered request {reply.get('id')!r} to request "
                                f"{message['id']} ({message['op']}); connection dropped")
-            _close_circuit(self.socket_path)
+            CIRCUITS.close(self.socket_path)
             if message["op"] == "hello" and reply.get("ok") is True:
                 caps = reply.get("capabilities")
                 caps = caps if isinstance(caps, list) else []
                 conn.capabilities = frozenset(c for c in caps if isinstance(c, str))
+                ops = reply.get("ops")
+                conn.ops = frozenset(o for o in (ops if isinstance(ops, list) else [])
+                                     if isinstance(o, str))
             return reply, payload, fds
         raise AssertionError("unreachable")
 
@@ -344,6 +301,8 @@ class Client:
         kernel = getattr(request, "request", None)
         if isinstance(kernel, KernelRequest):
             names = [kernel.family]
+        elif isinstance(request, p.GetBatchRequest):
+            names = [r.family for r in request.requests]
         elif isinstance(request, p.PrefetchRequest):
             names = [w.get("family") for w in request.requests if isinstance(w, dict)]
         else:
@@ -370,6 +329,20 @@ class Client:
                     and conn.capabilities is not None):
                 return conn.capabilities
         return frozenset(self.hello(timeout).capabilities)
+
+    def supports(self, op: str, timeout: float | None = None) -> bool:
+        """Whether the daemon on the current connection listed ``op`` in its ``hello``
+        (asked once per connection, as :meth:`capabilities`); False when it cannot be
+        asked (an older or absent daemon: the caller takes the path every daemon has)."""
+        with self._lock:
+            conn = self._conn
+            if (self._pid == os.getpid() and conn is not None and conn.usable()
+                    and conn.ops is not None):
+                return op in conn.ops
+        try:
+            return op in self.hello(timeout).ops
+        except CachedError:
+            return False
 
     def stats(self, timeout: float | None = None) -> dict:
         return self._call("stats", None, p.StatsReply, timeout).stats
@@ -398,6 +371,12 @@ class Client:
         request = p.PlanRequest(family=family, shape=list(shape), arch=arch,
                                 sm_count=sm_count, options=options or {}, limit=limit)
         return self._call("plan", request, p.PlanReply, timeout)
+
+    def plan_shape(self, request: p.PlanShapeRequest,
+                   timeout: float | None = None) -> p.PlanShapeReply:
+        """One weight shape's tactic per M bucket (shared winners applied by the daemon, with
+        cached_client.gemm.policy.pick_tactics), its kernels queued with ``prefetch``."""
+        return self._call("plan_shape", request, p.PlanShapeReply, timeout)
 
     def prefetch(self, requests: Iterable[KernelRequest],
                  timeout: float | None = None) -> p.PrefetchReply:
@@ -431,6 +410,24 @@ class Client:
         """:meth:`get`'s round trip and checks: the artifact, and for transfer ``fd`` the
         descriptors passed for ``blobs`` (kind -> fd; the caller closes them)."""
         timeout = self.timeout if timeout is None else timeout
+        transfer = self._transfer(timeout)
+        message = p.GetRequest(request=request, priority=priority, transfer=transfer,
+                               blobs=list(blobs),
+                               deadline_ms=max(1, int(timeout * 1000 * 0.95) - 20))
+        reply, payload, fds = self._round_trip("get", message, timeout)
+        stated = None if self.identity is False else self._identity_wire(message)
+        artifact, passed = self._checked(reply.artifact, request, stated, transfer, blobs,
+                                         reply.fds, fds)
+        if transfer == "bytes":
+            if payload is None:
+                raise BadReply("the daemon sent no library bytes for a 'bytes' transfer")
+            artifact = dataclasses.replace(artifact, library_bytes=payload)
+        return artifact, passed
+
+    def _transfer(self, timeout: float) -> str:
+        """The transfer to ask for: this client's, where the daemon (its ``hello``, asked
+        once per connection) offers it; DaemonTooOld for a daemon too old to state what
+        its artifacts were built with."""
         caps = self.capabilities(timeout)
         why = trust.too_old(caps, self.socket_path)
         if why is not None:
@@ -438,34 +435,21 @@ class Client:
         transfer = self.transfer
         if transfer not in ("path", "bytes") and f"transfer:{transfer}" not in caps:
             transfer = "path"
-        message = p.GetRequest(request=request, priority=priority, transfer=transfer,
-                               blobs=list(blobs),
-                               deadline_ms=max(1, int(timeout * 1000 * 0.95) - 20))
-        reply, payload, fds = self._round_trip("get", message, timeout)
-        artifact = reply.artifact
-        stated = None if self.identity is False else self._identity_wire(message)
+        return transfer
+
+    def _checked(self, artifact: Artifact, request: KernelRequest, stated: dict | None,
+                 transfer: str, blobs: tuple[str, ...], named: list[str], fds: list[int]
+                 ) -> tuple[Artifact, dict[str, int] | None]:
+        """``artifact`` checked against this process's identity (trust.mismatches:
+        ArtifactMismatch) with the descriptors passed for ``blobs`` (trust.passed_blobs);
+        every descriptor not returned is closed, also on an error."""
         found = trust.mismatches(artifact, request, stated)
-        bad_fds = transfer == "fd" and (not set(blobs) <= set(reply.fds)
-                                        or len(reply.fds) != len(fds))
-        if found or bad_fds:
-            for fd in fds:
+        passed = trust.passed_blobs(transfer, blobs, named, fds)
+        if found:
+            for fd in (passed or {}).values():
                 _close(fd)
-            if bad_fds:
-                raise BadReply(f"the daemon passed descriptors for {reply.fds!r} ({len(fds)} "
-                               f"received), not one for each of {list(blobs)!r}")
             raise self._mismatch(artifact, found)
-        if transfer == "fd":
-            passed = dict(zip(reply.fds, fds, strict=True))
-            for kind in set(passed) - set(blobs):
-                _close(passed.pop(kind))
-            return artifact, passed
-        for fd in fds:
-            _close(fd)
-        if transfer == "bytes":
-            if payload is None:
-                raise BadReply("the daemon sent no library bytes for a 'bytes' transfer")
-            artifact = dataclasses.replace(artifact, library_bytes=payload)
-        return artifact, None
+        return artifact, passed
 
     def _mismatch(self, artifact: Artifact, found: dict[str, str]) -> ArtifactMismatch:
         """The error for an artifact not built for this process; warned once per socket
@@ -573,7 +557,8 @@ class Client:
 
     # -- loading ---------------------------------------------------------------------------
 
-    def load(self, request: KernelRequest, timeout: float | None = None) -> Any:
+    def load(self, request: KernelRequest,
+             timeout: float | None = None) -> Callable[..., Any]:
         """A callable TVM-FFI function for ``request``, cached in this process."""
         fn = self._loaded.get(request)
         if fn is not None:
@@ -596,7 +581,67 @@ class Client:
         self._loaded[request] = fn
         return fn
 
-    def _load_artifact(self, artifact: Artifact, fd: int | None = None) -> Any:
+    def load_many(self, requests: Iterable[KernelRequest],
+                  timeout: float | None = None) -> list[Callable[..., Any]]:
+        """:meth:`load` of each request, in order: those not loaded yet fetched in one
+        ``get_batch`` per :data:`~cached_client.protocol.MAX_GET_BATCH` where the daemon has
+        the op (each artifact checked as :meth:`get`'s is: the daemon's age, its identity,
+        one descriptor per blob); a request the batch answers with an error, and every
+        request where the daemon has no such op, goes through :meth:`load` (its own error,
+        or its in-process fallback)."""
+        wanted = list(requests)
+        missing = [r for r in dict.fromkeys(wanted) if r not in self._loaded]
+        if len(missing) > 1 and self.supports("get_batch", timeout):
+            for start in range(0, len(missing), p.MAX_GET_BATCH):
+                self._load_batch(missing[start:start + p.MAX_GET_BATCH], timeout)
+        return [self.load(r, timeout) for r in wanted]
+
+    def _load_batch(self, requests: list[KernelRequest], timeout: float | None) -> None:
+        """Fetch and load ``requests`` in one ``get_batch``; what fails here is left for
+        :meth:`load` (the batch is an optimisation, never the only way)."""
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            transfer = self._transfer(timeout)
+            if transfer == "bytes":  # not a batch transfer: load() asks for each
+                return
+            message = p.GetBatchRequest(requests=requests, transfer=transfer,
+                                        blobs=["library"],
+                                        deadline_ms=max(1, int(timeout * 1000 * 0.95) - 20))
+            reply, _, fds = self._round_trip("get_batch", message, timeout)
+        except CachedError:
+            return
+        stated = None if self.identity is False else self._identity_wire(message)
+        if (len(reply.items) != len(requests) or len(fds) != len(reply.fds)
+                or sum(len(item.fds) for item in reply.items) != len(fds)):
+            for fd in fds:
+                _close(fd)
+            return
+        at = 0
+        for request, item in zip(requests, reply.items, strict=True):
+            mine, at = fds[at:at + len(item.fds)], at + len(item.fds)
+            if item.artifact is None:
+                for fd in mine:
+                    _close(fd)
+                continue
+            try:
+                artifact, passed = self._checked(item.artifact, request, stated, transfer,
+                                                 ("library",), item.fds, mine)
+            except CachedError:  # load() asks again and raises or falls back as it does
+                continue
+            try:
+                self._loaded[request] = self._load_artifact(
+                    artifact, None if passed is None else passed["library"])
+            except CachedError:
+                continue
+            except BaseException:
+                for fd in fds[at:]:
+                    _close(fd)
+                raise
+            finally:
+                for fd in (passed or {}).values():
+                    _close(fd)
+
+    def _load_artifact(self, artifact: Artifact, fd: int | None = None) -> Callable[..., Any]:
         """Load a library this process has already checked: the daemon's uid and socket
         directory at connect (transport), the artifact's stated identity against this
         process's own in ``get``/``lease`` (trust.check: ArtifactMismatch, never a load), and

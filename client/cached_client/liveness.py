@@ -23,10 +23,14 @@ import logging
 import os
 import threading
 from collections import Counter
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .backoff import Backoff
 from .errors import CachedError, DaemonUnavailable, DeadlineExceeded
+
+if TYPE_CHECKING:
+    from .client import Client
+    from .protocol import HelloReply
 
 logger = logging.getLogger("cached_client.liveness")
 
@@ -54,7 +58,7 @@ class Liveness:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.hello: Any = None
+        self.hello: HelloReply | None = None
         self.reason = "not asked yet"
         self.probes = 0
         self.answered_after_failure = 0
@@ -65,7 +69,7 @@ class Liveness:
         self._fallbacks: Counter[str] = Counter()
         self._reporters: list[Reporter] = []
         self._pid = -1
-        self._client: Any = None
+        self._client: Client | None = None
         self._start()
 
     def _start(self) -> None:

@@ -38,7 +38,8 @@ from .protocol import HEADER, MAX_REPLY_FRAME, decode_body, encode_frame, frame_
 CONNECT_TIMEOUT_S = 2.0
 SILENCE_S = 3.0
 RECV_SIZE = 64 << 10
-MAX_FDS_PER_READ = 16
+MAX_FDS_PER_READ = 128
+"""Descriptors one read takes: a ``get_batch`` reply passes up to 128 at once."""
 _FD = struct.Struct("i")
 _UCRED = struct.Struct("3i")
 MAX_SOCKET_PATH = 107
@@ -75,6 +76,7 @@ class Connection:
         self._eof = False
         self._closed = False
         self.capabilities: frozenset[str] | None = None
+        self.ops: frozenset[str] | None = None  # what its daemon's hello listed
         """What the daemon's ``hello`` on this connection stated (None: not asked yet)."""
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:

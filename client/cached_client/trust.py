@@ -24,9 +24,12 @@ none (``Client(identity=False)``) accepts the daemon's default toolchain.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .errors import BadReply
 from .keys import KernelRequest
 from .protocol import Artifact
 
@@ -98,3 +101,24 @@ def _digest(fingerprint: Any) -> str | None:
     from .identity import digest
 
     return digest(str(fingerprint))
+
+
+def passed_blobs(transfer: str, blobs: Iterable[str], named: list[str], fds: list[int]
+                 ) -> dict[str, int] | None:
+    """For transfer ``fd``, the descriptors ``fds`` a reply passed for the blobs it
+    ``named``, as kind -> fd, only the ``blobs`` asked for (None for another transfer);
+    BadReply unless one came for each. Every descriptor not returned is closed."""
+    wanted = set(blobs)
+    if transfer != "fd" or not wanted <= set(named) or len(named) != len(fds):
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if transfer != "fd":
+            return None
+        raise BadReply(f"the daemon passed descriptors for {named!r} ({len(fds)} received), "
+                       f"not one for each of {sorted(wanted)!r}")
+    passed = dict(zip(named, fds, strict=True))
+    for kind in set(passed) - wanted:
+        with contextlib.suppress(OSError):
+            os.close(passed.pop(kind))
+    return passed

@@ -51,6 +51,7 @@ class HopperFp8(Family):
     name = tactic.FAMILY
     arches = (tactic.TARGET_ARCH,)
     reduction_order_m_independent = tactic.REDUCTION_ORDER_M_INDEPENDENT
+    light_planner = True  # the tactic space and the cost model: arithmetic
 
     #: the operand types this family's tactics have (the bf16 family: tactic.BF16)
     ab_dtypes: tuple[str, ...] = tactic.FP8_AB_DTYPES
@@ -150,22 +151,33 @@ class HopperFp8(Family):
         here = Path(__file__).parent
         return compiler_stack.hash_files(tuple(here / name for name in SOURCES))
 
-    def plan(self, shape: tuple[int, int, int], arch: str, sm_count: int,
-             options: Mapping[str, Any]) -> list[KernelRequest]:
+    def _ranked(self, shape: tuple[int, int, int], arch: str, sm_count: int,
+                options: Mapping[str, Any]) -> list[tactic.HopperFp8Tactic]:
         self.check_arch(arch)
         out_dtype = require(options, "out_dtype", self.out_dtypes, "bfloat16")
         ab_dtype = require(options, "ab_dtype", self.ab_dtypes, self.ab_dtypes[0])
         m, n, k = shape
         try:
             splits, scales, accum = self.plan_scheme(shape, sm_count, options)
-            ranked = space.enumerate_tactics(m, n, k, out_dtype, ab_dtype, num_sms=sm_count,
-                                               splits=splits, scales=scales, accum=accum)
+            return space.enumerate_tactics(m, n, k, out_dtype, ab_dtype, num_sms=sm_count,
+                                           splits=splits, scales=scales, accum=accum)
         except ValueError as exc:
             raise InvalidTactic(str(exc)) from None
-        return [KernelRequest(family=self.name, params=t.to_params(), arch=arch,
-                              sm_count=sm_count,
-                              max_active_clusters=max(1, sm_count // t.cluster_size))
-                for t in ranked]
+
+    def _request(self, t: tactic.HopperFp8Tactic, arch: str, sm_count: int) -> KernelRequest:
+        return KernelRequest(family=self.name, params=t.to_params(), arch=arch,
+                             sm_count=sm_count,
+                             max_active_clusters=max(1, sm_count // t.cluster_size))
+
+    def plan(self, shape: tuple[int, int, int], arch: str, sm_count: int,
+             options: Mapping[str, Any]) -> list[KernelRequest]:
+        return [self._request(t, arch, sm_count)
+                for t in self._ranked(shape, arch, sm_count, options)]
+
+    def plan_first(self, shape: tuple[int, int, int], arch: str, sm_count: int,
+                   options: Mapping[str, Any]) -> KernelRequest | None:
+        ranked = self._ranked(shape, arch, sm_count, options)
+        return self._request(ranked[0], arch, sm_count) if ranked else None
 
     def build(self, request: KernelRequest, workdir: Path) -> BuiltObject:
         set_compile_arch(request.arch)

@@ -10,7 +10,10 @@ batch-invariant policy reads them. torch is imported lazily.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..client import Client
 
 SEED_MS = (1, 2, 7, 16, 64, 128, 512, 2048)
 FULL_M = 2048
@@ -93,7 +96,7 @@ RUNNERS = {"cached.hopper_fp8": hopper_fp8_runner}
 PLAN_OPTIONS: dict[str, dict] = {"cached.hopper_fp8": {"batch_invariant": True}}
 
 
-def certify(client: Any, family: str, shapes: Sequence[tuple[int, int]], limit: int | None,
+def certify(client: Client, family: str, shapes: Sequence[tuple[int, int]], limit: int | None,
             record: bool = True) -> list[dict]:
     """Certify ``family`` on this process's GPU for each (N, K); returns the records."""
     import torch

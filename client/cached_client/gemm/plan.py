@@ -6,9 +6,11 @@ A framework-free core for inference processes (the vLLM adapter is one caller):
 * :func:`plan_gemm` asks the daemon, for one (op, N, K, dtype, arch, device), which tactic
   serves each M bucket (:func:`cached_client.gemm.policy.choose_tactics`: under batch invariance
   all of one reduction-order class; shared autotune winners of that class where present,
-  else the family's plan order), then queues every tactic in **one** ``prefetch``.
-* :meth:`GemmPlan.load` gets and loads each tactic (``Client.load``) and allocates the
-  split-K workspace once, for the largest M the plan serves.
+  else the family's plan order), and queues every tactic: one ``plan_shape`` request that
+  also prefetches (a daemon without it: a ``plan`` per bucket, then **one** ``prefetch``).
+* :meth:`GemmPlan.load` gets and loads each tactic (``Client.load_many``: one ``get_batch``
+  after the connection's ``hello``) and allocates the split-K workspace once, for the
+  largest M the plan serves. Planning and loading a shape: at most 3 round trips.
 * Calling the loaded plan (:class:`HopperFp8Gemm`, :class:`HopperBf16Gemm`) picks the
   bucket of ``a.shape[0]`` on the host and launches: no daemon round trip, no host sync,
   no allocation beyond the output (none with ``out=``), so it can be captured in a CUDA
@@ -30,10 +32,14 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..keys import DEFAULT_SM_COUNT, KernelRequest
 from . import policy
+
+if TYPE_CHECKING:
+    from ..client import Client
+    from ..protocol import PrefetchReply
 
 DEFAULT_MAX_M = 8192
 HOPPER_FAMILY = "cached.hopper_fp8"
@@ -164,21 +170,23 @@ class GemmPlan:
                 f"class {self.choice.reduction_class}; {self.choice.describe()} "
                 f"({self.choice.reason})")
 
-    def prefetch(self, client: Any) -> Any:
+    def prefetch(self, client: Client) -> PrefetchReply:
         """Queue every kernel of the plan in one ``prefetch``; the daemon's PrefetchReply."""
         return client.prefetch(self.requests, timeout=60)
 
-    def load(self, client: Any, device: Any, timeout: float = 600.0) -> Any:
-        """Get and load every kernel (``Client.load``) and allocate the workspace on
-        ``device`` (a CUDA device); the callable that runs the plan."""
+    def load(self, client: Client, device: Any, timeout: float = 600.0
+             ) -> HopperFp8Gemm | FlashInferBiGemm:
+        """Get and load every kernel (``Client.load_many``: one ``get_batch`` where the
+        daemon has it) and allocate the workspace on ``device`` (a CUDA device); the
+        callable that runs the plan."""
         if self.family in (HOPPER_FAMILY, HOPPER_BF16_FAMILY):
-            fns = [client.load(b.request, timeout) for b in self.choice.buckets]
+            fns = client.load_many([b.request for b in self.choice.buckets], timeout)
             cls = HopperBf16Gemm if self.family == HOPPER_BF16_FAMILY else HopperFp8Gemm
             return cls(self, fns, device)
         return FlashInferBiGemm(self, client, device)
 
 
-def plan_gemm(client: Any, n: int, k: int, *, arch: str, sm_count: int | None = None,
+def plan_gemm(client: Client, n: int, k: int, *, arch: str, sm_count: int | None = None,
               device: str | None = None, out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
               batch_invariant: bool = True, max_m: int = DEFAULT_MAX_M,
               op: str = "linear", prefetch: bool = True, scales: str | None = None,
@@ -239,16 +247,15 @@ def plan_gemm(client: Any, n: int, k: int, *, arch: str, sm_count: int | None = 
         choice = policy.choose_tactics(
             client, family, n, k, arch, buckets=ups, sm_count=sm, device=device,
             batch_invariant=batch_invariant, options=options, op=op,
-            dtype=BF16 if family == HOPPER_BF16_FAMILY else "fp8")
-        plan = GemmPlan(key, family, choice, max_m)
-    else:
-        plan = _flashinfer_bi_plan(client, key, family, max_m)
+            dtype=BF16 if family == HOPPER_BF16_FAMILY else "fp8", prefetch=prefetch)
+        return GemmPlan(key, family, choice, max_m)
+    plan = _flashinfer_bi_plan(client, key, family, max_m)
     if prefetch:
         plan.prefetch(client)
     return plan
 
 
-def _flashinfer_bi_plan(client: Any, key: PlanKey, family: str, max_m: int) -> GemmPlan:
+def _flashinfer_bi_plan(client: Client, key: PlanKey, family: str, max_m: int) -> GemmPlan:
     """FlashInfer's class for (N, K): the daemon's plan at max_m holds the configuration
     FlashInfer's dispatcher picks at each of its token buckets up to max_m (one class, as
     FlashInfer's R3 declares; checked), and the split fixup when the class is split."""
@@ -415,7 +422,7 @@ class FlashInferBiGemm:
     max_m at load, so that those kernels are loaded before any CUDA-graph capture. Not run
     on hardware here (the project's GPU is an H200)."""
 
-    def __init__(self, plan: GemmPlan, client: Any, device: Any) -> None:
+    def __init__(self, plan: GemmPlan, client: Client, device: Any) -> None:
         import torch
 
         install = _INSTALLERS.get(FLASHINFER_BI_FAMILY)

@@ -38,13 +38,23 @@ Importing this module imports nothing heavy; the daemon is asked only when a cli
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import CachedError
 from ..keys import KernelRequest
-from ..protocol import AutotuneGetRequest, AutotunePutRequest
+from ..protocol import (
+    AutotuneGetRequest,
+    AutotunePutRequest,
+    HelloReply,
+    PlanReply,
+    PlanShapeReply,
+    PlanShapeRequest,
+)
+
+if TYPE_CHECKING:
+    from ..client import Client
 
 logger = logging.getLogger("cached_client.policy")
 
@@ -63,6 +73,19 @@ KNOWN_KERNELS = frozenset({*DEFAULT_BACKEND.values(), "cutlass", "humming",
 """The kernels and backends a selection may name without a daemon: the ones this module
 itself chooses. A shared autotune result naming anything else (another peer's record) is
 taken only when the daemon's ``hello`` lists it as a family it builds."""
+
+
+class DaemonInfo(Protocol):
+    """What the selection asks of a daemon (a :class:`~cached_client.client.Client` is one;
+    tests pass a stand-in that answers these three)."""
+
+    def hello(self, timeout: float | None = None) -> HelloReply: ...
+
+    def certifications(self, family: str | None = None,
+                       timeout: float | None = None) -> list[dict]: ...
+
+    def autotune_get(self, request: AutotuneGetRequest,
+                     timeout: float | None = None) -> list[dict]: ...
 
 
 @dataclass
@@ -92,7 +115,7 @@ class MixedReductionClasses(ValueError):
     """A batch-invariant plan would run tactics of two reduction-order classes."""
 
 
-def reduction_info(client: Any, family: str) -> dict | None:
+def reduction_info(client: DaemonInfo | None, family: str) -> dict | None:
     """What the daemon's ``hello`` declares about ``family``'s reduction-order classes
     (``{"classes": [...], "m_independent": bool}``), or None: no daemon, or none declared."""
     if client is None:
@@ -104,7 +127,7 @@ def reduction_info(client: Any, family: str) -> dict | None:
     return info if isinstance(info, dict) else None
 
 
-def daemon_families(client: Any) -> list[str] | None:
+def daemon_families(client: DaemonInfo | None) -> list[str] | None:
     """The families the daemon builds, or None when there is no usable daemon."""
     if client is None:
         return None
@@ -114,7 +137,7 @@ def daemon_families(client: Any) -> list[str] | None:
         return None
 
 
-def certifications(client: Any, family: str | None = None) -> list[dict]:
+def certifications(client: DaemonInfo | None, family: str | None = None) -> list[dict]:
     """Certifications recorded in the daemon (op ``certifications``); none when the daemon,
     or the op, is missing."""
     if client is None:
@@ -125,7 +148,7 @@ def certifications(client: Any, family: str | None = None) -> list[dict]:
         return []
 
 
-def certified(client: Any, family: str, n: int | None, k: int | None,
+def certified(client: DaemonInfo | None, family: str, n: int | None, k: int | None,
               device: str | None, tactics: Any = None) -> dict | None:
     """A certification of ``family`` at (N, K) on ``device`` with 0 differing rows (for the
     tactic set ``tactics`` when given), else None."""
@@ -153,8 +176,8 @@ def _same(a: Any, b: Any) -> bool:
     return sorted(map(str, a or [])) == sorted(map(str, b or []))
 
 
-def tactic_rule(family: str, client: Any = None, n: int | None = None, k: int | None = None,
-                device: str | None = None) -> tuple[str, str]:
+def tactic_rule(family: str, client: DaemonInfo | None = None, n: int | None = None,
+                k: int | None = None, device: str | None = None) -> tuple[str, str]:
     """("set" | "one", why) for a family under batch invariance; "set" means several
     tactics of one reduction-order class."""
     info = reduction_info(client, family)
@@ -172,7 +195,7 @@ def tactic_rule(family: str, client: Any = None, n: int | None = None, k: int | 
 
 
 def select(op: str, quant: str, arch: str, batch_invariant: bool, backend: str | None = None,
-           *, client: Any = None, n: int | None = None, k: int | None = None,
+           *, client: DaemonInfo | None = None, n: int | None = None, k: int | None = None,
            device: str | None = None) -> Selection:
     """The kernel for (op, quant, arch) with or without batch invariance; see the module doc."""
     _check(op, quant, arch)
@@ -194,7 +217,8 @@ def _override_warning(backend: str | None, kernel: str, why: str) -> list[str]:
     return [f"VLLM_BATCH_INVARIANT overrides backend={backend!r}; using {kernel!r} ({why})"]
 
 
-def _select_bi(op: str, quant: str, arch: str, backend: str | None, client: Any) -> Selection:
+def _select_bi(op: str, quant: str, arch: str, backend: str | None,
+               client: DaemonInfo | None) -> Selection:
     if quant == "bf16":
         families = daemon_families(client) if arch == "sm_90a" else None
         if families is not None and BF16_FAMILY in families:
@@ -251,7 +275,8 @@ def _select_bi(op: str, quant: str, arch: str, backend: str | None, client: Any)
                                        "split-K, whose reduction order changes with M"))
 
 
-def _select_tuned(op: str, quant: str, arch: str, backend: str | None, client: Any,
+def _select_tuned(op: str, quant: str, arch: str, backend: str | None,
+                  client: DaemonInfo | None,
                   n: int | None, k: int | None, device: str | None) -> Selection:
     kernel = backend if backend not in NO_PREFERENCE else DEFAULT_BACKEND[quant]
     if quant == "nvfp4-w4a4" and arch not in FLASHINFER_BI_ARCHES:
@@ -281,12 +306,11 @@ def _select_tuned(op: str, quant: str, arch: str, backend: str | None, client: A
     return sel
 
 
-def autotune_results(client: Any, op: str, n: int, k: int, dtype: str, arch: str,
-                     device: str, toolchain: str | None = None) -> list[dict]:
+def autotune_results(client: DaemonInfo | None, op: str, n: int, k: int, dtype: str,
+                     arch: str, device: str, toolchain: str | None = None) -> list[dict]:
     """The node's shared winners for (op, N, K, dtype, arch, device) this process may be
-    served (the daemon's trusted ones and its own trust group's); with ``toolchain``, only
-    those timed with kernels of that toolchain. A winner that states no toolchain or no
-    reduction-order class is never taken."""
+    served (the daemon's trusted ones and its own trust group's), kept by
+    :func:`keep_winners`."""
     if client is None:
         return []
     try:
@@ -294,12 +318,19 @@ def autotune_results(client: Any, op: str, n: int, k: int, dtype: str, arch: str
             op_name=op, n=n, k=k, dtype=dtype, arch=arch, device=device), timeout=5)
     except CachedError:
         return []
+    return keep_winners(results, op, toolchain)
+
+
+def keep_winners(results: Iterable[dict], op: str, toolchain: str | None) -> list[dict]:
+    """The shared winners of ``op`` that may be taken: a winner that states no toolchain or
+    no reduction-order class never is; with ``toolchain``, only those timed with kernels of
+    that toolchain."""
     return [r for r in results if r.get("op") == op and r.get("toolchain")
             and r.get("reduction_class")
             and (toolchain is None or r.get("toolchain") == toolchain)]
 
 
-def publish_autotune(client: Any, op: str, n: int, k: int, dtype: str, arch: str, device: str,
+def publish_autotune(client: Client, op: str, n: int, k: int, dtype: str, arch: str, device: str,
                      bucket: int, kernel: str, tactic: Any, time_us: float, *,
                      reduction_class: str, toolchain: str | None = None) -> bool:
     """Share one tuning winner with the other processes of this trust group on the node
@@ -377,17 +408,32 @@ def one_class(choices: Any) -> str | None:
     return next(iter(classes), None)
 
 
-def choose_tactics(client: Any, family: str, n: int, k: int, arch: str, *,
+def check_buckets(buckets: Sequence[int]) -> list[int]:
+    """``buckets`` as a list; ValueError unless they are increasing positive M bounds."""
+    ups = list(buckets)
+    if not ups or any(not isinstance(u, int) or isinstance(u, bool) or u < 1 for u in ups) \
+            or ups != sorted(set(ups)):
+        raise ValueError(f"buckets must be increasing positive M bounds, got {buckets!r}")
+    return ups
+
+
+Planned = tuple[KernelRequest, "str | None"]
+"""A planned tactic and its reduction-order class (None: the family declares none)."""
+
+
+def choose_tactics(client: Client, family: str, n: int, k: int, arch: str, *,
                    buckets: Sequence[int], sm_count: int | None = None,
                    device: str | None = None, batch_invariant: bool = True,
                    options: dict | None = None, op: str = "linear",
-                   dtype: str = "fp8") -> TacticChoice:
+                   dtype: str = "fp8", prefetch: bool = False) -> TacticChoice:
     """The tactic per M bucket (``buckets``: increasing M upper bounds) for ``family`` at
-    (N, K) on ``arch``, asked of the daemon ``client``.
+    (N, K) on ``arch``, asked of the daemon ``client``: one ``plan_shape`` request where the
+    daemon has the op (which, with ``prefetch``, also queues the chosen kernels), else one
+    ``plan`` per bucket. Either way the choice is :func:`pick_tactics`'s.
 
     Under batch invariance every bucket's plan is asked with ``batch_invariant: true``, so
-    the family answers one reduction-order class for (N, K) (the same for every M; ``plan``
-    replies carry each tactic's class, and a reply of several classes is refused). A bucket
+    the family answers one reduction-order class for (N, K) (the same for every M; each
+    planned tactic's class is known, and a plan of several classes is refused). A bucket
     runs the winner measured on this node and shared through the daemon (``autotune_get``
     for ``op``, N, K, ``dtype``, ``arch``, ``device``) when that winner is a tactic of the
     plan's class, else the plan's first tactic; a winner of another class is skipped with a
@@ -396,47 +442,66 @@ def choose_tactics(client: Any, family: str, n: int, k: int, arch: str, *,
     plan's first tactic; a winner of another scheme is never run. Raises
     MixedReductionClasses, ValueError for bad buckets, and the daemon's typed errors
     (CachedError)."""
-    ups = list(buckets)
-    if not ups or any(not isinstance(u, int) or u < 1 for u in ups) or ups != sorted(set(ups)):
-        raise ValueError(f"buckets must be increasing positive M bounds, got {buckets!r}")
+    ups = check_buckets(buckets)
     opts = dict(options or {})
     if batch_invariant:
         opts["batch_invariant"] = True
+    if client.supports("plan_shape"):
+        reply = client.plan_shape(PlanShapeRequest(
+            family=family, n=n, k=k, buckets=ups, arch=arch, sm_count=sm_count, options=opts,
+            batch_invariant=batch_invariant, op_name=op, dtype=dtype, device=device,
+            prefetch=prefetch), timeout=120)
+        return choice_from_reply(family, n, k, arch, batch_invariant, reply)
     # each bucket's first tactic alone (limit 1: the whole space is hundreds of requests a
     # bucket); a bucket with a shared winner gets its whole reply, which says whether the
     # winner is a tactic of the plan
-    plans = {u: _plan(client, family, u, n, k, arch, sm_count, opts, 1) for u in ups}
-    class_of = _classes(plans.values())
-    cls = None
-    if batch_invariant:
-        cls = one_class(class_of.items())
+    firsts = {u: _planned(_plan(client, family, u, n, k, arch, sm_count, opts, 1))[0]
+              for u in ups}
+    found: list[dict] = []
+    if device is not None:
+        toolchain = client.hello(timeout=10).toolchain
+        found = autotune_results(client, op, n, k, dtype, arch, device, toolchain)
+    choice = pick_tactics(family, n, k, arch, ups, firsts, found, lambda u: _planned(
+        _plan(client, family, u, n, k, arch, sm_count, opts, None)), batch_invariant)
+    if prefetch:
+        client.prefetch(list(dict.fromkeys(b.request for b in choice.buckets)), timeout=60)
+    return choice
+
+
+def pick_tactics(family: str, n: int, k: int, arch: str, ups: Sequence[int],
+                 firsts: Mapping[int, Planned], found: Iterable[dict],
+                 whole: Callable[[int], Sequence[Planned]],
+                 batch_invariant: bool) -> TacticChoice:
+    """The choice :func:`choose_tactics` describes, from what was planned: ``firsts`` (the
+    plan's first tactic per bucket), ``found`` (the node's shared winners this process may
+    take: :func:`autotune_results`' filter) and ``whole(u)`` (the whole plan at bucket u,
+    asked only for a bucket with a winner of the family). The daemon's ``plan_shape`` runs
+    this same function; MixedReductionClasses when the plan would mix classes."""
+    class_of: dict[KernelRequest, str | None] = {r: c for r, c in firsts.values()}
+    cls = one_class(class_of.items()) if batch_invariant else None
     # a bucket may hold one winner per class (each scheme's classes are its own): every
     # one of this family is a candidate, fastest first; the plan takes the first its reply
     # lists (a winner of another scheme or class is no tactic of this plan); under batch
     # invariance a winner filed under another class is no candidate (a warning names it)
     winners: dict[int, list[Any]] = {}
     foreign: dict[int, dict] = {}  # the fastest winner filed under another class
-    if device is not None:
-        toolchain = client.hello(timeout=10).toolchain
-        found = sorted(autotune_results(client, op, n, k, dtype, arch, device, toolchain),
-                       key=lambda r: float(r.get("time_us") or 0.0))
-        for r in found:
-            if r.get("kernel") != family:
-                continue
-            if batch_invariant and r.get("reduction_class") != cls:
-                foreign.setdefault(int(r["bucket"]), r)
-            else:
-                winners.setdefault(int(r["bucket"]), []).append(r["tactic"])
-    whole = {u: _plan(client, family, u, n, k, arch, sm_count, opts, None)
-             for u in ups if u in winners}
-    class_of.update(_classes(whole.values()))
-    if batch_invariant and whole:  # the whole replies' classes too
+    for r in sorted(found, key=lambda r: float(r.get("time_us") or 0.0)):
+        if r.get("kernel") != family:
+            continue
+        if batch_invariant and r.get("reduction_class") != cls:
+            foreign.setdefault(int(r["bucket"]), r)
+        else:
+            winners.setdefault(int(r["bucket"]), []).append(r["tactic"])
+    plans = {u: list(whole(u)) for u in ups if u in winners}
+    for planned in plans.values():
+        class_of.update(planned)
+    if batch_invariant and plans:  # the whole plans' classes too
         one_class(class_of.items())
     chosen, warnings = [], []
     for u in ups:
-        request, source = plans[u].requests[0], "plan order"
+        request, source = firsts[u][0], "plan order"
         if u in winners:
-            by_params = {_params_key(r.params): r for r in whole[u].requests}
+            by_params = {_params_key(r.params): r for r, _ in plans[u]}
             hit = next((by_params[key] for key in map(_params_key, winners[u])
                         if key in by_params), None)
             if hit is not None:
@@ -449,6 +514,11 @@ def choose_tactics(client: Any, family: str, n: int, k: int, arch: str, *,
                             f"not a tactic of the class {cls} (it is filed under "
                             f"{foreign[u]['reduction_class']}); using the plan's first")
         chosen.append(BucketChoice(u, request, class_of.get(request), source))
+    return _choice(family, n, k, arch, batch_invariant, chosen, cls, warnings)
+
+
+def _choice(family: str, n: int, k: int, arch: str, batch_invariant: bool,
+            chosen: list[BucketChoice], cls: str | None, warnings: list[str]) -> TacticChoice:
     if batch_invariant:
         one_class(chosen)
         tuned = sum(c.source == "autotune" for c in chosen)
@@ -460,8 +530,18 @@ def choose_tactics(client: Any, family: str, n: int, k: int, arch: str, *,
     return TacticChoice(family, n, k, arch, batch_invariant, chosen, cls, reason, warnings)
 
 
-def _plan(client: Any, family: str, m: int, n: int, k: int, arch: str, sm_count: int | None,
-          options: dict, limit: int | None) -> Any:
+def choice_from_reply(family: str, n: int, k: int, arch: str, batch_invariant: bool,
+                      reply: PlanShapeReply) -> TacticChoice:
+    """The daemon's ``plan_shape`` answer as a TacticChoice, checked again here: one
+    reduction-order class for every M under batch invariance (MixedReductionClasses)."""
+    chosen = [BucketChoice(b.upper, b.request, b.reduction_class, b.source)
+              for b in reply.buckets]
+    cls = one_class(chosen) if batch_invariant else None
+    return _choice(family, n, k, arch, batch_invariant, chosen, cls, list(reply.warnings))
+
+
+def _plan(client: Client, family: str, m: int, n: int, k: int, arch: str,
+          sm_count: int | None, options: dict, limit: int | None) -> PlanReply:
     """The daemon's plan reply for (M, N, K), at most ``limit`` requests (None: all);
     ValueError when it plans nothing."""
     reply = client.plan_reply(family, (m, n, k), arch, sm_count, options, timeout=60,
@@ -471,13 +551,10 @@ def _plan(client: Any, family: str, m: int, n: int, k: int, arch: str, sm_count:
     return reply
 
 
-def _classes(replies: Iterable[Any]) -> dict:
-    """request -> its reduction-order class (None where the family declares none)."""
-    out = {}
-    for reply in replies:
-        out.update(zip(reply.requests, reply.classes or [None] * len(reply.requests),
-                       strict=True))
-    return out
+def _planned(reply: PlanReply) -> list[Planned]:
+    """A plan reply's (request, class) pairs (class None where the family declares none)."""
+    return list(zip(reply.requests, reply.classes or [None] * len(reply.requests),
+                    strict=True))
 
 
 def _params_key(params: Any) -> str:

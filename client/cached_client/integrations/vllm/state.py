@@ -15,12 +15,14 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cached_client import paths
 
 if TYPE_CHECKING:
     from cached_client.client import Client
+    from cached_client.liveness import Liveness
+    from cached_client.protocol import HelloReply
 
 DEVICE_NAME_ENV = "CACHED_DEVICE_NAME"
 ARCH_OF_CAPABILITY = {90: "sm_90a", 100: "sm_100a", 103: "sm_103a", 107: "sm_107a"}
@@ -38,7 +40,7 @@ class Daemon:
     ``hello`` the daemon's last answer, None while it does not answer (``reason`` says why);
     ``client`` the hooks' client (None without a socket)."""
 
-    def __init__(self, socket: str | None, live: Any, client: Client | None,
+    def __init__(self, socket: str | None, live: Liveness | None, client: Client | None,
                  reason: str = "") -> None:
         self.socket = socket
         self.live = live
@@ -46,7 +48,7 @@ class Daemon:
         self._reason = reason
 
     @property
-    def hello(self) -> Any:
+    def hello(self) -> HelloReply | None:
         return self.live.hello if self.live is not None else None
 
     @property
