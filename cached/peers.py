@@ -16,11 +16,14 @@ import socket
 import struct
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cached_client import protocol as p
 
 from . import trust
+
+if TYPE_CHECKING:
+    from .config import Settings
 
 WITHHOLD_OPS_ENV = "CACHED_TEST_WITHHOLD_OPS"
 """Tests only (honoured with ``CACHED_TEST_FAMILIES=1``): ops, comma-separated, this daemon
@@ -56,7 +59,7 @@ class Limits:
     idle_timeout: float = 600.0
 
     @classmethod
-    def from_settings(cls, settings: Any) -> Limits:
+    def from_settings(cls, settings: Settings) -> Limits:
         return cls(settings.max_connections, settings.max_connections_per_uid,
                    settings.idle_timeout)
 
@@ -76,7 +79,7 @@ class Access:
                     writeback)
 
     @classmethod
-    def from_settings(cls, settings: Any) -> Access:
+    def from_settings(cls, settings: Settings) -> Access:
         return cls(settings.allow_uid, settings.allow_gid, settings.publish_uid,
                    settings.publish_gid, settings.trust_group, settings.writeback)
 

@@ -195,7 +195,7 @@ def shapes_to_tune(client: Client, shapes: Iterable[tuple[int, int]] = (),
     return list(dict.fromkeys(out))
 
 
-def planned_shapes(client: Any, family: str) -> list[tuple[int, int]]:
+def planned_shapes(client: Client, family: str) -> list[tuple[int, int]]:
     """The (N, K) clients planned with ``family`` on this daemon (its ``planned`` op), each
     once: a bf16 scheme tunes what bf16 plans asked for, an FP8 scheme what FP8 plans did."""
     return list(dict.fromkeys((r["n"], r["k"]) for r in client.planned(family, timeout=30)))

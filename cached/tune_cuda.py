@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from cached_client.errors import CachedError
@@ -30,6 +30,9 @@ from cached_client.keys import KernelRequest
 
 from .families.hopper_fp8.tactic import BLOCK, NO_SCALES, bf16_class_splits, class_scheme
 from .log import event
+
+if TYPE_CHECKING:
+    from cached_client.client import Client
 from .tune import NOT_BITWISE, Timing, judge, load_failure
 
 log = logging.getLogger("cached.tune")
@@ -123,7 +126,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 class CudaTimer:
     """cached.tune.Timer on the current CUDA device, kernels loaded through ``client``."""
 
-    def __init__(self, client: Any, reference: bool = True, seed: int = 0,
+    def __init__(self, client: Client, reference: bool = True, seed: int = 0,
                  family: str = "cached.hopper_fp8") -> None:
         self.client = client
         self.reference = reference
