@@ -2,11 +2,10 @@
 
 Beside it: cached.peers (who asks, their rights, what a handler returns), cached.frames
 (frame room, remembered decoded frames), cached.connection (a connection and its socket
-I/O). The wire surface is :data:`cached_client.protocol.OPS` (less what a test withholds:
-cached.peers.served_ops); the server has one handler per op (each component declares its
-own with ``ops()``) and refuses to start if an op has no handler or a handler no op. A
-request is decoded once, here: a field that fails its check is ``invalid_argument`` before
-any component sees it.
+I/O). The wire surface is :data:`cached_client.protocol.OPS`; the server has one handler
+per op (each component declares its own with ``ops()``) and refuses to start if an op has
+no handler or a handler no op. A request is decoded once, here: a field that fails its
+check is ``invalid_argument`` before any component sees it.
 
 Invariants: each connection is its own task and each request on it its own sub-task, so a
 slow or hostile client costs only itself; replies on one connection are written whole, one
