@@ -60,9 +60,9 @@ VOLUME ["/var/lib/cached", "/run/cached"]
 EXPOSE 8377
 
 # GET /healthz on the configured address (CACHED_HTTP; a wildcard host is asked on loopback;
-# with CACHED_HTTP=off, the socket's stats): cached/healthcheck.py.
+# with CACHED_HTTP=off, the socket's stats): cached/node/healthcheck.py.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["python", "-m", "cached.healthcheck"]
+    CMD ["python", "-m", "cached.node.healthcheck"]
 
 # SIGTERM drains running compilations (drain_timeout): give `docker stop -t 60`.
 STOPSIGNAL SIGTERM

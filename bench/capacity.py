@@ -22,7 +22,7 @@ from pathlib import Path
 
 from common import Daemon
 
-from cached import manifests
+from cached.tools import manifests
 
 
 def cli(*args: str) -> str:

@@ -21,8 +21,9 @@ from .store.blobs import BadBlob, open_served
 from .store.rows import SUFFIXES, Entry
 
 if TYPE_CHECKING:
+    from cached.toolchain.toolchains import Toolchains
+
     from .store.store import Store
-    from .toolchains import Toolchains
 
 RUNTIMES_MAX = 4096
 """Toolchain fingerprints whose runtime is remembered (the toolchains are fixed for the

@@ -20,7 +20,8 @@ from cached_client.keys import KernelRequest, artifact_key
 from cached_client.protocol import Artifact
 from cached_client.trust import RUNTIME_KEYS
 
-from . import compiler_stack, families
+from cached import families
+from cached.toolchain import compiler_stack
 
 
 @dataclass(frozen=True)

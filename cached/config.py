@@ -341,7 +341,7 @@ OPTIONS: tuple[Option, ...] = (
            True, "list", "UID"),
     Option("publish_gid", _ids, tuple, "gid allowed to publish (repeatable)", True, "list",
            "GID"),
-    # Write-back (cached/trust.py, docs/reliability.md "Write-back").
+    # Write-back (cached/toolchain/trust.py, docs/reliability.md "Write-back").
     Option("writeback", _bool, lambda: True,
            "accept write-back (lease, publish): publish rights are code execution in every "
            "process of the publisher's trust group", True, aliases=(("--no-writeback", False),)),

@@ -32,12 +32,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import compiler_stack, families, identity, sizing, toolchains, trust
+from cached import families
+from cached.node import sizing
+from cached.node.lifecycle import Lifecycle
+from cached.node.listeners import bind_http
+from cached.toolchain import compiler_stack, identity, toolchains, trust
+
 from .artifacts import Served
 from .config import Settings
 from .fleet.tier import Tier
-from .lifecycle import Lifecycle
-from .listeners import bind_http
 from .log import event
 from .ops.autotune import Autotune
 from .ops.certifications import Certifications

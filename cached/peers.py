@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from cached_client import protocol as p
 
-from . import trust
+from cached.toolchain import trust
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -68,7 +68,7 @@ class Access:
     """Who may connect, who may publish, and whose written-back objects each peer is served.
     Empty ``allow_*`` sets admit every peer the socket's file mode admits; an empty
     ``publish_uids`` means root and the daemon's own uid. ``trust_groups``: sets of uids
-    whose written-back objects are served to each other (cached/trust.py; a uid in none is
+    whose written-back objects are served to each other (cached/toolchain/trust.py; a uid in none is
     a group alone); ``writeback``: False refuses lease and publish. One instance is shared
     by every component that checks a peer; :meth:`update` changes it in place (SIGHUP)."""
 

@@ -1,13 +1,13 @@
 """The process pool: long-lived workers of every toolchain, one job each at a time.
 
-Each worker belongs to one toolchain (cached/toolchains.py) and is that toolchain's own
+Each worker belongs to one toolchain (cached/toolchain/toolchains.py) and is that toolchain's own
 interpreter, started as a subprocess (cached/worker.py) with PYTHONPATH holding only this
 package and the client package, and talking over a socketpair (not stdout: compilers print).
 
 Invariants: a job runs on exactly one worker of the toolchain it names and is bounded by
 its timeout; a worker that dies or overruns is killed and replaced, and only its own job
 fails, with a :class:`WorkerFailed` that says why. One budget of ``size`` workers (cores,
-memory, cgroup: cached/sizing.py) is shared by all toolchains: at start it is dealt out
+memory, cgroup: cached/node/sizing.py) is shared by all toolchains: at start it is dealt out
 round-robin, default toolchain first; a toolchain with work waiting and no idle worker gets
 a new one while the budget allows, else the idle worker of a toolchain with nothing waiting
 is retired for it. Blocking socket I/O runs on a private thread pool, never on the event

@@ -14,7 +14,7 @@ Invariants:
   ``unstored``, served from the job's work directory (kept ``UNSTORED_HOLD_S``);
 - store lookups (blob hashing) run on the store's reader threads, never on the loop;
 - identity: a request's key is built from the identity its client states, and a miss is
-  compiled only by the registered toolchain that matches it (cached/toolchains.py: its own
+  compiled only by the registered toolchain that matches it (cached/toolchain/toolchains.py: its own
   queue and its own workers), else refused at once with ``unknown_toolchain``. A stored row
   names the toolchain and sources of its key, never the daemon's own in their place.
 """
@@ -47,7 +47,11 @@ from cached_client.errors import (
 )
 from cached_client.keys import KernelRequest
 
-from . import compiler_stack, families
+from cached import families
+from cached.toolchain import compiler_stack
+from cached.toolchain.toolchains import Route, Toolchains
+from cached.toolchain.trust import writeback_key
+
 from .build import BuildResult
 from .families.base import DEFAULT_SM_COUNT, Family
 from .fleet.tier import Tier
@@ -56,8 +60,6 @@ from .pool import JobError, Pool, WorkerFailed
 from .stats import Stats
 from .store.rows import Entry, row_for
 from .store.store import PersistFailed, Store
-from .toolchains import Route, Toolchains
-from .trust import writeback_key
 
 log = logging.getLogger("cached.scheduler")
 
@@ -195,8 +197,8 @@ class Scheduler:
         (counted as ``hits``/``misses``, or ``prewarm_hits``/``prewarm_misses`` at pre-warm
         priority); UnknownToolchain at once for a miss no registered toolchain may compile.
         The key's own entry (trusted) first, then what ``trust_group`` (the asker's,
-        cached/trust.py; None: a trusted asker) wrote back for it. On a miss, ``admit(key)``
-        runs right before the compilation is queued (or joined), and may refuse it by
+        cached/toolchain/trust.py; None: a trusted asker) wrote back for it. On a miss,
+        ``admit(key)`` runs right before the compilation is queued (or joined), and may refuse it by
         raising."""
         family, request, route = self.resolve(request, identity)
         if family.bundle:

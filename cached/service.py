@@ -29,7 +29,9 @@ from cached_client import protocol as p
 from cached_client.errors import CachedError, IntegrityError, Overloaded, UnknownFamily
 from cached_client.keys import KernelRequest
 
-from . import families, trust
+from cached import families
+from cached.toolchain import trust
+
 from .artifacts import Served, open_blobs, open_checked_library
 from .log import event
 from .scheduler import PRIORITY_RANK, Scheduler
@@ -396,7 +398,7 @@ class Service:
 
     def _flashinfer_rows(self, wanted: str | None, group: str | None) -> list[dict]:
         """The rows ``cached export`` writes into FlashInfer's cache: only those a peer of
-        trust ``group`` may be served (cached/trust.py)."""
+        trust ``group`` may be served (cached/toolchain/trust.py)."""
         out, exported = [], families.flashinfer_kernels()
         for row in self.store.rows():
             if row.family not in exported or (wanted and row.family != wanted):

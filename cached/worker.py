@@ -2,7 +2,7 @@
 
 Started by the pool (cached/pool.py) as ``PYTHON -c "from cached.worker import main;
 main()" FD PARENT_PID FAMILIES_JSON`` with the toolchain's own interpreter and PYTHONPATH
-holding only this package and the client package (cached/toolchains.py ``code_dir``): it
+holding only this package and the client package (cached/toolchain/toolchains.py ``code_dir``): it
 imports the standard library, that environment's FlashInfer/DSL/TVM-FFI and this code,
 nothing of the daemon's own dependencies (no FastAPI, no SQLite helpers).
 

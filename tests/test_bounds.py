@@ -362,8 +362,8 @@ def test_worker_start_retries_double_up_to_their_cap_and_reset_when_one_is_ready
     import asyncio
     import logging
 
-    from cached import toolchains
     from cached.pool import Launcher, Pool, WorkerFailed
+    from cached.toolchain import toolchains
 
     interpreter = _interpreter(tmp_path / "flaky.sh", FAILS_AT_FIRST.format(
         count=tmp_path / "count", fails=6, python=sys.executable))

@@ -24,9 +24,10 @@ import pytest
 from cached_client.gemm import plan as gemm_plan
 from conftest import ROOT, DaemonProcess, run_cli
 
-from cached import compiler_stack, families
+from cached import families
 from cached.cli import build_parser
 from cached.config import size_text
+from cached.toolchain import compiler_stack
 
 PEER = "cachedtest"
 PEER_PY = shutil.which("python3", path="/usr/bin:/bin")

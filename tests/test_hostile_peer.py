@@ -23,7 +23,9 @@ from cached_client.gemm import policy
 from conftest import ROOT, DaemonProcess, raw_call, wait_for
 from test_access import PEER_PY, peer_uid, shared_dir  # noqa: F401 -- fixtures
 
-from cached import families, trust, tune
+from cached import families
+from cached.toolchain import trust
+from cached.tools import tune
 
 PEER = r"""
 import json, socket, struct, sys, time

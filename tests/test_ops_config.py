@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, DaemonProcess, run_cli
 
-from cached import families, manifests
+from cached import families
 from cached.config import ConfigError, parse_size, size_text
+from cached.tools import manifests
 
 
 def test_sizes_mean_what_they_say_gb_is_decimal_gib_binary():

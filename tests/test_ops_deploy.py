@@ -318,7 +318,7 @@ def test_dockerfile_lints():
         assert word in text, word
     # the healthcheck asks the configured address (test_healthcheck_asks_the_configured_...)
     healthcheck = _instructions(text)["HEALTHCHECK"][0]
-    assert healthcheck.endswith('CMD ["python", "-m", "cached.healthcheck"]'), healthcheck
+    assert healthcheck.endswith('CMD ["python", "-m", "cached.node.healthcheck"]'), healthcheck
 
 
 # -- the image's install steps, run here (no container engine on the test machine) ------
@@ -454,7 +454,7 @@ def test_healthcheck_asks_the_configured_address(tmp_path):
         empty.write_text("")
 
         def health(**values: str) -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-m", "cached.healthcheck"],
+            return subprocess.run([sys.executable, "-m", "cached.node.healthcheck"],
                                   capture_output=True, text=True, timeout=60,
                                   env={**env, "CACHED_CONFIG": str(empty),
                                        **{f"CACHED_{k.upper()}": v for k, v in values.items()}})

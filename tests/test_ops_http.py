@@ -23,8 +23,8 @@ from conftest import ROOT, DaemonProcess, fault, raw_call, run_cli, wait_for
 from PIL import Image
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from cached import compiler_stack
 from cached.config import size_text
+from cached.toolchain import compiler_stack
 from cached.view.page import health, render
 from cached.view.snapshot import public_stats
 

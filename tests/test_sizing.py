@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from cached import sizing
+from cached.node import sizing
 
 GIB = 1 << 30
 

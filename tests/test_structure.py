@@ -350,10 +350,12 @@ ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the client's GEMM layer", ("cached_client.gemm",)),
     ("the client's integrations", ("cached_client.integrations",)),
     ("the client's command", ("cached_client.__main__",)),
-    ("the daemon's base", ("=cached", "cached.config", "cached.log", "cached.stats",
-                           "cached.sizing", "cached.systemd", "cached.trust",
-                           "cached.compiler_stack")),
-    ("families and toolchains", ("cached.families", "cached.toolchains", "cached.identity")),
+    ("the daemon's base", ("=cached", "=cached.node", "=cached.toolchain", "=cached.tools",
+                           "cached.config", "cached.log", "cached.stats", "cached.node.sizing",
+                           "cached.node.systemd", "cached.toolchain.trust",
+                           "cached.toolchain.compiler_stack")),
+    ("families and toolchains", ("cached.families", "cached.toolchain.toolchains",
+                                 "cached.toolchain.identity")),
     ("the store", ("cached.store",)),
     ("the fleet tier", ("cached.fleet",)),
     ("the request spine", ("cached.build", "cached.worker", "cached.pool", "cached.artifacts",
@@ -361,9 +363,9 @@ ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
                            "cached.connection", "cached.server")),
     ("the views", ("cached.view",)),
     ("the ops", ("cached.service", "cached.ops")),
-    ("wiring", ("cached.daemon", "cached.lifecycle", "cached.listeners", "cached.healthcheck")),
-    ("operator tools", ("cached.manifests", "cached.tune", "cached.tune_cuda", "cached.cli",
-                        "=cached.__main__")),
+    ("wiring", ("cached.daemon", "cached.node.lifecycle", "cached.node.listeners",
+                "cached.node.healthcheck")),
+    ("operator tools", ("cached.tools", "cached.cli", "=cached.__main__")),
 )
 """The rooms of the code, lowest first: a module imports only from its own room or a room
 listed before it (at its top, inside a function, or for type checking alike). A name is a
@@ -596,8 +598,8 @@ def test_the_fp8_familys_digest_covers_every_module_its_kernel_is_built_from():
     """hopper_fp8's SOURCES (what its artifact keys hash) are exactly the modules compile.py
     reaches through the family's own package (kernel.py and its halves, tactic.py), so a
     module split out of the kernel is in every key; a file missing from it changes it."""
-    from cached import compiler_stack
     from cached.families.hopper_fp8 import family
+    from cached.toolchain import compiler_stack
 
     here = ROOT / "cached" / "families" / "hopper_fp8"
     modules = _modules()

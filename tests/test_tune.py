@@ -7,7 +7,7 @@ winners under dtype bf16 that a bf16 plan takes and an FP8 plan never does, and 
 reverse); the K-scaled correctness bounds and why a candidate was left out (a real
 serve-only daemon's answer for a kernel it lacks). Real daemons, real sockets, real plans.
 
-The timing core (cached.tune_cuda.CudaTimer) needs a GPU; here the Timer is
+The timing core (cached.tools.tune_cuda.CudaTimer) needs a GPU; here the Timer is
 :class:`Preferring`, which answers fixed relative times (one candidate faster by a given
 factor in every round) so that the tests can say which winner the rule must pick. No speed
 is claimed from it: speed figures come from bench/gpu/run_tune.sh on the H200.
@@ -27,9 +27,9 @@ from cached_client.gemm import plan as gemm_plan
 from cached_client.protocol import AutotuneGetRequest, AutotunePutRequest
 from conftest import ROOT, DaemonProcess, run_cli
 
-from cached import tune
 from cached.families.hopper_fp8 import space as SPACE
 from cached.families.hopper_fp8 import tactic as T
+from cached.tools import tune
 
 H200 = "NVIDIA H200"
 SHAPE = (4608, 3584)  # no recorded winners (Qwen2.5-7B's qkv_proj)
@@ -429,7 +429,7 @@ def test_skip_messages_tell_the_store_from_wrong_results(node, tmp_path):
 
 def test_reference_and_scales_of_each_scheme_on_the_cpu():
     torch = pytest.importorskip("torch")
-    import cached.tune_cuda as TC
+    import cached.tools.tune_cuda as TC
 
     g = torch.Generator().manual_seed(3)
     m, n, k = 5, 200, 384

@@ -131,7 +131,7 @@ def build_object(directory: Path, name: str, marker: Path | None) -> Path:
 
 def load(library_path: str) -> None:
     """dlopen a served library as a client does: its DSL and TVM-FFI runtimes first."""
-    from cached.compiler_stack import package_dir, runtime_library_path
+    from cached.toolchain.compiler_stack import package_dir, runtime_library_path
 
     ctypes.CDLL(runtime_library_path(), mode=ctypes.RTLD_GLOBAL)
     ctypes.CDLL(str(package_dir("tvm_ffi") / "lib" / "libtvm_ffi.so"), mode=ctypes.RTLD_GLOBAL)

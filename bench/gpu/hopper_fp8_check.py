@@ -494,8 +494,8 @@ def build(out: str, which: str, jobs: int, top: int, dry: bool = False,
         entries.append({"name": t.name, "params": t.to_params(), "symbol": sym,
                         "so": f"kernels/{sym}.so", "obj": os.path.join(out, "obj", f"{sym}.o"),
                         "mac": NUM_SMS // t.cluster_size, "class": t.reduction_class})
-    from cached import compiler_stack
     from cached.families.hopper_fp8.family import HopperFp8
+    from cached.toolchain import compiler_stack
 
     src = HopperFp8().source_sha256()
     here = os.path.join(REPO, "cached", "families", "hopper_fp8")

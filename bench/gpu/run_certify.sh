@@ -18,7 +18,7 @@ if [[ $mode == build ]]; then
   rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/wheels"
   "$PY" bench/gpu/certify_bundle.py "$BUNDLE/store" "${2:-6}" "${SHAPES[@]}"
   rm -rf "$BUNDLE/store/tmp" "$BUNDLE/store/index.sqlite-wal" "$BUNDLE/store/index.sqlite-shm"
-  cp "$("$PY" -c 'from cached.compiler_stack import runtime_library_path as p; print(p())')" "$BUNDLE/"
+  cp "$("$PY" -c 'from cached.toolchain.compiler_stack import runtime_library_path as p; print(p())')" "$BUNDLE/"
   source bench/gpu/wheels.sh
   cp312_wheels "$PY" "$BUNDLE/wheels" "${DAEMON_DEPS[@]}"
   mkdir -p "$BUNDLE/src/client"

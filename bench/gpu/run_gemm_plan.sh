@@ -19,7 +19,7 @@ if [[ $mode == build ]]; then
   CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/gemm_plan_bundle.py "$BUNDLE/store" "$MAX_M" \
     "${SHAPES[@]}" | tee "$BUNDLE/build.log"
   rm -rf "$BUNDLE/store/tmp" "$BUNDLE/store/index.sqlite-wal" "$BUNDLE/store/index.sqlite-shm"
-  cp "$("$PY" -c 'from cached.compiler_stack import runtime_library_path as p; print(p())')" "$BUNDLE/"
+  cp "$("$PY" -c 'from cached.toolchain.compiler_stack import runtime_library_path as p; print(p())')" "$BUNDLE/"
   source bench/gpu/wheels.sh
   cp312_wheels "$PY" "$BUNDLE/wheels" "${DAEMON_DEPS[@]}"
   mkdir -p "$BUNDLE/src/client"

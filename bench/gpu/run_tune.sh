@@ -52,7 +52,7 @@ if [[ $mode == build ]]; then
   tar -C "$BUNDLE" -cf - store | xz -6 -T2 > "$BUNDLE/store.tar.xz"
   mkdir -p "$BUNDLE/wheels"
   [[ -f $BUNDLE/libcute_dsl_runtime.so.xz ]] || xz -6 -c \
-    "$("$PY" -c 'from cached.compiler_stack import runtime_library_path as p; print(p())')" \
+    "$("$PY" -c 'from cached.toolchain.compiler_stack import runtime_library_path as p; print(p())')" \
     > "$BUNDLE/libcute_dsl_runtime.so.xz"
   source bench/gpu/wheels.sh
   cp312_wheels "$PY" "$BUNDLE/wheels" "${DAEMON_DEPS[@]}"  # the image's torch is CUDA's

@@ -57,7 +57,7 @@ if [[ $mode == build ]]; then
   xz -T2 -6 -c "$tmp/c.so" > "$tmp/c.so.xz" && rm "$tmp/c.so"
   split -b 33M "$tmp/c.so.xz" "$tmp/c.so.xz." && rm "$tmp/c.so.xz"
   mv "$tmp/c.so.xz.aa" "$D/A/" && mv "$tmp/c.so.xz.ab" "$D/B/" && rmdir "$tmp"
-  xz -T2 -6 -c "$("$PY" -c 'from cached.compiler_stack import runtime_library_path as p; print(p())')" \
+  xz -T2 -6 -c "$("$PY" -c 'from cached.toolchain.compiler_stack import runtime_library_path as p; print(p())')" \
     > "$D/C/dslrt.xz"
   # vLLM's Python sources: no .so (flash-attn's: vllm_site_patch.py), no vendored
   # third_party packages, no Rust

@@ -1,10 +1,10 @@
 """Fill a store, here on the CPU, with every candidate ``cached tune`` times for the given
-(N, K) and schemes on an H200 (sm_90a, 132 SMs) at every M bucket (cached.tune.candidates:
+(N, K) and schemes on an H200 (sm_90a, 132 SMs) at every M bucket (cached.tools.tune.candidates:
 the plan's first ``top`` of the scheme's class and the nearest recorded shapes' winners),
 so that a serve-only daemon there can tune without compiling. Usage:
     python bench/gpu/tune_bundle.py STORE_DIR TOP NEAR [--buckets M,M,..] \
         [--schemes S,S,..] N,K [N,K ...]
-(schemes: cached.tune's names, default tensor-fast; a store that exists is added to: only
+(schemes: cached.tools.tune's names, default tensor-fast; a store that exists is added to: only
 kernels it lacks are compiled; a scheme that plans nothing for a shape is skipped).
 """
 

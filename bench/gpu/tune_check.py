@@ -8,13 +8,13 @@ device name (the family's model alone: the plan order's first choice per M bucke
 ``after`` with it (the node's winners, published by ``cached tune`` in another process:
 this one times nothing to choose). Then, before any timing: every bucket of ``after`` from
 a winner; the after plan against a float32 reference on fresh data and the scheme's scales
-(outputs poisoned with NaN first), within the class's bound at that K (cached.tune.judge);
+(outputs poisoned with NaN first), within the class's bound at that K (cached.tools.tune.judge);
 the seeds' method (rows of x[:M] differing bitwise from the first M rows of the M = 2048
 output); eager equals CUDA-graph replay (bitwise, at M = 1, 77, 3001). Then per M bucket
 bound (M = 1..8192): the two plans' kernels and the scheme's competitor
-(cached.tune_cuda.competitor: ``torch._scaled_mm`` per-tensor or rowwise, the scheme's
+(cached.tools.tune_cuda.competitor: ``torch._scaled_mm`` per-tensor or rowwise, the scheme's
 accumulation; ``torch.mm`` for bf16) inside CUDA graphs, inputs rotated past the L2, in interleaved
-rounds (cached.tune_cuda's graphs); µs medians and the ratios.
+rounds (cached.tools.tune_cuda's graphs); µs medians and the ratios.
 
 Usage (there): python tune_check.py --socket S --out DIR [--rounds R] [--schemes S,S]
     N,K [N,K ...]
@@ -36,10 +36,10 @@ from cached_client import Client
 from cached_client.gemm.certify import SEED_MS, differing_rows
 from cached_client.gemm.plan import buckets_up_to, plan_gemm
 
-from cached import tune
 from cached.families import get as family
 from cached.families.hopper_fp8 import tactic as T
-from cached.tune_cuda import (
+from cached.tools import tune
+from cached.tools.tune_cuda import (
     ROTATE_BYTES,
     _graph,
     _iters,

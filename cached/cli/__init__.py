@@ -19,7 +19,9 @@ import sys
 from cached_client.errors import CachedError, DaemonUnavailable
 from cached_client.paths import SOCKET_ENV, SYSTEM_SOCKET, socket_candidates, user_socket_path
 
-from .. import compiler_stack, config
+from cached import config
+from cached.toolchain import compiler_stack
+
 from ..config import ConfigError
 from . import certify, serve, store, toolchains, tune, warm
 

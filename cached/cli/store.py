@@ -17,7 +17,9 @@ from cached_client import Client
 from cached_client import protocol as p
 from tabulate import tabulate
 
-from .. import compiler_stack, config
+from cached import config
+from cached.toolchain import compiler_stack
+
 from ..stats import duration_text, time_text
 from ..store import lock as storelock
 from ..view.snapshot import hit_ratio, mean_compile_s

@@ -1,6 +1,6 @@
 """``cached tune``: on a GPU node, time each M bucket's candidates of the batch-invariant
-class for some weight shapes and share the winners through the daemon (cached.tune; the
-timing in cached.tune_cuda), per scheme: cached.hopper_fp8's (tensor-fast, ...) and
+class for some weight shapes and share the winners through the daemon (cached.tools.tune; the
+timing in cached.tools.tune_cuda), per scheme: cached.hopper_fp8's (tensor-fast, ...) and
 cached.hopper_bf16's ``bf16``. Interrupt it at any time (Ctrl-C): what finished is
 published, and the next run goes on from there."""
 
@@ -12,7 +12,8 @@ import sys
 
 from cached_client import Client
 
-from .. import tune
+from cached.tools import tune
+
 from . import argtypes, gpu
 
 
@@ -122,7 +123,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return 2
     import torch
 
-    from ..tune_cuda import CudaTimer
+    from cached.tools.tune_cuda import CudaTimer
 
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     arch = f"sm_{props.major}{props.minor}a"

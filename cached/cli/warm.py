@@ -18,7 +18,9 @@ from cached_client import protocol as p
 from cached_client.errors import CachedError, InvalidArgument
 from cached_client.gemm import plan as gemm_plan
 
-from .. import families, manifests
+from cached import families
+from cached.tools import manifests
+
 from . import argtypes, progress
 from .store import columns
 

@@ -36,7 +36,7 @@ class Family(abc.ABC):
     arches: tuple[str, ...]
     reduction_order_m_independent: bool = False
     sources: str = "daemon"
-    """Whose files decide the kernel (cached/toolchains.py routes by it): ``daemon`` (this
+    """Whose files decide the kernel (cached/toolchain/toolchains.py routes by it): ``daemon`` (this
     package's own, hashed by :meth:`source_sha256`), ``flashinfer`` (the requesting
     environment's FlashInfer: its client states their hash, cached_client.identity) or
     ``params`` (hashed by the client into the request's parameters; written back only)."""

@@ -10,9 +10,9 @@ library wrote them and served back to be loaded by the library itself:
 - ``triton``: one Triton cache group: ``__grp__<name>.json`` and the files it lists.
 
 Their parameters are what the library itself decides a rebuild on, normalised to content
-(the client computes them: cached_client.integrations.jit.content and .triton); the key adds the
-client's toolchain (cached/toolchains.py, sources ``params``). None of these artifacts bakes
-in the device's SM count, so requests are keyed with ``sm_count`` and
+(the client computes them: cached_client.integrations.jit.content and .triton); the key
+adds the client's toolchain (cached/toolchain/toolchains.py, sources ``params``). None of
+these artifacts bakes in the device's SM count, so requests are keyed with ``sm_count`` and
 ``max_active_clusters`` 1, whatever the client sent.
 """
 

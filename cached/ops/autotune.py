@@ -39,7 +39,9 @@ from typing import Any
 from cached_client import protocol as p
 from cached_client.errors import CachedError, InvalidArgument, InvalidTactic, UnknownFamily
 
-from .. import families, trust
+from cached import families
+from cached.toolchain import trust
+
 from ..fleet.tier import Tier
 from ..log import event
 from ..server import Access, Handler, Peer

@@ -32,7 +32,9 @@ import time
 from cached_client import protocol as p
 from cached_client.errors import InvalidArgument
 
-from .. import families, trust
+from cached import families
+from cached.toolchain import trust
+
 from ..server import Access, Handler, Peer
 from ..store.store import Store
 from . import scoped

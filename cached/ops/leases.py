@@ -2,8 +2,8 @@
 
 Many FlashInfer CuTe-DSL kernels are built by ``build_and_load_cute_dsl_kernel`` from a
 compile closure the daemon cannot rebuild (family ``flashinfer.jit``); and an environment no
-registered toolchain matches gets ``unknown_toolchain`` for any family (cached/toolchains.py).
-For those, keyed under the publisher's own identity, the first
+registered toolchain matches gets ``unknown_toolchain`` for any family
+(cached/toolchain/toolchains.py). For those, keyed under the publisher's own identity, the first
 process that needs a key takes a *lease*, compiles, and publishes the exported object
 (cached/ops/uploads.py); processes asking for the same key meanwhile wait on the lease instead
 of compiling. A lease ends when its holder publishes or releases it, when its time-to-live
@@ -14,8 +14,8 @@ cannot pass for the holder); the next waiter then gets it. A peer that may not p
 told to compile locally instead of being handed a lease it could never fulfil. Ops:
 ``lease``, ``lease_renew``, ``lease_release``.
 
-Trust (cached/trust.py): a lease is the publisher's proof. It is taken on the key of the
-peer's own trust group (:func:`cached.trust.writeback_key`) and held by the peer that took
+Trust (cached/toolchain/trust.py): a lease is the publisher's proof. It is taken on the key of the
+peer's own trust group (:func:`cached.toolchain.trust.writeback_key`) and held by the peer that took
 it (its pid and uid, from SO_PEERCRED): renewing, releasing and publishing need its token
 *from that peer* while it holds (:meth:`Leases.holder`); anything else is ``not_allowed``.
 A peer is served hits of its own group and trusted ones only. With ``writeback`` off
@@ -38,14 +38,15 @@ from cached_client import protocol as p
 from cached_client.errors import InvalidTactic, NotAllowed
 from cached_client.keys import KernelRequest
 
-from .. import trust
+from cached.toolchain import trust
+from cached.toolchain.toolchains import Route
+
 from ..artifacts import Served
 from ..families.base import Family
 from ..log import event
 from ..scheduler import Scheduler
 from ..server import Access, Handler, Peer
 from ..stats import Stats
-from ..toolchains import Route
 
 log = logging.getLogger("cached.leases")
 

@@ -1,10 +1,10 @@
 """What the side tables peers write (tuning winners, certifications) share: each row is
-kept under its publisher's trust group and served only to that group (cached/trust.py),
+kept under its publisher's trust group and served only to that group (cached/toolchain/trust.py),
 each group's rows are bounded in bytes, and a full disk is a typed error.
 
 A tuning winner or a certification decides which kernel another process runs, so it is
 trusted like code: a peer's rows are served to its own trust group only; the rows of root
-and the daemon's own uid (:data:`cached.trust.TRUSTED`) to every peer. A row that names
+and the daemon's own uid (:data:`cached.toolchain.trust.TRUSTED`) to every peer. A row that names
 no group (written before groups were recorded) is never served.
 
 Bounds: a group's rows in one table hold at most :data:`MAX_GROUP_BYTES` of their reply
@@ -25,7 +25,8 @@ from typing import Any
 from cached_client import protocol as p
 from cached_client.errors import Overloaded
 
-from .. import trust
+from cached.toolchain import trust
+
 from ..server import Access, Peer
 
 GROUP = "trust_group"

@@ -6,7 +6,7 @@ here (so the only untrusted input is the object, which is exactly what FlashInfe
 disk cache would have held), and stored like any other artifact; the key's lease ends and
 its waiters get the hit. The row carries the publisher's identity (the toolchain and
 sources it stated), never the daemon's: it is served only to requests stating the same,
-from peers of the publisher's trust group (cached/trust.py: stored under that group's key,
+from peers of the publisher's trust group (cached/toolchain/trust.py: stored under that group's key,
 the row names the publisher's uid, gid, pid and group and the identity it stated). Only
 peers on the publish allowlist reach this op (protocol.OPS), and every chunk needs the
 token of the lease that very peer holds on the key (:meth:`Leases.holder`; else
@@ -39,7 +39,8 @@ from typing import Any
 from cached_client import protocol as p
 from cached_client.errors import CompileFailed, InvalidArgument, NotAllowed
 
-from .. import compiler_stack, trust
+from cached.toolchain import compiler_stack, trust
+
 from ..families.base import Family
 from ..log import event
 from ..server import Handler, Peer
@@ -181,7 +182,7 @@ class Uploads:
             raise
 
     def _provenance(self, key: str, peer: Peer, identity: p.Identity | None) -> dict:
-        """The row's record of its publisher and the identity it stated (cached/trust.py);
+        """The row's record of its publisher and the identity it stated (cached/toolchain/trust.py);
         the group is the one whose key the lease was on."""
         lease = self.leases.held[key]
         return trust.provenance(lease.uid, peer.gid, lease.pid, self.leases.access.group(peer),

@@ -141,7 +141,7 @@ def run_in(python: str | None, request: dict) -> dict:
     """:func:`describe_target` in the environment of ``python`` (None: this process)."""
     if python is None:
         return describe_target(request)
-    from ..toolchains import code_dir, environment
+    from cached.toolchain.toolchains import code_dir, environment
 
     try:
         out = subprocess.run([python, "-c", TARGET_MAIN], input=json.dumps(request), text=True,

@@ -12,7 +12,7 @@ render it:
   object stays off HTTP until it is added here);
 - ``/metrics`` (cached.view.metrics): a snapshot with ``since_zero=False``, so that what it
   exports as counters is monotonic for the daemon's life;
-- the systemd ``STATUS=`` line (cached.lifecycle), likewise since the start.
+- the systemd ``STATUS=`` line (cached.node.lifecycle), likewise since the start.
 
 The derived numbers more than one view shows (hit ratio, mean compile time, errors split
 into failures and client errors) are computed here, once. This module imports no component
@@ -30,13 +30,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 from cached_client.errors import CLIENT_ERROR_CODES
 
 if TYPE_CHECKING:
+    from cached.toolchain.toolchains import Toolchains
+
     from ..config import Settings
     from ..fleet.tier import Tier
     from ..pool import Pool, PoolSnapshot
     from ..scheduler import Scheduler, SchedulerSnapshot
     from ..stats import Stats
     from ..store.store import Store, StoreSnapshot
-    from ..toolchains import Toolchains
 
 
 class _Server(Protocol):

@@ -67,7 +67,7 @@ def sha256_fd(fd: int) -> str:
 
 def installed_runtime_libraries(name: str) -> list[str]:
     """``name`` in the installed DSL's ``cu*/lib`` directories, newest CUDA first (the one
-    kernels are linked against, cached.compiler_stack.runtime_library_path)."""
+    kernels are linked against, cached.toolchain.compiler_stack.runtime_library_path)."""
     spec = importlib.util.find_spec("nvidia_cutlass_dsl")
     found: list[str] = []
     if spec and spec.submodule_search_locations:

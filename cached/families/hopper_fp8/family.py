@@ -29,7 +29,8 @@ from typing import Any
 from cached_client.errors import InvalidTactic
 from cached_client.keys import KernelRequest
 
-from ... import compiler_stack
+from cached.toolchain import compiler_stack
+
 from ..base import BuiltObject, Family, require, set_compile_arch
 from . import accuracy, space, tactic, winners
 

@@ -28,7 +28,7 @@ daemon):
   why: not in this node's store, or wrong results (the error measured and the class's
   bound at that K, ``Family.tune_error_bound``), or not bitwise equal to its class.
 
-The timing core (:class:`cached.tune_cuda.CudaTimer`: CUDA graphs, inputs rotated past
+The timing core (:class:`cached.tools.tune_cuda.CudaTimer`: CUDA graphs, inputs rotated past
 L2, interleaved rounds) needs torch and a GPU; it is imported only by the command. Never
 run inside an inference process: timing takes the GPU for seconds per shape.
 """
@@ -46,7 +46,7 @@ from cached_client import protocol as p
 from cached_client.errors import CachedError
 from cached_client.keys import KernelRequest
 
-from . import families
+from cached import families
 
 if TYPE_CHECKING:
     from cached_client.client import Client
@@ -187,7 +187,7 @@ def shapes_to_tune(client: Client, shapes: Iterable[tuple[int, int]] = (),
     daemon (``planned``)."""
     out = list(shapes)
     if manifest:
-        from .manifests import load
+        from cached.tools.manifests import load
 
         out += [(n, k) for n, k in _manifest_nk(load(manifest))]
     if planned:
@@ -445,7 +445,7 @@ def _tune_bucket(client: Client, timer: Timer, n: int, k: int, m: int, target: T
 
 def _name(request: KernelRequest) -> str:
     if request.family in TUNED_FAMILIES:
-        from .families.hopper_fp8.tactic import tactic_from_params
+        from cached.families.hopper_fp8.tactic import tactic_from_params
 
         return tactic_from_params(request.params).name
     return _params_key(request.params)

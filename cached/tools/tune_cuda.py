@@ -1,4 +1,4 @@
-"""The timing core of ``cached tune`` (cached.tune.Timer) on a CUDA device; imports torch.
+"""The timing core of ``cached tune`` (cached.tools.tune.Timer) on a CUDA device; imports torch.
 
 For one (N, K), M and reduction-order class (cached.hopper_fp8: its scheme, scales and
 accumulation, is part of the class id; cached.hopper_bf16: the scheme ``"none"``, bf16
@@ -28,14 +28,14 @@ from cached_client.errors import CachedError
 from cached_client.gemm.hopper_fp8 import alloc_workspace, gemm
 from cached_client.keys import KernelRequest
 
-from .families.hopper_fp8.tactic import BLOCK, NO_SCALES, bf16_class_splits, class_scheme
-from .log import event
+from cached.families.hopper_fp8.tactic import BLOCK, NO_SCALES, bf16_class_splits, class_scheme
+from cached.log import event
 
 if TYPE_CHECKING:
     from cached_client.client import Client
-from .tune import NOT_BITWISE, Timing, judge, load_failure
+from cached.tools.tune import NOT_BITWISE, Timing, judge, load_failure
 
-log = logging.getLogger("cached.tune")
+log = logging.getLogger("cached.tools.tune")
 
 ROTATE_BYTES = 200 << 20  # input sets per graph cover this much (the H200's L2: 60 MB)
 MAX_SETS = 16
@@ -124,7 +124,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 class CudaTimer:
-    """cached.tune.Timer on the current CUDA device, kernels loaded through ``client``."""
+    """cached.tools.tune.Timer on the current CUDA device, kernels loaded through ``client``."""
 
     def __init__(self, client: Client, reference: bool = True, seed: int = 0,
                  family: str = "cached.hopper_fp8") -> None:

@@ -46,7 +46,7 @@ from cached_client.gemm import plan as gemm_plan
 if TYPE_CHECKING:
     from cached_client.client import Client
 
-from .families.base import DEFAULT_SM_COUNT
+from cached.families.base import DEFAULT_SM_COUNT
 
 SEARCH_DIRS = (Path(__file__).resolve().parent.parent / "manifests",
                Path("/usr/share/cached/manifests"), Path("/etc/cached/manifests"))

@@ -1,7 +1,7 @@
 """The compiler stack of the environment this code runs in: identity, runtime library, linker.
 
 Runs in the daemon's main process and in every worker (each in its own toolchain's
-environment, cached/toolchains.py). Nothing here imports the CuTe-DSL compiler, torch or
+environment, cached/toolchain/toolchains.py). Nothing here imports the CuTe-DSL compiler, torch or
 FlashInfer: the fingerprint is the client's (cached_client.identity: one implementation for
 both sides), and the runtime library is found by its path.
 """

@@ -29,8 +29,8 @@ import stat
 
 from cached_client.paths import check_socket_dir, daemon_socket_path
 
-from .config import ConfigError
-from .log import event
+from cached.config import ConfigError
+from cached.log import event
 
 log = logging.getLogger("cached.daemon")
 

@@ -1,4 +1,4 @@
-"""``python -m cached.healthcheck``: exit status 0 if the daemon this environment configures
+"""``python -m cached.node.healthcheck``: exit status 0 if the daemon this environment configures
 is healthy (at least one compile worker ready), 1 otherwise, with the reason on stderr.
 
 The container's HEALTHCHECK runs it. It reads the configuration as ``cached serve`` without
@@ -30,7 +30,7 @@ def healthz_url(http: str) -> str | None:
 
 def check(timeout: float = 4.0) -> tuple[bool, str]:
     """(healthy, what was asked and what it said)."""
-    from . import config
+    from cached import config
 
     try:
         settings = config.resolve()

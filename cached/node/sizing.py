@@ -12,9 +12,9 @@ import logging
 import os
 from pathlib import Path
 
-from .log import event
+from cached.log import event
 
-log = logging.getLogger("cached.sizing")
+log = logging.getLogger("cached.node.sizing")
 
 WORKER_BYTES = 1 << 30
 """Resident memory budgeted per worker (measured ~0.55 GiB after an mm_fp4 compile; see

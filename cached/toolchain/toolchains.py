@@ -55,12 +55,11 @@ from cached_client.keys import KernelRequest, artifact_key
 from cached_client.loader import RUNTIME_LIBRARY_NAME
 
 import cached
+from cached.config import ConfigError
+from cached.families.base import Family
+from cached.log import event, one_line, request_pid, request_uid
 
-from .config import ConfigError
-from .families.base import Family
-from .log import event, one_line, request_pid, request_uid
-
-log = logging.getLogger("cached.toolchains")
+log = logging.getLogger("cached.toolchain.toolchains")
 
 DEFAULT_NAME = "default"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -433,7 +432,7 @@ def compiled_families(toolchain: Toolchain) -> list[str]:
     """The registered families ``toolchain`` compiles: the project's own (every toolchain
     compiles them) and the FlashInfer families its FlashInfer has; never the write-back
     ones (``"params"``)."""
-    from . import families
+    from cached import families
 
     return sorted(n for n in families.names()
                   if families.get(n).sources == "daemon"

@@ -24,22 +24,22 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from . import config
-from .config import size_text
-from .listeners import UnixListener
-from .log import event
-from .server import Limits
-from .store.store import Budget
-from .systemd import listen_fds, notify, watchdog_interval
-from .view.snapshot import take
+from cached import config
+from cached.config import size_text
+from cached.log import event
+from cached.node.listeners import UnixListener
+from cached.node.systemd import listen_fds, notify, watchdog_interval
+from cached.server import Limits
+from cached.store.store import Budget
+from cached.view.snapshot import take
 
 if TYPE_CHECKING:
-    from .ops.uploads import Uploads
-    from .pool import Pool
-    from .scheduler import Scheduler
-    from .server import Access, Server
-    from .service import QueueQuota
-    from .store.store import Store
+    from cached.ops.uploads import Uploads
+    from cached.pool import Pool
+    from cached.scheduler import Scheduler
+    from cached.server import Access, Server
+    from cached.service import QueueQuota
+    from cached.store.store import Store
 
 log = logging.getLogger("cached.daemon")
 

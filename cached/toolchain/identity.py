@@ -1,6 +1,6 @@
 """The registry of toolchains pinned in a store: ``identity.json`` at the store's root.
 
-A compiling daemon probes its toolchains (cached/toolchains.py) and pins them here, with
+A compiling daemon probes its toolchains (cached/toolchain/toolchains.py) and pins them here, with
 the hashes of this package's own families' sources. A serve-only daemon (no compiler
 installed, e.g. a GPU node serving a store built on a CPU build node) reads them back
 (:func:`pinned`), so requests that state no identity, and the project's own families
@@ -15,9 +15,9 @@ import json
 import os
 from pathlib import Path
 
-from . import families
-from .config import ConfigError
-from .toolchains import PROBE_TIMEOUT_S, Toolchains
+from cached import families
+from cached.config import ConfigError
+from cached.toolchain.toolchains import PROBE_TIMEOUT_S, Toolchains
 
 FILENAME = "identity.json"
 
