@@ -41,13 +41,12 @@ from cached.families.hopper_fp8 import tactic as T
 from cached.tools import tune
 from cached.tools.tune_cuda import (
     ROTATE_BYTES,
-    _graph,
-    _iters,
     competitor,
     data,
     operands,
     reference,
     rel_err,
+    time_launches,
 )
 
 MAX_M = 8192
@@ -117,20 +116,7 @@ def check_shape(client: Client, n: int, k: int, props, rounds: int, scheme: str)
             "after": lambda i, A=A, B=B, C=C, sa=sa: call(ga, A[i], B[i], sa, sb, C[i]),
             "fast": lambda i, A=A, B=B, sa=sa: mm(A[i], B[i], sa, sb),
         }
-        graphs = {name: _graph(f, nsets, _iters(f, nsets)) for name, f in impls.items()}
-        order = list(graphs)
-        got: dict[str, list[float]] = {name: [] for name in graphs}
-        for r in range(rounds):
-            for name in order[r % 3:] + order[:r % 3]:
-                g, iters = graphs[name]
-                e0 = torch.cuda.Event(enable_timing=True)
-                e1 = torch.cuda.Event(enable_timing=True)
-                e0.record()
-                g.replay()
-                e1.record()
-                e1.synchronize()
-                got[name].append(e0.elapsed_time(e1) * 1e3 / iters)
-        del graphs
+        got = time_launches(impls, nsets, rounds)
         med = {name: statistics.median(v) for name, v in got.items()}
         perf[m] = {**{f"{name}_us": v for name, v in med.items()},
                    "before_tactic": T.tactic_from_params(gb.tactic(m)).name,

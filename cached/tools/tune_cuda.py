@@ -194,22 +194,30 @@ class CudaTimer:
                 launches[-1] = lambda j: mm(A[j], B[j], sa, sb)
         if not launches:
             return timing
-        graphs = {i: _graph(f, nsets, _iters(f, nsets)) for i, f in launches.items()}
-        order = list(graphs)
-        out_us: dict[int, list[float]] = {i: [] for i in graphs}
-        for r in range(rounds):
-            for i in order[r % len(order):] + order[:r % len(order)]:
-                g, iters = graphs[i]
-                e0 = torch.cuda.Event(enable_timing=True)
-                e1 = torch.cuda.Event(enable_timing=True)
-                e0.record()
-                g.replay()
-                e1.record()
-                e1.synchronize()
-                out_us[i].append(e0.elapsed_time(e1) * 1e3 / iters)
-        del graphs
-        timing.rounds = out_us
+        timing.rounds = time_launches(launches, nsets, rounds)
         return timing
+
+
+def time_launches(launches: dict[Any, Callable[[int], Any]], nsets: int,
+                  rounds: int) -> dict[Any, list[float]]:
+    """Microseconds a launch, one figure a round for each of ``launches`` (``launch(j)`` runs
+    on input set ``j`` of ``nsets``): each captured in a CUDA graph long enough to time
+    (MIN_GRAPH_US), the graphs replayed in an order that rotates every round so none always
+    runs first or last."""
+    graphs = {i: _graph(f, nsets, _iters(f, nsets)) for i, f in launches.items()}
+    order = list(graphs)
+    out_us: dict[Any, list[float]] = {i: [] for i in graphs}
+    for r in range(rounds):
+        for i in order[r % len(order):] + order[:r % len(order)]:
+            g, iters = graphs[i]
+            e0 = torch.cuda.Event(enable_timing=True)
+            e1 = torch.cuda.Event(enable_timing=True)
+            e0.record()
+            g.replay()
+            e1.record()
+            e1.synchronize()
+            out_us[i].append(e0.elapsed_time(e1) * 1e3 / iters)
+    return out_us
 
 
 def _iters(launch: Any, nsets: int) -> int:
