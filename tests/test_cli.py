@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import urllib.request
@@ -387,8 +388,9 @@ def peer_uid() -> int:
 
 
 def _as_peer(uid: int, *args: str) -> subprocess.CompletedProcess:
+    site = sysconfig.get_paths()["purelib"]  # the daemon's dependencies, as installed
     return subprocess.run([PEER_PY, "-m", "cached", *args], user=uid, group=uid,
-                          env={"PYTHONPATH": f"{ROOT}:{ROOT / 'client'}",
+                          env={"PYTHONPATH": f"{ROOT}:{ROOT / 'client'}:{site}",
                                "PATH": "/usr/bin:/bin"},
                           capture_output=True, text=True, timeout=60)
 

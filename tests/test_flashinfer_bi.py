@@ -15,8 +15,8 @@ pytest.importorskip("flashinfer")
 
 from cached_client.flashinfer_names import bi_request  # noqa: E402
 
-from cached import manifests  # noqa: E402
 from cached.families import get  # noqa: E402
+from cached.tools import manifests  # noqa: E402
 
 
 def test_sources_match_flashinfers_meta_and_main_process_stays_light():

@@ -13,9 +13,9 @@ torch = pytest.importorskip("torch")
 
 from cached_client import InvalidTactic, UnknownFamily  # noqa: E402
 
-from cached import compiler_stack  # noqa: E402
 from cached.families import flashinfer_mm_fp4 as fam  # noqa: E402
 from cached.families import get  # noqa: E402
+from cached.toolchain import compiler_stack  # noqa: E402
 
 
 def flashinfer_valid_tactics(monkeypatch, m, n, k, use_nvfp4, sm_count=148):

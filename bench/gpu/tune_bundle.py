@@ -20,8 +20,8 @@ from cached_client import Client  # noqa: E402
 from cached_client.errors import InvalidTactic  # noqa: E402
 from common import Daemon  # noqa: E402
 
-from cached import tune  # noqa: E402
 from cached.cli.warm import warm  # noqa: E402
+from cached.tools import tune  # noqa: E402
 
 
 def main() -> None:

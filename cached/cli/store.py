@@ -15,7 +15,6 @@ from pathlib import Path
 
 from cached_client import Client
 from cached_client import protocol as p
-from tabulate import tabulate
 
 from cached import config
 from cached.toolchain import compiler_stack
@@ -134,7 +133,10 @@ def _ms(seconds: float | None) -> str:
 
 def columns(rows: list[tuple[str, ...]], right: Collection[int] = ()) -> list[str]:
     """Lines of ``rows`` (a header is a row like the others) in aligned columns two spaces
-    apart, those in ``right`` right-aligned: tabulate's plain layout, cells as given."""
+    apart, those in ``right`` right-aligned: tabulate's plain layout, cells as given
+    (imported here: a command that prints no table runs without the daemon's dependencies)."""
+    from tabulate import tabulate
+
     align = ["right" if i in right else "left" for i in range(len(rows[0]))]
     text = tabulate(rows, tablefmt="plain", disable_numparse=True, colalign=align)
     return [line.rstrip() for line in text.splitlines()]

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 from cached.families.base import DEFAULT_SM_COUNT
 
-SEARCH_DIRS = (Path(__file__).resolve().parent.parent / "manifests",
+SEARCH_DIRS = (Path(__file__).resolve().parents[2] / "manifests",
                Path("/usr/share/cached/manifests"), Path("/etc/cached/manifests"))
 PARALLEL = ("column", "row", "none")
 
