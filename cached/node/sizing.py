@@ -14,7 +14,7 @@ from pathlib import Path
 
 from cached.log import event
 
-log = logging.getLogger("cached.node.sizing")
+log = logging.getLogger("cached.sizing")
 
 WORKER_BYTES = 1 << 30
 """Resident memory budgeted per worker (measured ~0.55 GiB after an mm_fp4 compile; see

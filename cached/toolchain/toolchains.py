@@ -59,7 +59,7 @@ from cached.config import ConfigError
 from cached.families.base import Family
 from cached.log import event, one_line, request_pid, request_uid
 
-log = logging.getLogger("cached.toolchain.toolchains")
+log = logging.getLogger("cached.toolchains")
 
 DEFAULT_NAME = "default"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
