@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from cached_client.client import Client
 from cached.tools.tune import NOT_BITWISE, Timing, judge, load_failure
 
-log = logging.getLogger("cached.tools.tune")
+log = logging.getLogger("cached.tune")
 
 ROTATE_BYTES = 200 << 20  # input sets per graph cover this much (the H200's L2: 60 MB)
 MAX_SETS = 16
