@@ -138,3 +138,20 @@ def test_an_unchanged_blob_is_hashed_again_after_reverify_s(tmp_path, monkeypatc
     assert store.lookup_unchanged(K("k1")) is not None
     monkeypatch.setattr(cached.store.store, "REVERIFY_S", 0.0)
     assert store.lookup_unchanged(K("k1")) is None
+
+
+def test_a_rows_hit_is_the_row_with_one_more_hit_and_every_other_column_kept():
+    """``Row.hit`` (built positionally, on every served hit) equals ``dataclasses.replace``
+    of hits and last_used, with each column given a distinct value: a field added or moved
+    without updating it fails here."""
+    import dataclasses
+
+    from cached.store.rows import COLUMNS, Row
+
+    fields = dataclasses.fields(Row)
+    assert [f.name for f in fields] == list(COLUMNS)
+    values = {f.name: (i if f.type in ("int", "float") else f"value {i}")
+              for i, f in enumerate(fields)}
+    row = Row(**values)
+    assert row.hit(1e9) == dataclasses.replace(row, hits=row.hits + 1, last_used=1e9)
+    assert row.hit(1e9) != row and row.hits == values["hits"]  # a new row, this one kept

@@ -169,6 +169,16 @@ class Row:
         return cls(**{name: columns[name] if name in columns else ADDED_COLUMNS[name]
                       for name in COLUMNS})
 
+    def hit(self, now: float) -> Row:
+        """This row with one more hit, last used at ``now`` (seconds since the epoch): what
+        ``dataclasses.replace`` gives, built positionally in the fields' order, a third of
+        its cost on every served hit (tests/test_store.py keeps the two equal)."""
+        return Row(self.key, self.family, self.kernel_name, self.symbol, self.params,
+                   self.arch, self.sm_count, self.max_active_clusters, self.toolchain,
+                   self.source_sha256, self.object_sha256, self.object_size,
+                   self.library_sha256, self.library_size, self.size, self.compile_seconds,
+                   self.created, now, self.hits + 1, self.meta, self.kind, self.files)
+
     def columns(self) -> dict[str, Any]:
         """The row as SQLite stores it, ``{column: value}``."""
         return {name: getattr(self, name) for name in COLUMNS}

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from cached_client.protocol import BUNDLE_NAME, HEX64_RE, MAX_BUNDLE_FILES
@@ -275,7 +275,7 @@ class Store(IndexFile, Upkeep):
                                                 row.library_sha256, row.files):
                 return None
             now = time.time()
-            held = replace(held, hits=held.hits + 1, last_used=now)
+            held = held.hit(now)
             self._rows[row.key] = held
             self._lru.touch(row.key, now)
             self._touched.add(row.key)
