@@ -133,10 +133,11 @@ def check_row(row: Mapping[str, Any]) -> str | None:
 @dataclass(frozen=True, slots=True)
 class Row:
     """One index row (table ``entries``), built from a checked SQLite row by
-    :meth:`from_columns` only. Digests are 64 lowercase hex digits ('' for a bundle's
-    object and library); sizes are bytes; times are seconds since the epoch
-    (``created``, ``last_used``) or of work (``compile_seconds``); ``params``, ``meta``
-    and ``files`` are JSON text (``files``: a bundle's manifest, '' for a kernel)."""
+    :meth:`from_columns` only (and by :meth:`hit` from such a row). Digests are 64
+    lowercase hex digits ('' for a bundle's object and library); sizes are bytes; times
+    are seconds since the epoch (``created``, ``last_used``) or of work
+    (``compile_seconds``); ``params``, ``meta`` and ``files`` are JSON text (``files``: a
+    bundle's manifest, '' for a kernel)."""
 
     key: str
     family: str
