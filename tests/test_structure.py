@@ -28,6 +28,15 @@ def _modules() -> dict[str, Path]:
     return _package_modules(PACKAGES)
 
 
+
+def _imported_from(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a ``from ... import`` in ``package`` names."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - node.level + 1]
+    return ".".join(base + [node.module] if node.module else base)
+
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """Every project module ``name`` imports, at its top or inside a function."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -93,12 +102,7 @@ def _named(name: str, path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")
-            if node.level:
-                base = base[: len(base) - node.level + 1]
-                prefix = ".".join(base + [node.module] if node.module else base)
-            else:
-                prefix = node.module or ""
+            prefix = _imported_from(node, package)
             found.add(prefix)
             found.update(f"{prefix}.{a.name}" for a in node.names)
     return found
@@ -429,12 +433,7 @@ def _bound_modules(name: str, path: Path, tree: ast.AST, modules: dict[str, Path
                     bound[a.asname or a.name.split(".")[0]] = (a.name if a.asname
                                                                else a.name.split(".")[0])
         elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")
-            if node.level:
-                base = base[: len(base) - node.level + 1]
-                prefix = ".".join(base + [node.module] if node.module else base)
-            else:
-                prefix = node.module or ""
+            prefix = _imported_from(node, package)
             for a in node.names:
                 if f"{prefix}.{a.name}" in modules:
                     bound[a.asname or a.name] = f"{prefix}.{a.name}"

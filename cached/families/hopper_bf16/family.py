@@ -25,7 +25,6 @@ K / S).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,15 +64,8 @@ class HopperBf16(HopperFp8):
         tuner takes only those its plan lists)."""
         splits = tactic.bf16_class_splits(reduction_class)
         out_dtype = options.get("out_dtype", "bfloat16")
-        rec = winners.recorded_winners()
-        mine = sorted(((nn, kk) for (sms, nn, kk) in rec if sms == sm_count),
-                      key=lambda s: (math.log(s[0] / n) ** 2 + math.log(s[1] / k) ** 2, s))
         found = []
-        for nn, kk in mine[:near]:
-            row = rec[(sm_count, nn, kk)].get(splits)
-            if not row:
-                continue
-            _, key, _ = next((r for r in row if r[0] >= m), row[-1])
+        for key in winners.nearest_keys(n, k, m, sm_count, splits, near):
             try:
                 t = winners.tactic_from_key(key, splits, "bfloat16", "e4m3")
                 t = dataclasses.replace(t, ab_dtype=tactic.BF16, scales=tactic.NO_SCALES,

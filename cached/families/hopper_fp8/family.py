@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -127,15 +126,8 @@ class HopperFp8(Family):
         splits, accum, scales = tactic.class_scheme(reduction_class)
         out_dtype = options.get("out_dtype", "bfloat16")
         ab_dtype = options.get("ab_dtype", "e4m3")
-        rec = winners.recorded_winners()
-        mine = [(nn, kk) for (sms, nn, kk) in rec if sms == sm_count]
-        mine.sort(key=lambda s: (math.log(s[0] / n) ** 2 + math.log(s[1] / k) ** 2, s))
         found = []
-        for nn, kk in mine[:near]:
-            row = rec[(sm_count, nn, kk)].get(splits)
-            if not row:
-                continue
-            _, key, _ = next((r for r in row if r[0] >= m), row[-1])
+        for key in winners.nearest_keys(n, k, m, sm_count, splits, near):
             t = winners.tactic_from_key(key, splits, out_dtype, ab_dtype)
             try:
                 t = dataclasses.replace(t, scales=scales, accum=accum).normalized()

@@ -12,6 +12,7 @@ Imports neither cutlass nor torch.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +98,18 @@ def recorded_first(m: int, n: int, k: int, splits: int | None, num_sms: int, out
         found.append((hit[2], tactic_from_key(hit[1], sp, out_dtype, ab_dtype)))
     return [t for _, t in sorted(found, key=lambda x: x[0])]
 
+
+
+def nearest_keys(n: int, k: int, m: int, sm_count: int, splits: int, near: int) -> list[str]:
+    """The recorded winners' keys (:func:`recorded_key`) at bucket M, split ``splits``, of
+    the ``near`` recorded (N, K) of this SM count nearest to (N, K) in (log N, log K),
+    nearest first; a shape with no winner of that split is passed over."""
+    rec = recorded_winners()
+    mine = sorted(((nn, kk) for (sms, nn, kk) in rec if sms == sm_count),
+                  key=lambda s: (math.log(s[0] / n) ** 2 + math.log(s[1] / k) ** 2, s))
+    keys = []
+    for nn, kk in mine[:near]:
+        row = rec[(sm_count, nn, kk)].get(splits)
+        if row:
+            keys.append(next((r for r in row if r[0] >= m), row[-1])[1])
+    return keys
