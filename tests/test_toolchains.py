@@ -602,3 +602,43 @@ def test_the_identity_cache_is_used_only_while_a_record_is_unchanged_and_private
 def _stamp_of(path: Path) -> list[int]:
     st = path.stat()
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+ADOPT_SCRIPT = """
+import json, os, sys
+from cached_client import Client, identity
+hello = Client(sys.argv[1], timeout=30).hello()
+stack = identity.toolchain()
+hashed = identity.dist_files.cache_info().currsize
+records = hello.toolchains[0]["records"]
+record, (stamp, component) = next(iter(records.items()))
+forged = [stamp[0], stamp[1], stamp[2] + 1, stamp[3]]
+garbage = [None, [1, 2], {record: "x"}, {record: [[1, 2, 3], component]}, {5: [stamp, "x"]},
+           {record: [forged, "torch==0:" + "0" * 64]}, {"/nowhere/RECORD": [stamp, "x"]}]
+print("RESULT " + json.dumps({"stack": stack, "hashed": hashed, "records": len(records),
+                              "garbage": [identity.adopt(g) for g in garbage],
+                              "after": identity.toolchain.__wrapped__()}))
+"""
+
+
+def test_a_client_on_the_node_adopts_the_components_the_daemon_hashed(tmp_path):
+    """The daemon's hello states the components its probe hashed (RECORD path, stamp,
+    component); a fresh client with no identity cache of its own states the same toolchain
+    as one that hashes everything, without hashing a RECORD. A stated component is adopted
+    only for a RECORD whose stamp here is the stated one; malformed records adopt nothing
+    and raise nothing."""
+    daemon = DaemonProcess(tmp_path, workers=1)
+    try:
+        env = {**os.environ, "CACHED_IDENTITY_CACHE": ""}
+        out = subprocess.run([MAIN, "-c", ADOPT_SCRIPT, daemon.socket], capture_output=True,
+                             text=True, env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout.split("RESULT ", 1)[1])
+    finally:
+        daemon.stop()
+    computed = subprocess.run([MAIN, "-c", IDENTITY_SCRIPT], capture_output=True, text=True,
+                              check=True, env=env).stdout
+    assert got["stack"] == json.loads(computed.split("RESULT ", 1)[1])
+    assert got["records"] >= 3 and got["hashed"] == 0  # torch, TVM-FFI, the DSL: adopted
+    assert got["garbage"] == [0] * 7
+    assert got["after"] == got["stack"]  # the forged stamp replaced nothing

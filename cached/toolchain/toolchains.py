@@ -89,6 +89,9 @@ class Toolchain:
     runtime: Mapping[str, Any] = field(default_factory=dict)
     runtime_library: str | None = None
     versions: Mapping[str, str] = field(default_factory=dict)
+    records: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    """``{RECORD path: [stamp, component]}`` as the probe hashed them
+    (cached_client.identity.records), stated in ``hello`` for clients on this node."""
 
     @property
     def digest(self) -> str:
@@ -98,13 +101,14 @@ class Toolchain:
         return {"name": self.name, "python": self.python, "fingerprint": self.fingerprint,
                 "digest": self.digest, "sources": dict(self.sources),
                 "runtime": dict(self.runtime), "runtime_library": self.runtime_library,
-                "versions": dict(self.versions)}
+                "versions": dict(self.versions), "records": dict(self.records)}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Toolchain:
         return cls(str(doc["name"]), str(doc.get("python", "")), str(doc["fingerprint"]),
                    dict(doc.get("sources", {})), dict(doc.get("runtime", {})),
-                   doc.get("runtime_library"), dict(doc.get("versions", {})))
+                   doc.get("runtime_library"), dict(doc.get("versions", {})),
+                   _records(doc.get("records")))
 
     def identity(self) -> p.Identity:
         """The identity this environment's own clients state (for ``cached warm --toolchain``)."""
@@ -206,7 +210,14 @@ def probe(name: str, python: str, timeout: float = PROBE_TIMEOUT_S) -> Toolchain
                              f"{proc.returncode}; it is not an interpreter that prints its "
                              f"identity): {said}")
     return Toolchain(name, python, doc["toolchain"], doc.get("sources", {}),
-                     doc.get("runtime", {}), doc.get("runtime_library"), doc.get("versions", {}))
+                     doc.get("runtime", {}), doc.get("runtime_library"), doc.get("versions", {}),
+                     _records(doc.get("records")))
+
+
+def _records(doc: object) -> dict[str, list]:
+    """A probe's or a pinned registry's records, the well-formed entries only (absent in
+    registries older daemons wrote)."""
+    return {k: [v[0], v[1]] for k, v in client_identity.ComponentCache.entries(doc).items()}
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -244,6 +244,7 @@ class Client:
                 ops = reply.get("ops")
                 conn.ops = frozenset(o for o in (ops if isinstance(ops, list) else [])
                                      if isinstance(o, str))
+                env_identity.adopt_stated(reply.get("toolchains"))
             return reply, payload, fds
         raise AssertionError("unreachable")
 

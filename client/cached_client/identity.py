@@ -200,18 +200,42 @@ class ComponentCache:
             logger.warning("cached: the identity cache %s is nested too deeply to read; "
                            "computing this environment's identity instead", path)
             return {}
-        out: dict[str, tuple[list[int], str]] = {}
         if not isinstance(data, dict) or data.get("version") != ComponentCache.VERSION:
             return {}
-        entries = data.get("components")
-        if not isinstance(entries, dict):
-            return {}
-        for record, value in entries.items():
-            if (isinstance(value, list) and len(value) == 2 and isinstance(value[1], str)
-                    and isinstance(value[0], list) and len(value[0]) == 4
-                    and all(type(x) is int for x in value[0])):
+        return ComponentCache.entries(data.get("components"))
+
+    @staticmethod
+    def entries(doc: object) -> dict[str, tuple[list[int], str]]:
+        """The well-formed entries of ``{record: [stamp, component]}`` (at most
+        MAX_ENTRIES); anything else in ``doc`` is left out."""
+        out: dict[str, tuple[list[int], str]] = {}
+        if not isinstance(doc, dict):
+            return out
+        for record, value in doc.items():
+            if len(out) >= ComponentCache.MAX_ENTRIES:
+                break
+            if (isinstance(record, str) and isinstance(value, list) and len(value) == 2
+                    and isinstance(value[1], str) and isinstance(value[0], list)
+                    and len(value[0]) == 4 and all(type(x) is int for x in value[0])):
                 out[record] = (value[0], value[1])
         return out
+
+    def adopt(self, doc: object) -> int:
+        """Use the daemon's components (its probes of its registered toolchains, from its
+        ``hello``) in this process, in memory only: each entry whose stamp is the stamp of
+        that RECORD here and now, so it names the same file this process would hash.
+        Returns how many were adopted; a malformed ``doc`` adopts nothing."""
+        adopted = 0
+        for record, (stamp, component) in self.entries(doc).items():
+            try:
+                if _stamp(os.stat(record)) != stamp:
+                    continue
+            except OSError:
+                continue
+            with self._lock:
+                self.components[record] = (stamp, component)
+            adopted += 1
+        return adopted
 
     def put(self, record: str, stamp: list[int], component: str) -> None:
         """Remember one component and rewrite the file (best effort)."""
@@ -246,6 +270,37 @@ def _component_cache() -> ComponentCache:
     if configured == "":
         return ComponentCache(None)
     return ComponentCache(configured or os.path.join(scratch_dir(), "stack-digests.json"))
+
+
+def records() -> dict[str, list]:
+    """``{RECORD path: [stamp, component]}`` of the stack's and FlashInfer's distributions,
+    what the daemon states in its ``hello`` so a client on the node need not hash them
+    (ComponentCache.adopt)."""
+    out: dict[str, list] = {}
+    for name, dist in distributions().items():
+        if name in STACK_NAMES or name.startswith(STACK_PREFIX) or name == FLASHINFER_DIST:
+            record = str(dist.path / "RECORD")
+            try:
+                stamp = _stamp(os.stat(record))
+            except OSError:
+                continue
+            out[record] = [stamp, dist_component(dist)]
+    return out
+
+
+def adopt(doc: object) -> int:
+    """This process's component cache adopts the daemon's stated components
+    (ComponentCache.adopt); the number adopted."""
+    return _component_cache().adopt(doc)
+
+
+def adopt_stated(toolchains: object) -> None:
+    """:func:`adopt` the ``records`` of each toolchain a daemon's ``hello`` lists (at most
+    64): the node's first process need not hash torch's RECORD before its first load."""
+    if isinstance(toolchains, list):
+        for entry in toolchains[:64]:
+            if isinstance(entry, dict):
+                adopt(entry.get("records"))
 
 
 @functools.cache
@@ -370,7 +425,7 @@ def describe() -> dict:
     sources = {f: s for f in flashinfer_sources.FAMILIES if (s := family_source(f)) is not None}
     return {"python": sys.executable, "prefix": sys.prefix, "toolchain": toolchain(),
             "sources": sources, "runtime": runtime(), "runtime_library": runtime_library_path(),
-            "versions": versions()}
+            "versions": versions(), "records": records()}
 
 
 def main() -> None:
