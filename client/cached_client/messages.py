@@ -83,7 +83,9 @@ class HelloReply(Message):
         Obj(), {}, "family -> {classes: [class id], m_independent: bool}: the reduction-order "
         "classes a family's tactics belong to, and whether a class's rows are declared "
         "independent of M (a batch-invariant plan may then mix the tactics of one class)")
-    toolchains: list = wire(List(Obj(), 64), [], "each registered toolchain (cached toolchains)")
+    toolchains: list = wire(
+        List(Obj(), 64), [], "each registered toolchain (cached toolchains), with the "
+        "``records`` its probe hashed (cached_client.identity.ComponentCache.adopt)")
 
 
 @dataclass(frozen=True, kw_only=True)
