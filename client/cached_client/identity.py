@@ -222,8 +222,9 @@ class ComponentCache:
 
     def adopt(self, doc: object) -> int:
         """Use the daemon's components (its probes of its registered toolchains, from its
-        ``hello``) in this process, in memory only: each entry whose stamp is the stamp of
-        that RECORD here and now, so it names the same file this process would hash.
+        ``hello``) as this process's own: each entry whose stamp is the stamp of that RECORD
+        here and now, so it names the same file this process would hash (the next
+        :meth:`put` writes it to this user's file with the rest).
         Returns how many were adopted; a malformed ``doc`` adopts nothing."""
         adopted = 0
         for record, (stamp, component) in self.entries(doc).items():
