@@ -616,6 +616,7 @@ forged = [stamp[0], stamp[1], stamp[2] + 1, stamp[3]]
 garbage = [None, [1, 2], {record: "x"}, {record: [[1, 2, 3], component]}, {5: [stamp, "x"]},
            {record: [forged, "torch==0:" + "0" * 64]}, {"/nowhere/RECORD": [stamp, "x"]}]
 print("RESULT " + json.dumps({"stack": stack, "hashed": hashed, "records": len(records),
+                              "again": identity.adopt(records),
                               "garbage": [identity.adopt(g) for g in garbage],
                               "after": identity.toolchain.__wrapped__()}))
 """
@@ -640,5 +641,6 @@ def test_a_client_on_the_node_adopts_the_components_the_daemon_hashed(tmp_path):
                               check=True, env=env).stdout
     assert got["stack"] == json.loads(computed.split("RESULT ", 1)[1])
     assert got["records"] >= 3 and got["hashed"] == 0  # torch, TVM-FFI, the DSL: adopted
+    assert got["again"] == 0  # a later hello's records are already held: nothing redone
     assert got["garbage"] == [0] * 7
     assert got["after"] == got["stack"]  # the forged stamp replaced nothing

@@ -224,10 +224,14 @@ class ComponentCache:
         """Use the daemon's components (its probes of its registered toolchains, from its
         ``hello``) as this process's own: each entry whose stamp is the stamp of that RECORD
         here and now, so it names the same file this process would hash (the next
-        :meth:`put` writes it to this user's file with the rest).
-        Returns how many were adopted; a malformed ``doc`` adopts nothing."""
+        :meth:`put` writes it to this user's file with the rest). An entry already held at
+        that stamp is kept and costs no stat. Returns how many were adopted; a malformed
+        ``doc`` adopts nothing."""
         adopted = 0
         for record, (stamp, component) in self.entries(doc).items():
+            held = self.components.get(record)
+            if held is not None and held[0] == stamp:
+                continue  # known at this stamp (a later hello): no stat, own value kept
             try:
                 if _stamp(os.stat(record)) != stamp:
                     continue
