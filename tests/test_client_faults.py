@@ -69,6 +69,31 @@ def test_every_transfer_hands_over_the_same_verified_kernel(stored):
     assert d.client().hello().capabilities.count("transfer:fd") == 1
 
 
+IN_PLACE = """
+import json, os, sys
+from cached_client import Client, KernelRequest
+client = Client(sys.argv[1], timeout=30, fallback=False)
+fn = client.load(KernelRequest.from_wire(json.loads(sys.argv[2])))
+print(json.dumps({"callable": callable(fn)}))
+"""
+
+
+def test_the_default_load_runs_the_store_blob_in_place_and_copies_nothing(stored, tmp_path):
+    """Transfer fd, the default, from a daemon whose store only its uid can change: the
+    library passed is hashed and loaded where it is, so a node's first process writes no
+    private copy (its scratch directory holds no library afterwards)."""
+    d, requests = stored
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    out = subprocess.run([sys.executable, "-c", IN_PLACE, d.socket,
+                          json.dumps(requests[0].to_wire())], capture_output=True, text=True,
+                         env={**os.environ, "TMPDIR": str(scratch),
+                              "CACHED_IDENTITY_CACHE": ""}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"callable": True}
+    assert [f for f in scratch.rglob("*") if f.suffix == ".so"] == []
+
+
 # -- item 14: fork -----------------------------------------------------------------------------
 
 FORK = """

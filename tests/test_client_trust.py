@@ -583,6 +583,108 @@ def test_a_scratch_directory_another_uid_made_first_is_a_warning_never_an_error(
         fake.stop()
 
 
+@as_root
+def test_a_store_another_uid_can_write_is_copied_never_loaded_in_place(
+        workdir, other, benign):
+    """A library named by its digest, in a directory, each owned by a daemon's uid (root)
+    and writable by it alone, is hashed and loaded where it is: no copy. Any other library
+    the daemon passes is copied into the private scratch directory first: one another uid
+    owns, one others may write, one in a directory others may write, one under another
+    name. Bytes that hash wrong are refused in place as in a copy."""
+    import hashlib
+
+    from cached_client import IntegrityError
+    from cached_client.loader import Scratch, load_library
+
+    data = benign.read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    store = workdir / "store"
+    store.mkdir()
+    os.chmod(store, 0o755)
+    blob = store / f"{sha}.so"
+    blob.write_bytes(data)
+    os.chmod(blob, 0o444)
+    scratch = Scratch(str(workdir / "scratch"))
+    copy = workdir / "scratch" / f"{sha}.so"
+
+    def load(path: Path) -> bool:
+        """Load ``path`` as the daemon passes it (a descriptor); whether a copy was made."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert load_library(fd, "planted", sha, scratch)() is None
+        finally:
+            os.close(fd)
+        made = copy.exists()
+        if made:
+            copy.unlink()
+        return made
+
+    assert load(blob) is False
+    os.chown(blob, other.pw_uid, other.pw_gid)
+    assert load(blob) is True
+    copy.parent.mkdir(mode=0o700, exist_ok=True)  # a copy kept from before, bytes changed:
+    copy.write_bytes(b"\0" * len(data))  # written again, never loaded
+    fd = os.open(blob, os.O_RDONLY)
+    try:
+        assert load_library(fd, "planted", sha, scratch)() is None
+    finally:
+        os.close(fd)
+    assert copy.read_bytes() == data
+    copy.unlink()
+    os.chown(blob, 0, 0)
+    os.chmod(blob, 0o666)
+    assert load(blob) is True
+    os.chmod(blob, 0o444)
+    os.chmod(store, 0o777)
+    assert load(blob) is True
+    os.chmod(store, 0o755)
+    renamed = store / "libkernel.so"
+    os.link(blob, renamed)
+    assert load(renamed) is True
+    assert load(blob) is False
+    forged = store / f"{'0' * 64}.so"  # a digest's name over other bytes
+    os.link(blob, forged)
+    fd = os.open(forged, os.O_RDONLY)
+    try:
+        with pytest.raises(IntegrityError, match=f"sha256 {sha}, expected {'0' * 64}"):
+            load_library(fd, "planted", "0" * 64, scratch)
+    finally:
+        os.close(fd)
+    assert not (workdir / "scratch" / forged.name).exists()
+
+
+def test_a_private_copy_replaces_a_dead_process_leftover_and_an_abandoned_one_leaves_nothing(
+        tmp_path):
+    """The private copy's temporary name (<final>.tmp.<pid>.<tid>) left by a dead process
+    with this pid is replaced, not an error; a write whose bytes hash wrong raises
+    IntegrityError and leaves neither the final name nor its temporary one."""
+    import hashlib
+    import threading
+
+    from cached_client import IntegrityError
+    from cached_client.loader import open_private_dir, place
+
+    directory = open_private_dir(str(tmp_path / "scratch"))
+    try:
+        data = os.urandom(70_000)
+        sha = hashlib.sha256(data).hexdigest()
+        name = f"{sha}.so"
+        leftover = f".{name}.tmp.{os.getpid()}.{threading.get_ident()}"
+        fd = os.open(leftover, os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=directory)
+        os.write(fd, b"half a copy")
+        os.close(fd)
+        place(directory, name, sha, data)
+        assert sorted(os.listdir(directory)) == [name]
+        with open(tmp_path / "scratch" / name, "rb") as f:
+            assert f.read() == data
+        wrong = "0" * 64
+        with pytest.raises(IntegrityError, match="expected " + wrong):
+            place(directory, f"{wrong}.so", wrong, data)
+        assert sorted(os.listdir(directory)) == [name]  # nothing new, the first kept
+    finally:
+        os.close(directory)
+
+
 # Issue 37 case 2: while root's scratch directory does not exist, another uid flips a
 # directory holding a forged identity cache into that name and out again, as fast as it can.
 FLIP = r"""

@@ -1,9 +1,9 @@
 """The client an inference process holds: ask the daemon for kernels, load them.
 
 Flow: request -> (in-process cache) -> transport -> daemon -> open descriptors of the
-verified blobs (transfer ``fd``, the default) copied into this user's private scratch
-directory after their digests check -> loader. Eviction in the daemon's store cannot break
-a load in progress: the client never reads the store by path (unless asked: ``path``).
+verified blobs (transfer ``fd``, the default) -> loader (hashed; loaded in place or from a
+private copy). Eviction in the daemon's store cannot break a load in progress: a blob gone
+from its name is copied from the descriptor, never read by path (unless asked: ``path``).
 
 Invariants: every call has a deadline; every reply is matched to its request by id and
 decoded by the protocol's checks (a malformed or mismatched reply is ``BadReply``); a
@@ -646,10 +646,10 @@ class Client:
         """Load a library this process has already checked: the daemon's uid and socket
         directory at connect (transport), the artifact's stated identity against this
         process's own in ``get``/``lease`` (trust.check: ArtifactMismatch, never a load), and
-        its sha256 again as it is copied into the private scratch directory it is loaded
-        from (cached_client.loader.load_library); the runtime it links is this process's
-        own. The library is the descriptor ``fd`` the daemon passed, else its bytes, else
-        its path. Forgeries refused: tests/test_client_trust.py
+        its sha256 where it is loaded from (the daemon's store when only a daemon's uid can
+        change it, else a private copy: cached_client.loader.load_library); the runtime it
+        links is this process's own. The library is the descriptor ``fd`` the daemon
+        passed, else its bytes, else its path. Forgeries refused: tests/test_client_trust.py
         (``test_an_artifact_built_for_another_environment_is_a_miss_never_a_load``,
         ``test_the_runtime_library_a_daemon_names_is_never_loaded``,
         ``test_a_scratch_directory_remade_by_another_uid_never_runs_its_code``)."""

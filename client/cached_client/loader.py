@@ -9,11 +9,13 @@ create that name while it is absent (after a boot, after a tmp cleaner). So the 
 is never trusted by its path: every use opens it (:func:`open_private_dir`) and checks the
 descriptor at that moment (a real directory, no link, owned by this uid and writable by it
 alone), then reaches its files through that descriptor only (``openat``-style). A library is
-copied into it, hashed as it is copied (or, a copy found there, hashed after it is opened
-through the descriptor), and dlopened as ``/proc/self/fd/<directory>/<sha256>.so``: a name
-resolved in the checked directory itself, which no other uid can write, so nothing between
-the hash and the dlopen can change what runs (the name carries the digest, so the loader's
-per-name reuse of an opened library can only give the same bytes). An object is loaded
+dlopened as ``/proc/self/fd/<directory>/<sha256>.so``: a name resolved in a checked directory
+itself, so nothing between the hash and the dlopen can change what runs (the name carries
+the digest, so the loader's per-name reuse of an opened library can only give the same
+bytes). That directory is the daemon's own where only a daemon's uid can change it and the
+file (:func:`open_in_place`: the store as a node installs it; no copy is made), else this
+uid's scratch directory, the library copied into it and hashed as it is copied (or, a copy
+found there, hashed after it is opened through the descriptor). An object is loaded
 from a sealed memfd holding the bytes hashed (:func:`sealed_copy`). A scratch directory
 that fails the check is warned once and replaced, for this process, by a fresh private one
 (:class:`Scratch`): never an exception, never a use.
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import IntegrityError
-from .paths import scratch_dir
+from .paths import scratch_dir, trusted_uids
 
 RUNTIME_LIBRARY_ENV = "CACHED_DSL_RUNTIME"
 RUNTIME_LIBRARY_NAME = "libcute_dsl_runtime.so"
@@ -114,34 +116,99 @@ def _load_at(dir_fd: int, name: str, symbol: str) -> Any:
 def load_library(source: str | int | bytes, symbol: str, sha256: str,
                  scratch: Scratch | None = None) -> Any:
     """The function ``symbol`` of the shared library ``source`` (a path, an open file read
-    from offset 0, or its bytes) whose bytes must hash to ``sha256``: copied into the
-    private scratch directory through a descriptor checked now, hashed as it is copied, and
-    loaded through that descriptor (see the module doc; for a descriptor or bytes, a copy
-    already there whose bytes hash right is loaded instead; a path is always copied, so
-    what loads is what it holds now); the DSL runtime it needs is this process's own
-    (:func:`open_runtime`). IntegrityError when the bytes differ; FileNotFoundError for a
-    path that is gone.
+    from offset 0, or its bytes) whose bytes must hash to ``sha256``. A file only a daemon's
+    uid can change, in a directory only it can change (:func:`open_in_place`: the daemon's
+    store, as a node installs it), is hashed and loaded where it is, through a descriptor of
+    that directory; anything else is copied into the private scratch directory through a
+    descriptor checked now, hashed as it is copied, and loaded through that descriptor (see
+    the module doc; for a descriptor or bytes, a copy already there whose bytes hash right is
+    loaded instead). The DSL runtime it needs is this process's own (:func:`open_runtime`).
+    IntegrityError when the bytes differ; FileNotFoundError for a path that is gone.
 
     What else is checked before native code is loaded: the daemon's uid at connect
     (transport, SO_PEERCRED against paths.trusted_uids) and the artifact's stated identity
     against this process's (trust.mismatches, in ``Client.get``). Refused forgeries:
     tests/test_client_trust.py (``test_an_artifact_built_for_another_environment_is_a_miss_
-    never_a_load``, ``test_a_scratch_directory_remade_by_another_uid_never_runs_its_code``),
+    never_a_load``, ``test_a_scratch_directory_remade_by_another_uid_never_runs_its_code``,
+    ``test_a_store_another_uid_can_write_is_copied_never_loaded_in_place``),
     tests/test_client.py (``test_client_refuses_a_library_whose_digest_changed``)."""
-    scratch = scratch or Scratch()
     src = os.open(source, os.O_RDONLY | os.O_CLOEXEC) if isinstance(source, str) else None
     try:
+        what = source if isinstance(source, str) else "the library the daemon passed"
+        opened = source if src is None else src
+        if not isinstance(opened, bytes):
+            in_place = open_in_place(opened, f"{sha256}.so")
+            if in_place is not None:
+                dir_fd, held = in_place
+                try:
+                    actual = sha256_fd(held)
+                    if actual != sha256:
+                        raise IntegrityError(f"{what} has sha256 {actual}, expected {sha256}; "
+                                             "not loading it")
+                    return _load_at(dir_fd, f"{sha256}.so", symbol)
+                finally:
+                    os.close(held)
+                    os.close(dir_fd)
+        scratch = scratch or Scratch()
         dir_fd = scratch.open()
         try:
             name = f"{sha256}.so"
-            what = source if isinstance(source, str) else "the library the daemon passed"
-            place(dir_fd, name, sha256, source if src is None else src, what, keep=src is None)
+            place(dir_fd, name, sha256, opened, what, keep=src is None)
             return _load_at(dir_fd, name, symbol)
         finally:
             os.close(dir_fd)
     finally:
         if src is not None:
             os.close(src)
+
+
+def _changed_only_by_daemons(st: os.stat_result) -> bool:
+    """Whether only a uid a daemon may run as (paths.trusted_uids) can change ``st``'s file:
+    owned by one, no write for group or others (an ACL's grants show in the group bits)."""
+    try:
+        return st.st_uid in trusted_uids() and not st.st_mode & 0o022
+    except ValueError:  # a $CACHED_DAEMON_UID that names no user: trust none here
+        return False
+
+
+def open_in_place(fd: int, name: str) -> tuple[int, int] | None:
+    """(a descriptor of the directory holding the open file ``fd``, a descriptor of ``name``
+    opened in it) when both are what only a daemon's uid can change and ``name`` there is
+    the very file ``fd`` is: a regular file and a real directory, each owned by a trusted
+    uid with no write for group or others. Then nothing between a hash of the file and a
+    dlopen of ``/proc/self/fd/<directory>/<name>`` can change what runs but a daemon's uid
+    (whose socket this process already trusts), and the name, which carries the digest, can
+    only give the same bytes again. None when any of it fails (a copy is made instead): a
+    file in a directory this process cannot open, renamed or unlinked since, writable by
+    others, or in a directory others can write. The caller closes both."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or not _changed_only_by_daemons(st):
+        return None
+    try:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    directory, base = os.path.split(path)
+    if base != name or not directory.startswith("/"):
+        return None  # another name, or unlinked (" (deleted)")
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    held = None
+    try:
+        dst = os.fstat(dir_fd)
+        if stat.S_ISDIR(dst.st_mode) and _changed_only_by_daemons(dst):
+            held = os.open(name, FILE_FLAGS, dir_fd=dir_fd)
+            hst = os.fstat(held)
+            if (hst.st_dev, hst.st_ino) == (st.st_dev, st.st_ino):
+                return dir_fd, held
+    except OSError:
+        pass
+    if held is not None:
+        os.close(held)
+    os.close(dir_fd)
+    return None
 
 
 def is_private(st: os.stat_result) -> bool:
@@ -204,23 +271,27 @@ def write_private_file(dir_fd: int, name: str, chunks: Iterable[bytes]) -> None:
     (a new 0600 file renamed over it within that directory). The iterable may raise to
     abandon the write; nothing is left behind then."""
     tmp = f".{name}.tmp.{os.getpid()}.{threading.get_ident()}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        os.unlink(tmp, dir_fd=dir_fd)  # a leftover of a thread of a dead process
-    except FileNotFoundError:
-        pass
-    out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                  0o600, dir_fd=dir_fd)
+        out = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    except FileExistsError:  # a leftover of a thread of a dead process with this pid
+        os.unlink(tmp, dir_fd=dir_fd)
+        out = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    placed = False
     try:
-        with os.fdopen(out, "wb", closefd=False) as f:
-            for chunk in chunks:
-                f.write(chunk)
+        for chunk in chunks:
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(out, view):]
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        placed = True
     finally:
         os.close(out)
-        try:
-            os.unlink(tmp, dir_fd=dir_fd)
-        except FileNotFoundError:
-            pass
+        if not placed:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
 
 
 def _verified_chunks(source: int | bytes, sha256: str, what: str) -> Iterator[bytes]:
