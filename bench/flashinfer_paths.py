@@ -2,7 +2,10 @@
 
 Run as a script in a fresh process (imports counted): ``serial`` compiles every tactic
 through ``build_and_load_cute_dsl_kernel`` with its disk cache, ``pool`` through
-``_run_mm_fp4_precompile_pool``, ``try_load`` times ``JitSpecCuteDsl.try_load`` hits.
+``_run_mm_fp4_precompile_pool``, ``try_load`` times ``JitSpecCuteDsl.try_load`` hits (the
+object load alone), ``disk_hit`` times ``build_and_load_cute_dsl_kernel`` hits: what a
+FlashInfer caller pays for a kernel in its disk cache (the sources hashed, the DSL version
+read once per process, the object loaded); a miss there is an error, never a compile.
 
 The only adaptation for a machine without a GPU: the pool worker calls
 ``torch.cuda.set_device``, so the pool is given :func:`precompile_worker`, which makes
@@ -104,8 +107,28 @@ def try_load(wires: list[dict]) -> dict:
     return {"latencies_s": latencies}
 
 
+def disk_hit(wires: list[dict]) -> dict:
+    from flashinfer.gemm.gemm_mm_fp4_cute_dsl import _blockscaled_gemm_cache_key_files
+    from flashinfer.jit.cute_dsl_core import build_and_load_cute_dsl_kernel
+
+    key_files = _blockscaled_gemm_cache_key_files()
+    latencies = []
+    for wire in wires:
+        _, name, _, _ = _spec_args(wire)
+
+        def miss(name: str = name) -> None:
+            raise AssertionError(f"{name} is not in FlashInfer's disk cache")
+
+        t = time.perf_counter()
+        fn = build_and_load_cute_dsl_kernel("mm_fp4", name, miss, extra_key_files=key_files)
+        latencies.append(time.perf_counter() - t)
+        assert fn is not None
+    return {"latencies_s": latencies}
+
+
 if __name__ == "__main__":
     mode, wires = sys.argv[1], json.load(open(sys.argv[2]))
-    result = {"serial": serial, "pool": pool, "try_load": try_load}[mode](wires)
+    result = {"serial": serial, "pool": pool, "try_load": try_load,
+              "disk_hit": disk_hit}[mode](wires)
     result["wall_s"] = time.perf_counter() - STARTED
     print(json.dumps(result))

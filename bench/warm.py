@@ -3,8 +3,10 @@
 Both caches are filled first (the daemon's by a warm-up, FlashInfer's by its serial
 path). Then, in a fresh process each, every kernel is loaded once: through
 ``Client.load`` with each transfer (``fd``: descriptors passed, private copies, digest
-check, ``tvm_ffi.load_module``; ``path``; ``bytes``), and through
-``JitSpecCuteDsl.try_load`` (FlashInfer's disk cache). Module imports are done before
+check, ``tvm_ffi.load_module``; ``path``; ``bytes``), and through FlashInfer's disk cache:
+``build_and_load_cute_dsl_kernel`` on a hit (``flashinfer_disk_hit``: what its callers pay,
+the sources hashed and the DSL version read included) and ``JitSpecCuteDsl.try_load``
+alone (``flashinfer_try_load``: the object load, without them). Module imports are done before
 timing in both. Each transfer runs in a process with an empty scratch directory
 (``client_<transfer>``: private copies made, the stack's digests computed) and then in a
 second process with the same one (``client_<transfer>_again``: what a node's next process
@@ -80,16 +82,18 @@ def main() -> None:
         env = {"FLASHINFER_WORKSPACE_BASE": str(workspace)}
         subprocess.run([sys.executable, str(ROOT / "bench" / "flashinfer_paths.py"), "serial",
                         str(path)], env={**os.environ, **env}, check=True, capture_output=True)
-        out = subprocess.run([sys.executable, str(ROOT / "bench" / "flashinfer_paths.py"),
-                              "try_load", str(path)], env={**os.environ, **env},
-                             capture_output=True, text=True, check=True)
-        result["flashinfer_try_load"] = json.loads(out.stdout.strip().splitlines()[-1])
-    for name in (*names, "flashinfer_try_load"):
+        for mode in ("try_load", "disk_hit"):
+            out = subprocess.run([sys.executable, str(ROOT / "bench" / "flashinfer_paths.py"),
+                                  mode, str(path)], env={**os.environ, **env},
+                                 capture_output=True, text=True, check=True)
+            result[f"flashinfer_{mode}"] = json.loads(out.stdout.strip().splitlines()[-1])
+            names.append(f"flashinfer_{mode}")
+    for name in names:
         lat = [v * 1000 for v in result[name]["latencies_s"]]
         result[name].update(p50_ms=percentile(lat, 50), p99_ms=percentile(lat, 99),
                             first_ms=lat[0])
     save(args.name, result)
-    for name in (*names, "flashinfer_try_load"):
+    for name in names:
         r = result[name]
         print(f"{name:28s} p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms  "
               f"first {r['first_ms']:6.1f} ms")
