@@ -84,6 +84,9 @@ if [[ $mode == gpu ]]; then
   # the node's environment: a venv over the image's CUDA torch, the wheels installed in it
   rm -rf /tmp/tune_node  # a warm machine may hold another run's
   NODE=/tmp/tune_node/bin
+  # the image's CUDA torch may itself sit in a venv (python3 on PATH): a venv made from it
+  # sees the base interpreter's site only, so the node's venv is pointed at torch's too
+  TORCH_SITE=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null || true)
   if python3 -m venv --system-site-packages /tmp/tune_node 2> "$OUT/venv.log"; then
     "$NODE/python" -m pip install -q --no-index --no-deps --no-cache-dir "$BUNDLE"/wheels/*.whl
   else  # an image without ensurepip: the venv without pip, the system's pip installs into it
@@ -91,6 +94,9 @@ if [[ $mode == gpu ]]; then
     python3 -m venv --system-site-packages --without-pip /tmp/tune_node
     python3 -m pip --python "$NODE/python" install -q --no-index --no-deps --no-cache-dir \
       "$BUNDLE"/wheels/*.whl
+  fi
+  if [[ -n $TORCH_SITE ]]; then
+    echo "$TORCH_SITE" > "$("$NODE/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/image-torch.pth"
   fi
   xz -dc "$BUNDLE/libcute_dsl_runtime.so.xz" > /tmp/tune_node/libcute_dsl_runtime.so
   # a serve-only node has no DSL compiler installed: its clients open the runtime named here

@@ -3,9 +3,10 @@
 # each at the version this checkout's environment has.
 
 # the daemon's dependencies a serve-only daemon without HTTP imports (the rest of its
-# metadata's, the compiler and torch among them, are not needed to serve a store)
-DAEMON_DEPS=(apache-tvm-ffi sqlite-utils click click-default-group python-dateutil tzdata
-             pluggy tabulate sqlite-fts4 prometheus-client)
+# metadata's, the compiler and torch among them, are not needed to serve a store);
+# typing-extensions for TVM-FFI, which an image's bare Python 3.12 lacks (an H100 image, 2026-12-07)
+DAEMON_DEPS=(apache-tvm-ffi typing-extensions sqlite-utils click click-default-group
+             python-dateutil tzdata pluggy tabulate sqlite-fts4 prometheus-client)
 
 # cp312_wheels PY DIR PKG...: each PKG's wheel at the version PY's environment has, into
 # DIR (a wheel already there is not fetched again)
