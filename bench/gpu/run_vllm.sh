@@ -21,7 +21,11 @@
 # 128,256-word vocabulary unless VOCAB says otherwise) and the store's cached.hopper_bf16
 # kernels for the four linears and the lm_head (what the plugin's BF16 path plans under
 # VLLM_BATCH_INVARIANT=1); the FP8 schemes' stores hold the BF16 lm_head's kernels too
-# (VOCAB x 4096). The gpu call reads the scheme and vocabulary from C/.
+# (VOCAB x 4096). The gpu call reads the scheme and vocabulary from C/. TUNE=1 (build):
+# the store also holds every candidate `cached tune` times for the model's shapes
+# (tune_bundle.py: the plan's first 3 and the 2 nearest recorded winners per M bucket), and
+# the gpu call runs `cached tune` against the daemon before the modes start, so (c) plans
+# from this card's winners (BF16 and FP8-dynamic: the schemes bf16 and token-fast).
 set -euo pipefail
 SHAPES=(6144,4096 4096,4096 28672,4096 4096,14336)  # Llama-3.1-8B's qkv, o, gate_up, down
 MAX_M=8192
@@ -50,7 +54,15 @@ if [[ $mode == build ]]; then
     AB_DTYPE=bf16 CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/gemm_plan_bundle.py \
       "$D/C/store" "$MAX_M" "$vocab,4096" | tee -a "$D/C/build.log"
   fi
+  if [[ -n ${TUNE:-} ]]; then
+    case $scheme in bf16) tune=bf16 ;; token) tune=token-fast ;; tensor) tune=tensor-fast ;;
+      *) echo "TUNE covers SCHEME bf16, token and tensor"; exit 2 ;; esac
+    CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/tune_bundle.py "$D/C/store" 3 2 \
+      --schemes "$tune" "${shapes[@]}" | tee -a "$D/C/build.log"
+    echo "$tune ${shapes[*]}" > "$D/C/tune"
+  fi
   rm -rf "$D/C/store/tmp" "$D/C/store/index.sqlite-wal" "$D/C/store/index.sqlite-shm"
+  tar -C "$D/C" -cf - store | xz -T2 -6 > "$D/C/store.tar.xz" && rm -rf "$D/C/store"
   # vLLM's compiled ops (stripped: 79 MB, 60 MiB as xz) in two halves, the DSL runtime
   tmp=$(mktemp -d)
   strip --strip-unneeded -o "$tmp/c.so" "$SITE/vllm/_C_stable_libtorch.abi3.so"
@@ -139,7 +151,7 @@ if [[ $mode == gpu ]]; then
   S=/tmp/cachedd/cached.sock && mkdir -p -m 700 /tmp/cachedd
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw \
     --format=csv | tee $L/nvidia-smi.txt || true
-  rm -rf /tmp/store && cp -r "$C/store" /tmp/store
+  rm -rf /tmp/store && tar -C /tmp -xJf "$C/store.tar.xz"
   cd /tmp  # `python3 -m` puts the working directory first on sys.path
   python3 -m cached serve --serve-only --store /tmp/store --socket $S --no-http \
     > $L/daemon.log 2>&1 &
@@ -149,6 +161,15 @@ if [[ $mode == gpu ]]; then
     sleep 0.2
   done
   export CACHED_SOCKET=$S
+  if [[ -f $C/tune ]]; then  # this card's winners first: (c) plans from them
+    read -r -a tune <<< "$(cat "$C/tune")"
+    args=() && for s in "${tune[@]:1}"; do args+=(--weight "$s"); done
+    t1=$(date +%s)
+    rc=0 && python3 -m cached tune --socket $S "${args[@]}" --scheme "${tune[0]}" --top 3 \
+      --near 2 --rounds 5 --budget 60 --json > "$OUT/tune.json" 2> $L/tune.log || rc=$?
+    echo "cached tune --scheme ${tune[0]} ${tune[*]:1}: exit $rc, $(( $(date +%s) - t1 )) s"
+    grep -E "buckets tuned" $L/tune.log | tail -8 || true
+  fi
   set +e
   [[ -n ${PREFLIGHT:-} ]] && python3 "$C/vllm_fp8.py" preflight 2>&1 | grep -v "^W[0-9]" \
     | tee $L/preflight.log | tail -3

@@ -936,8 +936,8 @@ def _host_tables(runs: dict, names: dict) -> None:
 
 def summarize(args: argparse.Namespace) -> None:
     runs = {m: _load(p) for m, p in zip("abc", args.files, strict=False)}
-    bf16 = all("quantization_config" not in (r.get("config") or {"quantization_config": 1})
-               for r in runs.values())
+    ran = [r["config"] for r in runs.values() if r.get("config")]  # a mode not run has none
+    bf16 = bool(ran) and all("quantization_config" not in c for c in ran)
     names = {"a": f"(a) vLLM default {'BF16' if bf16 else 'FP8'}",
              "b": "(b) vLLM batch-invariant", "c": "(c) BI + cached kernels"}
     print("\n| mode | reached | load s | FP8 kernels | errors |")
