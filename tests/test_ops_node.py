@@ -716,6 +716,46 @@ def test_limit_counts_kernels_and_a_manifest_plans_the_nodes_own_targets(user_da
     assert targets_of(["9.0", "10.0", "10.0", "n/a", ""]) == {"sm_90a", "sm_100a"}
 
 
+def test_on_a_hopper_node_a_manifest_warm_plans_sm90a_only_and_all_targets_plans_every_one(
+        user_daemon, tmp_path):
+    """Where nvidia-smi answers with compute capability 9.0 (an H100/H200 node's answer to
+    `--query-gpu=compute_cap --format=csv,noheader`: an executable of that name first on
+    PATH prints it), `warm --manifest` plans only the sm_90a builds and says so;
+    `--all-targets` plans every target the manifest lists, as a build node does."""
+    xdg, _ = user_daemon
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n[ \"$1\" = --query-gpu=compute_cap ] || exit 9\n"
+                   "printf '9.0\\n9.0\\n'\n")
+    smi.chmod(0o755)
+    env = env_without_socket(xdg, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    argv = ["-m", "cached", "warm", "--manifest", "llama-3.1-8b", "--plan-only", "--json",
+            "--skip-missing"]
+    node = run(argv, env, check=True)
+    every = run([*argv, "--all-targets"], env, check=True)
+    assert "this node's GPU targets sm_90a: sm_90a of " in node.stderr, node.stderr
+    mine = {g.rsplit("@", 1)[1] for g in json.loads(node.stdout)["kernels"]}
+    listed = {g.rsplit("@", 1)[1] for g in json.loads(every.stdout)["kernels"]}
+    assert mine == {"sm_90a"}, mine
+    assert "sm_90a" in listed and len(listed) > 1, listed
+    assert "GPU targets" not in every.stderr
+
+
+def test_tune_json_path_says_it_is_deprecated_first_and_a_cpu_node_writes_nothing(
+        user_daemon, tmp_path):
+    """`tune --json PATH` (the old meaning: a file) says first that `--json > PATH` is the
+    spelling now; on a node with no CUDA device the next line says so and no file is
+    written (exit 2)."""
+    xdg, _ = user_daemon
+    out = tmp_path / "tune.json"
+    result = run(["-m", "cached", "tune", "--weight", "64,64", "--json", str(out)],
+                 env_without_socket(xdg))
+    lines = result.stderr.splitlines()
+    assert lines[0] == f"cached tune: --json PATH is deprecated: use --json > {out}", lines
+    assert result.returncode == 2 and not out.exists() and result.stdout == ""
+    assert any("CUDA" in line for line in lines[1:]), lines
+
 # -- drift: what the daemon exposes and prints, as the docs say it ------------------------
 
 

@@ -59,7 +59,12 @@ if [[ $mode == build ]]; then
       *) echo "TUNE covers SCHEME bf16, token and tensor"; exit 2 ;; esac
     CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/tune_bundle.py "$D/C/store" 3 2 \
       --schemes "$tune" "${shapes[@]}" | tee -a "$D/C/build.log"
-    echo "$tune ${shapes[*]}" > "$D/C/tune"
+    echo "$tune ${shapes[*]}" > "$D/C/tune"  # a line a scheme: the scheme, then its shapes
+    if [[ $ab != bf16 ]]; then  # the FP8 model's BF16 lm_head is tuned too
+      CUTE_DSL_ARCH=sm_90a nice -n 10 "$PY" bench/gpu/tune_bundle.py "$D/C/store" 3 2 \
+        --schemes bf16 "$vocab,4096" | tee -a "$D/C/build.log"
+      echo "bf16 $vocab,4096" >> "$D/C/tune"
+    fi
   fi
   rm -rf "$D/C/store/tmp" "$D/C/store/index.sqlite-wal" "$D/C/store/index.sqlite-shm"
   tar -C "$D/C" -cf - store | xz -T2 -6 > "$D/C/store.tar.xz" && rm -rf "$D/C/store"
@@ -161,15 +166,16 @@ if [[ $mode == gpu ]]; then
     sleep 0.2
   done
   export CACHED_SOCKET=$S
-  if [[ -f $C/tune ]]; then  # this card's winners first: (c) plans from them
-    read -r -a tune <<< "$(cat "$C/tune")"
+  tunes=/dev/null && [[ -f $C/tune ]] && tunes=$C/tune
+  while read -r -a tune; do  # this card's winners first: (c) plans from them
     args=() && for s in "${tune[@]:1}"; do args+=(--weight "$s"); done
     t1=$(date +%s)
     rc=0 && python3 -m cached tune --socket $S "${args[@]}" --scheme "${tune[0]}" --top 3 \
-      --near 2 --rounds 5 --budget 60 --json > "$OUT/tune.json" 2> $L/tune.log || rc=$?
+      --near 2 --rounds 5 --budget 60 --json > "$OUT/tune_${tune[0]}.json" \
+      2>> $L/tune.log < /dev/null || rc=$?
     echo "cached tune --scheme ${tune[0]} ${tune[*]:1}: exit $rc, $(( $(date +%s) - t1 )) s"
-    grep -E "buckets tuned" $L/tune.log | tail -8 || true
-  fi
+  done < "$tunes"
+  grep -E "buckets tuned" $L/tune.log 2>/dev/null | tail -10 || true
   set +e
   [[ -n ${PREFLIGHT:-} ]] && python3 "$C/vllm_fp8.py" preflight 2>&1 | grep -v "^W[0-9]" \
     | tee $L/preflight.log | tail -3
