@@ -6,7 +6,11 @@ import hashlib
 import os
 import shutil
 
+import pytest
+
 import cached.store.store
+from cached.store.errors import PersistFailed
+from cached.store.rows import SUFFIXES
 from cached.store.store import Store
 
 
@@ -95,9 +99,10 @@ def test_identical_bytes_are_stored_once(tmp_path):
 def test_a_blob_is_hashed_again_whenever_its_file_changed_at_all(tmp_path):
     """Checked once, a blob is trusted only while its file is the very same one: written
     (even with its times put back), replaced by a copy, or swapped for a link, it is
-    hashed again on the next lookup."""
-    store = Store(tmp_path)
-    entry = publish(store, "k1")
+    hashed again on the next lookup. A blob is checked when it is placed (the first hit
+    after a compile hashes nothing) and, in a store opened again, at its first lookup."""
+    entry = publish(Store(tmp_path), "k1")
+    store = Store(tmp_path)  # opened again: nothing checked in this process
     assert store.lookup_unchanged(K("k1")) is None  # never checked yet
     assert store.lookup(K("k1")) is not None
     assert store.lookup_unchanged(K("k1")).row.hits == 2  # checked: no hashing now
@@ -115,6 +120,35 @@ def test_a_blob_is_hashed_again_whenever_its_file_changed_at_all(tmp_path):
     os.utime(lib, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert store.lookup_unchanged(K("k1")) is None
     assert store.lookup(K("k1")) is None and not store.contains(K("k1"))
+
+
+def test_a_placed_blob_is_checked_and_one_written_after_its_digest_is_refused(
+        tmp_path, monkeypatch):
+    """A blob is checked once placed: the first hit after a publish is served with no
+    hashing (``lookup_unchanged``). A built file written after its digest was taken (same
+    size, times put back) is refused at its placing: PersistFailed, nothing indexed, no
+    blob left under that digest."""
+    store = Store(tmp_path)
+    publish(store, "k1")
+    assert store.lookup_unchanged(K("k1")).row.hits == 1  # no lookup() before it
+    real = cached.store.store.prepare
+
+    def written_after(path):
+        digest = real(path)
+        if path.suffix == ".so":
+            before = os.stat(path)
+            os.chmod(path, 0o644)
+            path.write_bytes(b"LIBRARY" + b"y")
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        return digest
+
+    monkeypatch.setattr(cached.store.store, "prepare", written_after)
+    with pytest.raises(PersistFailed, match="changed once placed"):
+        publish(store, "k2", b"y")
+    assert not store.contains(K("k2"))
+    digest = hashlib.sha256(b"libraryy").hexdigest()
+    assert not store.blob_path(digest, SUFFIXES["library"]).exists()
+    assert store.lookup(K("k1")) is not None  # what was stored before is untouched
 
 
 def test_a_link_in_place_of_a_checked_blob_is_never_trusted(tmp_path):

@@ -23,6 +23,7 @@ last-use times and deletions are written back in batches (:meth:`Store.flush`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -486,7 +487,9 @@ class Store(IndexFile, Upkeep):
 
     def _place(self, path: Path, sha: str, suffix: str) -> None:
         """Move a prepared file to its blob name; an identical blob already there is kept
-        (the file is dropped), anything else at that name is replaced."""
+        (the file is dropped), anything else at that name is replaced. The placed blob is
+        checked as a lookup checks it (:meth:`read_blob`: the first hit after a compile
+        hashes nothing, :meth:`unchanged`); OSError when it is not the file prepared."""
         shard = self.blob_dir / sha[:2]
         try:
             st = os.lstat(shard)
@@ -496,8 +499,9 @@ class Store(IndexFile, Upkeep):
             if not stat.S_ISDIR(st.st_mode):  # a link or file where a shard belongs
                 shard.unlink()
                 shard.mkdir()
+        size = os.stat(path).st_size
         try:
-            self.read_blob(sha, suffix, os.stat(path).st_size)
+            self.read_blob(sha, suffix, size)
         except BadBlob as bad:
             if bad.remove:
                 self.remove_blob(sha, suffix)
@@ -507,6 +511,12 @@ class Store(IndexFile, Upkeep):
         dest = self.blob_path(sha, suffix)
         os.replace(path, dest)
         fsync_dir(dest.parent)
+        try:
+            self.read_blob(sha, suffix, size)
+        except BadBlob as bad:
+            self.remove_blob(sha, suffix)
+            raise OSError(errno.EIO, f"the built file changed once placed: {bad.reason}"
+                          ) from None
 
     def drop(self, key: str, reason: str) -> None:
         """Forget ``key`` now (memory); its index row goes at the next :meth:`flush`, so a
