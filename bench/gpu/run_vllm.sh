@@ -192,7 +192,8 @@ if [[ $mode == gpu ]]; then
     TRITON_CACHE_DIR=/tmp/triton_$m timeout "${MODE_TIMEOUT:-300}" python3 "$C/vllm_fp8.py" \
       engine /tmp/ck --mode "$m" --out $OUT/engine_$m.json --turns $T --order $ORDER \
       --compile-mode "${COMPILE_MODE:-0}" --trace-dir $L ${QUICK:+--quick} ${HOST:+--host} \
-      ${NO_TIMELINE:+--no-timeline} \
+      ${NO_TIMELINE:+--no-timeline} ${CONTEXT:+--context $CONTEXT} ${BATCHES:+--batches $BATCHES} \
+      ${GPU_UTIL:+--gpu-memory-utilization $GPU_UTIL} \
       > $OUT/engine_$m.log 2>&1 &  # under $OUT: back even if the call's limit stops it
     pids+=($!)
   done

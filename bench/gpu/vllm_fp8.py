@@ -325,8 +325,10 @@ def _fp8_gemm_us(kernels) -> float:
 
 
 def _gpu_profile(llm, vocab: int, SamplingParams,  # noqa: N803 -- vLLM's class
-                 fp8_model: bool = True) -> dict:
-    """Per decode step, at each batch of PERF_BATCHES: the GPU time of every kernel (us) and
+                 fp8_model: bool = True, batches=PERF_BATCHES, context: int = PERF_PROMPT
+                 ) -> dict:
+    """Per decode step, at each batch of ``batches`` with prompts of ``context`` tokens: the
+    GPU time of every kernel (us) and
     its launches, as the difference of two profiled generates (1 token, then
     1 + PROFILE_STEPS tokens: the same prefill) divided by PROFILE_STEPS. GEMM kernels are
     those whose name holds one of GEMM_MARKS (the lm_head's among them), the FP8 linears'
@@ -335,8 +337,8 @@ def _gpu_profile(llm, vocab: int, SamplingParams,  # noqa: N803 -- vLLM's class
     from torch.profiler import ProfilerActivity, profile
 
     res: dict = {}
-    for b in PERF_BATCHES:
-        ps = [{"prompt_token_ids": p} for p in prompts_for(2000 + b, vocab, [PERF_PROMPT] * b)]
+    for b in batches:
+        ps = [{"prompt_token_ids": p} for p in prompts_for(2000 + b, vocab, [context] * b)]
         sums, walls = {}, {}
         for n in (1, PROFILE_STEPS + 1):
             sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
@@ -602,15 +604,17 @@ def _prompt_logprobs(llm, vocab: int, SamplingParams) -> list:  # noqa: N803
             for o, p in zip(outs, lp_prompts, strict=True)]
 
 
-def _throughput(llm, vocab: int, SamplingParams, batches) -> dict:  # noqa: N803
-    """Per batch: wall time of a 1-token and a (1 + PERF_TOKENS)-token generate (the
+def _throughput(llm, vocab: int, SamplingParams, batches,  # noqa: N803
+                context: int = PERF_PROMPT) -> dict:
+    """Per batch, prompts of ``context`` tokens: wall time of a 1-token and a
+    (1 + PERF_TOKENS)-token generate (the
     minimum of PERF_REPEATS, after a warm-up), the decode step as their difference."""
     import torch
 
     perf = {}
     for b in batches:
         ps = [{"prompt_token_ids": p}
-              for p in prompts_for(1000 + b, vocab, [PERF_PROMPT] * b)]
+              for p in prompts_for(1000 + b, vocab, [context] * b)]
         row = {}
         for n in (1, PERF_TOKENS + 1):
             sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
@@ -661,13 +665,17 @@ def engine(args: argparse.Namespace) -> None:
         cfg = json.loads((Path(args.ckpt) / "config.json").read_text())
         res["config"] = {k: cfg[k] for k in ("num_hidden_layers", "vocab_size",
                                              "quantization_config") if k in cfg}
+        res["context"] = args.context
         vocab = cfg["vocab_size"]
-        kw = dict(model=args.ckpt, dtype="bfloat16", max_model_len=1024, max_num_seqs=256,
-                  max_num_batched_tokens=MAX_BATCHED, gpu_memory_utilization=0.25, seed=0,
+        batches = tuple(int(b) for b in args.batches.split(","))
+        kw = dict(model=args.ckpt, dtype="bfloat16",
+                  max_model_len=max(1024, args.context + PERF_TOKENS + 16), max_num_seqs=256,
+                  max_num_batched_tokens=MAX_BATCHED,
+                  gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
                   enable_prefix_caching=False, attention_backend="TRITON_ATTN",
                   compilation_config={"mode": args.compile_mode,
                                       "cudagraph_mode": "FULL_DECODE_ONLY",
-                                      "cudagraph_capture_sizes": list(PERF_BATCHES)})
+                                      "cudagraph_capture_sizes": list(batches)})
         if args.mode == "c":
             kw["linear_backend"] = "cached"
         _wait(wait_load)
@@ -705,11 +713,12 @@ def engine(args: argparse.Namespace) -> None:
                 res["prompt_logprobs"] = _prompt_logprobs(llm, vocab, SamplingParams)
             res["stage"] = "throughput"
             save()
-            res["perf"] = _throughput(llm, vocab, SamplingParams, PERF_BATCHES)
+            res["perf"] = _throughput(llm, vocab, SamplingParams, batches, args.context)
             res["stage"] = "profile"
             save()
             res["gpu_profile"] = _gpu_profile(llm, vocab, SamplingParams,
-                                              fp8_model="quantization_config" in cfg)
+                                              "quantization_config" in cfg, batches,
+                                              args.context)
             if not args.no_timeline:
                 res["stage"] = "timeline"
                 save()
@@ -878,8 +887,7 @@ def _load(path: str) -> dict:
 def _ratio_table(runs: dict, names: dict, field: str, what: str, ratio: str, cell) -> None:
     """One row per batch: each mode's ``cell(r[field][batch])`` (a time, its text) and the
     time of (a) and (b) over (c)'s (> 1: (c) faster); rows no mode measured are left out."""
-    batches = [b for b in map(str, PERF_BATCHES)
-               if any((r.get(field) or {}).get(b) for r in runs.values())]
+    batches = sorted({b for r in runs.values() for b in (r.get(field) or {})}, key=int)
     if not batches:
         return
     print("\n| batch | " + " | ".join(f"{names[m]} {what}" for m in runs)
@@ -940,6 +948,9 @@ def summarize(args: argparse.Namespace) -> None:
     bf16 = bool(ran) and all("quantization_config" not in c for c in ran)
     names = {"a": f"(a) vLLM default {'BF16' if bf16 else 'FP8'}",
              "b": "(b) vLLM batch-invariant", "c": "(c) BI + cached kernels"}
+    contexts = {r.get("context", PERF_PROMPT) for r in runs.values() if r.get("config")}
+    print(f"\nprompts of {', '.join(map(str, sorted(contexts)))} tokens in the throughput and "
+          "profile batches")
     print("\n| mode | reached | load s | FP8 kernels | errors |")
     print("|---|---|---|---|---|")
     for m, r in runs.items():
@@ -999,9 +1010,8 @@ def summarize(args: argparse.Namespace) -> None:
             for name, us, c in t["cpu_top_per_step"][:18]:
                 print(f"  {us:9.1f} {c:6.2f}  {name}")
     for m, r in runs.items():
-        for b in ("1", "64", "256"):
-            p = (r.get("gpu_profile") or {}).get(b)
-            if p:
+        for b, p in (r.get("gpu_profile") or {}).items():
+            if p and b != "8":  # the smallest, middle and largest batches are enough
                 print(f"\n{names[m]} batch {b}, kernels per decode step (us, launches):")
                 for name, t, c in p["top"]:
                     print(f"  {t:9.2f} {c:5.1f}  {name[:150]}")
@@ -1047,6 +1057,12 @@ def main() -> None:
     p.add_argument("--turns", help="directory of the files that order the modes' processes")
     p.add_argument("--order", default="c,b,a", help="the modes, in their turns' order")
     p.add_argument("--trace-dir", help="where the timeline's Chrome traces go (gzipped)")
+    p.add_argument("--context", type=int, default=PERF_PROMPT,
+                   help="prompt tokens of the throughput and profile batches")
+    p.add_argument("--batches", default=",".join(map(str, PERF_BATCHES)),
+                   help="the throughput and profile batches (and CUDA graph sizes)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.25,
+                   help="each mode's share of the GPU (all modes stay resident)")
     p.add_argument("--quick", action="store_true",
                    help="load, throughput, profile and timeline only (no layer check, "
                         "invariance or prompt logprobs)")
