@@ -193,7 +193,7 @@ if [[ $mode == gpu ]]; then
       engine /tmp/ck --mode "$m" --out $OUT/engine_$m.json --turns $T --order $ORDER \
       --compile-mode "${COMPILE_MODE:-0}" --trace-dir $L ${QUICK:+--quick} ${HOST:+--host} \
       ${NO_TIMELINE:+--no-timeline} ${CONTEXT:+--context $CONTEXT} ${BATCHES:+--batches $BATCHES} \
-      ${GPU_UTIL:+--gpu-memory-utilization $GPU_UTIL} \
+      ${GPU_UTIL:+--gpu-memory-utilization $GPU_UTIL} ${PROFILE_ONLY:+--profile-only} \
       > $OUT/engine_$m.log 2>&1 &  # under $OUT: back even if the call's limit stops it
     pids+=($!)
   done

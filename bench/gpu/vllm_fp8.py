@@ -711,9 +711,10 @@ def engine(args: argparse.Namespace) -> None:
                 res["stage"] = "prompt_logprobs"
                 save()
                 res["prompt_logprobs"] = _prompt_logprobs(llm, vocab, SamplingParams)
-            res["stage"] = "throughput"
-            save()
-            res["perf"] = _throughput(llm, vocab, SamplingParams, batches, args.context)
+            if not args.profile_only:
+                res["stage"] = "throughput"
+                save()
+                res["perf"] = _throughput(llm, vocab, SamplingParams, batches, args.context)
             res["stage"] = "profile"
             save()
             res["gpu_profile"] = _gpu_profile(llm, vocab, SamplingParams,
@@ -1061,6 +1062,8 @@ def main() -> None:
                    help="prompt tokens of the throughput and profile batches")
     p.add_argument("--batches", default=",".join(map(str, PERF_BATCHES)),
                    help="the throughput and profile batches (and CUDA graph sizes)")
+    p.add_argument("--profile-only", action="store_true",
+                   help="with --quick: the GPU profile only (no throughput)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.25,
                    help="each mode's share of the GPU (all modes stay resident)")
     p.add_argument("--quick", action="store_true",
