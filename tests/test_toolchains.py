@@ -609,13 +609,15 @@ import json, os, sys
 from cached_client import Client, identity
 hello = Client(sys.argv[1], timeout=30).hello()
 stack = identity.toolchain()
+runtime = identity.runtime()
 hashed = identity.dist_files.cache_info().currsize
 records = hello.toolchains[0]["records"]
 record, (stamp, component) = next(iter(records.items()))
 forged = [stamp[0], stamp[1], stamp[2] + 1, stamp[3]]
 garbage = [None, [1, 2], {record: "x"}, {record: [[1, 2, 3], component]}, {5: [stamp, "x"]},
            {record: [forged, "torch==0:" + "0" * 64]}, {"/nowhere/RECORD": [stamp, "x"]}]
-print("RESULT " + json.dumps({"stack": stack, "hashed": hashed, "records": len(records),
+print("RESULT " + json.dumps({"stack": stack, "runtime": runtime, "hashed": hashed,
+                              "records": len(records),
                               "again": identity.adopt(records),
                               "garbage": [identity.adopt(g) for g in garbage],
                               "after": identity.toolchain.__wrapped__()}))
@@ -624,8 +626,9 @@ print("RESULT " + json.dumps({"stack": stack, "hashed": hashed, "records": len(r
 
 def test_a_client_on_the_node_adopts_the_components_the_daemon_hashed(tmp_path):
     """The daemon's hello states the components its probe hashed (RECORD path, stamp,
-    component); a fresh client with no identity cache of its own states the same toolchain
-    as one that hashes everything, without hashing a RECORD. A stated component is adopted
+    component; the DSL runtime library's path, stamp and sha256); a fresh client with no
+    identity cache of its own states the same toolchain and runtime as one that hashes
+    everything, without parsing a RECORD. A stated component is adopted
     only for a RECORD whose stamp here is the stated one; malformed records adopt nothing
     and raise nothing."""
     daemon = DaemonProcess(tmp_path, workers=1)
@@ -640,7 +643,12 @@ def test_a_client_on_the_node_adopts_the_components_the_daemon_hashed(tmp_path):
     computed = subprocess.run([MAIN, "-c", IDENTITY_SCRIPT], capture_output=True, text=True,
                               check=True, env=env).stdout
     assert got["stack"] == json.loads(computed.split("RESULT ", 1)[1])
-    assert got["records"] >= 3 and got["hashed"] == 0  # torch, TVM-FFI, the DSL: adopted
+    runtime = subprocess.run([MAIN, "-c", "import json; from cached_client import identity; "
+                              "print('RESULT ' + json.dumps(identity.runtime()))"],
+                             capture_output=True, text=True, check=True, env=env).stdout
+    assert got["runtime"] == json.loads(runtime.split("RESULT ", 1)[1])
+    assert got["runtime"]["dsl_runtime_sha256"]  # this environment has a DSL runtime
+    assert got["records"] >= 4 and got["hashed"] == 0  # torch, TVM-FFI, the DSL, its runtime
     assert got["again"] == 0  # a later hello's records are already held: nothing redone
     assert got["garbage"] == [0] * 7
     assert got["after"] == got["stack"]  # the forged stamp replaced nothing

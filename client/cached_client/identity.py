@@ -147,9 +147,10 @@ def _stamp(st: os.stat_result) -> list[int]:
 
 
 class ComponentCache:
-    """:func:`dist_component`'s results by RECORD path and :func:`_stamp`, kept in
-    ``path`` (JSON, this user's private directory) so a process does not hash the RECORD
-    of every stack distribution again (torch's lists some 12,000 files).
+    """Digests of files by path and :func:`_stamp`: :func:`dist_component` of a RECORD, and
+    the DSL runtime library's sha256 (:func:`runtime`), kept in ``path`` (JSON, this user's
+    private directory) so a process does not hash the RECORD of every stack distribution
+    again (torch's lists some 12,000 files) nor parse the DSL's to find its runtime's.
 
     Invariants: an entry is used only while its RECORD's stamp is unchanged (pip writes a
     new RECORD on every install); at most MAX_ENTRIES entries; the file is read once per
@@ -279,7 +280,8 @@ def _component_cache() -> ComponentCache:
 
 def records() -> dict[str, list]:
     """``{RECORD path: [stamp, component]}`` of the stack's and FlashInfer's distributions,
-    what the daemon states in its ``hello`` so a client on the node need not hash them
+    and ``{runtime library path: [stamp, sha256]}`` of the DSL runtime: what the daemon
+    states in its ``hello`` so a client on the node need not hash them
     (ComponentCache.adopt)."""
     out: dict[str, list] = {}
     for name, dist in distributions().items():
@@ -290,6 +292,12 @@ def records() -> dict[str, list]:
             except OSError:
                 continue
             out[record] = [stamp, dist_component(dist)]
+    path, sha = runtime_library_path(), runtime()["dsl_runtime_sha256"]
+    if path is not None and sha is not None:
+        try:
+            out[path] = [_stamp(os.stat(path)), sha]
+        except OSError:
+            pass
     return out
 
 
@@ -389,6 +397,25 @@ def _sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
+def _runtime_sha256(path: str) -> str:
+    """The sha256 of the DSL runtime library at ``path``: this user's (or the daemon's
+    adopted) digest while the file's stamp is the one it was taken at, else its RECORD's
+    hash (an installed DSL; not for $CACHED_DSL_RUNTIME) or its bytes', remembered."""
+    cache = _component_cache()
+    try:
+        stamp = _stamp(os.stat(path))
+    except OSError:
+        stamp = None
+    held = cache.components.get(path)
+    if stamp is not None and held is not None and held[0] == stamp:
+        return held[1]
+    sha = (None if os.environ.get(RUNTIME_LIBRARY_ENV) else _record_sha256(path)) \
+        or _sha256_file(path)
+    if stamp is not None:
+        cache.put(path, stamp, sha)
+    return sha
+
+
 @functools.cache
 def runtime() -> dict:
     """What a loaded kernel of the project's own families needs: ``tvm_ffi`` (version),
@@ -398,8 +425,7 @@ def runtime() -> dict:
     path = runtime_library_path()
     sha = None
     if path is not None:
-        sha = (None if os.environ.get(RUNTIME_LIBRARY_ENV) else _record_sha256(path)) \
-            or _sha256_file(path)
+        sha = _runtime_sha256(path)
     tvm, dsl = dists.get("apache-tvm-ffi"), dists.get(STACK_PREFIX)
     return {"tvm_ffi": tvm.version if tvm else None, "dsl_runtime_sha256": sha,
             "dsl": dsl.version if dsl else None}
