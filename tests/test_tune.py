@@ -421,7 +421,7 @@ def test_skip_messages_tell_the_store_from_wrong_results(node, tmp_path):
     # absence of the first is still said
     lines.clear()
     [res] = tune.tune(c, [(n, k)], Leaving(5e-3), target, buckets=(128,), rounds=2,
-                      progress=lines.append)
+                      progress=lines.append, widen=0)  # one timing: its line alone
     assert [b.m for b in res.buckets] == [128]
     [line] = [x for x in lines if "M<=128" in x]
     assert "left out: 1 not in this node's store" in line and "wrong" not in line
@@ -679,3 +679,53 @@ def test_winners_reach_a_second_daemon_through_redis_signed(tmp_path):
         a.stop()
         b.stop()
         server.kill()
+
+
+class ShortOfCompetitor(Preferring):
+    """Preferring, but at M = 64 the competitor takes 5 us (every candidate 10-12 us: the
+    bucket is short of it), and in a call with more candidates than the first one for that
+    M, the last candidate takes 4 us (one the plan's first few did not hold)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_len: dict[int, int] = {}
+
+    def time(self, n, k, m, kernels, rounds, reduction_class):
+        t = super().time(n, k, m, kernels, rounds, reduction_class)
+        if m == 64:
+            t.rounds[-1] = [5.0] * rounds
+            if len(kernels) > self.first_len.setdefault(m, len(kernels)):
+                t.rounds[len(kernels) - 1] = [4.0] * rounds
+        return t
+
+
+def test_a_bucket_short_of_its_competitor_is_timed_again_with_more_candidates(node):
+    """Where the best candidate is short of the competitor (5 us against 10 at M = 64), the
+    bucket is timed again with ``widen`` more of the plan's candidates, of its class, and
+    the winner comes from that wider timing; the other buckets (ahead of the competitor)
+    are timed once. ``widen=0`` times every bucket once and keeps the plan's first choice;
+    the CLI refuses a negative --widen by name."""
+    c = node.client(timeout=120)
+    target = target_of(c)
+    shape = (3584, 4608)
+    timer, lines = ShortOfCompetitor(), []
+    [res] = tune.tune(c, [shape], timer, target, buckets=BUCKETS, rounds=3, widen=4,
+                      progress=lines.append, force=True)
+    per_m = {m: [calls for (_, _, mm, calls) in timer.calls if mm == m] for m in BUCKETS}
+    assert len(per_m[1]) == 1 and len(per_m[2048]) == 1
+    first, wide = per_m[64]
+    assert wide > first, (first, wide)
+    assert any("timing" in line and "candidates" in line and "0.50x" in line for line in lines)
+    _, cands = tune.candidates(c, *shape, 64, target, top=tune.DEFAULT_TOP + 4)
+    got = {r["bucket"]: r for r in rows(c, *shape)}
+    assert got[64]["tactic"] == dict(cands[-1].params) and got[64]["time_us"] == 4.0
+    cls = res.reduction_class
+    assert {T.tactic_from_params(r.params).reduction_class for r in cands} == {cls}
+    narrow = ShortOfCompetitor()
+    [res0] = tune.tune(c, [shape], narrow, target, buckets=BUCKETS, rounds=3, widen=0,
+                       force=True)
+    assert len(narrow.calls) == len(BUCKETS)
+    assert [b.changed for b in res0.buckets] == [False, False, False]
+    out = subprocess.run([sys.executable, "-m", "cached", "tune", "--weight", "64,64",
+                          "--widen", "-1"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and "--widen" in out.stderr and "0 or more" in out.stderr

@@ -1,6 +1,7 @@
 """Fill a store, here on the CPU, with every candidate ``cached tune`` times for the given
 (N, K) and schemes on an H200 (sm_90a, 132 SMs) at every M bucket (cached.tools.tune.candidates:
-the plan's first ``top`` of the scheme's class and the nearest recorded shapes' winners),
+the plan's first ``top`` + DEFAULT_WIDEN of the scheme's class, what a bucket short of its
+competitor is timed with, and the nearest recorded shapes' winners),
 so that a serve-only daemon there can tune without compiling. Usage:
     python bench/gpu/tune_bundle.py STORE_DIR TOP NEAR [--buckets M,M,..] \
         [--schemes S,S,..] N,K [N,K ...]
@@ -46,8 +47,9 @@ def main() -> None:
                 per = []
                 try:
                     for m in buckets:
-                        cls, cands = tune.candidates(client, n, k, m, target, top, near,
-                                                     scheme)
+                        # a bucket short of its competitor is timed with widen more
+                        cls, cands = tune.candidates(client, n, k, m, target,
+                                                     top + tune.DEFAULT_WIDEN, near, scheme)
                         per += cands
                 except InvalidTactic as exc:
                     print(f"{n}x{k} {scheme}: not planned ({exc})", flush=True)

@@ -34,6 +34,16 @@ def _buckets(text: str) -> tuple[int, ...]:
     return ups
 
 
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {text!r}")
+    return v
+
+
 def _positive_float(text: str) -> float:
     try:
         v = float(text)
@@ -84,6 +94,10 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                    default=None, metavar="SECONDS", help="the old spelling of --budget")
     t.add_argument("--force", action="store_true",
                    help="time buckets whose winners are published already")
+    t.add_argument("--widen", type=_count, default=tune.DEFAULT_WIDEN, metavar="N",
+                   help="where the best candidate is short of the competitor, time the "
+                        f"bucket again with N more of the plan's (default "
+                        f"{tune.DEFAULT_WIDEN}; 0: never)")
     t.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="print the results as one JSON object on stdout, as every --json "
                         "does (a PATH after it, the old form, writes that file instead)")
@@ -143,7 +157,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             tune.tune(client, shapes, timer, target, buckets=args.buckets, top=args.top,
                       near=args.near, rounds=args.rounds, margin=args.margin,
                       budget_s=args.budget, force=args.force, progress=say,
-                      results=results, schemes=group)
+                      results=results, schemes=group, widen=args.widen)
     except KeyboardInterrupt:
         say("cached tune: interrupted; the winners of finished buckets are published, and "
             "the next run starts where this one stopped")

@@ -19,7 +19,10 @@ daemon):
   that M on the ``near`` recorded shapes nearest in (log N, log K)) the plan lists; every
   candidate of the plan's class, checked.
 * :func:`pick`: the margin rule of bench/gpu/hopper_fp8_fit.py: the plan's first choice
-  stays unless another candidate is faster by more than ``margin`` in every round.
+  stays unless another candidate is faster by more than ``margin`` in every round. Where
+  the best candidate is short of the scheme's competitor (its time over the best's under
+  WIDEN_UNDER), the bucket is timed again with ``widen`` more of the plan's candidates
+  (:func:`short_of_competitor`), and the winner picked from that wider timing.
 * :func:`tune`: per scheme and shape, the buckets not yet published for (device,
   toolchain, class) (a restarted tune redoes nothing it finished), timed by a
   :class:`Timer`, each winner published as soon as its bucket is done; a budget in seconds
@@ -66,6 +69,8 @@ DEFAULT_NEAR = 2
 DEFAULT_ROUNDS = 5
 DEFAULT_MARGIN = 0.02  # a challenger must beat the plan's first choice by 2 % in every round
 DEFAULT_BUDGET_S = 120.0
+DEFAULT_WIDEN = 6  # more of the plan's candidates where the best is short of the competitor
+WIDEN_UNDER = 0.97  # short: the competitor's time over the best candidate's below this
 REFERENCE = "torch._scaled_mm"  # timed beside the candidates for the report, never a winner
 
 
@@ -323,6 +328,18 @@ def pick(rounds_us: dict[int, list[float]], margin: float) -> int | None:
     return best if min(q) > 1 + margin else 0
 
 
+def short_of_competitor(rounds_us: dict[int, list[float]]) -> float | None:
+    """The competitor's median over the best candidate's (< 1: the competitor is faster)
+    when that is under WIDEN_UNDER, else None (also with no competitor or no candidate
+    timed)."""
+    ref = rounds_us.get(-1)
+    timed = [_median(r) for i, r in rounds_us.items() if i >= 0 and r]
+    if not ref or not timed:
+        return None
+    ratio = _median(ref) / min(timed)
+    return ratio if ratio < WIDEN_UNDER else None
+
+
 def _median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     mid = len(s) // 2
@@ -346,7 +363,8 @@ def tune(client: Client, shapes: Sequence[tuple[int, int]], timer: Timer, target
          margin: float = DEFAULT_MARGIN, budget_s: float = DEFAULT_BUDGET_S,
          force: bool = False, progress: Progress = lambda line: None,
          results: list[ShapeResult] | None = None,
-         schemes: Sequence[str] = (DEFAULT_SCHEME,)) -> list[ShapeResult]:
+         schemes: Sequence[str] = (DEFAULT_SCHEME,),
+         widen: int = DEFAULT_WIDEN) -> list[ShapeResult]:
     """Tune ``shapes`` in each of ``schemes`` (see module doc); the results per scheme and
     shape, schemes outermost. A bucket whose winner is published for (device, toolchain,
     class) is skipped unless ``force``. Each winner is published when its bucket is done,
@@ -355,21 +373,22 @@ def tune(client: Client, shapes: Sequence[tuple[int, int]], timer: Timer, target
     bucket, then none once ``budget_s`` is spent. A scheme that plans nothing for a shape
     (InvalidTactic: e.g. block128 at K % 128) is reported in ``not_planned``, not an
     error. Each scheme is tuned for its own family (target_for: a bf16 scheme with bf16
-    operands, its winners under dtype bf16)."""
+    operands, its winners under dtype bf16). ``widen``: how many more of the plan's
+    candidates a bucket short of its competitor is timed with (0: never)."""
     results = [] if results is None else results
     names = check_schemes(schemes)
     for scheme in names:
         scheme_target = target_for(target, scheme)
         for n, k in shapes:
             _tune_shape(client, n, k, scheme, timer, scheme_target, buckets, top, near, rounds,
-                        margin, budget_s, force, progress, results)
+                        margin, budget_s, force, progress, results, widen)
     return results
 
 
 def _tune_shape(client: Client, n: int, k: int, scheme: str, timer: Timer, target: Target,
                 buckets: Sequence[int], top: int, near: int, rounds: int, margin: float,
                 budget_s: float, force: bool, progress: Progress,
-                results: list[ShapeResult]) -> None:
+                results: list[ShapeResult], widen: int = 0) -> None:
     started = time.monotonic()
     try:
         cls, _ = candidates(client, n, k, buckets[0], target, top=1, near=0, scheme=scheme)
@@ -394,7 +413,7 @@ def _tune_shape(client: Client, n: int, k: int, scheme: str, timer: Timer, targe
                          f"{len(res.unfinished)} buckets left for the next run")
                 break
             got = _tune_bucket(client, timer, n, k, m, target, cls, scheme, top, near, rounds,
-                               margin, progress, res)
+                               margin, progress, res, widen)
             if got is None:
                 res.unfinished.append(m)
             else:
@@ -411,11 +430,18 @@ def _tune_shape(client: Client, n: int, k: int, scheme: str, timer: Timer, targe
 
 def _tune_bucket(client: Client, timer: Timer, n: int, k: int, m: int, target: Target,
                  cls: str, scheme: str, top: int, near: int, rounds: int, margin: float,
-                 progress: Progress, res: ShapeResult) -> BucketResult | None:
+                 progress: Progress, res: ShapeResult, widen: int = 0) -> BucketResult | None:
     got_cls, cands = candidates(client, n, k, m, target, top, near, scheme)
     if got_cls != cls:  # the family's class depends on (N, K) and the device only
         raise ValueError(f"{n}x{k}: the plan's class changed with M ({cls} -> {got_cls})")
     timing = timer.time(n, k, m, cands, rounds, cls)
+    short = short_of_competitor(timing.rounds) if widen > 0 else None
+    if short is not None:
+        got_cls, wide = candidates(client, n, k, m, target, top + widen, near, scheme)
+        if got_cls == cls and len(wide) > len(cands):
+            progress(f"  M<={m}: the best of {len(cands)} is {short:.2f}x "
+                     f"{timing.competitor or REFERENCE}; timing {len(wide)} candidates")
+            cands, timing = wide, timer.time(n, k, m, wide, rounds, cls)
     times = timing.rounds
     for i, r in times.items():
         if i >= 0 and r:
