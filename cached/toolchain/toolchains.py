@@ -90,8 +90,9 @@ class Toolchain:
     runtime_library: str | None = None
     versions: Mapping[str, str] = field(default_factory=dict)
     records: Mapping[str, Any] = field(default_factory=dict, compare=False)
-    """``{RECORD path: [stamp, component]}`` as the probe hashed them
-    (cached_client.identity.records), stated in ``hello`` for clients on this node."""
+    """``{RECORD path: [stamp, component]}`` and ``{DSL runtime library: [stamp, sha256]}``
+    as the probe hashed them (cached_client.identity.records), stated in ``hello`` for
+    clients on this node."""
 
     @property
     def digest(self) -> str:
