@@ -645,10 +645,10 @@ def engine(args: argparse.Namespace) -> None:
     os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     os.environ["VLLM_BATCH_INVARIANT"] = "0" if args.mode == "a" else "1"
-    if args.mode != "c" and "quantization_config" not in json.loads(
-            (Path(args.ckpt) / "config.json").read_text()):
-        # a BF16 model: under batch invariance the plugin serves every BF16 GEMM by itself
-        # (no certification, no --linear-backend), so (a) and (b) run without the daemon
+    if args.mode != "c":
+        # under batch invariance the plugin serves every BF16 GEMM by itself (no
+        # certification, no --linear-backend: a BF16 model's linears, an FP8 model's
+        # lm_head), so (a) and (b) run without the daemon: vLLM's own kernels only
         os.environ.pop("CACHED_SOCKET", None)
     res: dict = {"mode": args.mode, "stage": "import", "errors": []}
 
