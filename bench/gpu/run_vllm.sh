@@ -23,7 +23,8 @@
 # VLLM_BATCH_INVARIANT=1); the FP8 schemes' stores hold the BF16 lm_head's kernels too
 # (VOCAB x 4096). The gpu call reads the scheme and vocabulary from C/. TUNE=1 (build):
 # the store also holds every candidate `cached tune` times for the model's shapes
-# (tune_bundle.py: the plan's first 3 and the 2 nearest recorded winners per M bucket), and
+# (tune_bundle.py: the plan's first 3 plus the 6 a widened bucket adds, and the 2 nearest
+# recorded winners, per M bucket), and
 # the gpu call runs `cached tune` against the daemon before the modes start, so (c) plans
 # from this card's winners (BF16 and FP8-dynamic: the schemes bf16 and token-fast).
 set -euo pipefail

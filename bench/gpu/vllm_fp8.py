@@ -1011,8 +1011,10 @@ def summarize(args: argparse.Namespace) -> None:
             for name, us, c in t["cpu_top_per_step"][:18]:
                 print(f"  {us:9.1f} {c:6.2f}  {name}")
     for m, r in runs.items():
-        for b, p in (r.get("gpu_profile") or {}).items():
-            if p and b != "8":  # the smallest, middle and largest batches are enough
+        profiled = sorted((r.get("gpu_profile") or {}).items(), key=lambda kv: int(kv[0]))
+        shown = sorted({0, len(profiled) // 2, len(profiled) - 1})  # smallest, middle, largest
+        for b, p in (profiled[i] for i in shown if profiled):
+            if p:
                 print(f"\n{names[m]} batch {b}, kernels per decode step (us, launches):")
                 for name, t, c in p["top"]:
                     print(f"  {t:9.2f} {c:5.1f}  {name[:150]}")
@@ -1063,7 +1065,7 @@ def main() -> None:
     p.add_argument("--batches", default=",".join(map(str, PERF_BATCHES)),
                    help="the throughput and profile batches (and CUDA graph sizes)")
     p.add_argument("--profile-only", action="store_true",
-                   help="with --quick: the GPU profile only (no throughput)")
+                   help="the GPU profile without the throughput runs")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.25,
                    help="each mode's share of the GPU (all modes stay resident)")
     p.add_argument("--quick", action="store_true",
