@@ -968,9 +968,13 @@ def test_pdl_twins():
     decode-band tactic (swap_ab, wg_n = 2, the narrow widths: 41 in S = 1, 24 per S > 1),
     equal to it in every other field, in its class (the K walk is the same; bitwise
     checked on an H200: docs/history.md, eighth pass), named with '_pdl', recorded as
-    '+pdl', ranked right after it by the model; any other tactic may take pdl too."""
+    '+pdl', ranked by the model as its tactic less the microseconds the cost file says a
+    pdl launch saves at the M regime (TWINS: right after it where none is fitted); any other
+    tactic may take pdl too."""
     import dataclasses as dc
 
+    saves = {r: COST.cost_model()["TWINS"].get(("pdl", "on", r)) for r in range(3)}
+    assert saves[0] and saves[0] > 0 and saves[1] is None  # decode sizes only, measured
     for s in T.SPLIT_CHOICES:
         space = SPACE.tactic_space(splits=s)
         base = {t.name: t for t in space if not t.pdl}
@@ -989,15 +993,20 @@ def test_pdl_twins():
             assert key == WIN.recorded_key(b) + "+pdl"
             assert WIN.tactic_from_key(key, s, "bfloat16", "e4m3") == t
             assert tactic_from_params(json.loads(json.dumps(t.to_params()))) == t
-            assert (COST.rank_key(t, 64, 4096, 4096, 132)[:-1]
-                    == COST.rank_key(b, 64, 4096, 4096, 132)[:-1])
-    # (the model's order: a device with no recorded winners)
-    order = [t.name for t in enumerate_tactics(32, 4096, 14336, num_sms=114, splits=1)]
-    for i, nm in enumerate(order):
-        if nm.endswith("_pdl"):
-            assert order.index(nm.removesuffix("_pdl")) < i
-    # the model never prefers a twin; the recorded winners do where pdl won every round
-    # (eighth pass): the plan's first choice there is the twin, in the same class
+            tk, bk = (COST.rank_key(x, 64, 4096, 4096, 132) for x in (t, b))
+            assert abs(tk[0] - (bk[0] - saves[0])) <= 0.001 and tk[1:-1] == bk[1:-1]
+            assert (COST.rank_key(t, 128, 4096, 4096, 132)[:-1]
+                    == COST.rank_key(b, 128, 4096, 4096, 132)[:-1])
+    # (the model's order: a device with no recorded winners): at M <= 64 a twin before its
+    # tactic, past it (nothing fitted) right after
+    for m, twin_first in ((32, True), (128, False)):
+        order = [t.name for t in enumerate_tactics(m, 4096, 14336, num_sms=114, splits=1)]
+        twins = [i for i, nm in enumerate(order) if nm.endswith("_pdl")]
+        assert twins
+        for i in twins:
+            assert (order.index(order[i].removesuffix("_pdl")) > i) == twin_first
+    # the recorded winners name the twin where pdl won every round (eighth pass): the
+    # plan's first choice there is the twin, in the same class
     recorded = [(n, k, s, m, key) for (_, n, k), per in WIN.recorded_winners().items()
                 for s, row in per.items() for m, key, _ in row]
     pdl_keys = [r for r in recorded if r[4].endswith("+pdl")]

@@ -266,7 +266,8 @@ def _emit(table: dict, path: str, how: list[str]) -> None:
 
 def write_cost(tables: dict, constants: dict, path: str, how: list[str]) -> None:
     """Write a cost file (the format cost.load_cost reads): per tile kind the per-K-tile
-    rows [tile_m, tile_n, [M <= 64, M <= 1024, larger]] in us, and model_parts' constants."""
+    rows [tile_m, tile_n, [M <= 64, M <= 1024, larger]] in us, and model_parts' constants;
+    the family's twins (hopper_fp8_twins.py) carried over as they are."""
     head = {"about": how, "device": "NVIDIA H200", "sm_count": 132}
     text = json.dumps(head, indent=1)[:-2] + ',\n "us_per_k_tile": {\n'
     kinds = []
@@ -275,7 +276,16 @@ def write_cost(tables: dict, constants: dict, path: str, how: list[str]) -> None
                            for (tm, tn), per in sorted(rows.items()))
         kinds.append(f'  "{kind}": [\n{body}\n  ]')
     text += ",\n".join(kinds) + "\n },\n"
-    text += f' "constants": {json.dumps(constants)}\n}}\n'
+    text += f' "constants": {json.dumps(constants)}'
+    with open(COST.COST_FILE) as f:
+        current = json.load(f)  # the twins (bench/gpu/hopper_fp8_twins.py) as they are
+    for key in ("twins_about", "twins"):
+        if key in current:
+            rows = ",\n".join(f"  {json.dumps(r)}" for r in current[key]) \
+                if key == "twins" else None
+            text += (f',\n "twins": [\n{rows}\n ]' if rows is not None
+                     else f',\n "{key}": {json.dumps(current[key])}')
+    text += "\n}\n"
     json.loads(text)
     with open(path, "w") as f:
         f.write(text)

@@ -6,9 +6,12 @@ microseconds one CTA spends per K tile (128 bytes of an operand row: 128 FP8 ele
 bf16 K tile of 64 elements is taken to cost the same, its bytes being the same and its four
 wgmma k16 running at half the FP8 k32 rate), by tile kind (plain, swap_ab, wg_n = 2,
 ping-pong), (tile_m, tile_n) and M regime (M <= 64, M <= 1024, larger), and the constants
-of model_parts (bandwidth in bytes/us, drain in K tiles, times in us). They are read once,
-on the first call of cost_model(), never at import. The model is only an order: it ranks
-the tactics of a space (rank_key); it never changes what a kernel computes.
+of model_parts (bandwidth in bytes/us, drain in K tiles, times in us), and the twins
+(TWINS, per M regime: a cluster's factor on the compute part, the microseconds a pdl launch
+saves; ``bench/gpu/hopper_fp8_twins.py`` fits them on timed pairs that differ only there).
+They are read once, on the first call of cost_model(), never at import. The model is only
+an order: it ranks the tactics of a space (rank_key); it never changes what a kernel
+computes.
 
 Imports neither cutlass nor torch (the daemon's main process ranks with it).
 """
@@ -41,6 +44,10 @@ _COST_CONSTANTS = {"hbm_bytes_per_us": "HBM_BYTES_PER_US", "drain_k_tiles": "DRA
                    "cta_fixed_us": "CTA_FIXED_US",
                    "cta_reduce_us_per_kb": "CTA_REDUCE_US_PER_KB", "launch_us": "LAUNCH_US"}
 _loaded: dict[str, Any] = {}  # cost_model()'s cache: empty until the first call
+# the cost file's "twins" rows: [feature, value, regime (as _regime), figure, pairs fitted on]
+# with value "CMxCN" and figure the compute part's factor for "cluster", value "on" and
+# figure the us the launch saves for "pdl"
+TWIN_FEATURES = ("pdl", "cluster")
 CTA_PAST_ONE_WAVE_US = 1e9  # rank a 'cta' split that needs two waves or more last
 
 
@@ -60,6 +67,13 @@ def load_cost(path: str | Path) -> dict[str, Any]:
             out[name] = float(raw["constants"][key])
             if out[name] <= 0:
                 raise ValueError(f"constant {key} must be positive")
+        out["TWINS"] = {}
+        for feature, value, regime, figure, _pairs in raw.get("twins", []):
+            bounds = (0.25, 4.0) if feature == "cluster" else (-5.0, 5.0)
+            if feature not in TWIN_FEATURES or regime not in (0, 1, 2) \
+                    or not bounds[0] < figure < bounds[1]:
+                raise ValueError(f"twins: bad row {[feature, value, regime, figure]}")
+            out["TWINS"][(feature, str(value), int(regime))] = float(figure)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path}: not a {FAMILY} cost file: {type(exc).__name__}: {exc}"
                          ) from None
@@ -101,8 +115,16 @@ def work_units(t: HopperFp8Tactic, m: int, n: int) -> int:
 
 
 def estimate_us(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int = H200_NUM_SMS) -> float:
-    """Model time in microseconds: the larger of model_parts() plus the launch cost."""
-    return max(model_parts(t, m, n, k, num_sms)) + cost_model()["LAUNCH_US"]
+    """Model time in microseconds: the larger of model_parts() (the compute part times a
+    cluster's twin factor) plus the launch cost, less what a pdl launch saves (TWINS; none
+    where the cost file has no figure for the feature, value and M regime)."""
+    compute, memory = model_parts(t, m, n, k, num_sms)
+    twins, regime = cost_model()["TWINS"], _regime(m)
+    feats = twin_value(t, m, n)
+    if "cluster" in feats:
+        compute *= twins.get(("cluster", feats["cluster"], regime), 1.0)
+    saved = twins.get(("pdl", "on", regime), 0.0) if "pdl" in feats else 0.0
+    return max(compute, memory) + cost_model()["LAUNCH_US"] - saved
 
 
 def model_parts(t: HopperFp8Tactic, m: int, n: int, k: int,
@@ -138,11 +160,22 @@ def model_parts(t: HopperFp8Tactic, m: int, n: int, k: int,
     return compute, memory
 
 
+def twin_value(t: HopperFp8Tactic, m: int, n: int) -> dict[str, str]:
+    """{feature: value} of the twin features ``t`` has at (m, n): "pdl": "on" for a pdl
+    launch, "cluster": "CMxCN" for a cluster that tiles the output grid with no padded tile
+    (a padding cluster's cost is work_units'; no twin figure applies to it)."""
+    out = {"pdl": "on"} if t.pdl else {}
+    if t.cluster_size > 1 and (-(-m // t.tile_m)) % t.cluster_m == 0 \
+            and (-(-n // t.tile_n)) % t.cluster_n == 0:
+        out["cluster"] = f"{t.cluster_m}x{t.cluster_n}"
+    return out
+
+
 def rank_key(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int) -> tuple:
     """The tactic's rank for (m, n, k) on ``num_sms`` SMs; smaller is better. Model time
-    (us, rounded to 1 ns), then its compute part (in a memory-bound tie, the tactic whose
-    units would finish the math sooner: more CTAs streaming the weight), then the measured
-    preferences (docs/history.md): no cluster, the smaller swizzle, cluster 1x1,
+    (estimate_us, rounded to 1 ns), then its compute part (in a memory-bound tie, the tactic
+    whose units would finish the math sooner: more CTAs streaming the weight), then the
+    measured preferences (docs/history.md): no cluster, the smaller swizzle, cluster 1x1,
     raster along M, fewer work units (less partial traffic), larger tile_n, larger
     tile_m, and pdl=False before its pdl twin."""
     return (
@@ -155,6 +188,6 @@ def rank_key(t: HopperFp8Tactic, m: int, n: int, k: int, num_sms: int) -> tuple:
         work_units(t, m, n),
         -t.tile_n,
         -t.tile_m,
-        t.pdl,  # the model does not see launch overlap: a pdl twin ranks after its tactic
+        t.pdl,  # where the launch saves nothing measured, a pdl twin ranks after its tactic
     )
 
