@@ -87,11 +87,12 @@ def module_files(module: str) -> tuple[str, ...]:
     return tuple(bi.relative_sources(module))
 
 
-def family_files(family: str) -> tuple[str, ...] | None:
-    """The files a daemon family's key hashes, relative to the package; None when this
-    environment's FlashInfer lacks the family (or FlashInfer is absent). KeyError for a
-    family whose sources are not FlashInfer's."""
-    if package_dir() is None:
+def family_files(family: str, root: Path | None = None) -> tuple[str, ...] | None:
+    """The files a daemon family's key hashes, relative to the package (``root``, when the
+    caller found it already: :func:`package_dir`); None when this environment's FlashInfer
+    lacks the family (or FlashInfer is absent). KeyError for a family whose sources are not
+    FlashInfer's."""
+    if (root or package_dir()) is None:
         return None
     if family == "flashinfer.mm_fp4":
         return MM_FP4_SOURCES

@@ -26,7 +26,9 @@ invoked:
 
 Stdlib only, nothing heavy imported (distributions are found by their ``.dist-info``
 directory names on ``sys.path``, as importlib.metadata would, without parsing every
-METADATA); every value is computed once per process.
+METADATA); every value is computed once per process. What is costly to find again (a RECORD's
+component, the DSL runtime's digest, a directory's ``.dist-info`` names, the content digest of
+a family's files) is remembered by the stamps of what it was read from (:class:`ComponentCache`).
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ import json
 import logging
 import os
 import re
+import stat
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,36 +70,94 @@ IDENTITY_CACHE_ENV = "CACHED_IDENTITY_CACHE"
 _SYSCONFIG_LOCK = threading.Lock()
 logger = logging.getLogger("cached_client")
 _DIST_INFO = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)\.dist-info$")
+_SEPARATORS = re.compile(r"[-_.]+")
+SOURCES_PREFIX = "sources:"
+"""Key prefix of a family's content digest in the component cache (no file of that name)."""
+RACY_S = 2.0
+"""A listing or content digest is remembered only when what it was read from last changed
+more than this long before (seconds): a change within one timestamp tick of the read would
+keep its stamp."""
+LARGE_LISTING = 64
+"""Entries of a directory whose fresh listing is worth writing the cache for at once."""
+_used: dict[str, list] = {}
+"""Listings and content digests this process used, ``{key: [stamp, value]}`` (records)."""
 
 
 @dataclass(frozen=True)
 class Dist:
-    """An installed distribution: normalised name, version and its .dist-info directory."""
+    """An installed distribution: normalised name, version and its .dist-info directory
+    (``location``, a path string; :attr:`path` as a Path)."""
 
     name: str
     version: str
-    path: Path
+    location: str
+
+    @functools.cached_property
+    def path(self) -> Path:
+        return Path(self.location)
 
 
 def normalise(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+    return _SEPARATORS.sub("-", name).lower()
 
 
 @functools.cache
 def distributions() -> dict[str, Dist]:
     """Installed distributions by normalised name; the first on ``sys.path`` wins."""
     found: dict[str, Dist] = {}
+    cache = _component_cache()
+    worth_writing = False
     for entry in sys.path:
-        try:
-            names = sorted(os.listdir(entry or "."))
-        except OSError:
-            continue
+        directory = entry or "."
+        names, large = dist_info_names(directory, cache)
+        worth_writing = worth_writing or large
         for item in names:
             m = _DIST_INFO.match(item)
             if m is not None:
                 name = normalise(m["name"])
-                found.setdefault(name, Dist(name, m["version"], Path(entry or ".") / item))
+                if name not in found:
+                    found[name] = Dist(name, m["version"], os.path.join(directory, item))
+    if worth_writing:
+        cache.save()
     return found
+
+
+def dist_info_names(directory: str, cache: ComponentCache) -> tuple[list[str], bool]:
+    """(the ``.dist-info`` names in ``directory``, sorted; whether a listing of at least
+    LARGE_LISTING entries was remembered now, worth a write of the cache): ``cache``'s
+    listing while the directory's stamp is the one it was listed at (adding, removing or
+    renaming an entry changes a directory's mtime), else a listing, remembered once the
+    directory has not changed for RACY_S (a smaller one is written with the cache's next
+    entry: listing it costs less than a write); stamped before it is listed, so a change
+    meanwhile only costs a listing next time. [] for what is no directory."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return [], False
+    if not stat.S_ISDIR(st.st_mode):
+        return [], False
+    key, stamp = os.path.abspath(directory), _stamp(st)
+    held = cache.components.get(key)
+    if held is not None and held[0] == stamp:
+        _used[key] = [stamp, held[1]]
+        return (held[1].split("\0") if held[1] else []), False
+    try:
+        listing = os.listdir(directory)
+    except OSError:
+        return [], False
+    names = sorted(n for n in listing if n.endswith(".dist-info"))
+    if not _settled(st):
+        return names, False
+    value = "\0".join(names)
+    cache.remember(key, stamp, value)
+    _used[key] = [stamp, value]
+    return names, len(listing) >= LARGE_LISTING
+
+
+def _settled(*stats: os.stat_result) -> bool:
+    """Whether each of these was last changed more than RACY_S ago."""
+    now = time.time_ns()
+    return all(now - st.st_mtime_ns > RACY_S * 1e9 for st in stats)
 
 
 @functools.cache
@@ -147,13 +209,16 @@ def _stamp(st: os.stat_result) -> list[int]:
 
 
 class ComponentCache:
-    """Digests of files by path and :func:`_stamp`: :func:`dist_component` of a RECORD, and
-    the DSL runtime library's sha256 (:func:`runtime`), kept in ``path`` (JSON, this user's
-    private directory) so a process does not hash the RECORD of every stack distribution
-    again (torch's lists some 12,000 files) nor parse the DSL's to find its runtime's.
+    """Digests of files by path and :func:`_stamp`: :func:`dist_component` of a RECORD, the
+    DSL runtime library's sha256 (:func:`runtime`), a ``sys.path`` directory's ``.dist-info``
+    names (:func:`dist_info_names`) and, under :data:`SOURCES_PREFIX`, the content digest of
+    a family's files by their stamps (:func:`files_content`), kept in ``path`` (JSON, this
+    user's private directory) so a process does not hash the RECORD of every stack
+    distribution again (torch's lists some 12,000 files), nor parse the DSL's to find its
+    runtime's, nor list site-packages, nor read FlashInfer's kernel files.
 
-    Invariants: an entry is used only while its RECORD's stamp is unchanged (pip writes a
-    new RECORD on every install); at most MAX_ENTRIES entries; the file is read once per
+    Invariants: an entry is used only while its file's (or files') stamp is unchanged (pip
+    writes a new RECORD on every install); at most MAX_ENTRIES entries; the file is read once per
     process and written atomically, both through a descriptor of its directory checked at
     that moment (cached_client.loader.open_private_dir: a real directory of this uid that
     only it can write) and only as a regular file of this uid (no link). Absence, a
@@ -233,11 +298,12 @@ class ComponentCache:
             held = self.components.get(record)
             if held is not None and held[0] == stamp:
                 continue  # known at this stamp (a later hello): no stat, own value kept
-            try:
-                if _stamp(os.stat(record)) != stamp:
+            if not record.startswith(SOURCES_PREFIX):  # those: their files' stamps, at use
+                try:
+                    if _stamp(os.stat(record)) != stamp:
+                        continue
+                except OSError:
                     continue
-            except OSError:
-                continue
             with self._lock:
                 self.components[record] = (stamp, component)
             adopted += 1
@@ -245,12 +311,22 @@ class ComponentCache:
 
     def put(self, record: str, stamp: list[int], component: str) -> None:
         """Remember one component and rewrite the file (best effort)."""
+        self.remember(record, stamp, component)
+        self.save()
+
+    def remember(self, record: str, stamp: list[int], component: str) -> None:
+        """Hold one component in memory; :meth:`save` writes it."""
         with self._lock:
             self.components[record] = (stamp, component)
+
+    def save(self) -> None:
+        """Rewrite the file with what is held (best effort)."""
+        with self._lock:
             if self.path is None:
                 return
-            if len(self.components) > self.MAX_ENTRIES:  # RECORDs gone first, then oldest
-                alive = {k: v for k, v in self.components.items() if os.path.exists(k)}
+            if len(self.components) > self.MAX_ENTRIES:  # files gone first, then oldest
+                alive = {k: v for k, v in self.components.items()
+                         if k.startswith(SOURCES_PREFIX) or os.path.exists(k)}
                 self.components = dict(list(alive.items())[-self.MAX_ENTRIES:])
             data = {"version": self.VERSION,
                     "components": {k: [v[0], v[1]] for k, v in self.components.items()}}
@@ -280,9 +356,10 @@ def _component_cache() -> ComponentCache:
 
 def records() -> dict[str, list]:
     """``{RECORD path: [stamp, component]}`` of the stack's and FlashInfer's distributions,
-    and ``{runtime library path: [stamp, sha256]}`` of the DSL runtime: what the daemon
-    states in its ``hello`` so a client on the node need not hash them
-    (ComponentCache.adopt)."""
+    ``{runtime library path: [stamp, sha256]}`` of the DSL runtime, then the directory
+    listings and content digests this process used (:func:`dist_info_names`,
+    :func:`files_content`): what the daemon states in its ``hello`` so a client on the node
+    need not hash, list or read them (ComponentCache.adopt)."""
     out: dict[str, list] = {}
     for name, dist in distributions().items():
         if name in STACK_NAMES or name.startswith(STACK_PREFIX) or name == FLASHINFER_DIST:
@@ -298,6 +375,8 @@ def records() -> dict[str, list]:
             out[path] = [_stamp(os.stat(path)), sha]
         except OSError:
             pass
+    for key, entry in _used.items():
+        out.setdefault(key, entry)
     return out
 
 
@@ -350,27 +429,57 @@ def family_source(family: str) -> str | None:
     FlashInfer's (the daemon's own families) or this FlashInfer lacks the family."""
     if family not in flashinfer_sources.FAMILIES:
         return None
-    files = flashinfer_sources.family_files(family)
+    root = flashinfer_sources.package_dir()
+    files = None if root is None else flashinfer_sources.family_files(family, root)
     if files is None:
         return None
     try:
-        return flashinfer_files_source(files)
+        return flashinfer_files_source(files, root)
     except OSError:
         return None
 
 
-def flashinfer_files_source(files: tuple[str, ...]) -> str:
-    """The sources a kernel compiled from these FlashInfer files (relative to the package)
-    has in this environment: the FlashInfer distribution's installed content (which covers
-    the helpers the files import) and the files' own content (which covers an editable
-    install, whose RECORD lists no files). OSError for a missing file or no FlashInfer."""
-    root = flashinfer_sources.package_dir()
+def flashinfer_files_source(files: tuple[str, ...], root: Path | None = None) -> str:
+    """The sources a kernel compiled from these FlashInfer files (relative to the package
+    ``root``, by default this environment's) has in this environment: the FlashInfer
+    distribution's installed content (which covers the helpers the files import) and the
+    files' own content (which covers an editable install, whose RECORD lists no files).
+    OSError for a missing file or no FlashInfer."""
+    root = root or flashinfer_sources.package_dir()
     if root is None:
         raise FileNotFoundError("FlashInfer is not installed here")
     dist = distributions().get(FLASHINFER_DIST)
     dist_part = dist_component(dist) if dist is not None else "flashinfer-python==unknown"
-    content = flashinfer_sources.content_sha256(root, files)
+    content = files_content(root, files)
     return hashlib.sha256(f"{dist_part}\n{content}".encode()).hexdigest()
+
+
+def files_content(root: Path, files: tuple[str, ...]) -> str:
+    """flashinfer_sources.content_sha256 of ``files`` under ``root``: this user's (or the
+    daemon's adopted) digest while every file's stamp is the one it was read at (stamped
+    before it is read, so a change meanwhile only costs a read next time; remembered once
+    none has changed for RACY_S). FileNotFoundError for a missing file."""
+    names = sorted(set(files))
+    stats = [os.stat(root / rel) for rel in names]
+    key = SOURCES_PREFIX + json.dumps([str(root), names])
+    stamp = _files_stamp(stats)
+    cache = _component_cache()
+    held = cache.components.get(key)
+    if held is not None and held[0] == stamp:
+        _used[key] = [stamp, held[1]]
+        return held[1]
+    content = flashinfer_sources.content_sha256(root, tuple(names))
+    if all(stat.S_ISREG(st.st_mode) for st in stats) and _settled(*stats):
+        cache.put(key, stamp, content)
+        _used[key] = [stamp, content]
+    return content
+
+
+def _files_stamp(stats: list[os.stat_result]) -> list[int]:
+    """One stamp for several files, in order: four 62-bit words of the sha256 of each one's
+    :func:`_stamp` (equal only while every stamp is)."""
+    raw = hashlib.sha256(json.dumps([_stamp(st) for st in stats]).encode()).digest()
+    return [int.from_bytes(raw[i:i + 8], "big") >> 2 for i in range(0, 32, 8)]
 
 
 def _record_sha256(path: str) -> str | None:

@@ -34,7 +34,6 @@ import stat
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 from .errors import IntegrityError
@@ -43,6 +42,7 @@ from .paths import scratch_dir, trusted_uids
 RUNTIME_LIBRARY_ENV = "CACHED_DSL_RUNTIME"
 RUNTIME_LIBRARY_NAME = "libcute_dsl_runtime.so"
 _opened_runtimes: dict[str, ctypes.CDLL] = {}
+_installed_runtime: dict[str, str] = {}  # name -> the installed DSL's (runtime_library_path)
 _lock = threading.Lock()
 logger = logging.getLogger("cached_client")
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -74,7 +74,12 @@ def installed_runtime_libraries(name: str) -> list[str]:
     found: list[str] = []
     if spec and spec.submodule_search_locations:
         for root in spec.submodule_search_locations:
-            found += [str(p) for p in sorted(Path(root).glob(f"cu*/lib/{name}"), reverse=True)]
+            try:
+                dirs = [d for d in os.listdir(root) if d.startswith("cu")]
+            except OSError:
+                continue
+            paths = (os.path.join(root, d, "lib", name) for d in sorted(dirs, reverse=True))
+            found += [p for p in paths if os.path.isfile(p)]
     return found
 
 
@@ -83,11 +88,17 @@ def runtime_library_path() -> str | None:
     (client-side configuration, e.g. a bare library carried on a GPU node), else the
     installed DSL's; None when there is neither. Never a path or name a daemon states: the
     library is opened RTLD_GLOBAL, and its digest is this process's identity
-    (cached_client.identity.runtime hashes this same file, once per process)."""
+    (cached_client.identity.runtime hashes this same file, once per process). The installed
+    one found is remembered for the process while it is a file (found once, not per use)."""
     env = os.environ.get(RUNTIME_LIBRARY_ENV)
     if env and os.path.isfile(env):
         return env
+    found = _installed_runtime.get(RUNTIME_LIBRARY_NAME)
+    if found is not None and os.path.isfile(found):
+        return found
     installed = installed_runtime_libraries(RUNTIME_LIBRARY_NAME)
+    if installed:
+        _installed_runtime[RUNTIME_LIBRARY_NAME] = installed[0]
     return installed[0] if installed else None
 
 
