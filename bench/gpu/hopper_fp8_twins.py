@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses as dc
+import functools
 import json
-import math
 import os
 import statistics
 import sys
@@ -73,15 +73,12 @@ def load(paths: list[str]) -> dict[Bucket, list[tuple[HopperFp8Tactic, float]]]:
     return out
 
 
-_names: dict[str, HopperFp8Tactic] = {}
-
-
+@functools.cache
 def _by_name() -> dict[str, HopperFp8Tactic]:
-    if not _names:
-        from cached.families.hopper_fp8.space import tactic_space
+    """The family's tactics by name (the CSVs' kernels)."""
+    from cached.families.hopper_fp8.space import tactic_space
 
-        _names.update((t.name, t) for t in tactic_space())
-    return _names
+    return {t.name: t for t in tactic_space()}
 
 
 def pairs(buckets: dict) -> dict[tuple[str, str, int], list[tuple[float, tuple[int, int]]]]:
@@ -139,10 +136,6 @@ def first_over_best(buckets: dict, factors: dict) -> list[tuple[int, int, float]
         COST.cost_model()["TWINS"] = saved
 
 
-def _gm(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
-
-
 def report(buckets: dict, min_pairs: int) -> dict:
     """Print the fit and the ranking figures; return the factors fitted on every run."""
     fitted = fit(buckets, min_pairs)
@@ -164,13 +157,13 @@ def report(buckets: dict, min_pairs: int) -> dict:
         cells = []
         for r in rows.values():
             q = [x for n, k, x in r if (n, k) == nk]
-            cells.append(f"{_gm(q):.3f} ({max(q):.2f})" if q else "-")
+            cells.append(f"{statistics.geometric_mean(q):.3f} ({max(q):.2f})" if q else "-")
         print(f"  {nk[0]}x{nk[1]}".ljust(15) + "".join(f"{c:>16}" for c in cells))
     for w, r in rows.items():
         q = [x for _n, _k, x in r]
         if q:
-            print(f"{w}: geomean {_gm(q):.3f}, worst {max(q):.3f}, within 3 %: "
-                  f"{sum(x <= 1.03 for x in q)} of {len(q)} buckets")
+            print(f"{w}: geomean {statistics.geometric_mean(q):.3f}, worst {max(q):.3f}, "
+                  f"within 3 %: {sum(x <= 1.03 for x in q)} of {len(q)} buckets")
     return fitted
 
 
