@@ -121,11 +121,16 @@ class Attachment:
     (``fds``, in the order the reply names them), or a file sent as the reply's payload
     (``payload_fd``: ``payload_size`` bytes from offset 0, announced as ``payload_size``).
     The server owns the descriptors once a handler returns them and closes them when they
-    are sent or the connection is gone."""
+    are sent or the connection is gone. ``encoded``: the successful reply already encoded,
+    its frame after the leading id (cached_client.protocol.encode_after_id of ``{"ok":
+    true, ...}``, made once for many requests: cached.artifacts.Served.hit_reply); the
+    server sends it under the request's integer id, and encodes the reply message itself
+    for any other id or a payload."""
 
     fds: list[int] = field(default_factory=list)
     payload_fd: int | None = None
     payload_size: int = 0
+    encoded: bytes | None = None
 
     def close(self) -> None:
         for fd in [*self.fds, *([] if self.payload_fd is None else [self.payload_fd])]:

@@ -397,6 +397,9 @@ class Server:
             reply_message = await self._handle(request, peer)
             if isinstance(reply_message, tuple):
                 reply_message, attachment = reply_message
+                if (attachment.encoded is not None and attachment.payload_fd is None
+                        and type(message.get("id")) is int):
+                    return p.frame_after_id(message["id"], attachment.encoded), attachment
             reply = {"ok": True, **reply_message.to_wire()}
             if attachment is not None and attachment.payload_fd is not None:
                 reply["payload_size"] = attachment.payload_size

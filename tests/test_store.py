@@ -189,3 +189,9 @@ def test_a_rows_hit_is_the_row_with_one_more_hit_and_every_other_column_kept():
     row = Row(**values)
     assert row.hit(1e9) == dataclasses.replace(row, hits=row.hits + 1, last_used=1e9)
     assert row.hit(1e9) != row and row.hits == values["hits"]  # a new row, this one kept
+    assert row.hit(1e9).same_version(row)  # what a hit changes is no new version
+    for f in fields:
+        if f.name not in ("hits", "last_used"):
+            other = dataclasses.replace(row, **{f.name: values[f.name] + (
+                1 if isinstance(values[f.name], int) else " changed")})
+            assert not other.same_version(row), f.name

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import re
 from collections.abc import Mapping
@@ -180,6 +181,12 @@ class Row:
                    self.library_sha256, self.library_size, self.size, self.compile_seconds,
                    self.created, now, self.hits + 1, self.meta, self.kind, self.files)
 
+    def same_version(self, other: Row) -> bool:
+        """Whether ``other`` is this row but for its hit count and last use (what
+        :meth:`hit` changes): every other column equal, so whatever is derived from the row
+        alone (an encoded reply: cached.artifacts.Served.hit_reply) holds for both."""
+        return _VERSION(self) == _VERSION(other)
+
     def columns(self) -> dict[str, Any]:
         """The row as SQLite stores it, ``{column: value}``."""
         return {name: getattr(self, name) for name in COLUMNS}
@@ -219,3 +226,7 @@ class Entry:
     @property
     def key(self) -> str:
         return self.row.key
+
+
+_VERSION = operator.attrgetter(*(c for c in COLUMNS if c not in ("hits", "last_used")))
+"""A row's columns but for what a hit changes (:meth:`Row.same_version`)."""

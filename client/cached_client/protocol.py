@@ -133,10 +133,22 @@ def encode_frame(message: dict) -> bytes:
     ``cached.frames.DecodedFrameCache``)."""
     request_id = message.get("id")
     if type(request_id) is int and len(message) > 1:
-        rest = _FRAME_JSON({k: v for k, v in message.items() if k != "id"})
-        body = f'{{"id":{request_id},{rest[1:]}'.encode()
-    else:
-        body = _FRAME_JSON(message).encode()
+        return frame_after_id(request_id,
+                              encode_after_id({k: v for k, v in message.items() if k != "id"}))
+    body = _FRAME_JSON(message).encode()
+    return HEADER.pack(len(body)) + body
+
+
+def encode_after_id(members: dict) -> bytes:
+    """What follows ``{"id":N,`` in :func:`encode_frame`'s frame of ``members`` (a non-empty
+    object without ``id``) under an integer id N: encode it once, send it under many ids."""
+    return _FRAME_JSON(members)[1:].encode()
+
+
+def frame_after_id(request_id: int, tail: bytes) -> bytes:
+    """The frame of integer id ``request_id`` and an :func:`encode_after_id` tail: the very
+    bytes :func:`encode_frame` writes for that object with that id."""
+    body = b'{"id":%d,' % request_id + tail
     return HEADER.pack(len(body)) + body
 
 
