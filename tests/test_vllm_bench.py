@@ -166,3 +166,32 @@ def test_the_bf16_checkpoint_is_unquantized_with_its_vocabulary(tmp_path):
     assert res["dtypes"] == ["torch.bfloat16"] and res["lm_head"] == [256, 4096]
     assert res["keys"] == ["down_proj", "gate_proj", "input_layernorm", "k_proj", "o_proj",
                            "post_attention_layernorm", "q_proj", "up_proj", "v_proj"]
+
+
+WAIT_THEN_WORK = r"""
+import importlib.util, signal, sys, threading, time
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("vllm_fp8", sys.argv[1])
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+turn = Path(sys.argv[2])
+threading.Timer(3.0, turn.touch).start()
+signal.alarm(2)      # what --mode-timeout 2 arms
+bench._wait(turn)    # 3 s waiting for another mode's turn: not counted
+time.sleep(1.0)      # 1 s of its own work
+print("alive", flush=True)
+time.sleep(3.0)      # past its 2 s
+print("not reached", flush=True)
+"""
+
+
+def test_a_modes_wait_for_its_turn_does_not_count_against_its_own_timeout(tmp_path):
+    """run_vllm.sh's MODE_TIMEOUT is a mode's own work (engine --mode-timeout): a wait for
+    the modes before it pauses the alarm, and the alarm still ends the mode past its share."""
+    import signal
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", WAIT_THEN_WORK, str(BENCH), str(tmp_path / "t")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["alive"], r.stdout + r.stderr
+    assert r.returncode == -signal.SIGALRM

@@ -188,10 +188,13 @@ if [[ $mode == gpu ]]; then
   # the modes' processes start together: imports overlap; loads, then measurements, take
   # turns (vllm_fp8.py --turns), so each mode measures with the GPU to itself
   T=/tmp/turns && rm -rf $T && mkdir -p $T
-  ORDER=${ORDER:-c,b,a} && pids=()
-  for m in ${ORDER//,/ }; do
-    TRITON_CACHE_DIR=/tmp/triton_$m timeout "${MODE_TIMEOUT:-300}" python3 "$C/vllm_fp8.py" \
+  # MODE_TIMEOUT: seconds of a mode's own work (not its waits for the others' turns);
+  # the process is ended at the latest when every mode could have used its whole share
+  ORDER=${ORDER:-c,b,a} && pids=() && modes=(${ORDER//,/ }) && own=${MODE_TIMEOUT:-300}
+  for m in "${modes[@]}"; do
+    TRITON_CACHE_DIR=/tmp/triton_$m timeout $((own * ${#modes[@]})) python3 "$C/vllm_fp8.py" \
       engine /tmp/ck --mode "$m" --out $OUT/engine_$m.json --turns $T --order $ORDER \
+      --mode-timeout "$own" \
       --compile-mode "${COMPILE_MODE:-0}" --trace-dir $L ${QUICK:+--quick} ${HOST:+--host} \
       ${NO_TIMELINE:+--no-timeline} ${CONTEXT:+--context $CONTEXT} ${BATCHES:+--batches $BATCHES} \
       ${GPU_UTIL:+--gpu-memory-utilization $GPU_UTIL} ${PROFILE_ONLY:+--profile-only} \

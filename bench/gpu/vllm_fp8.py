@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import time
@@ -540,10 +541,15 @@ def _outputs(outs) -> list[dict]:
 
 
 def _wait(path: Path | None, deadline_s: float = 400.0) -> None:
-    """Wait until ``path`` exists (another mode's process wrote it), at most deadline_s."""
+    """Wait until ``path`` exists (another mode's process wrote it), at most deadline_s.
+    The wait does not count against ``--mode-timeout``: its alarm (SIGALRM, whose default
+    action ends the process) is paused while waiting, with the seconds it had left."""
+    left = signal.alarm(0)
     t = time.monotonic()
     while path is not None and not path.exists() and time.monotonic() - t < deadline_s:
         time.sleep(0.2)
+    if left:
+        signal.alarm(left)
 
 
 def _turns(args: argparse.Namespace) -> tuple[Path | None, Path | None, Path | None, Path | None]:
@@ -639,6 +645,8 @@ def _throughput(llm, vocab: int, SamplingParams, batches,  # noqa: N803
 
 def engine(args: argparse.Namespace) -> None:
     wait_load, loaded, wait_measure, measured = _turns(args)
+    if args.mode_timeout:
+        signal.alarm(args.mode_timeout)  # its own work only: _wait pauses it
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # FlashInfer is not on the H200: the V2 runner's sampler would import vLLM's FlashInfer
     # backend to ask whether FlashInfer's top-k/top-p sampler applies (greedy here)
@@ -1059,6 +1067,9 @@ def main() -> None:
     p.add_argument("--compile-mode", type=int, default=0)
     p.add_argument("--turns", help="directory of the files that order the modes' processes")
     p.add_argument("--order", default="c,b,a", help="the modes, in their turns' order")
+    p.add_argument("--mode-timeout", type=int, default=0,
+                   help="seconds of this mode's own work (its imports, load and measurements; "
+                        "not its waits for the other modes' turns) before it is ended; 0: none")
     p.add_argument("--trace-dir", help="where the timeline's Chrome traces go (gzipped)")
     p.add_argument("--context", type=int, default=PERF_PROMPT,
                    help="prompt tokens of the throughput and profile batches")
