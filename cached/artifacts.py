@@ -29,7 +29,7 @@ RUNTIMES_MAX = 4096
 """Toolchain fingerprints whose runtime is remembered (the toolchains are fixed for the
 daemon's life; the bound only caps what rows naming unknown ones can add)."""
 REPLIES_MAX = 4096
-"""Encoded ``get`` hit replies :meth:`Served.hit_reply` holds (one per stored row version,
+"""Encoded ``get`` hit replies :meth:`Served.get_reply` holds (one per stored row version,
 transfer and blob kinds; about 1.5 KB each)."""
 
 
@@ -66,35 +66,41 @@ class Served:
         self.toolchains = toolchains
         self._runtimes: dict[str, dict] = {}  # fingerprint -> runtime: _runtime
         self._replies: dict[tuple[str, str, tuple[str, ...]],
-                            tuple[Row, p.GetReply, bytes]] = {}  # hit_reply's
+                            tuple[Row, p.GetReply, bytes]] = {}  # get_reply's hits
 
-    def hit_reply(self, entry: Entry, transfer: str,
-                  kinds: tuple[str, ...] = ()) -> tuple[p.GetReply, bytes]:
-        """The reply to a ``get`` that hit the stored ``entry``, by ``transfer`` (``fd``,
-        passing the blobs of ``kinds``, or ``path``), and that reply's frame after its
+    def get_reply(self, entry: Entry, origin: str, transfer: str,
+                  kinds: tuple[str, ...] = ()) -> tuple[p.GetReply, bytes | None]:
+        """The reply to a ``get`` of the stored ``entry`` by ``transfer`` (``fd``, passing
+        the blobs of ``kinds``, or ``path``) and, for a ``hit``, that reply's frame after its
         leading id (cached_client.protocol.encode_after_id: the server sends it under each
-        request's id). Made once per row version, transfer and kinds, then reused: a reply is
-        a function of those alone (the row's columns; its blob paths, which derive from its
-        digests; the runtime of the toolchain it names, fixed for the daemon's life), and a
-        version is every column but the hit count and last use (Row.same_version), so a
-        row published again, rebuilt or changed in any column is encoded anew, never
-        answered with an older version's reply (tests/test_served_replies.py). It
-        states nothing that is checked here: the blobs are still opened and checked for
-        each request, and the client still hashes what it loads. At most
-        :data:`REPLIES_MAX` are held (when full it starts over)."""
+        request's id; None for any other origin). A hit's is made once per row version,
+        transfer and kinds, then reused: a reply is a function of those alone (the row's
+        columns; its blob paths, which derive from its digests; the runtime of the
+        toolchain it names, fixed for the daemon's life), and a version is every column
+        but the hit count and last use (Row.same_version), so a row published again,
+        rebuilt or changed in any column is encoded anew, never answered with an older
+        version's reply (tests/test_served_replies.py). It states nothing that is checked
+        here: the blobs are still opened and checked for each request, and the client
+        still hashes what it loads. At most :data:`REPLIES_MAX` are held (when full it
+        starts over)."""
+        if origin != "hit":
+            return self._reply(entry, origin, transfer, kinds), None
         slot = (entry.row.key, transfer, kinds)
         held = self._replies.get(slot)
         if held is not None and held[0].same_version(entry.row):
             return held[1], held[2]
-        if transfer == "fd":
-            reply = p.GetReply(artifact=self.artifact(entry, "hit", False), fds=list(kinds))
-        else:
-            reply = p.GetReply(artifact=self.artifact(entry, "hit"))
+        reply = self._reply(entry, origin, transfer, kinds)
         tail = p.encode_after_id({"ok": True, **reply.to_wire()})
         if len(self._replies) >= REPLIES_MAX:
             self._replies.clear()
         self._replies[slot] = (entry.row, reply, tail)
         return reply, tail
+
+    def _reply(self, entry: Entry, origin: str, transfer: str,
+               kinds: tuple[str, ...]) -> p.GetReply:
+        if transfer == "fd":
+            return p.GetReply(artifact=self.artifact(entry, origin, False), fds=list(kinds))
+        return p.GetReply(artifact=self.artifact(entry, origin))
 
     def artifact(self, entry: Entry, origin: str, paths: bool = True) -> p.Artifact:
         """How the protocol describes a stored entry (:func:`make_artifact`), with the

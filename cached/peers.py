@@ -123,7 +123,7 @@ class Attachment:
     The server owns the descriptors once a handler returns them and closes them when they
     are sent or the connection is gone. ``encoded``: the successful reply already encoded,
     its frame after the leading id (cached_client.protocol.encode_after_id of ``{"ok":
-    true, ...}``, made once for many requests: cached.artifacts.Served.hit_reply); the
+    true, ...}``, made once for many requests: cached.artifacts.Served.get_reply); the
     server sends it under the request's integer id, and encodes the reply message itself
     for any other id or a payload."""
 

@@ -190,22 +190,15 @@ class Service:
             entry, origin = await self.scheduler.get(
                 m.request, PRIORITY_RANK[m.priority], m.deadline_ms / 1000, m.identity, admit,
                 self.access.group(peer))
-            hit = origin == "hit"
-            if m.transfer == "path":
-                if hit:  # encoded once per row version (Served.hit_reply)
-                    reply, encoded = self.served.hit_reply(entry, "path")
-                    return reply, Attachment(encoded=encoded)
-                return p.GetReply(artifact=self.served.artifact(entry, origin))
+            if m.transfer == "path":  # a hit's reply encoded once per row version
+                reply, encoded = self.served.get_reply(entry, origin, "path")
+                return reply, Attachment(encoded=encoded)
             try:
                 if m.transfer == "fd":
                     kinds = tuple(k for k in p.BLOB_KINDS if k in m.blobs)
                     fds = open_blobs(entry, list(kinds))
-                    if hit:
-                        reply, encoded = self.served.hit_reply(entry, "fd", kinds)
-                        return reply, Attachment(fds=fds, encoded=encoded)
-                    return (p.GetReply(artifact=self.served.artifact(entry, origin, False),
-                                       fds=list(kinds)),
-                            Attachment(fds=fds))
+                    reply, encoded = self.served.get_reply(entry, origin, "fd", kinds)
+                    return reply, Attachment(fds=fds, encoded=encoded)
                 fd = await asyncio.get_running_loop().run_in_executor(
                     None, open_checked_library, self.store, entry)
                 return (p.GetReply(artifact=self.served.artifact(entry, origin, False)),

@@ -1,5 +1,5 @@
 """A ``get`` hit's reply is encoded once per stored row version (cached.artifacts.Served.
-hit_reply) and sent under each request's id: the bytes are those an encoding per request
+get_reply) and sent under each request's id: the bytes are those an encoding per request
 writes, and a row replaced under the same key is never answered with the old one's reply."""
 
 from __future__ import annotations

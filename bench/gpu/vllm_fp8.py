@@ -542,14 +542,16 @@ def _outputs(outs) -> list[dict]:
 
 def _wait(path: Path | None, deadline_s: float = 400.0) -> None:
     """Wait until ``path`` exists (another mode's process wrote it), at most deadline_s.
-    The wait does not count against ``--mode-timeout``: its alarm (SIGALRM, whose default
-    action ends the process) is paused while waiting, with the seconds it had left."""
-    left = signal.alarm(0)
+    The wait does not count against ``--mode-timeout``: its timer (ITIMER_REAL, whose
+    SIGALRM ends the process) is paused while waiting and re-armed with the time it had
+    left, to the microsecond (``signal.alarm`` would round it to whole seconds, and drop
+    it under half a second)."""
+    left, _ = signal.setitimer(signal.ITIMER_REAL, 0)
     t = time.monotonic()
     while path is not None and not path.exists() and time.monotonic() - t < deadline_s:
         time.sleep(0.2)
     if left:
-        signal.alarm(left)
+        signal.setitimer(signal.ITIMER_REAL, left)
 
 
 def _turns(args: argparse.Namespace) -> tuple[Path | None, Path | None, Path | None, Path | None]:
@@ -646,7 +648,7 @@ def _throughput(llm, vocab: int, SamplingParams, batches,  # noqa: N803
 def engine(args: argparse.Namespace) -> None:
     wait_load, loaded, wait_measure, measured = _turns(args)
     if args.mode_timeout:
-        signal.alarm(args.mode_timeout)  # its own work only: _wait pauses it
+        signal.setitimer(signal.ITIMER_REAL, args.mode_timeout)  # its own work: _wait pauses it
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # FlashInfer is not on the H200: the V2 runner's sampler would import vLLM's FlashInfer
     # backend to ask whether FlashInfer's top-k/top-p sampler applies (greedy here)

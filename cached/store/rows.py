@@ -184,7 +184,7 @@ class Row:
     def same_version(self, other: Row) -> bool:
         """Whether ``other`` is this row but for its hit count and last use (what
         :meth:`hit` changes): every other column equal, so whatever is derived from the row
-        alone (an encoded reply: cached.artifacts.Served.hit_reply) holds for both."""
+        alone (an encoded reply: cached.artifacts.Served.get_reply) holds for both."""
         return _VERSION(self) == _VERSION(other)
 
     def columns(self) -> dict[str, Any]:
