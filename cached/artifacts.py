@@ -96,6 +96,12 @@ class Served:
         self._replies[slot] = (entry.row, reply, tail)
         return reply, tail
 
+    def prime(self, entry: Entry) -> None:
+        """Encode now the hit reply a client's ``load`` asks of ``entry`` (transfer ``fd``,
+        the library alone: cached_client.Client.load), so that after a pre-warm (``cached
+        warm``) a node's first process finds it made."""
+        self.get_reply(entry, "hit", "fd", ("library",))
+
     def _reply(self, entry: Entry, origin: str, transfer: str,
                kinds: tuple[str, ...]) -> p.GetReply:
         if transfer == "fd":

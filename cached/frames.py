@@ -118,11 +118,16 @@ class DecodedFrameCache:
                 or type(message.get("id")) is not int or message["id"] != int(leading[1])):
             return
         rest = body[leading.end():]
-        try:  # a second "id" further on would be the frame's id, whatever the first says
-            if "id" in json.loads(b"{" + rest):
-                return
-        except (ValueError, RecursionError):
+        # a second "id" further on would be the frame's id, whatever the first says: none
+        # written plainly (nested or a string too, to be safe), none spelled with escapes
+        if b'"id"' in rest:
             return
+        if b"\\" in rest:
+            try:
+                if "id" in json.loads(b"{" + rest):
+                    return
+            except (ValueError, RecursionError):
+                return
         if len(self._decoded) >= self.MOST:
             self._decoded.clear()
         self._decoded[rest] = (op, request)

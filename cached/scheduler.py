@@ -120,6 +120,7 @@ class Scheduler:
         self._dispatchers: list[asyncio.Task] = []
         self._tasks: set[asyncio.Task] = set()
         self._resolved: dict[tuple, tuple[Family, KernelRequest, Route]] = {}
+        self._canonical: dict[tuple, tuple[Family, KernelRequest]] = {}
 
     @property
     def queued(self) -> int:
@@ -176,17 +177,23 @@ class Scheduler:
         """Validate a request against its family; returns the family, the canonical request
         and its route (store key, and who compiles it) for the client's ``identity``.
         Remembered (RESOLVED_MAX): families, their sources and the toolchains are fixed for
-        the daemon's life, so the same request and identity always resolve alike."""
+        the daemon's life, so the same request and identity always resolve alike; the
+        canonical request is remembered apart from the identity, so a new environment
+        asking for a known kernel only routes it."""
         memo = _resolve_key(request, identity)
         resolved = self._resolved.get(memo) if memo is not None else None
         if resolved is None:
-            family = families.get(request.family)
-            canonical = family.canonical_request(request)
+            asked = None if memo is None else memo[:-1]  # the request alone
+            held = self._canonical.get(asked) if asked is not None else None
+            if held is None:
+                family = families.get(request.family)
+                held = family, family.canonical_request(request)
+                if asked is not None:
+                    _remember(self._canonical, asked, held)
+            family, canonical = held
             resolved = family, canonical, self.toolchains.route(family, canonical, identity)
             if memo is not None:
-                if len(self._resolved) >= RESOLVED_MAX:
-                    del self._resolved[next(iter(self._resolved))]
-                self._resolved[memo] = resolved
+                _remember(self._resolved, memo, resolved)
         return resolved
 
     async def get(self, request: KernelRequest, priority: int = INTERACTIVE,
@@ -573,6 +580,13 @@ def _plan_here(family: Family, payload: dict, first: bool = False) -> list[Kerne
         return family.plan(*args)
     except ImportError as exc:
         raise InvalidTactic(f"planning {family.name} needs its toolchain here: {exc}") from None
+
+
+def _remember(memo: dict, key: tuple, value: object) -> None:
+    """``memo[key] = value``, the oldest forgotten first beyond RESOLVED_MAX."""
+    if len(memo) >= RESOLVED_MAX:
+        del memo[next(iter(memo))]
+    memo[key] = value
 
 
 def _resolve_key(request: KernelRequest, identity: p.Identity | None) -> tuple | None:

@@ -190,6 +190,8 @@ class Service:
             entry, origin = await self.scheduler.get(
                 m.request, PRIORITY_RANK[m.priority], m.deadline_ms / 1000, m.identity, admit,
                 self.access.group(peer))
+            if m.priority == "prewarm" and attempt == 0:
+                self.served.prime(entry)
             if m.transfer == "path":  # a hit's reply encoded once per row version
                 reply, encoded = self.served.get_reply(entry, origin, "path")
                 return reply, Attachment(encoded=encoded)

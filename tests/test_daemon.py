@@ -213,6 +213,8 @@ def test_remembered_frames_are_bounded_and_only_well_formed_ones_are_kept():
     assert remembered.recall(b'{"id":77,"op":"get","x":1.0}') is None
     assert remembered.recall(b'{"id":077,"op":"get","x":1}') is None  # not a JSON number
     remember(b'{"id":1,"id":2,"op":"get","x":2}')  # its id is 2: not remembered
+    remember(b'{"id":1,"op":"get","\\u0069d":1,"x":6}')  # a second id, spelled with escapes
+    assert remembered.recall(b'{"id":4,"op":"get","\\u0069d":1,"x":6}') is None
     remember(b'{"op":"get","id":1,"x":3}')  # no leading id
     remember(b'{"id":1,"op":"get","x":"' + b"y" * DecodedFrameCache.LONGEST + b'"}')
     assert len(remembered) == 1

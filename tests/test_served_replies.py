@@ -122,3 +122,29 @@ def test_a_key_published_again_with_other_bytes_is_served_with_the_new_rows_dige
         assert digests[0] != digests[1]
     finally:
         d.stop()
+
+
+def test_the_reply_a_prewarm_encodes_for_a_load_is_the_reply_a_load_gets(daemon):
+    """A pre-warm get (what ``cached warm`` sends: transfer path, every blob) also encodes
+    the hit reply a client's ``load`` asks for (transfer fd, the library: Served.prime);
+    the first load after it gets exactly the bytes its own reply encodes to, as a hit
+    passing the library alone, under its own id."""
+    request = fault("build", "primed")
+    fingerprint = daemon.client(timeout=10).hello().toolchain
+    identity = p.Identity(toolchain=fingerprint)
+    warm = {"v": 1, "op": "get", **p.GetRequest(
+        request=request, priority="prewarm", deadline_ms=60_000, identity=identity).to_wire()}
+    (warmed,) = _get_frames(daemon.socket, warm, (1,))
+    assert p.decode_body(warmed)["artifact"]["origin"] == "compiled"
+    load = {"v": 1, "op": "get", **p.GetRequest(
+        request=request, transfer="fd", blobs=["library"], deadline_ms=60_000,
+        identity=identity).to_wire()}
+    bodies = _get_frames(daemon.socket, load, (7, 8))
+    replies = [p.decode_body(b) for b in bodies]
+    assert [r["artifact"]["origin"] for r in replies] == ["hit", "hit"]
+    assert [r["id"] for r in replies] == [7, 8]
+    assert replies[0]["fds"] == ["library"]
+    assert replies[0]["artifact"].get("library_path") is None  # passed, not named
+    for body, reply in zip(bodies, replies, strict=True):
+        assert p.encode_frame(reply)[4:] == body
+    assert Client(daemon.socket, transfer="fd").get(request, blobs=("library",)).origin == "hit"

@@ -64,6 +64,8 @@ log = logging.getLogger("cached.toolchains")
 DEFAULT_NAME = "default"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PROBE_TIMEOUT_S = 120.0
+KEYS_MAX = 4096
+"""Store keys remembered (:meth:`Toolchains._key`)."""
 PROBE = "from cached_client.identity import main; main()"
 MAX_UNKNOWN = 32
 """Unknown environments remembered (each logged once); more are counted, not kept."""
@@ -264,6 +266,7 @@ class Toolchains:
         self._unknown_by_uid: dict[int, int] = {}
         """Fingerprint digest -> what the daemon knows of an environment it has no
         toolchain for (:meth:`note_unknown`)."""
+        self._keys: dict[tuple, str] = {}
 
     @property
     def default(self) -> Toolchain:
@@ -326,7 +329,7 @@ class Toolchains:
             t = self.default
             src = self.source(t, family)
             compiler = t if family.sources != "params" else None
-            return Route(artifact_key(request, t.fingerprint, src), t.fingerprint, src, compiler,
+            return Route(self._key(request, t.fingerprint, src), t.fingerprint, src, compiler,
                          "" if compiler else f"{family.name} kernels are written back")
         fp = identity.toolchain
         if family.sources == "flashinfer":
@@ -337,10 +340,10 @@ class Toolchains:
             t = next((t for t in self.items
                       if t.fingerprint == fp and t.sources.get(family.name) == src), None)
             why = "" if t else self.unknown(identity, family.name)
-            return Route(artifact_key(request, fp, src), fp, src, t, why)
+            return Route(self._key(request, fp, src), fp, src, t, why)
         if family.sources == "params":
             src = family.source_sha256()
-            return Route(artifact_key(request, fp, src), fp, src, None,
+            return Route(self._key(request, fp, src), fp, src, None,
                          f"{family.name} kernels are written back")
         t = self.by_fingerprint(fp) or next(
             (t for t in self.items if runtime_matches(t.runtime, identity.runtime)), None)
@@ -353,7 +356,25 @@ class Toolchains:
                 + ". Register this environment (cached serve --toolchain NAME=PYTHON) or align "
                 "apache-tvm-ffi and nvidia-cutlass-dsl (or $CACHED_DSL_RUNTIME) with one of them")
         src = self.daemon_source(family)
-        return Route(artifact_key(request, t.fingerprint, src), t.fingerprint, src, t)
+        return Route(self._key(request, t.fingerprint, src), t.fingerprint, src, t)
+
+    def _key(self, request: KernelRequest, toolchain: str, source_sha256: str) -> str:
+        """:func:`artifact_key`, remembered (:data:`KEYS_MAX`) by what decides it: the
+        request's fields with its params as canonical JSON (``true`` is not ``1``), the
+        toolchain fingerprint and the source digest. So environments that state another
+        identity but the same toolchain and sources (a client's, ``cached warm``'s none)
+        hash a key once."""
+        try:
+            slot = (request.family, request.arch, request.sm_count,
+                    request.max_active_clusters, request.params_json, toolchain, source_sha256)
+        except (TypeError, ValueError):  # params JSON cannot hold: artifact_key says why
+            return artifact_key(request, toolchain, source_sha256)
+        key = self._keys.get(slot)
+        if key is None:
+            if len(self._keys) >= KEYS_MAX:
+                del self._keys[next(iter(self._keys))]
+            key = self._keys[slot] = artifact_key(request, toolchain, source_sha256)
+        return key
 
     def planner(self, family: Family, identity: p.Identity | None) -> Toolchain:
         """The toolchain that plans ``family`` for a client: the one that would compile it."""
