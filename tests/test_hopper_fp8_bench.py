@@ -24,7 +24,7 @@ def test_decode6_set_is_the_decode_candidates_of_classes_1_and_2() -> None:
     """S = 1: the 8 swap_ab tiles, the 64 x (40, 48, 56, 64, 80, 96, 112, 128) tiles (wg_n
     1) and the 64 x (48, 64, 80, 96, 128) tiles with wg_n 2, raster m, swizzle 1, 3
     clusters (39): 47 (35 before the seventh pass's narrow tiles);
-    S = 2: every tactic of the class (66: its unswapped ones for the large-M points, its
+    S = 2: every tactic of the class (86: its unswapped ones for the large-M points, its
     swap_ab ones as decode candidates)."""
     h = _check_script()
     got = h._decode6_tactics()
@@ -35,7 +35,7 @@ def test_decode6_set_is_the_decode_candidates_of_classes_1_and_2() -> None:
     s1 = [t for t in got if t.splits == 1]
     s2 = [t for t in got if t.splits == 2]
     assert len(got) == len(s1) + len(s2)
-    assert len(s1) == 47 and len(s2) == 66
+    assert len(s1) == 47 and len(s2) == 86
     assert sum(t.swap_ab for t in s1) == 8
     assert {t.name for t in s2} == {t.name for t in tactic_space(splits=2) if not t.pdl}
     assert not any(t.pingpong or t.tile_m != 64 for t in s1 if not t.swap_ab)

@@ -89,7 +89,7 @@ def test_scheme_tactics_round_trip_with_their_classes():
     with pytest.raises(ValueError, match="needs accum='exact'"):
         SPACE.tactic_space(scales="block128")
     # per-token fast: every tactic of the space, in its scheme
-    assert len(SPACE.tactic_space(scales="token")) == len(SPACE.tactic_space()) == 814
+    assert len(SPACE.tactic_space(scales="token")) == len(SPACE.tactic_space()) == 922
 
 
 @pytest.mark.parametrize("params, words", [

@@ -75,25 +75,28 @@ def test_enumeration_size_and_budget():
 
 
 def test_split_space():
-    """S > 1: 'cta' on six decode tiles, 'serial' on twelve tiles that fit two
-    accumulators and on four of them with clusters 1x2 and 2x1 and both rasters, 'serial'
-    on four wg_n=2 tiles with clusters 1x1 and 2x1, 'serial' ping-pong on 64 x (128, 192)
-    with clusters 1x1 and 2x1 and both rasters, both modes on the eight swap_ab tiles; 665
-    tactics over the five classes (36 ping-pong ones and 9 narrow decode tiles in S = 1, 8
-    ping-pong ones per S > 1)."""
+    """S > 1: 'cta' on six decode tiles, 'serial' on eighteen tiles that fit two
+    accumulators (the six wave tiles among them) and on six of them with clusters 1x2 and
+    2x1 and both rasters, 'serial' on seven wg_n=2 tiles with clusters 1x1 and 2x1,
+    'serial' ping-pong on 64 x (128, 192) with clusters 1x1 and 2x1 and both rasters, both
+    modes on the eight swap_ab tiles; 86 per S, 757 tactics over the five classes. The wave
+    width 144 is planned in the split classes only."""
     for s in T.SPLIT_CHOICES[1:]:
         ts = [t for t in SPACE.tactic_space(splits=s) if not t.pdl]  # twins: test_pdl_twins
-        assert len(ts) == 66
+        assert len(ts) == 86
         cta = [t for t in ts if t.split_mode == "cta" and not t.swap_ab]
         serial = [t for t in ts if t.split_mode == "serial" and not t.swap_ab
                   and t.wg_n == 1]
         wgn = [t for t in ts if t.wg_n == 2]
         pp = [t for t in serial if t.pingpong]
-        assert len(cta) == 6 and len(serial) == 36 and len(wgn) == 8 and len(pp) == 8
+        assert len(cta) == 6 and len(serial) == 50 and len(wgn) == 14 and len(pp) == 8
         assert all(t.split_mode == "serial" and t.tile_m == 64 for t in wgn)
         assert {(t.tile_m, t.tile_n) for t in pp} == set(SPACE.PINGPONG_SPLIT_TILES)
-        assert len([t for t in serial if t.cluster_size == 2 and not t.pingpong]) == 16
+        assert len([t for t in serial if t.cluster_size == 2 and not t.pingpong]) == 24
         assert {t.raster for t in serial if t.cluster_size == 2} == {"m", "n"}
+        plain = {(t.tile_m, t.tile_n, t.raster) for t in serial if t.cluster_size == 1}
+        assert set(SPACE.SPLIT_WAVE_TILES) <= plain
+        assert {t.tile_n for t in wgn} >= {80, 112, 144}
         for mode in T.SPLIT_MODES:
             assert len([t for t in ts if t.swap_ab and t.split_mode == mode]) == 8
         assert all(t.splits == s for t in ts)
@@ -103,10 +106,11 @@ def test_split_space():
                 <= T.MAX_ACC_REGS_PER_THREAD
         for t in ts:
             t.validate()
+    assert not {t for t in SPACE.tactic_space(splits=1) if t.tile_n in T.WAVE_TILE_N}
     space = SPACE.tactic_space()
-    assert len([t for t in space if not t.pdl]) == 677
-    assert len(space) == 814 == len({t.name for t in space})
-    assert len(enumerate_tactics(4096, 4096, 4096)) == 814
+    assert len([t for t in space if not t.pdl]) == 757
+    assert len(space) == 922 == len({t.name for t in space})
+    assert len(enumerate_tactics(4096, 4096, 4096)) == 922
 
 
 def test_reduction_order_constants():
@@ -533,7 +537,7 @@ def test_plan_reduction_class_option_and_default():
     fam = HopperFp8()
     every = fam.plan((16, 4096, 4096), "sm_90a", 132, {})
     # no scheme option: the per-tensor fast classes (REDUCTION_CLASSES[:5])
-    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES[:5]) and len(every) == 814
+    assert {_class(r) for r in every} == set(T.REDUCTION_CLASSES[:5]) and len(every) == 922
     for cid in T.REDUCTION_CLASSES:
         reqs = fam.plan((16, 4096, 4096), "sm_90a", 132, {"reduction_class": cid})
         assert {_class(r) for r in reqs} == {cid}
@@ -965,7 +969,7 @@ def test_pingpong_tactics_compile_for_sm90a_through_the_daemon(daemon):
 
 def test_pdl_twins():
     """pdl=True (programmatic dependent launch): tactic_space lists a twin of each
-    decode-band tactic (swap_ab, wg_n = 2, the narrow widths: 41 in S = 1, 24 per S > 1),
+    decode-band tactic (swap_ab, wg_n = 2, the narrow widths: 41 in S = 1, 31 per S > 1),
     equal to it in every other field, in its class (the K walk is the same; bitwise
     checked on an H200: docs/history.md, eighth pass), named with '_pdl', recorded as
     '+pdl', ranked by the model as its tactic less the microseconds the cost file says a
@@ -979,7 +983,7 @@ def test_pdl_twins():
         space = SPACE.tactic_space(splits=s)
         base = {t.name: t for t in space if not t.pdl}
         twins = [t for t in space if t.pdl]
-        assert len(twins) == (41 if s == 1 else 24)
+        assert len(twins) == (41 if s == 1 else 31)
         assert {t.name.removesuffix("_pdl") for t in twins} == {
             n for n, t in base.items() if SPACE.pdl_twin(t)}
         for t in twins:
@@ -1015,7 +1019,7 @@ def test_pdl_twins():
         first = enumerate_tactics(m, n, k, splits=s)[0]
         assert first.pdl and WIN.recorded_key(first) == key and first.splits == s
     every = SPACE.recordable_tactics()
-    assert len(every) == 814 + 677 - 41 - 4 * 24
+    assert len(every) == 922 + 757 - 41 - 4 * 31
     assert all(dc.replace(t, pdl=False).name in every for t in every.values())
     # a tactic outside the decode band takes pdl too (a recorded winner may name it)
     wide = tactic_from_params({"tile_m": 128, "tile_n": 256, "cluster_m": 2, "pdl": True})

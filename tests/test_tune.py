@@ -716,7 +716,9 @@ def test_a_bucket_short_of_its_competitor_is_timed_again_with_more_candidates(no
     first, wide = per_m[64]
     assert wide > first, (first, wide)
     assert any("timing" in line and "candidates" in line and "0.50x" in line for line in lines)
-    _, cands = tune.candidates(c, *shape, 64, target, top=tune.DEFAULT_TOP + 4)
+    _, cands = tune.candidates(c, *shape, 64, target, widen=4)
+    # the widened ones are of kinds the first ones lack: no raster/swizzle/stage/pdl twins
+    assert len({tune.kind_of(r.params) for r in cands}) >= tune.DEFAULT_TOP + 4 - 1
     got = {r["bucket"]: r for r in rows(c, *shape)}
     assert got[64]["tactic"] == dict(cands[-1].params) and got[64]["time_us"] == 4.0
     cls = res.reduction_class

@@ -1,7 +1,7 @@
 """Fill a store, here on the CPU, with every candidate ``cached tune`` times for the given
 (N, K) and schemes on an H200 (sm_90a, 132 SMs) at every M bucket (cached.tools.tune.candidates:
-the plan's first ``top`` + DEFAULT_WIDEN of the scheme's class, what a bucket short of its
-competitor is timed with, and the nearest recorded shapes' winners),
+the plan's first ``top`` and DEFAULT_WIDEN more of the scheme's class, what a bucket short of
+its competitor is timed with, and the nearest recorded shapes' winners),
 so that a serve-only daemon there can tune without compiling. Usage:
     python bench/gpu/tune_bundle.py STORE_DIR TOP NEAR [--buckets M,M,..] \
         [--schemes S,S,..] N,K [N,K ...]
@@ -48,8 +48,8 @@ def main() -> None:
                 try:
                     for m in buckets:
                         # a bucket short of its competitor is timed with widen more
-                        cls, cands = tune.candidates(client, n, k, m, target,
-                                                     top + tune.DEFAULT_WIDEN, near, scheme)
+                        cls, cands = tune.candidates(client, n, k, m, target, top, near,
+                                                     scheme, tune.DEFAULT_WIDEN)
                         per += cands
                 except InvalidTactic as exc:
                     print(f"{n}x{k} {scheme}: not planned ({exc})", flush=True)

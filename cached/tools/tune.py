@@ -21,8 +21,9 @@ daemon):
 * :func:`pick`: the margin rule of bench/gpu/hopper_fp8_fit.py: the plan's first choice
   stays unless another candidate is faster by more than ``margin`` in every round. Where
   the best candidate is short of the scheme's competitor (its time over the best's under
-  WIDEN_UNDER), the bucket is timed again with ``widen`` more of the plan's candidates
-  (:func:`short_of_competitor`), and the winner picked from that wider timing.
+  WIDEN_UNDER), the bucket is timed again with ``widen`` more of the plan's candidates,
+  each of a tactic kind the first ones lack (:func:`kind_of`;
+  :func:`short_of_competitor`), and the winner picked from that wider timing.
 * :func:`tune`: per scheme and shape, the buckets not yet published for (device,
   toolchain, class) (a restarted tune redoes nothing it finished), timed by a
   :class:`Timer`, each winner published as soon as its bucket is done; a budget in seconds
@@ -70,6 +71,8 @@ DEFAULT_ROUNDS = 5
 DEFAULT_MARGIN = 0.02  # a challenger must beat the plan's first choice by 2 % in every round
 DEFAULT_BUDGET_S = 120.0
 DEFAULT_WIDEN = 6  # more of the plan's candidates where the best is short of the competitor
+# the params two candidates of a widened timing may share a kind across (kind_of)
+WIDEN_SAME = ("raster", "swizzle", "stages", "pdl")
 WIDEN_UNDER = 0.97  # short: the competitor's time over the best candidate's below this
 REFERENCE = "torch._scaled_mm"  # timed beside the candidates for the report, never a winner
 
@@ -273,14 +276,16 @@ def check_schemes(names: Sequence[str], family: str | None = None) -> list[str]:
 
 
 def candidates(client: Client, n: int, k: int, m: int, target: Target, top: int = DEFAULT_TOP,
-               near: int = DEFAULT_NEAR, scheme: str = DEFAULT_SCHEME
+               near: int = DEFAULT_NEAR, scheme: str = DEFAULT_SCHEME, widen: int = 0
                ) -> tuple[str, list[KernelRequest]]:
     """(class id, candidates) for bucket ``m`` of ``scheme``: the first ``top`` of the
-    daemon's batch-invariant plan of the scheme, then the family's neighbours that plan
-    lists (see module doc); the plan's first choice is candidates[0]. Every candidate is of
-    the one class the daemon's reply names (checked: ValueError otherwise). The daemon's
-    InvalidTactic when the scheme plans nothing for (N, K) (e.g. block128 at K % 128).
-    ``target`` is taken for the scheme's family (target_for)."""
+    daemon's batch-invariant plan of the scheme, then ``widen`` more in the plan's order,
+    each the first of a kind not yet listed (:func:`kind_of`: the params less WIDEN_SAME),
+    then the family's neighbours that plan lists (see module doc); the plan's first choice
+    is candidates[0]. Every candidate is of the one class the daemon's reply names
+    (checked: ValueError otherwise). The daemon's InvalidTactic when the scheme plans
+    nothing for (N, K) (e.g. block128 at K % 128). ``target`` is taken for the scheme's
+    family (target_for)."""
     target = target_for(target, scheme)
     fam = families.get(target.family)
     opts = scheme_options(target.family).get(scheme)
@@ -296,6 +301,14 @@ def candidates(client: Client, n: int, k: int, m: int, target: Target, top: int 
                          f"classes {classes}")
     cls = classes.pop()
     out = list(reply.requests[:top])
+    kinds = {kind_of(r.params) for r in out}
+    for r in reply.requests[top:]:
+        if widen <= 0:
+            break
+        if kind_of(r.params) not in kinds:
+            kinds.add(kind_of(r.params))
+            out.append(r)
+            widen -= 1
     # the plan lists its class's whole space: a neighbour outside it (a pdl twin the space
     # does not list) is no candidate, since no client plan could run it
     in_plan = {_params_key(r.params): r for r in reply.requests}
@@ -308,6 +321,13 @@ def candidates(client: Client, n: int, k: int, m: int, target: Target, top: int 
         if fam.reduction_class(r.params) != cls:
             raise ValueError(f"candidate {r.params} is not of the class {cls}")
     return cls, out
+
+
+def kind_of(params: Any) -> str:
+    """The tactic kind a widened timing lists once: the params less WIDEN_SAME (canonical
+    JSON), so the extra candidates are other tiles, clusters or split modes, not the
+    raster, swizzle, stage or pdl twins of one already listed."""
+    return _params_key({k: v for k, v in dict(params).items() if k not in WIDEN_SAME})
 
 
 def _params_key(params: Any) -> str:
@@ -437,7 +457,7 @@ def _tune_bucket(client: Client, timer: Timer, n: int, k: int, m: int, target: T
     timing = timer.time(n, k, m, cands, rounds, cls)
     short = short_of_competitor(timing.rounds) if widen > 0 else None
     if short is not None:
-        got_cls, wide = candidates(client, n, k, m, target, top + widen, near, scheme)
+        got_cls, wide = candidates(client, n, k, m, target, top, near, scheme, widen)
         if got_cls == cls and len(wide) > len(cands):
             progress(f"  M<={m}: the best of {len(cands)} is {short:.2f}x "
                      f"{timing.competitor or REFERENCE}; timing {len(wide)} candidates")

@@ -95,14 +95,23 @@ def _regime(m: int) -> int:
 
 def _per_k_tile_us(tile_m: int, tile_n: int, m: int, swap_ab: bool = False,
                    wg_n: int = 1, pingpong: bool = False) -> float:
-    """Microseconds one CTA of the tile spends per K tile (128 bytes a row) at M = ``m``."""
+    """Microseconds one CTA of the tile spends per K tile (128 bytes a row) at M = ``m``.
+    A width the table lacks between two it has (same tile_m) is interpolated linearly in
+    tile_n; outside them the time scales with the operand bytes per K tile."""
     c = cost_model()
     table = c[("SWAP_US_PER_K_TILE" if swap_ab else "WG_N_US_PER_K_TILE" if wg_n == 2
                else "PINGPONG_US_PER_K_TILE" if pingpong else "US_PER_K_TILE")]
+    r = _regime(m)
     per = table.get((tile_m, tile_n))
-    if per is None:  # a tile shape not measured: scale from operand bytes per K tile
-        return 0.0032 * (tile_m + tile_n) * max(1.0, tile_m * tile_n / 16384)
-    return per[_regime(m)]
+    if per is not None:
+        return per[r]
+    below = [tn for tm, tn in table if tm == tile_m and tn < tile_n]
+    above = [tn for tm, tn in table if tm == tile_m and tn > tile_n]
+    if below and above:
+        lo, hi = max(below), min(above)
+        f = (tile_n - lo) / (hi - lo)
+        return table[(tile_m, lo)][r] * (1 - f) + table[(tile_m, hi)][r] * f
+    return 0.0032 * (tile_m + tile_n) * max(1.0, tile_m * tile_n / 16384)
 
 
 def work_units(t: HopperFp8Tactic, m: int, n: int) -> int:

@@ -61,18 +61,25 @@ PINGPONG_128_TILE_N = (128, 160, 192)
 PINGPONG_TILES = (tuple((64, tn) for tn in PINGPONG_TILE_N)
                   + tuple((128, tn) for tn in PINGPONG_128_TILE_N))
 PINGPONG_SPLIT_TILES = ((64, 128), (64, 192))
+# The wave tiles of the split classes (serial, raster m): widths between the others, so
+# that a small N fills about one wave of 132 SMs at M = 256..1024 without the split being a
+# second pass of CTAs (N = 1152 over 144: 8 tiles; over 48: 24)
+SPLIT_WAVE_TILES = ((64, 48, "m"), (64, 80, "m"), (64, 112, "m"), (64, 144, "m"),
+                    (128, 80, "m"), (128, 144, "m"))
 # Split tactics (S > 1): 'cta' on the decode tiles (one M tile row; the N tile width sets
 # how many units fill the chip) and 'serial' on the tiles that fit two accumulators
 SPLIT_CTA_TILES = ((64, 64), (64, 128), (64, 192), (64, 256), (128, 128), (128, 256))
 SPLIT_SERIAL_TILES = ((64, 64, "m"), (64, 128, "m"), (64, 192, "m"), (128, 64, "m"),
                       (128, 128, "m"), (128, 128, "n"), (128, 192, "m"), (128, 192, "n"),
-                      (64, 96, "m"), (64, 160, "m"), (128, 96, "m"), (128, 160, "m"))
+                      (64, 96, "m"), (64, 160, "m"), (128, 96, "m"), (128, 160, "m"),
+                      *SPLIT_WAVE_TILES)
 # serial splits with a 1x2 or 2x1 cluster, on each raster of SPLIT_SERIAL_CLUSTER_RASTERS
 # (raster n keeps the weight in L2 where raster m streams A from DRAM once per two N tiles)
-SPLIT_SERIAL_CLUSTER_TILES = ((128, 64), (128, 96), (128, 160), (128, 192))
+SPLIT_SERIAL_CLUSTER_TILES = ((128, 64), (128, 96), (128, 160), (128, 192), (128, 128),
+                              (128, 144))
 SPLIT_SERIAL_CLUSTER_RASTERS = ("m", "n")
 # wg_n = 2 serial splits: tile 64 x tile_n, clusters 1x1 and 2x1, raster m
-SPLIT_SERIAL_WG_N_TILE_N = (64, 96, 128, 160)
+SPLIT_SERIAL_WG_N_TILE_N = (64, 96, 128, 160, 80, 112, 144)
 # swap_ab tiles (tokens x weight rows), in every class: S = 1, and both split modes for S > 1
 SWAP_TILES = tuple((tm, tn) for tn in SWAP_TILE_N_CHOICES for tm in SWAP_TILE_M_CHOICES)
 
@@ -86,15 +93,15 @@ def tactic_space(out_dtype: str = "bfloat16", ab_dtype: str = "e4m3",
     SWIZZLED_TILE_N (11 tiles, 264), the same with swizzle 1 for the widths 80, 96, 112,
     160 (12 tiles, 72), the 8 swap_ab tiles, the wg_n = 2 tiles (24), the ping-pong
     tiles PINGPONG_TILES x cluster x raster (36) and the narrow decode tiles 64 x
-    NARROW_TILE_N x cluster, raster m, swizzle 1 (9). S > 1 (66 per S): split_mode 'cta' on
-    SPLIT_CTA_TILES and 'serial' on SPLIT_SERIAL_TILES, cluster 1x1, swizzle 1 (18:
-    clusters and swizzles lost at small M in the S = 1 measurements), 'serial' on
-    SPLIT_SERIAL_CLUSTER_TILES with clusters 1x2 and 2x1 and both rasters (16), on the
-    wg_n = 2 tiles (8), 'serial' ping-pong on PINGPONG_SPLIT_TILES with clusters 1x1 and
-    2x1 and both rasters (8), and both modes on the 8 swap_ab tiles (16); 677 in all.
-    Then a pdl twin (pdl=True) of each decode-band tactic (pdl_twin: swap_ab, wg_n = 2,
-    the narrow widths): 41 in S = 1 and 24 per S > 1, so 454 in S = 1, 90 per S > 1,
-    814 in all.
+    NARROW_TILE_N x cluster, raster m, swizzle 1 (9). S > 1 (86 per S): split_mode 'cta' on
+    SPLIT_CTA_TILES and 'serial' on SPLIT_SERIAL_TILES (the wave tiles among them), cluster
+    1x1, swizzle 1 (24: clusters and swizzles lost at small M in the S = 1 measurements),
+    'serial' on SPLIT_SERIAL_CLUSTER_TILES with clusters 1x2 and 2x1 and both rasters (24),
+    on the wg_n = 2 tiles (14), 'serial' ping-pong on PINGPONG_SPLIT_TILES with clusters
+    1x1 and 2x1 and both rasters (8), and both modes on the 8 swap_ab tiles (16); 757 in
+    all. Then a pdl twin (pdl=True) of each decode-band tactic (pdl_twin: swap_ab, wg_n = 2,
+    the narrow widths): 41 in S = 1 and 31 per S > 1, so 454 in S = 1, 117 per S > 1,
+    922 in all.
 
     Other schemes (scheme_space): ``scales="token"`` lists the same tactics with that
     scheme; ``accum="exact"`` the S = 1 and (per-tensor and per-token) split tactics whose

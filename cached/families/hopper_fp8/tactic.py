@@ -45,6 +45,10 @@ TILE_M_CHOICES = (64, 128, 256)
 # up to 256): at M = 128..1024 they fill the 132 SMs where 64/128/192/256 leave a wave
 # mostly empty or start a second one (e.g. N = 5120: 64 tiles of 80 at M <= 128)
 TILE_N_CHOICES = (64, 80, 96, 112, 128, 160, 192, 256)
+# wave widths: built for any class, planned in the split classes only (space.py), where a
+# small N over 144 columns gives about one full wave with no second K pass (N = 1152: 8
+# tiles; 1984: 14)
+WAVE_TILE_N = (144,)
 # narrow weight tiles (unswapped): 64 token rows on the wgmma M side and 40, 48 or 56
 # weight rows on its N side. tile_m = 64 only, no ping-pong, split_mode 'serial' only; the
 # whole tile is staged for one TMA store (tile_epilogue: 40 and 56 are no multiple of the
@@ -447,7 +451,7 @@ class HopperFp8Tactic:
         """Return the tactic with stages filled in (0 -> the most that fit), validated."""
         t = self
         ms, ns = ((SWAP_TILE_M_CHOICES, SWAP_TILE_N_CHOICES) if t.swap_ab is True
-                  else (TILE_M_CHOICES, TILE_N_CHOICES + NARROW_TILE_N))
+                  else (TILE_M_CHOICES, TILE_N_CHOICES + NARROW_TILE_N + WAVE_TILE_N))
         if (t.stages == 0 and t.tile_m in ms and t.tile_n in ns
                 and t.out_dtype in OUT_DTYPE_BYTES):
             t = dataclasses.replace(t, stages=max_stages_for(t.tile_m, t.tile_n, t.out_dtype,
@@ -480,8 +484,8 @@ class HopperFp8Tactic:
         else:
             if self.tile_m not in TILE_M_CHOICES:
                 bad(f"tile_m must be one of {TILE_M_CHOICES}")
-            if self.tile_n not in TILE_N_CHOICES + NARROW_TILE_N:
-                bad(f"tile_n must be one of {TILE_N_CHOICES + NARROW_TILE_N}")
+            if self.tile_n not in TILE_N_CHOICES + NARROW_TILE_N + WAVE_TILE_N:
+                bad(f"tile_n must be one of {TILE_N_CHOICES + NARROW_TILE_N + WAVE_TILE_N}")
         if self.wg_n not in WG_N_CHOICES:
             bad(f"wg_n must be one of {WG_N_CHOICES}")
         if self.wg_n == 2 and (self.swap_ab or self.tile_m != 64):
