@@ -6,8 +6,9 @@
     compiles the batch-invariant plan's first choice per shape, M and scheme (SCHEMES:
     per-token x per-channel fast, per-tensor exact, per-token exact), plus the per-tensor
     fast first choices for reference, links each into a .so and writes DIR/manifest.json.
-    DIR also gets this script, the client package (the launcher), the DSL runtime (xz) and
-    the tvm-ffi wheel (bench/gpu/run_hopper_fp8.sh's recipe).
+    DIR also gets this script, vllm_cutlass.py (vLLM's cutlass_scaled_mm as vLLM calls it),
+    the client package (the launcher), the DSL runtime (xz) and the tvm-ffi wheel
+    (bench/gpu/run_hopper_fp8.sh's recipe).
   run (there: torch CUDA, tvm_ffi from the carried wheel, no cutlass):
       python DIR/hopper_fp8_schemes.py run --bundle DIR --out $OUT [--vllm-so PATH]
     correct: float64 reference on fresh data (ragged M, N, K), NaN-poisoned outputs,
@@ -74,6 +75,18 @@ def _bundle_natives():
     import bundle_natives
 
     return bundle_natives
+
+
+def _vllm_cutlass():
+    """bench/gpu/vllm_cutlass.py (beside this script, in the repository and in a bundle):
+    vLLM's cutlass_scaled_mm as vLLM calls it."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import vllm_cutlass
+
+    return vllm_cutlass
+
+
 VLLM_SITE = os.path.join(REPO, ".venv-vllm", "lib", "python3.11", "site-packages", "vllm")
 
 
@@ -223,7 +236,8 @@ def build(out: str, jobs: int, schemes: list[str] | None = None) -> None:
     natives = _bundle_natives()
     entries, compiled_now, seconds = natives.compile_kernels(
         out, [(nm, by_name[nm]) for nm in names], "fp8s", jobs, REPO, NUM_SMS)
-    digests = natives.finish(out, entries, [__file__], REPO)
+    digests = natives.finish(out, entries, [__file__, os.path.join(HERE, "vllm_cutlass.py")],
+                             REPO)
     copy_vllm_triton(out)
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump({"kernels": entries, "plan": p, "shapes": SHAPES, "ms": MS,
@@ -258,13 +272,11 @@ class Runner:
         self.meta = {e["name"]: e["params"] for e in self.man["kernels"]}
         self.cls = {e["name"]: e["class"] for e in self.man["kernels"]}
         self.dev = torch.device("cuda")
-        self.vllm = False
-        if vllm_so and os.path.exists(vllm_so):
-            try:
-                torch.ops.load_library(vllm_so)
-                self.vllm = hasattr(torch.ops._C, "cutlass_scaled_mm")
-            except Exception as ex:  # noqa: BLE001 -- reported, the run goes on without it
-                print(f"vLLM's _C did not load: {ex}")
+        self.vc = _vllm_cutlass()
+        why = self.vc.load(vllm_so)
+        self.vllm = not why
+        if vllm_so and why:
+            print(f"vLLM's _C left out: {why}")
         self.out = out
         self.log = open(os.path.join(out, "schemes.log"), "a")
         self.res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -322,9 +334,8 @@ class Runner:
         return t._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=od or t.bfloat16,
                             use_fast_accum=fast)
 
-    def vllm_mm(self, a, b, sa, sb, out):
-        self.t.ops._C.cutlass_scaled_mm(out, a, b.t(), sa, sb, None)
-        return out
+    def vllm_mm(self, a, b, sa, sb, out, scales):
+        return self.vc.scaled_mm(a, b, sa, sb, out, scales)
 
     @staticmethod
     def rows_differ(ref, out):
@@ -368,9 +379,8 @@ class Runner:
                                 self.p(f"  torch {s} fast{int(fast)} n/a for {key}: "
                                        f"{str(ex)[:80]}")
                         if self.vllm and ab == t.float8_e4m3fn and od == t.bfloat16:
-                            c = self.vllm_mm(a, b, sa.reshape(-1, 1) if s == "token" else sa,
-                                             sb.reshape(-1, 1) if s == "token" else sb,
-                                             t.empty(m, n, dtype=od, device=self.dev))
+                            c = self.vllm_mm(a, b, sa, sb,
+                                             t.empty(m, n, dtype=od, device=self.dev), s)
                             rows.append(dict(m=m, n=n, k=k, impl=f"vllm_cutlass_{s}",
                                              ab=str(ab), scheme=s, floor=floor,
                                              rel=((c.double() - ref).norm()
@@ -581,7 +591,7 @@ class Runner:
                     if self.vllm:
                         def vm(i, scales=scales, A=A, B=B, C=C, S=S):
                             sa, sb = S[i][scales]
-                            self.vllm_mm(A[i], B[i], sa, sb, C[i])
+                            self.vllm_mm(A[i], B[i], sa, sb, C[i], scales)
                         impls[f"vllm {scales}"] = vm
                 res, samples = self._time(impls, nsets, iters)
                 del A, B, C, S
@@ -653,8 +663,7 @@ class BlockRunner:
         return c
 
     def cutlass(self, a, b, sa, sb, c):
-        self.t.ops._C.cutlass_scaled_mm(c, a, b.t(), sa, sb.t(), None)
-        return c
+        return self.r.vc.scaled_mm(a, b, sa, sb, c, "block128")
 
     def correct(self):
         t, r = self.t, self.r

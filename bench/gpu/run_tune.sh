@@ -6,15 +6,32 @@
 # PYTHONPATH), a serve-only daemon holding a store built here; then a second process plans
 # from the winners and times the plans before and after (bench/gpu/tune_check.py).
 #
-#   here:  BUNDLE=DIR bench/gpu/run_tune.sh build   -> DIR (git-ignored): store/ (every
-#          candidate cached tune times: tune_bundle.py; what certify runs:
+#   here:  BUNDLE=DIR [VLLM=1] bench/gpu/run_tune.sh build   -> DIR (git-ignored): store/
+#          (every candidate cached tune times: tune_bundle.py; what certify runs:
 #          certify_bundle.py) and store.tar.xz (the same, 1/30 the size: what is carried),
 #          the DSL runtime (xz), wheels/ (cached-kernel-daemon and
 #          cached-kernel-client from this checkout, cp312 wheels of the daemon's pure-Python
-#          dependencies and of TVM-FFI), this script and tune_check.py
-#   there: bash DIR/run_tune.sh gpu                   (device tool: carry DIR's wheels,
-#          store.tar.xz, libcute_dsl_runtime.so.xz, env.sh, run_tune.sh, tune_check.py;
-#          or all of DIR, where store/ fits too)
+#          dependencies and of TVM-FFI), this script, tune_check.py and vllm_cutlass.py;
+#          VLLM=1: also vLLM 0.33.0's _C (xz -6 of .venv-vllm's _C_stable_libtorch.abi3.so,
+#          for its CUTLASS cutlass_scaled_mm: tune_check.py --vllm-so), too big for one call
+#          beside the rest, split in two: DIR/v1/vllmC.part00 (its first VLLM_SPLIT bytes,
+#          default 45000000) and DIR/vllmC.part01 (the rest), its sha256 in env.sh (the
+#          whole xz is kept as DIR/vllmC.so.xz, never carried, so a new VLLM_SPLIT is quick).
+#          The build prints what each call carries and its size with the tree the device
+#          tool sends too (64 MiB a call in all), and the largest VLLM_SPLIT call 1 fits.
+#   there, without vLLM, one call:
+#          bash DIR/run_tune.sh gpu          (device tool: carry DIR's wheels, store.tar.xz,
+#          libcute_dsl_runtime.so.xz, env.sh, run_tune.sh, tune_check.py)
+#   there, with vLLM (VLLM=1 build), two calls in a row, the second while the machine is
+#   still warm (/tmp is kept between calls on a warm machine, 30 s):
+#     call 1: bash bench/gpu/run_tune.sh part1 DIR   (carry [DIR/v1]: part00 to /tmp)
+#     call 2: bash DIR/run_tune.sh gpu               (carry the six above, DIR/vllm_cutlass.py
+#             and DIR/vllmC.part01: 8 paths, the most a call carries; never all of DIR)
+#   gpu joins /tmp/vllmC.part00 and DIR/vllmC.part01 when both are there and match env.sh's
+#   sha256, prints vLLM's relative errors first (tune_check.py smoke) and passes --vllm-so to
+#   tune_check.py (per-tensor and per-token fast against the faster of torch's and vLLM's
+#   CUTLASS; block128 against vLLM's CUTLASS blockwise kernel); else it says vLLM is left out
+#   and block128 is not checked.
 set -euo pipefail
 # RUNS: groups "SCHEMES=N,K N,K ...", separated by ';' (SCHEMES: cached tune's names,
 # comma-separated; a group's schemes are tuned on its shapes only), here and there alike;
@@ -60,11 +77,62 @@ if [[ $mode == build ]]; then
   rm -rf build client/build
   "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$BUNDLE/wheels" ./client .
   rm -rf build client/build ./*.egg-info client/*.egg-info
-  cp bench/gpu/run_tune.sh bench/gpu/tune_check.py "$BUNDLE/"
-  printf 'RUNS="%s"\nCERTIFY="%s"\nCERTIFY_LIMIT=%s\n' "$RUNS" "$CERTIFY" "$CERTIFY_LIMIT" \
-    > "$BUNDLE/env.sh"  # what the store holds
+  cp bench/gpu/run_tune.sh bench/gpu/tune_check.py bench/gpu/vllm_cutlass.py "$BUNDLE/"
+  carry=(wheels store.tar.xz libcute_dsl_runtime.so.xz env.sh run_tune.sh tune_check.py)
+  vsha=""
+  if [[ -n ${VLLM:-} ]]; then
+    so=.venv-vllm/lib/python3.11/site-packages/vllm/_C_stable_libtorch.abi3.so
+    split=${VLLM_SPLIT:-45000000}
+    [[ -f $so ]] || { echo "VLLM=1: no $so (make .venv-vllm first)" >&2; exit 1; }
+    # the whole xz is kept (not carried): xz -6 of ~93 MB takes a while, a new split does
+    # not (remove DIR/vllmC.so.xz after a new vLLM)
+    if [[ ! -f $BUNDLE/vllmC.so.xz ]]; then
+      nice -n 10 xz -6 -T2 -c "$so" > "$BUNDLE/vllmC.so.xz.tmp"
+      mv "$BUNDLE/vllmC.so.xz.tmp" "$BUNDLE/vllmC.so.xz"
+    fi
+    mkdir -p "$BUNDLE/v1"
+    head -c "$split" "$BUNDLE/vllmC.so.xz" > "$BUNDLE/v1/vllmC.part00"
+    tail -c +$((split + 1)) "$BUNDLE/vllmC.so.xz" > "$BUNDLE/vllmC.part01"
+    vsha=$(sha256sum < "$BUNDLE/vllmC.so.xz" | cut -d' ' -f1)
+    carry+=(vllm_cutlass.py vllmC.part01)
+  fi
+  printf 'RUNS="%s"\nCERTIFY="%s"\nCERTIFY_LIMIT=%s\nVLLM_XZ_SHA256=%s\n' "$RUNS" \
+    "$CERTIFY" "$CERTIFY_LIMIT" "$vsha" > "$BUNDLE/env.sh"  # what the store holds
   ls -la "$BUNDLE/wheels"
   du -sh "$BUNDLE"
+  # what the device tool sends besides the carried paths: this checkout's tracked and
+  # untracked-not-ignored files
+  tree=$( (git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s \
+    2>/dev/null || true) | awk '{s += $1} END {print s + 0}')
+  limit=$((64 << 20))
+  say_call() {  # NAME BYTES CARRY...
+    local name=$1 bytes=$2
+    shift 2
+    local paths
+    paths=$(printf '"%s", ' "$@")
+    echo "$name: carry [${paths%, }]: $bytes bytes carried + $tree of the tree =" \
+      "$((bytes + tree)) of $limit$([[ $((bytes + tree)) -gt $limit ]] && echo \
+      "  OVER THE LIMIT: a smaller VLLM_SPLIT moves bytes from call 1 to call 2, or carry less")"
+  }
+  paths=()
+  for p in "${carry[@]}"; do paths+=("$BUNDLE/$p"); done
+  echo "the second call carries:"
+  du -cb "${paths[@]}"
+  du -ch "${paths[@]}" | tail -1
+  if [[ -n ${VLLM:-} ]]; then
+    say_call "call 1 (part1)" "$(du -cb "$BUNDLE/v1" | tail -1 | cut -f1)" "$BUNDLE/v1"
+    echo "  (the largest VLLM_SPLIT call 1 fits with 256 KiB to spare:" \
+      "$((limit - tree - 8192 - (256 << 10))))"
+    say_call "call 2 (gpu)" "$(du -cb "${paths[@]}" | tail -1 | cut -f1)" "${paths[@]}"
+  else
+    say_call "the call (gpu)" "$(du -cb "${paths[@]}" | tail -1 | cut -f1)" "${paths[@]}"
+  fi
+  exit 0
+fi
+
+if [[ $mode == part1 ]]; then  # call 1 of two: vLLM's _C, first part, to /tmp
+  B=${2:-${BUNDLE:-.gpubundle/tune}}
+  cp "$B/v1/vllmC.part00" /tmp/ && ls -la /tmp/vllmC.part00
   exit 0
 fi
 
@@ -78,6 +146,23 @@ if [[ $mode == gpu ]]; then
   RUN=/tmp/tune_run STORE=/tmp/tune_run/store SOCK=/tmp/tune_run.sock
   mkdir -p "$OUT"
   t0=$(date +%s)
+  vso=""  # vLLM's _C: call 1's part (in /tmp) and this bundle's, when both are the build's
+  if [[ -z ${VLLM_XZ_SHA256:-} ]]; then
+    echo "vLLM is left out: the bundle was built without VLLM=1"
+  elif [[ ! -f /tmp/vllmC.part00 || ! -f $BUNDLE/vllmC.part01 ]]; then
+    echo "vLLM is left out: no /tmp/vllmC.part00 (call 1, part1, on this machine first)" \
+      "or no $BUNDLE/vllmC.part01 (carry it)"
+  elif [[ $(cat /tmp/vllmC.part00 "$BUNDLE/vllmC.part01" | sha256sum | cut -d' ' -f1) \
+          != "$VLLM_XZ_SHA256" ]]; then
+    echo "vLLM is left out: /tmp/vllmC.part00 + vllmC.part01 are not this build's (sha256)"
+  elif cat /tmp/vllmC.part00 "$BUNDLE/vllmC.part01" | xz -dc \
+      > /tmp/vllm_C_stable_libtorch.abi3.so; then
+    vso=/tmp/vllm_C_stable_libtorch.abi3.so
+  else
+    echo "vLLM is left out: its _C did not decompress"
+  fi
+  vargs=()
+  [[ -z $vso ]] || vargs=(--vllm-so "$vso")
   nvidia-smi -L | tee "$OUT/nvidia-smi-L.txt" || true
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
     | tee "$OUT/nvidia-smi.txt" || true
@@ -115,6 +200,19 @@ try:
 except ImportError as exc:
     print("no torch here:", exc)
 PY
+  if [[ -n $vso ]]; then  # vLLM's op against the float reference, before anything is timed
+    set +e
+    "$NODE/python" "$BUNDLE/tune_check.py" smoke --vllm-so "$vso" 2>&1 \
+      | tee "$OUT/vllm_smoke.txt"
+    smoke=${PIPESTATUS[0]}
+    set -e
+    # 0: right; 1: a wrong result (tune_check leaves vLLM out where it is wrong); 2: it did
+    # not load (tune_check says so); anything else (a crash) would take tune_check with it
+    if (( smoke > 2 )); then
+      echo "vLLM is left out: its smoke exited $smoke" | tee -a "$OUT/vllm_smoke.txt"
+      vso="" vargs=()
+    fi
+  fi
   rm -rf "$RUN" && mkdir -p "$RUN"
   if [[ -f $BUNDLE/store.tar.xz ]]; then tar -C "$RUN" -xJf "$BUNDLE/store.tar.xz"
   else cp -r "$BUNDLE/store" "$STORE"; fi
@@ -175,15 +273,17 @@ for line in open('$OUT/certify.jsonl'):
     i=$((i + 1))
     read -r -a shapes <<< "${g#*=}"
     "$NODE/python" "$BUNDLE/tune_check.py" --socket "$SOCK" --out "$OUT" \
-      --rounds "$ROUNDS" --schemes "${g%%=*}" --name "tune_check_$i" "${shapes[@]}" 2>&1 \
-      | tee "$OUT/tune_check_$i.log"
+      --rounds "$ROUNDS" --schemes "${g%%=*}" --name "tune_check_$i" \
+      ${vargs[@]+"${vargs[@]}"} "${shapes[@]}" 2>&1 | tee "$OUT/tune_check_$i.log"
     [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
   done
   cat "$OUT/tune_times.txt"
+  [[ ! -f $OUT/vllm_smoke.txt ]] || cat "$OUT/vllm_smoke.txt"  # again, in the output's tail
+  [[ -n $vso ]] || echo "vLLM was left out"
   grep -c '"autotune.stored"' "$OUT/daemon.log" || true
   tail -3 "$OUT/daemon.log"
   kill "$daemon"
   exit "$rc"
 fi
-echo "usage: $0 build | gpu" >&2
+echo "usage: $0 build | part1 [DIR] | gpu" >&2
 exit 2
