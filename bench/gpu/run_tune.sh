@@ -15,19 +15,23 @@
 #          VLLM=1: also vLLM 0.33.0's _C (xz -6 of .venv-vllm's _C_stable_libtorch.abi3.so,
 #          for its CUTLASS cutlass_scaled_mm: tune_check.py --vllm-so), too big for one call
 #          beside the rest, split in two: DIR/v1/vllmC.part00 (its first VLLM_SPLIT bytes,
-#          default 45000000) and DIR/vllmC.part01 (the rest), its sha256 in env.sh (the
+#          default 43000000) and DIR/v2/vllmC.part01 (the rest, beside a copy of the DSL
+#          runtime's xz), its sha256 in env.sh (the
 #          whole xz is kept as DIR/vllmC.so.xz, never carried, so a new VLLM_SPLIT is quick).
 #          The build prints what each call carries and its size with the tree the device
 #          tool sends too (64 MiB a call in all), and the largest VLLM_SPLIT call 1 fits.
 #   there, without vLLM, one call:
 #          bash DIR/run_tune.sh gpu          (device tool: carry DIR's wheels, store.tar.xz,
 #          libcute_dsl_runtime.so.xz, env.sh, run_tune.sh, tune_check.py)
-#   there, with vLLM (VLLM=1 build), two calls in a row, the second while the machine is
+#   there, with vLLM (VLLM=1 build), three calls in a row, each while the machine is
 #   still warm (/tmp is kept between calls on a warm machine, 30 s):
-#     call 1: bash bench/gpu/run_tune.sh part1 DIR   (carry [DIR/v1]: part00 to /tmp)
-#     call 2: bash DIR/run_tune.sh gpu               (carry the six above, DIR/vllm_cutlass.py
-#             and DIR/vllmC.part01: 8 paths, the most a call carries; never all of DIR)
-#   gpu joins /tmp/vllmC.part00 and DIR/vllmC.part01 when both are there and match env.sh's
+#     call 1: bash bench/gpu/run_tune.sh part1 DIR v1   (carry [DIR/v1]: part00 to /tmp)
+#     call 2: bash bench/gpu/run_tune.sh part1 DIR v2   (carry [DIR/v2]: part01 and the
+#             runtime to /tmp)
+#     call 3: bash DIR/run_tune.sh gpu               (carry the six above less the runtime,
+#             and DIR/vllm_cutlass.py; never all of DIR)
+#   gpu takes vllmC.part01 and the runtime's xz from DIR or else /tmp, joins
+#   /tmp/vllmC.part00 and vllmC.part01 when both are there and match env.sh's
 #   sha256, prints vLLM's relative errors first (tune_check.py smoke) and passes --vllm-so to
 #   tune_check.py (per-tensor and per-token fast against the faster of torch's and vLLM's
 #   CUTLASS; block128 against vLLM's CUTLASS blockwise kernel); else it says vLLM is left out
@@ -82,7 +86,7 @@ if [[ $mode == build ]]; then
   vsha=""
   if [[ -n ${VLLM:-} ]]; then
     so=.venv-vllm/lib/python3.11/site-packages/vllm/_C_stable_libtorch.abi3.so
-    split=${VLLM_SPLIT:-45000000}
+    split=${VLLM_SPLIT:-43000000}
     [[ -f $so ]] || { echo "VLLM=1: no $so (make .venv-vllm first)" >&2; exit 1; }
     # the whole xz is kept (not carried): xz -6 of ~93 MB takes a while, a new split does
     # not (remove DIR/vllmC.so.xz after a new vLLM)
@@ -90,11 +94,12 @@ if [[ $mode == build ]]; then
       nice -n 10 xz -6 -T2 -c "$so" > "$BUNDLE/vllmC.so.xz.tmp"
       mv "$BUNDLE/vllmC.so.xz.tmp" "$BUNDLE/vllmC.so.xz"
     fi
-    mkdir -p "$BUNDLE/v1"
+    mkdir -p "$BUNDLE/v1" "$BUNDLE/v2"
     head -c "$split" "$BUNDLE/vllmC.so.xz" > "$BUNDLE/v1/vllmC.part00"
-    tail -c +$((split + 1)) "$BUNDLE/vllmC.so.xz" > "$BUNDLE/vllmC.part01"
+    tail -c +$((split + 1)) "$BUNDLE/vllmC.so.xz" > "$BUNDLE/v2/vllmC.part01"
+    cp "$BUNDLE/libcute_dsl_runtime.so.xz" "$BUNDLE/v2/"
     vsha=$(sha256sum < "$BUNDLE/vllmC.so.xz" | cut -d' ' -f1)
-    carry+=(vllm_cutlass.py vllmC.part01)
+    carry=(wheels store.tar.xz env.sh run_tune.sh tune_check.py vllm_cutlass.py)
   fi
   printf 'RUNS="%s"\nCERTIFY="%s"\nCERTIFY_LIMIT=%s\nVLLM_XZ_SHA256=%s\n' "$RUNS" \
     "$CERTIFY" "$CERTIFY_LIMIT" "$vsha" > "$BUNDLE/env.sh"  # what the store holds
@@ -120,19 +125,20 @@ if [[ $mode == build ]]; then
   du -cb "${paths[@]}"
   du -ch "${paths[@]}" | tail -1
   if [[ -n ${VLLM:-} ]]; then
-    say_call "call 1 (part1)" "$(du -cb "$BUNDLE/v1" | tail -1 | cut -f1)" "$BUNDLE/v1"
+    say_call "call 1 (part1 v1)" "$(du -cb "$BUNDLE/v1" | tail -1 | cut -f1)" "$BUNDLE/v1"
+    say_call "call 2 (part1 v2)" "$(du -cb "$BUNDLE/v2" | tail -1 | cut -f1)" "$BUNDLE/v2"
     echo "  (the largest VLLM_SPLIT call 1 fits with 256 KiB to spare:" \
       "$((limit - tree - 8192 - (256 << 10))))"
-    say_call "call 2 (gpu)" "$(du -cb "${paths[@]}" | tail -1 | cut -f1)" "${paths[@]}"
+    say_call "call 3 (gpu)" "$(du -cb "${paths[@]}" | tail -1 | cut -f1)" "${paths[@]}"
   else
     say_call "the call (gpu)" "$(du -cb "${paths[@]}" | tail -1 | cut -f1)" "${paths[@]}"
   fi
   exit 0
 fi
 
-if [[ $mode == part1 ]]; then  # call 1 of two: vLLM's _C, first part, to /tmp
+if [[ $mode == part1 ]]; then  # calls 1 and 2 of three: DIR/v1 or DIR/v2 to /tmp
   B=${2:-${BUNDLE:-.gpubundle/tune}}
-  cp "$B/v1/vllmC.part00" /tmp/ && ls -la /tmp/vllmC.part00
+  cp "$B/${3:-v1}"/* /tmp/ && ls -la "$B/${3:-v1}"
   exit 0
 fi
 
@@ -146,6 +152,9 @@ if [[ $mode == gpu ]]; then
   RUN=/tmp/tune_run STORE=/tmp/tune_run/store SOCK=/tmp/tune_run.sock
   mkdir -p "$OUT"
   t0=$(date +%s)
+  for f in vllmC.part01 libcute_dsl_runtime.so.xz; do  # here, or an earlier call's in /tmp
+    [[ -f $BUNDLE/$f || ! -f /tmp/$f ]] || ln -sf "/tmp/$f" "$BUNDLE/$f"
+  done
   vso=""  # vLLM's _C: call 1's part (in /tmp) and this bundle's, when both are the build's
   if [[ -z ${VLLM_XZ_SHA256:-} ]]; then
     echo "vLLM is left out: the bundle was built without VLLM=1"
@@ -285,5 +294,5 @@ for line in open('$OUT/certify.jsonl'):
   kill "$daemon"
   exit "$rc"
 fi
-echo "usage: $0 build | part1 [DIR] | gpu" >&2
+echo "usage: $0 build | part1 DIR [v1|v2] | gpu" >&2
 exit 2
