@@ -113,6 +113,22 @@ def test_split_space():
     assert len(enumerate_tactics(4096, 4096, 4096)) == 922
 
 
+def test_a_width_the_cost_file_lacks_is_interpolated_between_its_neighbours():
+    """128 x 144 (unmeasured) costs, per M regime, the linear mix of 128 x 128 and 128 x 160
+    at 1/2; wg_n = 2 at 112 lies between 96 and 128 at 1/2; a measured tile is its table
+    entry; a width outside the measured ones scales with the operand bytes."""
+    table = COST.cost_model()["US_PER_K_TILE"]
+    wg = COST.cost_model()["WG_N_US_PER_K_TILE"]
+    assert (128, 144) not in table and (64, 112) not in wg
+    for m, r in ((16, 0), (512, 1), (4096, 2)):
+        want = (table[(128, 128)][r] + table[(128, 160)][r]) / 2
+        assert abs(COST._per_k_tile_us(128, 144, m) - want) < 1e-12
+        want = (wg[(64, 96)][r] + wg[(64, 128)][r]) / 2
+        assert abs(COST._per_k_tile_us(64, 112, m, wg_n=2) - want) < 1e-12
+        assert COST._per_k_tile_us(128, 160, m) == table[(128, 160)][r]
+    assert COST._per_k_tile_us(256, 256, 16) == 0.0032 * 512 * 4
+
+
 def test_reduction_order_constants():
     assert T.REDUCTION_ORDER_M_INDEPENDENT is True
     assert "k_tile=128" in T.REDUCTION_ORDER and "scale_after" in T.REDUCTION_ORDER
