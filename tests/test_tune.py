@@ -731,3 +731,23 @@ def test_a_bucket_short_of_its_competitor_is_timed_again_with_more_candidates(no
     out = subprocess.run([sys.executable, "-m", "cached", "tune", "--weight", "64,64",
                           "--widen", "-1"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2 and "--widen" in out.stderr and "0 or more" in out.stderr
+
+
+def test_a_widened_timing_lists_each_split_mode_of_the_class(node):
+    """1344x18432 plans the S = 2 class; at M = 4096 the model ranks its 'cta' tactics last
+    (they need more than one wave), so the plan's first ones are all 'serial'. A widened
+    timing lists the class's first 'cta' tactic too (WIDEN_EACH), of the same class, and
+    its other extra candidates are of kinds the first ones lack."""
+    c = node.client(timeout=120)
+    target = target_of(c)
+    n, k = 1344, 18432
+    cls, plain = tune.candidates(c, n, k, 4096, target, near=0)
+    wcls, wide = tune.candidates(c, n, k, 4096, target, near=0, widen=3)
+    assert cls == wcls == "k128.acc1.s2.fixed"
+    assert {r.params["split_mode"] for r in plain} == {"serial"}
+    assert {r.params["split_mode"] for r in wide} == {"serial", "cta"}
+    assert wide[:len(plain)] == plain and len(wide) == len(plain) + 3 + 1
+    extra = wide[len(plain):len(plain) + 3]
+    assert len({tune.kind_of(r.params) for r in plain + extra}) == len(plain + extra) - (
+        len(plain) - len({tune.kind_of(r.params) for r in plain}))
+    assert {T.tactic_from_params(r.params).reduction_class for r in wide} == {cls}

@@ -73,6 +73,9 @@ DEFAULT_BUDGET_S = 120.0
 DEFAULT_WIDEN = 6  # more of the plan's candidates where the best is short of the competitor
 # the params two candidates of a widened timing may share a kind across (kind_of)
 WIDEN_SAME = ("raster", "swizzle", "stages", "pdl")
+# a widened timing also lists the plan's first tactic of each value of these params it
+# lacks (e.g. a split class's 'cta' mode at an M where the model ranks it last)
+WIDEN_EACH = ("split_mode",)
 WIDEN_UNDER = 0.97  # short: the competitor's time over the best candidate's below this
 REFERENCE = "torch._scaled_mm"  # timed beside the candidates for the report, never a winner
 
@@ -281,7 +284,8 @@ def candidates(client: Client, n: int, k: int, m: int, target: Target, top: int 
     """(class id, candidates) for bucket ``m`` of ``scheme``: the first ``top`` of the
     daemon's batch-invariant plan of the scheme, then ``widen`` more in the plan's order,
     each the first of a kind not yet listed (:func:`kind_of`: the params less WIDEN_SAME),
-    then the family's neighbours that plan lists (see module doc); the plan's first choice
+    and (widened) the plan's first tactic of each WIDEN_EACH value not yet listed, then
+    the family's neighbours that plan lists (see module doc); the plan's first choice
     is candidates[0]. Every candidate is of the one class the daemon's reply names
     (checked: ValueError otherwise). The daemon's InvalidTactic when the scheme plans
     nothing for (N, K) (e.g. block128 at K % 128). ``target`` is taken for the scheme's
@@ -301,7 +305,7 @@ def candidates(client: Client, n: int, k: int, m: int, target: Target, top: int 
                          f"classes {classes}")
     cls = classes.pop()
     out = list(reply.requests[:top])
-    kinds = {kind_of(r.params) for r in out}
+    kinds, wide = {kind_of(r.params) for r in out}, widen > 0
     for r in reply.requests[top:]:
         if widen <= 0:
             break
@@ -309,6 +313,13 @@ def candidates(client: Client, n: int, k: int, m: int, target: Target, top: int 
             kinds.add(kind_of(r.params))
             out.append(r)
             widen -= 1
+    if wide:  # a widened timing: the first of each WIDEN_EACH value too
+        for key in WIDEN_EACH:
+            seen = {dict(r.params).get(key) for r in out}
+            for r in reply.requests:
+                if dict(r.params).get(key) not in seen:
+                    seen.add(dict(r.params).get(key))
+                    out.append(r)
     # the plan lists its class's whole space: a neighbour outside it (a pdl twin the space
     # does not list) is no candidate, since no client plan could run it
     in_plan = {_params_key(r.params): r for r in reply.requests}
