@@ -96,8 +96,8 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                    help="time buckets whose winners are published already")
     t.add_argument("--widen", type=_count, default=tune.DEFAULT_WIDEN, metavar="N",
                    help="where the best candidate is short of the competitor, time the "
-                        f"bucket again with N more of the plan's (default "
-                        f"{tune.DEFAULT_WIDEN}; 0: never)")
+                        f"bucket again with N more of the plan's, each of a kind not timed "
+                        f"yet (default {tune.DEFAULT_WIDEN}; 0: never)")
     t.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="print the results as one JSON object on stdout, as every --json "
                         "does (a PATH after it, the old form, writes that file instead)")
