@@ -205,22 +205,46 @@ def test_vllm_is_called_as_vllm_calls_it(vc, monkeypatch, scales):
         vc.scaled_mm(a, b, sa, sb, out, "none")
 
 
-def test_vllm_covers_its_schemes_only_and_load_says_why_not(vc, tc, monkeypatch, tmp_path):
+def test_vllm_covers_its_schemes_only_and_load_refuses_other_bytes(vc, tc, monkeypatch,
+                                                                     tmp_path):
+    """vllm_cutlass.load runs native code only from a sealed copy whose bytes hash to the
+    digest given: other bytes, or no digest, are refused with the reason and nothing is
+    loaded; what torch's load_library opens is that copy, so a file swapped after the check
+    (here: while it loads) is never what runs."""
+    import hashlib
+
     assert not vc.covers("tensor", "exact", 4096, 4096)  # its kernels accumulate fast
     assert not vc.covers("token", "fast", 4104, 4096)  # N % 16: vLLM's Triton fallback
     assert vc.covers("block128", "exact", 2112, 7168)
     assert vc.label("block128", "exact") == "vLLM cutlass_scaled_mm blockwise"
-    assert vc.load(None) == "no --vllm-so given"
-    assert "no such file" in vc.load(str(tmp_path / "nope.so"))
+    assert vc.load(None, None) == "no --vllm-so given"
+    good = b"\x7fELF the build's vLLM _C"
+    sha = hashlib.sha256(good).hexdigest()
+    assert "no such file" in vc.load(str(tmp_path / "nope.so"), sha)
     so = tmp_path / "lib.so"
-    so.write_bytes(b"")
-    loaded = []
-    empty = SimpleNamespace(ops=SimpleNamespace(load_library=loaded.append,
+    so.write_bytes(good)
+    loaded: list[tuple[str, bytes]] = []
+
+    def load_library(path: str) -> None:
+        so.write_bytes(b"forged")  # swapped on disk after the check
+        with open(path, "rb") as f:
+            loaded.append((path, f.read()))
+
+    empty = SimpleNamespace(ops=SimpleNamespace(load_library=load_library,
                                                 _C=SimpleNamespace()))
     monkeypatch.setattr(vc, "torch", empty)
-    assert "has no cutlass_scaled_mm" in vc.load(str(so)) and loaded == [str(so)]
+    assert "no sha256 given" in vc.load(str(so), None) and loaded == []
+    why = vc.load(str(so), hashlib.sha256(b"another build").hexdigest())
+    assert f"sha256 {sha}" in why and "not loading" in why and loaded == []
+    assert "has no cutlass_scaled_mm" in vc.load(str(so), sha)
+    [(path, got)] = loaded
+    assert path.startswith("/proc/self/fd/") and got == good
+    so.write_bytes(good)
     empty.ops._C.cutlass_scaled_mm = object()
-    assert vc.load(str(so)) == ""
-    assert tc.load_vllm(None) == (None, "no --vllm-so given")
-    assert tc.load_vllm(str(so)) == (vc, "")
+    assert vc.load(str(so), sha) == ""
+    assert tc.load_vllm(None, None) == (None, "no --vllm-so given")
+    so.write_bytes(good)
+    assert tc.load_vllm(str(so), sha) == (vc, "")
+    so.write_bytes(b"forged")
+    assert tc.load_vllm(str(so), sha)[0] is None
     assert "vllm_cutlass" in sys.modules

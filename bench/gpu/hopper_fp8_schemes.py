@@ -10,7 +10,8 @@
     the client package (the launcher), the DSL runtime (xz) and the tvm-ffi wheel
     (bench/gpu/run_hopper_fp8.sh's recipe).
   run (there: torch CUDA, tvm_ffi from the carried wheel, no cutlass):
-      python DIR/hopper_fp8_schemes.py run --bundle DIR --out $OUT [--vllm-so PATH]
+      python DIR/hopper_fp8_schemes.py run --bundle DIR --out $OUT [--vllm-so PATH
+      --vllm-sha256 HEX]
     correct: float64 reference on fresh data (ragged M, N, K), NaN-poisoned outputs,
       relative error beside the bf16 floor (the reference rounded to bf16) and beside
       cuBLAS / torch's rowwise GEMM with and without fast accumulation; every kernel of a
@@ -255,7 +256,8 @@ def build(out: str, jobs: int, schemes: list[str] | None = None) -> None:
 # ====================================================================================
 
 class Runner:
-    def __init__(self, bundle: str, out: str, vllm_so: str | None):
+    def __init__(self, bundle: str, out: str, vllm_so: str | None,
+                 vllm_sha256: str | None = None):
         import torch
 
         self.t = torch
@@ -273,7 +275,7 @@ class Runner:
         self.cls = {e["name"]: e["class"] for e in self.man["kernels"]}
         self.dev = torch.device("cuda")
         self.vc = _vllm_cutlass()
-        why = self.vc.load(vllm_so)
+        why = self.vc.load(vllm_so, vllm_sha256)
         self.vllm = not why
         if vllm_so and why:
             print(f"vLLM's _C left out: {why}")
@@ -927,9 +929,9 @@ def markdown(res) -> None:
               f">= 0.9: {sum(x >= 0.9 for x in allr)}/{len(allr)}")
 
 
-def run(bundle, out, phases, vllm_so, budget):
+def run(bundle, out, phases, vllm_so, budget, vllm_sha256=None):
     os.makedirs(out, exist_ok=True)
-    r = Runner(bundle, out, vllm_so)
+    r = Runner(bundle, out, vllm_so, vllm_sha256)
     t0 = time.time()
     r.p(f"device {r.res['device']} torch {r.res['torch']}; {len(r.fns)} kernels; "
         f"vLLM cutlass {r.vllm}")
@@ -971,6 +973,7 @@ def main():
     r.add_argument("--out", default=os.environ.get("OUT", "/tmp/fp8s_out"))
     r.add_argument("--phases", default="correct,bi,perf")
     r.add_argument("--vllm-so", default=None)
+    r.add_argument("--vllm-sha256", default=None, help="the digest --vllm-so must have")
     r.add_argument("--budget", type=float, default=300.0, help="seconds before perf stops")
     s = sub.add_parser("tables")
     s.add_argument("json")
@@ -981,7 +984,7 @@ def main():
     elif a.cmd == "plan":
         print(json.dumps(plan(), indent=1))
     elif a.cmd == "run":
-        run(a.bundle, a.out, a.phases.split(","), a.vllm_so, a.budget)
+        run(a.bundle, a.out, a.phases.split(","), a.vllm_so, a.budget, a.vllm_sha256)
     else:
         with open(a.json) as f:
             res = json.load(f)

@@ -25,6 +25,8 @@ if [[ $mode == build ]]; then
     (cd /tmp && split -b 45000000 -d vllmC.so.xz vllmC.part)
     mv /tmp/vllmC.part00 "$D/v1/" && mv /tmp/vllmC.part01 "$D/b/"
   fi
+  # the digest the run there loads it by (vllm_cutlass.load: a sealed copy, hashed)
+  sha256sum < "$so" | cut -d' ' -f1 > "$D/b/vllmC.sha256"
   # the cp312 TVM-FFI wheel of this venv's version (the kernels were built against it)
   py=${PYTHON:-.venv/bin/python}
   source bench/gpu/wheels.sh
@@ -55,7 +57,7 @@ if [[ $mode == gpu ]]; then
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
     | tee "$OUT/nvidia-smi.txt" || true
   python3 "$B/hopper_fp8_schemes.py" run --bundle "$B" --out "$OUT" \
-    ${vso:+--vllm-so $vso} --budget "$budget" ${PHASES:+--phases $PHASES} 2>&1 \
+    ${vso:+--vllm-so $vso --vllm-sha256 $(cat "$B/vllmC.sha256")} --budget "$budget" ${PHASES:+--phases $PHASES} 2>&1 \
     | tee "$OUT/run.log"
   exit 0
 fi

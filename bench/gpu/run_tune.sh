@@ -16,8 +16,9 @@
 #          for its CUTLASS cutlass_scaled_mm: tune_check.py --vllm-so), too big for one call
 #          beside the rest, split in two: DIR/v1/vllmC.part00 (its first VLLM_SPLIT bytes,
 #          default 43000000) and DIR/v2/vllmC.part01 (the rest, beside a copy of the DSL
-#          runtime's xz), its sha256 in env.sh (the
-#          whole xz is kept as DIR/vllmC.so.xz, never carried, so a new VLLM_SPLIT is quick).
+#          runtime's xz), the .so's sha256 in env.sh (the whole xz is kept as
+#          DIR/vllmC.so.xz, never carried, so a new VLLM_SPLIT is quick). env.sh also holds
+#          the DSL runtime's sha256, checked there once it is unpacked.
 #          The build prints what each call carries and its size with the tree the device
 #          tool sends too (64 MiB a call in all), and the largest VLLM_SPLIT call 1 fits.
 #   there, without vLLM, one call:
@@ -31,9 +32,9 @@
 #     call 3: bash DIR/run_tune.sh gpu               (carry the six above less the runtime,
 #             and DIR/vllm_cutlass.py; never all of DIR)
 #   gpu takes vllmC.part01 and the runtime's xz from DIR or else /tmp, joins
-#   /tmp/vllmC.part00 and vllmC.part01 when both are there and match env.sh's
-#   sha256, prints vLLM's relative errors first (tune_check.py smoke) and passes --vllm-so to
-#   tune_check.py (per-tensor and per-token fast against the faster of torch's and vLLM's
+#   /tmp/vllmC.part00 and vllmC.part01 when both are there, prints vLLM's relative errors
+#   first (tune_check.py smoke) and passes --vllm-so and --vllm-sha256 to tune_check.py,
+#   which loads only a sealed copy with that digest (vllm_cutlass.load) (per-tensor and per-token fast against the faster of torch's and vLLM's
 #   CUTLASS; block128 against vLLM's CUTLASS blockwise kernel); else it says vLLM is left out
 #   and block128 is not checked.
 set -euo pipefail
@@ -98,11 +99,12 @@ if [[ $mode == build ]]; then
     head -c "$split" "$BUNDLE/vllmC.so.xz" > "$BUNDLE/v1/vllmC.part00"
     tail -c +$((split + 1)) "$BUNDLE/vllmC.so.xz" > "$BUNDLE/v2/vllmC.part01"
     cp "$BUNDLE/libcute_dsl_runtime.so.xz" "$BUNDLE/v2/"
-    vsha=$(sha256sum < "$BUNDLE/vllmC.so.xz" | cut -d' ' -f1)
+    vsha=$(sha256sum < "$so" | cut -d' ' -f1)  # what tune_check.py loads: checked there
     carry=(wheels store.tar.xz env.sh run_tune.sh tune_check.py vllm_cutlass.py)
   fi
-  printf 'RUNS="%s"\nCERTIFY="%s"\nCERTIFY_LIMIT=%s\nVLLM_XZ_SHA256=%s\n' "$RUNS" \
-    "$CERTIFY" "$CERTIFY_LIMIT" "$vsha" > "$BUNDLE/env.sh"  # what the store holds
+  rsha=$(xz -dc "$BUNDLE/libcute_dsl_runtime.so.xz" | sha256sum | cut -d' ' -f1)
+  printf 'RUNS="%s"\nCERTIFY="%s"\nCERTIFY_LIMIT=%s\nVLLM_SO_SHA256=%s\nRUNTIME_SHA256=%s\n' \
+    "$RUNS" "$CERTIFY" "$CERTIFY_LIMIT" "$vsha" "$rsha" > "$BUNDLE/env.sh"  # what the store holds
   ls -la "$BUNDLE/wheels"
   du -sh "$BUNDLE"
   # what the device tool sends besides the carried paths: this checkout's tracked and
@@ -155,23 +157,22 @@ if [[ $mode == gpu ]]; then
   for f in vllmC.part01 libcute_dsl_runtime.so.xz; do  # here, or an earlier call's in /tmp
     [[ -f $BUNDLE/$f || ! -f /tmp/$f ]] || ln -sf "/tmp/$f" "$BUNDLE/$f"
   done
-  vso=""  # vLLM's _C: call 1's part (in /tmp) and this bundle's, when both are the build's
-  if [[ -z ${VLLM_XZ_SHA256:-} ]]; then
+  # vLLM's _C: call 1's part (in /tmp) and this bundle's. Its bytes are checked against
+  # env.sh's VLLM_SO_SHA256 where it is loaded (vllm_cutlass.load: a sealed copy, hashed)
+  vso=""
+  if [[ -z ${VLLM_SO_SHA256:-} ]]; then
     echo "vLLM is left out: the bundle was built without VLLM=1"
   elif [[ ! -f /tmp/vllmC.part00 || ! -f $BUNDLE/vllmC.part01 ]]; then
     echo "vLLM is left out: no /tmp/vllmC.part00 (call 1, part1, on this machine first)" \
       "or no $BUNDLE/vllmC.part01 (carry it)"
-  elif [[ $(cat /tmp/vllmC.part00 "$BUNDLE/vllmC.part01" | sha256sum | cut -d' ' -f1) \
-          != "$VLLM_XZ_SHA256" ]]; then
-    echo "vLLM is left out: /tmp/vllmC.part00 + vllmC.part01 are not this build's (sha256)"
   elif cat /tmp/vllmC.part00 "$BUNDLE/vllmC.part01" | xz -dc \
       > /tmp/vllm_C_stable_libtorch.abi3.so; then
     vso=/tmp/vllm_C_stable_libtorch.abi3.so
   else
-    echo "vLLM is left out: its _C did not decompress"
+    echo "vLLM is left out: its _C did not decompress (parts of another build?)"
   fi
   vargs=()
-  [[ -z $vso ]] || vargs=(--vllm-so "$vso")
+  [[ -z $vso ]] || vargs=(--vllm-so "$vso" --vllm-sha256 "$VLLM_SO_SHA256")
   nvidia-smi -L | tee "$OUT/nvidia-smi-L.txt" || true
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
     | tee "$OUT/nvidia-smi.txt" || true
@@ -192,7 +193,14 @@ if [[ $mode == gpu ]]; then
   if [[ -n $TORCH_SITE ]]; then
     echo "$TORCH_SITE" > "$("$NODE/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/image-torch.pth"
   fi
+  # the runtime every kernel load opens: unpacked into the venv this run made (root's),
+  # then checked against the build's digest (it may come from an earlier call's /tmp)
   xz -dc "$BUNDLE/libcute_dsl_runtime.so.xz" > /tmp/tune_node/libcute_dsl_runtime.so
+  got=$(sha256sum < /tmp/tune_node/libcute_dsl_runtime.so | cut -d' ' -f1)
+  if [[ $got != "${RUNTIME_SHA256:-}" ]]; then
+    echo "the DSL runtime has sha256 $got, not the build's (env.sh RUNTIME_SHA256=${RUNTIME_SHA256:-}): not running" >&2
+    exit 1
+  fi
   # a serve-only node has no DSL compiler installed: its clients open the runtime named here
   export CACHED_DSL_RUNTIME=/tmp/tune_node/libcute_dsl_runtime.so PYTHONUNBUFFERED=1
   unset PYTHONPATH
@@ -211,7 +219,7 @@ except ImportError as exc:
 PY
   if [[ -n $vso ]]; then  # vLLM's op against the float reference, before anything is timed
     set +e
-    "$NODE/python" "$BUNDLE/tune_check.py" smoke --vllm-so "$vso" 2>&1 \
+    "$NODE/python" "$BUNDLE/tune_check.py" smoke "${vargs[@]}" 2>&1 \
       | tee "$OUT/vllm_smoke.txt"
     smoke=${PIPESTATUS[0]}
     set -e

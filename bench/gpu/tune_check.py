@@ -25,9 +25,10 @@ said (block128, with no other competitor, is then not timed). Without the .so ev
 else runs as before.
 
 Usage (there): python tune_check.py --socket S --out DIR [--rounds R] [--schemes S,S]
-    [--vllm-so PATH] N,K [N,K ...]
+    [--vllm-so PATH --vllm-sha256 HEX] N,K [N,K ...]
 Prints tables last; writes DIR/NAME.json (--name, default tune_check).
-vLLM's op alone, first: python tune_check.py smoke --vllm-so PATH (relative errors per scheme).
+vLLM's op alone, first: python tune_check.py smoke --vllm-so PATH --vllm-sha256 HEX (relative
+errors per scheme; run_tune.sh runs it before tune_check, which checks vLLM per shape too).
 Again from the JSON: python tune_check.py summarize DIR/tune_check_*.json (one row per
 scheme; older JSONs too: per-tensor fast against torch, no bound or graph check recorded).
 """
@@ -82,14 +83,15 @@ def rows_of(sa_all, m: int, scales: str):
     return sa_all
 
 
-def load_vllm(path: str | None) -> tuple[ModuleType | None, str]:
+def load_vllm(path: str | None, sha256: str | None) -> tuple[ModuleType | None, str]:
     """(bench/gpu/vllm_cutlass.py with vLLM's _C loaded from ``path``, "") or (None, why
-    not). The module, beside this script, is imported only when a path is given."""
+    not). The library's bytes must hash to ``sha256`` (vllm_cutlass.load). The module,
+    beside this script, is imported only when a path is given."""
     if not path:
         return None, "no --vllm-so given"
     import vllm_cutlass
 
-    why = vllm_cutlass.load(path)
+    why = vllm_cutlass.load(path, sha256)
     return (None, why) if why else (vllm_cutlass, "")
 
 
@@ -439,7 +441,9 @@ def main() -> None:
     if sys.argv[1:2] == ["smoke"]:
         ap = argparse.ArgumentParser(prog="tune_check.py smoke")
         ap.add_argument("--vllm-so", required=True)
-        vllm, why = load_vllm(ap.parse_args(sys.argv[2:]).vllm_so)
+        ap.add_argument("--vllm-sha256", required=True)
+        sa = ap.parse_args(sys.argv[2:])
+        vllm, why = load_vllm(sa.vllm_so, sa.vllm_sha256)
         if vllm is None:
             print(f"vLLM smoke: not run ({why})")
             sys.exit(2)
@@ -452,18 +456,19 @@ def main() -> None:
     ap.add_argument("--name", default="tune_check", help="writes OUT/NAME.json")
     ap.add_argument("--vllm-so", default=None,
                     help="vLLM's _C_stable_libtorch.abi3.so: its CUTLASS GEMM as a competitor")
+    ap.add_argument("--vllm-sha256", default=None,
+                    help="the sha256 --vllm-so's bytes must have (else it is not loaded)")
     ap.add_argument("shapes", nargs="+")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     client = Client(args.socket, timeout=120, fallback=False)
-    vllm, why = load_vllm(args.vllm_so)
+    vllm, why = load_vllm(args.vllm_so, args.vllm_sha256)
     if vllm is None:
         print(f"vLLM's CUTLASS left out ({why}): tensor-fast and token-fast against torch's "
               f"competitor alone, block128 not checked")
     else:
         print(f"vLLM's CUTLASS from {args.vllm_so}: beside torch's competitor for "
               f"tensor-fast and token-fast, the competitor of block128")
-        smoke(vllm)
     out = {"device": props.name, "sm_count": props.multi_processor_count,
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
            "vllm": {"so": args.vllm_so, "loaded": vllm is not None, "why_not": why},

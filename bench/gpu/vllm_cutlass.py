@@ -1,7 +1,7 @@
 """vLLM's CUTLASS GEMM, ``torch.ops._C.cutlass_scaled_mm`` from vLLM 0.33.0's
 _C_stable_libtorch.abi3.so, called as vLLM's own Python calls it: the one place bench/gpu's
-scripts (tune_check.py, hopper_fp8_schemes.py) take it from. Imports torch only (a bundle
-carries this file beside its script; no vLLM Python there).
+scripts (tune_check.py, hopper_fp8_schemes.py) take it from. No vLLM Python is needed (a
+bundle carries this file beside its script).
 
 The op: ``cutlass_scaled_mm(Tensor! out, Tensor a, Tensor b, Tensor a_scales,
 Tensor b_scales, Tensor? bias) -> ()`` (its schema, in the .so). vLLM's callers
@@ -23,8 +23,9 @@ vLLM takes this op only where K % 16 == 0 and N % 16 == 0 (else its Triton fallb
 :func:`covers`. Its per-tensor and per-token kernels on sm_90 are CUTLASS's FP8FastAccum
 schedules (fast accumulation), its block kernel promotes per 128 of K (:data:`SCHEMES`).
 
-Usage: only through :func:`load`, :func:`covers`, :func:`scaled_mm` (bench/gpu/tune_check.py
-smoke checks the loaded op against a float reference before any timing).
+Usage: only through :func:`load` (which checks the library's digest first), :func:`covers`,
+:func:`scaled_mm` (bench/gpu/tune_check.py smoke checks the loaded op against a float
+reference before any timing). Imports torch, and cached_client's loader when it loads.
 """
 
 from __future__ import annotations
@@ -39,18 +40,38 @@ SCHEMES = {("tensor", "fast"): "vLLM cutlass_scaled_mm",
            ("block128", "exact"): "vLLM cutlass_scaled_mm blockwise"}
 
 
-def load(path: str | None) -> str:
-    """Load vLLM's _C from ``path`` (torch.ops.load_library): "" when
-    ``torch.ops._C.cutlass_scaled_mm`` is then there, else why not (no path given, no file,
-    the load's error, or a library without the op)."""
+def load(path: str | None, sha256: str | None) -> str:
+    """Load vLLM's _C from ``path``: "" when ``torch.ops._C.cutlass_scaled_mm`` is then
+    there, else why not (no path or digest given, no file, other bytes, the load's error, or
+    a library without the op).
+
+    What is checked before this native code runs: its bytes are copied into a sealed memfd
+    (``cached_client.loader.sealed_copy``: no write, grow or shrink once sealed), hashed
+    there against ``sha256`` (the digest the bundle's build recorded from .venv-vllm), and
+    that memfd is what ``torch.ops.load_library`` opens (``/proc/self/fd/N``), so a file
+    swapped or changed after the check is never what is loaded. No digest, no load. Refused
+    forgery: tests/test_tune_check.py
+    (``test_vllm_covers_its_schemes_only_and_load_refuses_other_bytes``)."""
     if not path:
         return "no --vllm-so given"
+    if not sha256:
+        return (f"{path}: no sha256 given for it (--vllm-sha256); native code is not "
+                f"loaded unchecked")
     if not os.path.exists(path):
         return f"{path}: no such file"
+    from cached_client.errors import IntegrityError
+    from cached_client.loader import sealed_copy
+
     try:
-        torch.ops.load_library(path)
+        fd = sealed_copy(path, sha256)
+    except IntegrityError as exc:
+        return str(exc)
+    try:
+        torch.ops.load_library(f"/proc/self/fd/{fd}")
     except Exception as exc:  # noqa: BLE001 -- reported; the run goes on without it
         return f"{path} did not load: {str(exc)[:300]}"
+    finally:
+        os.close(fd)  # the mapping dlopen made stays
     if not hasattr(torch.ops._C, "cutlass_scaled_mm"):
         return f"{path} loaded, but torch.ops._C has no cutlass_scaled_mm"
     return ""
